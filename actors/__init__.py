@@ -1,0 +1,1 @@
+"""The trio actors of one hloserve worker: model queues and the dispatcher."""

@@ -1,0 +1,44 @@
+"""The one place where exceptions become gRPC statuses.
+
+Handlers raise hloserve errors and let them go; `to_grpc_error` walks the exception's classes
+through `STATUS_BY_ERROR`. Anything unexpected becomes INTERNAL with the cause's type and text,
+logged once with its traceback; BaseException (cancellation) is never caught here.
+"""
+
+from __future__ import annotations
+
+import structlog
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+
+from hloserve import errors
+
+__all__ = ["STATUS_BY_ERROR", "to_grpc_error"]
+
+log = structlog.get_logger("hloserve.grpc")
+
+STATUS_BY_ERROR: dict[type[Exception], Status] = {
+    errors.ModelNotFound: Status.NOT_FOUND,
+    errors.ModelNotReady: Status.UNAVAILABLE,
+    errors.InvalidInput: Status.INVALID_ARGUMENT,
+    errors.ShmRegionError: Status.INVALID_ARGUMENT,
+    errors.QueueFull: Status.UNAVAILABLE,
+    errors.Overloaded: Status.UNAVAILABLE,
+    errors.ShuttingDown: Status.UNAVAILABLE,
+    errors.DeadlineExceeded: Status.DEADLINE_EXCEEDED,
+    errors.NotResident: Status.FAILED_PRECONDITION,
+    errors.ExecutionFailed: Status.INTERNAL,
+    errors.Unimplemented: Status.UNIMPLEMENTED,
+}
+
+
+def to_grpc_error(error: Exception, rpc: str) -> GRPCError:
+    """The GRPCError a client should see for `error` raised while serving `rpc`."""
+    if isinstance(error, GRPCError):
+        return error
+    for cls in type(error).__mro__:
+        status = STATUS_BY_ERROR.get(cls)  # type: ignore[call-overload]
+        if status is not None:
+            return GRPCError(status, str(error))
+    log.error("unexpected error", rpc=rpc, exc_info=error)
+    return GRPCError(Status.INTERNAL, f"{rpc} failed: {type(error).__name__}: {error}")

@@ -1,0 +1,174 @@
+"""The one module that calls JAX: compile, place, run, read back, free, measure.
+
+`jax.extend` and the jaxlib classes used here are semi-public, so every use of them is kept in
+this file, behind plain functions, and covered by its own test. Importing this module turns on
+x64 (so int64 tensors are not narrowed to int32) before any array is made.
+
+Calls that block (compile, wait for a result) release the GIL; callers run them in a worker
+thread so the trio loop never stops.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # XLA's C++ logs duplicate our own errors
+
+import jax  # noqa: E402
+import jax.extend.backend  # noqa: E402
+import jax.extend.mlir  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax._src.interpreters import mlir as _jax_mlir  # noqa: E402
+from jaxlib import xla_client  # noqa: E402
+from jaxlib.mlir import ir  # noqa: E402
+
+from hloserve.dtypes import DType, by_mlir  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+
+__all__ = [
+    "DeviceArray",
+    "Executable",
+    "TensorType",
+    "Signature",
+    "compile_module",
+    "compiled_memory",
+    "device",
+    "free",
+    "main_signature",
+    "memory_stats",
+    "put",
+    "run",
+    "to_numpy",
+    "warm_up",
+]
+
+DeviceArray = jax.Array
+Executable = Any  # jaxlib LoadedExecutable; not a public type
+_DONATION_ATTRS = ("tf.aliasing_output", "jax.buffer_donor")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorType:
+    """One argument or result of a module's `main`, in row-major (XLA) order."""
+
+    shape: tuple[int, ...]
+    dtype: DType
+
+    def __str__(self) -> str:
+        return f"{self.dtype.token}[{','.join(map(str, self.shape))}]"
+
+
+@dataclass(frozen=True, slots=True)
+class Signature:
+    """The entry function of a module: argument and result types, and donated arguments."""
+
+    inputs: tuple[TensorType, ...]
+    outputs: tuple[TensorType, ...]
+    donated: tuple[int, ...]
+    """Indices of arguments carrying a donation attribute (hloserve rejects these)."""
+
+
+@functools.cache
+def device() -> Any:
+    """The device hloserve executes on: the first GPU if there is one, else the CPU."""
+    return jax.devices()[0]
+
+
+def warm_up() -> None:
+    """Initialise what raw modules rely on but never set up themselves.
+
+    On CPU, modules with LAPACK custom calls segfault at execute unless jax has registered its
+    LAPACK kernels, which lowering one linalg op does.
+    """
+    if device().platform == "cpu":
+        jax.jit(jnp.linalg.inv).lower(jax.ShapeDtypeStruct((2, 2), np.float32))
+
+
+def _tensor_type(t: ir.Type) -> TensorType:
+    ranked = ir.RankedTensorType(t)
+    return TensorType(tuple(ranked.shape), by_mlir(str(ranked.element_type)))
+
+
+def main_signature(source: str | bytes) -> Signature:
+    """Parse the `main` function of StableHLO text or a portable artifact (bytecode).
+
+    Raises ValueError when the module does not parse or has no `main`, KeyError for an element
+    type hloserve has no dtype for.
+    """
+    with _jax_mlir.make_ir_context():
+        try:
+            if isinstance(source, bytes):
+                module = jax.extend.mlir.deserialize_portable_artifact(source)
+            else:
+                module = ir.Module.parse(source)
+        except Exception as e:  # MLIR raises its own error types; flatten them
+            raise ValueError(f"not a StableHLO module: {str(e).strip().splitlines()[0]}") from None
+        for op in module.body.operations:
+            op = op.operation
+            if op.name == "func.func" and ir.StringAttr(op.attributes["sym_name"]).value == "main":
+                ftype = ir.FunctionType(ir.TypeAttr(op.attributes["function_type"]).value)
+                donated: list[int] = []
+                if "arg_attrs" in op.attributes:
+                    for i, attrs in enumerate(ir.ArrayAttr(op.attributes["arg_attrs"])):
+                        d = ir.DictAttr(attrs)
+                        if any(name in d for name in _DONATION_ATTRS):
+                            donated.append(i)
+                return Signature(
+                    tuple(_tensor_type(t) for t in ftype.inputs),
+                    tuple(_tensor_type(t) for t in ftype.results),
+                    tuple(donated),
+                )
+        raise ValueError("module has no function named 'main'")
+
+
+def compile_module(source: str | bytes) -> Executable:
+    """Compile StableHLO text or a portable artifact for `device()`. Blocks; GIL released."""
+    dev = device()
+    options = jax.extend.backend.get_compile_options(num_replicas=1, num_partitions=1)
+    return jax.extend.backend.get_backend(dev.platform).compile_and_load(
+        source, xla_client.DeviceList((dev,)), options
+    )
+
+
+def compiled_memory(executable: Executable) -> dict[str, int]:
+    """Scratch and argument bytes XLA planned for an executable."""
+    stats = executable.get_compiled_memory_stats()
+    return {
+        "temp_bytes": int(stats.temp_size_in_bytes),
+        "argument_bytes": int(stats.argument_size_in_bytes),
+        "output_bytes": int(stats.output_size_in_bytes),
+    }
+
+
+def put(array: np.ndarray) -> DeviceArray:
+    """Copy a host array to the device (on CPU, 64-byte aligned arrays are aliased, not copied)."""
+    return jax.device_put(array, device())
+
+
+def run(executable: Executable, args: Sequence[DeviceArray]) -> list[DeviceArray]:
+    """Launch one execution; returns at once, results are ready when read."""
+    results = executable.execute_sharded(list(args))
+    return [per_device[0] for per_device in results.disassemble_into_single_device_arrays()]
+
+
+def to_numpy(arrays: Sequence[DeviceArray]) -> list[np.ndarray]:
+    """Wait for results and read them to host memory. Blocks; GIL released while waiting."""
+    return [np.asarray(a) for a in arrays]
+
+
+def free(arrays: Sequence[DeviceArray]) -> None:
+    """Release device buffers now instead of at garbage collection."""
+    for a in arrays:
+        a.delete()
+
+
+def memory_stats() -> dict[str, int] | None:
+    """The device allocator's statistics, or None where the backend keeps none (CPU)."""
+    stats = device().memory_stats()
+    return None if stats is None else {k: int(v) for k, v in stats.items()}

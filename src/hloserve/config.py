@@ -1,0 +1,226 @@
+"""Worker configuration: one YAML file, environment overrides, command-line flags, in that order.
+
+Every field lives in a section (`server`, `scheduler`, `logging`) and can be overridden by the
+variable `HLOSERVE_<SECTION>_<FIELD>` (`HLOSERVE_SERVER_GRPC_PORT=9001`). Per-model settings
+(`scheduler.models.<name>`) exist only in the file. A bad value is a `ConfigError` naming the
+field and what it accepts, raised before anything starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from hloserve.errors import ConfigError
+
+__all__ = ["Config", "LoggingConfig", "ModelPolicy", "SchedulerConfig", "ServerConfig", "load_config"]
+
+ENV_PREFIX = "HLOSERVE_"
+EXAMPLE_REPOSITORY = Path(__file__).resolve().parents[2] / "examples" / "repository"
+Discipline = Literal["fair", "fifo", "edf"]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Where the worker listens and what it serves."""
+
+    model_repository: Path = EXAMPLE_REPOSITORY
+    host: str = "127.0.0.1"
+    """Listen address; `0.0.0.0` (or `::`) listens on every interface."""
+    grpc_port: int = 8001
+    """KServe V2 gRPC port; 0 picks a free one (the worker reports which)."""
+    metrics_port: int = 8002
+    """Prometheus port; 0 picks a free one, -1 turns the endpoint off."""
+    max_message_bytes: int = 1 << 30
+    """Largest gRPC message accepted or sent (Triton clients allow up to 2 GiB)."""
+    max_inflight_requests: int = 4096
+    """Global cap on ModelInfer calls in flight; past it, UNAVAILABLE."""
+    shutdown_grace_s: float = 10.0
+    """On SIGTERM, how long in-flight requests get to finish before they are failed."""
+
+    def validate(self) -> None:
+        _check(0 <= self.grpc_port <= 65535, "server.grpc_port", "must be a port number 0..65535")
+        _check(-1 <= self.metrics_port <= 65535, "server.metrics_port", "must be -1 (off) or 0..65535")
+        _check(self.max_message_bytes >= 1 << 20, "server.max_message_bytes", "must be >= 1048576")
+        _check(self.max_inflight_requests >= 1, "server.max_inflight_requests", "must be >= 1")
+        _check(self.shutdown_grace_s >= 0, "server.shutdown_grace_s", "must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelPolicy:
+    """Scheduling settings of one model (`scheduler.models.<name>`)."""
+
+    weight: float = 1.0
+    latency_budget_ms: float | None = None
+    max_queue_delay_us: int = 0
+    max_queue_depth: int | None = None
+    discipline: Discipline | None = None
+    max_batch_size: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """The dispatch loop's policy."""
+
+    discipline: Discipline = "fair"
+    max_queue_depth: int = 1024
+    """Per-model queue limit; past it, UNAVAILABLE."""
+    ema_halflife_s: float = 30.0
+    recency_penalty_cap: float = 0.25
+    coalescing_discount: float = 0.10
+    cost_ema_alpha: float = 0.2
+    models: Mapping[str, ModelPolicy] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        _check(self.max_queue_depth >= 1, "scheduler.max_queue_depth", "must be >= 1")
+        _check(self.ema_halflife_s > 0, "scheduler.ema_halflife_s", "must be > 0")
+        _check(0 < self.recency_penalty_cap <= 1, "scheduler.recency_penalty_cap", "must be in (0, 1]")
+        _check(0 <= self.coalescing_discount < 1, "scheduler.coalescing_discount", "must be in [0, 1)")
+        _check(0 < self.cost_ema_alpha <= 1, "scheduler.cost_ema_alpha", "must be in (0, 1]")
+        for name, policy in self.models.items():
+            where = f"scheduler.models.{name}"
+            _check(policy.weight > 0, f"{where}.weight", "must be > 0")
+            _check(policy.max_queue_delay_us >= 0, f"{where}.max_queue_delay_us", "must be >= 0")
+            _check(
+                policy.latency_budget_ms is None or policy.latency_budget_ms > 0,
+                f"{where}.latency_budget_ms",
+                "must be > 0",
+            )
+            for key in ("max_queue_depth", "max_batch_size"):
+                value = getattr(policy, key)
+                _check(value is None or value >= 1, f"{where}.{key}", "must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class LoggingConfig:
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["auto", "console", "json"] = "auto"
+    """`auto`: console when stderr is a terminal, JSON lines otherwise."""
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self) -> Config:
+        self.server.validate()
+        self.scheduler.validate()
+        return self
+
+    def replace(self, section: str, **changes: Any) -> Config:
+        """A copy with fields of one section changed (used by flags and tests)."""
+        updated = dataclasses.replace(getattr(self, section), **changes)
+        return dataclasses.replace(self, **{section: updated}).validate()
+
+
+def _check(ok: bool, field_name: str, constraint: str) -> None:
+    if not ok:
+        raise ConfigError(field_name, constraint)
+
+
+def _convert(value: Any, hint: Any, where: str) -> Any:
+    """Convert a YAML or environment value to a field's declared type, or say why not."""
+    origin = typing.get_origin(hint)
+    if origin is typing.Union or origin is types.UnionType:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("", "none", "null")):
+            return None
+        return _convert(value, args[0], where)
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            raise ConfigError(where, f"got {value!r}; expected one of {', '.join(map(str, allowed))}")
+        return value
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        raise ConfigError(where, f"got {value!r}; expected true or false")
+    if hint in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(where, f"got {value!r}; expected a number")
+        try:
+            number = hint(value)
+        except (TypeError, ValueError):
+            raise ConfigError(where, f"got {value!r}; expected {'an integer' if hint is int else 'a number'}")
+        if hint is int and isinstance(value, float) and value != number:
+            raise ConfigError(where, f"got {value!r}; expected an integer")
+        return number
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(where, f"got {value!r}; expected a string")
+        return value
+    if hint is Path:
+        if not isinstance(value, str | Path):
+            raise ConfigError(where, f"got {value!r}; expected a path")
+        return Path(value)
+    raise TypeError(f"no conversion for {hint!r}")  # a field type this module does not know
+
+
+def _section(cls: type, data: Any, where: str) -> Any:
+    if data is None:
+        return cls()
+    if not isinstance(data, Mapping):
+        raise ConfigError(where, f"got {type(data).__name__}; expected a mapping")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - known
+    if unknown:
+        raise ConfigError(
+            f"{where}.{sorted(unknown)[0]}", f"unknown field; expected one of {', '.join(sorted(known))}"
+        )
+    values: dict[str, Any] = {}
+    for name, value in data.items():
+        if cls is SchedulerConfig and name == "models":
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{where}.models", "expected a mapping of model name to settings")
+            values[name] = {
+                str(m): _section(ModelPolicy, v, f"{where}.models.{m}") for m, v in value.items()
+            }
+        else:
+            values[name] = _convert(value, hints[name], f"{where}.{name}")
+    return cls(**values)
+
+
+def load_config(path: Path | None = None, environ: Mapping[str, str] | None = None) -> Config:
+    """Read the YAML file (if any), apply `HLOSERVE_<SECTION>_<FIELD>` overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(str(path), f"cannot read: {e}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(str(path), "expected a mapping of sections (server, scheduler, logging)")
+        data = dict(loaded or {})
+    sections = {f.name: f.type for f in dataclasses.fields(Config)}
+    unknown = set(data) - set(sections)
+    if unknown:
+        raise ConfigError(sorted(unknown)[0], f"unknown section; expected one of {', '.join(sections)}")
+    environ = os.environ if environ is None else environ
+    for key, value in environ.items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        rest = key[len(ENV_PREFIX) :].lower()
+        section = next((s for s in sections if rest.startswith(s + "_")), None)
+        if section is None:
+            raise ConfigError(key, f"unknown section; expected {ENV_PREFIX}<{'|'.join(sections).upper()}>_<FIELD>")
+        field_name = rest[len(section) + 1 :]
+        cls = typing.get_type_hints(Config)[section]
+        if field_name not in {f.name for f in dataclasses.fields(cls)} or field_name == "models":
+            raise ConfigError(key, f"{section} has no field {field_name!r}")
+        data.setdefault(section, {})
+        data[section] = {**(data[section] or {}), field_name: value}
+    hints = typing.get_type_hints(Config)
+    return Config(**{name: _section(hints[name], data.get(name), name) for name in sections}).validate()

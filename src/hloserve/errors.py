@@ -1,0 +1,152 @@
+"""Every error hloserve raises on purpose, each building its own sentence.
+
+Raise sites stay one line; the front end maps each class to a gRPC status in one table
+(`hloserve._status`). Messages name the model, the tensor and what was expected, because the
+person reading them is a client author with only the message to go on.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BundleError",
+    "ConfigError",
+    "DeadlineExceeded",
+    "ExecutionFailed",
+    "HloserveError",
+    "InvalidInput",
+    "ModelNotFound",
+    "ModelNotReady",
+    "NotResident",
+    "Overloaded",
+    "QueueFull",
+    "ShmRegionError",
+    "ShuttingDown",
+    "Unimplemented",
+]
+
+
+class HloserveError(Exception):
+    """Base of every error hloserve raises deliberately."""
+
+
+class BundleError(HloserveError):
+    """A bundle on disk is malformed; raised while loading, never on the request path.
+
+    The message starts with ``bundle 'name', file 'manifest.yaml', field 'x':`` so an operator
+    can open the file and go straight to the field.
+    """
+
+    def __init__(self, bundle: str, file: str, field: str | None, problem: str) -> None:
+        self.bundle, self.file, self.field, self.problem = bundle, file, field, problem
+        where = f"bundle {bundle!r}, file {file!r}"
+        if field:
+            where += f", field {field!r}"
+        super().__init__(f"{where}: {problem}")
+
+
+class ConfigError(HloserveError):
+    """A configuration value is invalid; names the field (or variable) and what it accepts."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        self.field, self.problem = field, problem
+        super().__init__(f"config {field}: {problem}")
+
+
+class ModelNotFound(HloserveError):
+    """The request names a model the server does not serve (or no longer does)."""
+
+    def __init__(self, model: str, detail: str = "") -> None:
+        self.model = model
+        super().__init__(f"unknown model {model!r}" + (f": {detail}" if detail else ""))
+
+
+class ModelNotReady(HloserveError):
+    """The model is known but failed to load; the reason says why."""
+
+    def __init__(self, model: str, reason: str) -> None:
+        self.model, self.reason = model, reason
+        super().__init__(f"model {model!r} is not ready: {reason}")
+
+
+class InvalidInput(HloserveError):
+    """The request itself is wrong: a tensor's name, dtype, shape or size, or a batch size.
+
+    Differs from `ModelNotFound` (wrong model) and `ShmRegionError` (wrong region reference).
+    """
+
+    def __init__(self, model: str, problem: str, tensor: str | None = None) -> None:
+        self.model, self.tensor, self.problem = model, tensor, problem
+        where = f"model {model!r}" + (f", tensor {tensor!r}" if tensor else "")
+        super().__init__(f"{where}: {problem}")
+
+
+class QueueFull(HloserveError):
+    """The model's queue holds `max_queue_depth` requests; retry later (UNAVAILABLE)."""
+
+    def __init__(self, model: str, depth: int) -> None:
+        self.model, self.depth = model, depth
+        super().__init__(
+            f"model {model!r}: queue is full ({depth} requests, scheduler max_queue_depth); retry later"
+        )
+
+
+class Overloaded(HloserveError):
+    """The server holds its global cap of in-flight requests; retry later (UNAVAILABLE)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        super().__init__(
+            f"server is overloaded: {limit} requests in flight (server max_inflight_requests); retry later"
+        )
+
+
+class ShuttingDown(HloserveError):
+    """The server is stopping and takes no new work."""
+
+    def __init__(self) -> None:
+        super().__init__("server is shutting down")
+
+
+class DeadlineExceeded(HloserveError):
+    """The request's deadline passed before it could run; it was never executed."""
+
+    def __init__(self, model: str, late_by_s: float) -> None:
+        self.model, self.late_by_s = model, late_by_s
+        super().__init__(
+            f"model {model!r}: deadline passed {late_by_s * 1e3:.3f} ms before execution; request dropped"
+        )
+
+
+class NotResident(HloserveError):
+    """Externally managed residency: the model's weights are not on the device."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        super().__init__(
+            f"model {model!r} is not resident and residency is externally managed; "
+            "load it with SetModelResidency first"
+        )
+
+
+class ShmRegionError(HloserveError):
+    """A shared-memory region reference is unknown, out of bounds or the wrong size."""
+
+    def __init__(self, region: str, problem: str) -> None:
+        self.region, self.problem = region, problem
+        super().__init__(f"shared memory region {region!r}: {problem}")
+
+
+class ExecutionFailed(HloserveError):
+    """XLA or a model.py hook raised; the message carries the cause, the server keeps serving."""
+
+    def __init__(self, model: str, cause: str) -> None:
+        self.model, self.cause = model, cause
+        super().__init__(f"model {model!r}: execution failed: {cause}")
+
+
+class Unimplemented(HloserveError):
+    """An RPC hloserve does not provide (yet); says which."""
+
+    def __init__(self, rpc: str, detail: str = "") -> None:
+        self.rpc = rpc
+        super().__init__(f"{rpc} is not implemented by hloserve" + (f": {detail}" if detail else ""))

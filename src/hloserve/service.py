@@ -1,0 +1,312 @@
+"""The KServe V2 / Triton gRPC service: decode, hand to the actors, await, encode.
+
+ModelInfer bypasses the generated dataclass path: its handler is swapped in `__mapping__` for
+one that parses with the google.protobuf classes compiled under `hloserve_hot` (same fields,
+another package, so tritonclient's descriptors can share the process) and reaches the model's
+queue actor with a non-blocking send plus an asyncio future (no trio task per request). Every
+other RPC uses the betterproto2 messages. Errors become statuses in `hloserve._status` only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from grpclib.const import Cardinality, Handler, Status
+from grpclib.exceptions import GRPCError
+
+import hloserve
+from hloserve import _xla
+from hloserve._proto import inference as kserve
+from hloserve._proto.hot import hot_infer_pb2 as hot
+from hloserve._status import to_grpc_error
+from hloserve.actors.messages import Infer
+from hloserve.codec import decode_request, encode_response, request_deadline
+from hloserve.config import Config
+from hloserve.errors import ModelNotFound, ModelNotReady, Overloaded, Unimplemented
+from hloserve.manifest import TensorSpec
+from hloserve.metrics import Metrics
+from hloserve.statistics import Duration, ExecutionTimes, Statistics
+
+if TYPE_CHECKING:
+    from hloserve.worker import ModelEntry
+
+__all__ = ["EXTENSIONS", "InferenceService"]
+
+EXTENSIONS = ("model_configuration", "statistics")
+"""Triton protocol extensions hloserve implements, reported by ServerMetadata."""
+
+_SERVICE = "/inference.GRPCInferenceService/"
+_BUILT = {
+    "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer",
+    "ModelConfig", "ModelStatistics", "RepositoryIndex",
+}  # fmt: skip
+_VERSIONS = ("", "1")  # every model has exactly one version, "1"
+
+R = TypeVar("R")
+
+
+def _rpc(name: str) -> Callable[[Callable[..., Awaitable[R]]], Callable[..., Awaitable[R]]]:
+    """Turn whatever a generated-message handler raises into its gRPC status."""
+
+    def wrap(handler: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
+        @functools.wraps(handler)
+        async def wrapped(*args: Any) -> R:
+            try:
+                return await handler(*args)
+            except Exception as e:
+                raise to_grpc_error(e, name) from None
+
+        return wrapped
+
+    return wrap
+
+
+def _duration(d: Duration) -> kserve.StatisticDuration:
+    return kserve.StatisticDuration(count=d.count, ns=d.ns)
+
+
+def _data_type(spec: TensorSpec) -> kserve.DataType:
+    return kserve.DataType[f"TYPE_{spec.dtype.wire}"]
+
+
+class InferenceService(kserve.GrpcInferenceServiceBase):
+    """`inference.GRPCInferenceService` over the worker's model table."""
+
+    def __init__(
+        self, config: Config, models: Mapping[str, ModelEntry], statistics: Statistics, metrics: Metrics
+    ) -> None:
+        self._config = config
+        self._models = models
+        self._statistics = statistics
+        self._metrics = metrics
+        self._inflight = 0
+
+    # -- routing -------------------------------------------------------------------------------
+
+    def __mapping__(self) -> dict[str, Handler]:
+        mapping = dict(super().__mapping__())
+        for path in mapping:
+            rpc = path.removeprefix(_SERVICE)
+            if rpc not in _BUILT:
+                handler = mapping[path]
+                mapping[path] = Handler(
+                    functools.partial(self._unimplemented, rpc),
+                    handler.cardinality,
+                    handler.request_type,
+                    handler.reply_type,
+                )
+        mapping[_SERVICE + "ModelInfer"] = Handler(
+            self._model_infer, Cardinality.UNARY_UNARY, hot.ModelInferRequest, hot.ModelInferResponse
+        )
+        return mapping
+
+    async def _unimplemented(self, rpc: str, stream: Any) -> None:
+        raise GRPCError(Status.UNIMPLEMENTED, str(Unimplemented(rpc, "not built in this version of hloserve")))
+
+    def _entry(self, name: str, version: str = "") -> ModelEntry:
+        entry = self._models.get(name)
+        if entry is None:
+            raise ModelNotFound(name, f"serving {sorted(self._models)}")
+        if version not in _VERSIONS:
+            raise ModelNotFound(name, f"version {version!r} does not exist; the only version is '1'")
+        return entry
+
+    def _ready_entry(self, name: str, version: str = "") -> ModelEntry:
+        entry = self._entry(name, version)
+        if not entry.ready:
+            raise ModelNotReady(name, entry.error or "not loaded")
+        return entry
+
+    # -- ModelInfer (hot path) -----------------------------------------------------------------
+
+    async def _model_infer(self, stream: Any) -> None:
+        request = await stream.recv_message()
+        started = time.perf_counter()
+        name = request.model_name
+        label = name if name in self._models else "<unknown>"
+        try:
+            response = await self._infer(request, stream.deadline)
+        except Exception as e:
+            error = to_grpc_error(e, "ModelInfer")
+            self._count(label, error.status.name, started, failed=True)
+            raise error from None
+        self._count(label, "OK", started, failed=False)
+        await stream.send_message(response)
+
+    def _count(self, model: str, status: str, started: float, failed: bool) -> None:
+        elapsed = time.perf_counter() - started
+        self._metrics.requests.labels(model, status).inc()
+        self._metrics.request_seconds.labels(model).observe(elapsed)
+        if model in self._models:
+            stats = self._statistics[model]
+            (stats.fail if failed else stats.success).add(elapsed)
+
+    async def _infer(self, request: Any, grpc_deadline: Any) -> Any:
+        entry = self._ready_entry(request.model_name, request.model_version)
+        assert entry.bundle is not None and entry.compiled is not None and entry.queue is not None
+        manifest = entry.bundle.manifest
+        max_rows = entry.compiled.batch_sizes[-1] if manifest.batched else None
+        decoded = decode_request(request, entry.name, manifest.inputs, manifest.outputs, max_rows)
+        if self._inflight >= self._config.server.max_inflight_requests:
+            raise Overloaded(self._config.server.max_inflight_requests)
+        now = time.monotonic()
+        remaining = None if grpc_deadline is None else grpc_deadline.time_remaining()
+        reply: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        entry.queue.submit_nowait(
+            Infer(
+                entry.name,
+                decoded.inputs,
+                decoded.rows,
+                decoded.outputs,
+                reply,
+                now,
+                request_deadline(request.parameters, remaining, now),
+            )
+        )
+        self._inflight += 1
+        try:
+            outputs = await reply
+        finally:
+            self._inflight -= 1
+        return encode_response(request, entry.name, manifest.outputs, decoded.outputs, outputs)
+
+    # -- health and metadata -------------------------------------------------------------------
+
+    @_rpc("ServerLive")
+    async def server_live(self, message: kserve.ServerLiveRequest) -> kserve.ServerLiveResponse:
+        return kserve.ServerLiveResponse(live=True)
+
+    @_rpc("ServerReady")
+    async def server_ready(self, message: kserve.ServerReadyRequest) -> kserve.ServerReadyResponse:
+        ready = bool(self._models) and all(e.ready for e in self._models.values())
+        return kserve.ServerReadyResponse(ready=ready)
+
+    @_rpc("ModelReady")
+    async def model_ready(self, message: kserve.ModelReadyRequest) -> kserve.ModelReadyResponse:
+        entry = self._models.get(message.name)
+        return kserve.ModelReadyResponse(
+            ready=entry is not None and entry.ready and message.version in _VERSIONS
+        )
+
+    @_rpc("ServerMetadata")
+    async def server_metadata(self, message: kserve.ServerMetadataRequest) -> kserve.ServerMetadataResponse:
+        return kserve.ServerMetadataResponse(
+            name="hloserve", version=hloserve.__version__, extensions=list(EXTENSIONS)
+        )
+
+    @_rpc("ModelMetadata")
+    async def model_metadata(self, message: kserve.ModelMetadataRequest) -> kserve.ModelMetadataResponse:
+        entry = self._ready_entry(message.name, message.version)
+        assert entry.bundle is not None
+        manifest = entry.bundle.manifest
+
+        def tensors(specs: tuple[TensorSpec, ...]) -> list[kserve.ModelMetadataResponseTensorMetadata]:
+            return [
+                kserve.ModelMetadataResponseTensorMetadata(
+                    name=s.name, datatype=s.dtype.wire or "", shape=s.metadata_shape
+                )
+                for s in specs
+            ]
+
+        return kserve.ModelMetadataResponse(
+            name=entry.name,
+            versions=["1"],
+            platform=_platform(),
+            inputs=tensors(manifest.inputs),
+            outputs=tensors(manifest.outputs),
+        )
+
+    @_rpc("ModelConfig")
+    async def model_config(self, message: kserve.ModelConfigRequest) -> kserve.ModelConfigResponse:
+        entry = self._ready_entry(message.name, message.version)
+        assert entry.bundle is not None and entry.compiled is not None
+        manifest = entry.bundle.manifest
+        specs = (*manifest.inputs, *manifest.outputs)
+        # Triton's max_batch_size > 0 means "dims exclude a leading batch axis"; a model whose
+        # batch axis is elsewhere is described unbatched, with -1 where the batch goes.
+        leading = manifest.batched and all(s.batch_axis in (0, None) for s in specs)
+        sizes = [b for b in entry.compiled.batch_sizes if b > 0]
+        max_batch = sizes[-1] if leading and sizes else 0
+
+        def dims(spec: TensorSpec) -> list[int]:
+            shape = spec.metadata_shape
+            return shape[1:] if max_batch and spec.batch_axis == 0 else shape
+
+        policy = self._config.scheduler.models.get(entry.name)
+        return kserve.ModelConfigResponse(
+            config=kserve.ModelConfig(
+                name=entry.name,
+                platform=_platform(),
+                backend="jax",
+                max_batch_size=max_batch,
+                input=[kserve.ModelInput(name=s.name, data_type=_data_type(s), dims=dims(s)) for s in manifest.inputs],
+                output=[
+                    kserve.ModelOutput(name=s.name, data_type=_data_type(s), dims=dims(s)) for s in manifest.outputs
+                ],
+                dynamic_batching=kserve.ModelDynamicBatching(
+                    preferred_batch_size=sizes,
+                    max_queue_delay_microseconds=policy.max_queue_delay_us if policy else 0,
+                )
+                if max_batch
+                else None,
+            )
+        )
+
+    @_rpc("ModelStatistics")
+    async def model_statistics(self, message: kserve.ModelStatisticsRequest) -> kserve.ModelStatisticsResponse:
+        names = [self._entry(message.name, message.version).name] if message.name else sorted(self._models)
+        stats = []
+        for name in names:
+            s = self._statistics[name]
+
+            def times(t: ExecutionTimes) -> dict[str, kserve.StatisticDuration]:
+                return {
+                    "compute_input": _duration(t.compute_input),
+                    "compute_infer": _duration(t.compute_infer),
+                    "compute_output": _duration(t.compute_output),
+                }
+
+            stats.append(
+                kserve.ModelStatistics(
+                    name=name,
+                    version="1",
+                    last_inference=s.last_inference_ms,
+                    inference_count=s.inference_count,
+                    execution_count=s.execution_count,
+                    inference_stats=kserve.InferStatistics(
+                        success=_duration(s.success),
+                        fail=_duration(s.fail),
+                        queue=_duration(s.queue),
+                        **times(s.compute),
+                    ),
+                    batch_stats=[
+                        kserve.InferBatchStatistics(batch_size=size, **times(t))
+                        for size, t in sorted(s.by_batch_size.items())
+                    ],
+                )
+            )
+        return kserve.ModelStatisticsResponse(model_stats=stats)
+
+    @_rpc("RepositoryIndex")
+    async def repository_index(self, message: kserve.RepositoryIndexRequest) -> kserve.RepositoryIndexResponse:
+        return kserve.RepositoryIndexResponse(
+            models=[
+                kserve.RepositoryIndexResponseModelIndex(
+                    name=e.name,
+                    version="1",
+                    state="READY" if e.ready else "UNAVAILABLE",
+                    reason="" if e.ready else (e.error or ""),
+                )
+                for e in sorted(self._models.values(), key=lambda e: e.name)
+                if e.ready or not message.ready
+            ]
+        )
+
+
+def _platform() -> str:
+    return f"stablehlo_{_xla.device().platform}"
+

@@ -1,0 +1,83 @@
+"""Per-model counters in Triton's shape, read by ModelStatistics and the Prometheus collector.
+
+Written only from the worker's event-loop thread (the front end and the dispatcher share it),
+so the counters need no lock; readers in other threads take `snapshot()` copies.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+__all__ = ["Duration", "ExecutionTimes", "ModelStatistics", "Statistics"]
+
+
+@dataclass(slots=True)
+class Duration:
+    """A count and the total nanoseconds spent, as Triton's StatisticDuration."""
+
+    count: int = 0
+    ns: int = 0
+
+    def add(self, seconds: float, count: int = 1) -> None:
+        self.count += count
+        self.ns += int(seconds * 1e9)
+
+
+@dataclass(slots=True)
+class ExecutionTimes:
+    """Time spent in one execution's three phases (Triton's compute_input/infer/output)."""
+
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+
+
+@dataclass(slots=True)
+class ModelStatistics:
+    """Everything counted for one model since the worker started."""
+
+    last_inference_ms: int = 0
+    """Wall-clock time of the last execution, milliseconds since the epoch."""
+    inference_count: int = 0
+    """Rows executed (Triton counts batch elements, not requests)."""
+    execution_count: int = 0
+    queue_depth: int = 0
+    """Requests waiting now (kept by the model's queue actor)."""
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    queue: Duration = field(default_factory=Duration)
+    compute: ExecutionTimes = field(default_factory=ExecutionTimes)
+    by_batch_size: defaultdict[int, ExecutionTimes] = field(default_factory=lambda: defaultdict(ExecutionTimes))
+    failures_by_status: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def record_execution(self, batch_size: int, rows: int, input_s: float, infer_s: float, output_s: float) -> None:
+        self.last_inference_ms = int(time.time() * 1e3)
+        self.inference_count += rows
+        self.execution_count += 1
+        for times in (self.compute, self.by_batch_size[batch_size]):
+            times.compute_input.add(input_s)
+            times.compute_infer.add(infer_s)
+            times.compute_output.add(output_s)
+
+
+class Statistics:
+    """The worker's per-model statistics, created on first use of a model name."""
+
+    def __init__(self) -> None:
+        self._models: dict[str, ModelStatistics] = {}
+
+    def __getitem__(self, model: str) -> ModelStatistics:
+        stats = self._models.get(model)
+        if stats is None:
+            stats = self._models[model] = ModelStatistics()
+        return stats
+
+    def snapshot(self) -> dict[str, ModelStatistics]:
+        """A deep copy, safe to read from another thread."""
+        return copy.deepcopy(self._models)
+
+    def forget(self, model: str) -> None:
+        self._models.pop(model, None)

@@ -1,0 +1,164 @@
+"""One hloserve worker: load the repository, start the actors, serve gRPC and metrics.
+
+`serve(config)` is the whole worker as an async context manager, so it runs the same way as the
+`hloserve serve` binary, inside another trio program, or in a test:
+
+    async with hloserve.serve(config) as worker:
+        print(worker.grpc_port)      # bound port (config port 0 picks a free one)
+        await trio.sleep_forever()
+
+Leaving the block drains in-flight calls (up to `server.shutdown_grace_s`) and stops everything;
+cancelling the surrounding scope stops at once, failing queued calls with UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+import trio
+import trio_asyncio
+from grpclib.config import Configuration
+
+from hloserve import _grpclib_patches, _xla
+from hloserve.actors.dispatcher import Dispatcher
+from hloserve.actors.model_queue import ModelQueue, ModelQueueHandle
+from hloserve.bundle import Bundle, discover, read_weights
+from hloserve.compiled import CompiledModel, compile_bundle
+from hloserve.config import Config
+from hloserve.errors import BundleError, ConfigError
+from hloserve.metrics import Metrics
+from hloserve.service import InferenceService
+from hloserve.statistics import Statistics
+
+__all__ = ["ModelEntry", "Worker", "serve"]
+
+log = structlog.get_logger("hloserve.worker")
+
+_WINDOW_BYTES = 16 << 20  # HTTP/2 flow-control windows: a 4.8 MB tensor in one window
+
+
+@dataclass(slots=True)
+class ModelEntry:
+    """One bundle of the repository: compiled and queued when ready, else why not."""
+
+    name: str
+    bundle: Bundle | None = None
+    compiled: CompiledModel | None = None
+    queue: ModelQueueHandle | None = None
+    error: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.queue is not None
+
+
+@dataclass(slots=True)
+class Worker:
+    """What a running worker tells its embedder."""
+
+    config: Config
+    grpc_port: int
+    metrics_port: int | None
+    models: dict[str, ModelEntry] = field(default_factory=dict)
+    statistics: Statistics = field(default_factory=Statistics)
+
+
+def _load(bundle: Bundle) -> tuple[CompiledModel, list[_xla.DeviceArray]]:
+    compiled = compile_bundle(bundle)
+    weights = [_xla.put(w) for w in read_weights(bundle)]
+    return compiled, weights
+
+
+async def _load_repository(repository: Path) -> tuple[dict[str, ModelEntry], dict[str, list[_xla.DeviceArray]]]:
+    if not repository.is_dir():
+        raise ConfigError("server.model_repository", f"{repository} is not a directory")
+    entries: dict[str, ModelEntry] = {}
+    weights: dict[str, list[_xla.DeviceArray]] = {}
+    for name, found in await trio.to_thread.run_sync(discover, repository):
+        entry = entries[name] = ModelEntry(name)
+        if isinstance(found, BundleError):
+            entry.error = str(found)
+            log.error("bundle rejected", model=name, reason=entry.error)
+            continue
+        entry.bundle = found
+        started = time.perf_counter()
+        try:
+            entry.compiled, weights[name] = await trio.to_thread.run_sync(_load, found)
+        except Exception as e:  # a module XLA cannot compile is one bad bundle, not a dead server
+            entry.error = f"bundle {name!r}: compilation failed: {e}"
+            log.error("bundle failed to compile", model=name, reason=str(e))
+            continue
+        log.info(
+            "model loaded",
+            model=name,
+            batch_sizes=list(entry.compiled.batch_sizes),
+            weight_bytes=found.weight_nbytes,
+            scratch_bytes=entry.compiled.scratch_bytes,
+            compile_s=round(entry.compiled.compile_s, 3),
+            load_s=round(time.perf_counter() - started, 3),
+        )
+    return entries, weights
+
+
+@asynccontextmanager
+async def serve(config: Config) -> AsyncIterator[Worker]:
+    """Run a whole worker for the duration of the block; see the module docstring."""
+    server_config = config.server
+    _grpclib_patches.install(server_config.max_message_bytes)
+    await trio.to_thread.run_sync(_xla.warm_up)
+    entries, device_weights = await _load_repository(server_config.model_repository)
+    statistics = Statistics()
+    ready = {n: e.compiled for n, e in entries.items() if e.compiled is not None}
+    dispatcher = Dispatcher(ready, device_weights, statistics)
+    async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
+        for name, compiled in ready.items():
+            policy = config.scheduler.models.get(name)
+            depth = (policy.max_queue_depth if policy else None) or config.scheduler.max_queue_depth
+            queue = ModelQueue(name, compiled.batch_sizes, depth, dispatcher.inbox.clone(), statistics)
+            entries[name].queue = await nursery.start(queue.run)
+            dispatcher.attach(entries[name].queue)
+        await nursery.start(dispatcher.run)
+
+        metrics = Metrics(statistics)
+        metrics.models_loaded.set(len(ready))
+        metrics.models_failed.set(len(entries) - len(ready))
+        metrics_port = None
+        if server_config.metrics_port >= 0:
+            metrics_port = metrics.serve(server_config.host, server_config.metrics_port)
+
+        # grpclib looks up the event loop when constructed: build it inside trio-asyncio's loop.
+        server = _grpclib_patches.GracefulServer(
+            [InferenceService(config, entries, statistics, metrics)],
+            config=Configuration(
+                http2_connection_window_size=_WINDOW_BYTES, http2_stream_window_size=_WINDOW_BYTES
+            ),
+        )
+        try:
+            await trio_asyncio.aio_as_trio(server.start)(server_config.host, server_config.grpc_port)
+        except OSError as e:
+            metrics.close()
+            raise ConfigError(
+                "server.grpc_port", f"cannot listen on {server_config.host}:{server_config.grpc_port}: {e}"
+            ) from None
+        worker = Worker(config, server.port, metrics_port, entries, statistics)
+        log.info(
+            "listening",
+            grpc=f"{server_config.host}:{worker.grpc_port}",
+            metrics=None if metrics_port is None else f"{server_config.host}:{metrics_port}",
+            models_ready=sorted(ready),
+            models_failed=sorted(set(entries) - set(ready)),
+            device=str(_xla.device()),
+        )
+        try:
+            yield worker
+        finally:
+            with trio.CancelScope(shield=True):
+                log.info("shutting down", grace_s=server_config.shutdown_grace_s)
+                await trio_asyncio.aio_as_trio(server.shutdown)(server_config.shutdown_grace_s)
+                metrics.close()
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,90 @@
+"""Shared fixtures: a real worker on a loopback port, in a thread of the test process.
+
+The worker runs its own `trio.run` in a background thread so that blocking clients
+(tritonclient, perf_analyzer) can call it from the test's thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from hloserve.config import Config, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples" / "repository"
+
+
+class ServerThread:
+    """A worker serving `config` in a background thread until `stop()`."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self._started: queue.Queue[Any] = queue.Queue()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stop: trio.Event | None = None
+        self._thread = threading.Thread(target=trio.run, args=(self._main,), daemon=True)
+        self.worker: Any = None
+
+    async def _main(self) -> None:
+        from hloserve.worker import serve
+
+        self._token = trio.lowlevel.current_trio_token()
+        self._stop = trio.Event()
+        try:
+            async with serve(self.config) as worker:
+                self.worker = worker
+                self._started.put(worker)
+                await self._stop.wait()
+        except BaseException as e:
+            self._started.put(e)
+            raise
+
+    def start(self, timeout: float = 120) -> ServerThread:
+        self._thread.start()
+        started = self._started.get(timeout=timeout)
+        if isinstance(started, BaseException):
+            raise RuntimeError("worker failed to start") from started
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.worker.grpc_port}"
+
+    def stop(self, timeout: float = 60) -> None:
+        if self._token is not None and self._stop is not None:
+            try:
+                trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+            except trio.RunFinishedError:
+                pass
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "worker thread did not stop"
+
+
+def make_config(repository: Path = EXAMPLES, **server: Any) -> Config:
+    """The default config on a free port with metrics on a free port, plus overrides."""
+    config = load_config(environ={})
+    return config.replace("server", model_repository=repository, grpc_port=0, metrics_port=0, **server)
+
+
+@pytest.fixture(scope="session", name="server")
+def _server() -> Iterator[ServerThread]:
+    """One worker on the example repository, shared by the tests that only read from it."""
+    server = ServerThread(make_config()).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(name="triton")
+def _triton(server: ServerThread) -> Iterator[Any]:
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.url)
+    yield client
+    client.close()
