@@ -1,0 +1,263 @@
+"""A bundle on disk: manifest, StableHLO modules and weights, checked against each other.
+
+Layout (the seeds' format): `manifest.yaml`; `model.mlir` (one module) or `model.b{N}.mlir`
+(one per compiled batch size), StableHLO text or portable-artifact bytecode; an optional
+`weights.safetensors` whose `__metadata__.argument_order` lists the weights in argument order;
+an optional `model.py`. Every module's `main` takes the executable inputs first, then the
+weights, and is checked here dtype by dtype and shape by shape, because PJRT itself checks only
+byte sizes. Nothing is compiled here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hloserve import _xla, dtypes
+from hloserve.dtypes import DType
+from hloserve.errors import BundleError
+from hloserve.manifest import FILE as MANIFEST, Manifest, TensorSpec, load_manifest
+
+__all__ = ["Bundle", "ModuleFile", "WeightSpec", "discover", "load_bundle", "read_weights"]
+
+WEIGHTS = "weights.safetensors"
+MODEL_PY = "model.py"
+_MODULE_NAME = re.compile(r"^model(?:\.b([1-9][0-9]*))?\.mlir$")
+_BYTECODE_MAGIC = b"ML\xefR"
+_ALIGN = 64  # device_put aliases 64-byte aligned host arrays on CPU instead of copying
+_SAFETENSORS_DTYPES = {
+    "BOOL": "bool", "U8": "u8", "U16": "u16", "U32": "u32", "U64": "u64", "I8": "i8", "I16": "i16",
+    "I32": "i32", "I64": "i64", "F16": "f16", "BF16": "bf16", "F32": "f32", "F64": "f64",
+    "F8_E5M2": "f8_e5m2", "F8_E4M3": "f8_e4m3",
+}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class WeightSpec:
+    """One tensor of `weights.safetensors`, where its bytes are in the file."""
+
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleFile:
+    path: Path
+    batch_size: int
+    """The compiled batch size; 0 for a bundle's single `model.mlir`."""
+    source: str | bytes
+    """StableHLO text, or portable-artifact bytecode."""
+    signature: _xla.Signature
+
+
+@dataclass(frozen=True, slots=True)
+class Bundle:
+    name: str
+    path: Path
+    manifest: Manifest
+    modules: tuple[ModuleFile, ...]
+    """Ascending by batch size."""
+    weights: tuple[WeightSpec, ...]
+    """In `argument_order`."""
+    weights_path: Path | None
+    model_py: Path | None
+
+    @property
+    def weight_nbytes(self) -> int:
+        return sum(w.nbytes for w in self.weights)
+
+    def module_for(self, batch_size: int) -> ModuleFile:
+        for module in self.modules:
+            if module.batch_size == batch_size:
+                return module
+        raise KeyError(f"bundle {self.name!r} has no module for batch size {batch_size}")
+
+
+def _read_safetensors_header(path: Path, bundle: str) -> tuple[list[WeightSpec], list[str] | None]:
+    """The tensors of a safetensors file (absolute offsets) and its argument_order, if any."""
+
+    def fail(field: str | None, problem: str) -> BundleError:
+        return BundleError(bundle, WEIGHTS, field, problem)
+
+    try:
+        with path.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+    except (OSError, struct.error, ValueError) as e:
+        raise fail(None, f"not a safetensors file: {e}") from None
+    if not isinstance(header, dict):
+        raise fail(None, "header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    order: list[str] | None = None
+    if "argument_order" in metadata:
+        try:
+            order = json.loads(metadata["argument_order"])
+        except (TypeError, ValueError):
+            order = None
+        if not isinstance(order, list) or not all(isinstance(n, str) for n in order):
+            raise fail("__metadata__.argument_order", f"expected a JSON list of tensor names, got {metadata['argument_order']!r}")
+    data_start = 8 + length
+    specs = []
+    for name, info in header.items():
+        try:
+            dtype = dtypes.by_token(_SAFETENSORS_DTYPES[info["dtype"]])
+            begin, end = info["data_offsets"]
+            shape = tuple(int(d) for d in info["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise fail(name, f"unsupported or malformed tensor entry {info!r}") from None
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise fail(name, f"data_offsets span {end - begin} bytes, {dtype.token}{list(shape)} needs more or less")
+        specs.append(WeightSpec(name, dtype, shape, data_start + begin, end - begin))
+    return specs, order
+
+
+def _weights(directory: Path, bundle: str) -> tuple[tuple[WeightSpec, ...], Path | None]:
+    path = directory / WEIGHTS
+    if not path.exists():
+        return (), None
+    specs, order = _read_safetensors_header(path, bundle)
+    if not specs:
+        return (), path
+    field = "__metadata__.argument_order"
+    if order is None:
+        raise BundleError(
+            bundle, WEIGHTS, field, f"missing; {len(specs)} tensors need an order to be bound to the module's arguments"
+        )
+    by_name = {s.name: s for s in specs}
+    repeated = sorted({n for n in order if order.count(n) > 1})
+    unknown = [n for n in order if n not in by_name]
+    unlisted = sorted(set(by_name) - set(order))
+    if repeated or unknown or unlisted:
+        raise BundleError(
+            bundle, WEIGHTS, field,
+            f"must list every tensor exactly once (repeated {repeated}, not in the file {unknown}, unlisted {unlisted})",
+        )  # fmt: skip
+    return tuple(by_name[n] for n in order), path
+
+
+def _modules(directory: Path, bundle: str, manifest: Manifest) -> tuple[ModuleFile, ...]:
+    found: dict[int, Path] = {}
+    for path in directory.iterdir():
+        match = _MODULE_NAME.match(path.name)
+        if match:
+            found[int(match.group(1) or 0)] = path
+    if not found:
+        raise BundleError(bundle, "model.mlir", None, "no module: expected model.mlir or model.b{N}.mlir")
+    if 0 in found and len(found) > 1:
+        raise BundleError(bundle, "model.mlir", None, "found beside model.b{N}.mlir files; use one layout or the other")
+    missing = [n for n in manifest.compiled_batch_sizes if n not in found and 0 not in found]
+    if missing:
+        raise BundleError(
+            bundle, MANIFEST, "batching.compiled_batch_sizes", f"no module file for batch size(s) {missing}"
+        )
+    modules = []
+    for size, path in sorted(found.items()):
+        raw = path.read_bytes()
+        source: str | bytes = raw if raw.startswith(_BYTECODE_MAGIC) else raw.decode("utf-8", errors="replace")
+        try:
+            signature = _xla.main_signature(source)
+        except (ValueError, KeyError) as e:
+            raise BundleError(bundle, path.name, None, str(e.args[0])) from None
+        modules.append(ModuleFile(path, size, source, signature))
+    return tuple(modules)
+
+
+def _batch_of(module: ModuleFile, specs: tuple[TensorSpec, ...]) -> int | None:
+    """The batch extent a module was compiled for: its file's size, or read from its signature."""
+    if module.batch_size:
+        return module.batch_size
+    for spec, arg in zip(specs, module.signature.inputs, strict=False):
+        if spec.batch_axis is not None and len(arg.shape) == len(spec.axes):
+            return arg.shape[spec.batch_axis]
+    return None
+
+
+def _check_signature(bundle: str, module: ModuleFile, manifest: Manifest, weights: tuple[WeightSpec, ...]) -> None:
+    def fail(problem: str) -> BundleError:
+        return BundleError(bundle, module.path.name, "main", problem)
+
+    signature = module.signature
+    if signature.donated:
+        raise fail(f"donation attribute on argument(s) {list(signature.donated)}; export without donate_argnums")
+    inputs = manifest.executable_inputs
+    expected_count = len(inputs) + len(weights)
+    if len(signature.inputs) != expected_count:
+        raise fail(
+            f"takes {len(signature.inputs)} arguments, the manifest and weights need {expected_count} "
+            f"({len(inputs)} inputs first, then {len(weights)} weights)"
+        )
+    batch = _batch_of(module, inputs)
+    if manifest.batched and batch is None:
+        raise fail("cannot tell the batch size of a single model.mlir from its signature")
+
+    def check(kind: str, i: int, name: str, got: _xla.TensorType, dtype: DType, shape: tuple[int, ...]) -> None:
+        if got.dtype != dtype or got.shape != shape:
+            raise fail(f"{kind} {i} ({name!r}) is {got}, expected {dtype.token}[{','.join(map(str, shape))}]")
+
+    for i, spec in enumerate(inputs):
+        check("argument", i, spec.name, signature.inputs[i], spec.dtype, spec.wire_shape(batch or 0))
+    for j, weight in enumerate(weights):
+        check("argument", len(inputs) + j, weight.name, signature.inputs[len(inputs) + j], weight.dtype, weight.shape)
+    outputs = manifest.executable_outputs
+    if len(signature.outputs) != len(outputs):
+        raise fail(f"returns {len(signature.outputs)} results, executable_outputs declares {len(outputs)}")
+    for i, spec in enumerate(outputs):
+        check("result", i, spec.name, signature.outputs[i], spec.dtype, spec.wire_shape(batch or 0))
+
+
+def load_bundle(directory: Path) -> Bundle:
+    """Read and check one bundle; raises BundleError naming the file and field at fault."""
+    name = directory.name
+    model_py = directory / MODEL_PY
+    has_model_py = model_py.is_file()
+    manifest = load_manifest(directory / MANIFEST, name, has_model_py=has_model_py)
+    weights, weights_path = _weights(directory, name)
+    modules = _modules(directory, name, manifest)
+    for module in modules:
+        _check_signature(name, module, manifest, weights)
+    if manifest.batched and modules[0].batch_size == 0:
+        # A single batched model.mlir is compiled for the batch extent in its signature.
+        modules = (dataclasses.replace(modules[0], batch_size=_batch_of(modules[0], manifest.executable_inputs)),)
+    return Bundle(name, directory, manifest, modules, weights, weights_path, model_py if has_model_py else None)
+
+
+def discover(repository: Path) -> list[tuple[str, Bundle | BundleError]]:
+    """Every subdirectory holding a manifest.yaml, loaded; one bad bundle never stops the rest."""
+    found: list[tuple[str, Bundle | BundleError]] = []
+    for directory in sorted(p for p in repository.iterdir() if (p / MANIFEST).is_file()):
+        try:
+            found.append((directory.name, load_bundle(directory)))
+        except BundleError as e:
+            found.append((directory.name, e))
+    return found
+
+
+def _aligned_empty(nbytes: int) -> np.ndarray:
+    raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    return raw[start : start + nbytes]
+
+
+def read_weights(bundle: Bundle) -> list[np.ndarray]:
+    """Every weight in argument order, each read once into its own 64-byte aligned array."""
+    if bundle.weights_path is None:
+        return []
+    arrays = []
+    with bundle.weights_path.open("rb", buffering=0) as f:
+        for spec in bundle.weights:
+            buffer = _aligned_empty(spec.nbytes)
+            f.seek(spec.offset)
+            if f.readinto(memoryview(buffer)) != spec.nbytes:
+                raise BundleError(bundle.name, WEIGHTS, spec.name, "file is shorter than its header says")
+            arrays.append(buffer.view(spec.dtype.numpy).reshape(spec.shape))
+    return arrays

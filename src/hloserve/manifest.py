@@ -1,0 +1,289 @@
+"""The bundle manifest (`manifest.yaml`): tensors, letter shapes, compiled batch sizes.
+
+Shapes are written the seeds' way: one ASCII letter per axis in column-major order with the
+batch axis last (`"fn"` with `dims: {f: 16}` is a wire tensor of shape `[batch, 16]`). `n` or
+`b` marks the batch axis; every other letter needs a size in `dims`; `-1` marks a variable axis,
+allowed only on client-facing outputs (a `model.py` produces them). Every rule raises a
+`BundleError` that names the bundle, the file and the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hloserve import dtypes
+from hloserve.dtypes import DType
+from hloserve.errors import BundleError
+
+__all__ = ["Axis", "Manifest", "TensorSpec", "load_manifest", "parse_manifest"]
+
+FILE = "manifest.yaml"
+BATCH_LETTERS = frozenset("nb")
+VARIABLE = -1
+_KEYS = frozenset(
+    {
+        "format_version",
+        "name",
+        "description",
+        "kind",
+        "executable_inputs",
+        "executable_outputs",
+        "client_inputs",
+        "client_outputs",
+        "batching",
+        "provenance",
+        "input_shapes",
+        "meta",
+    }
+)
+_TENSOR_KEYS = frozenset({"name", "dtype", "shape", "dims", "description"})
+
+
+@dataclass(frozen=True, slots=True)
+class Axis:
+    """One axis of a tensor: its letter and size (None for the batch axis, -1 when variable)."""
+
+    letter: str
+    size: int | None
+
+    @property
+    def is_batch(self) -> bool:
+        return self.size is None
+
+    @property
+    def is_variable(self) -> bool:
+        return self.size == VARIABLE
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """A named tensor of the manifest, its axes in manifest (column-major) order."""
+
+    name: str
+    dtype: DType
+    axes: tuple[Axis, ...]
+
+    @property
+    def wire_axes(self) -> tuple[Axis, ...]:
+        """Axes in wire (row-major, numpy, XLA) order: the manifest's reversed."""
+        return self.axes[::-1]
+
+    @property
+    def batch_axis(self) -> int | None:
+        """Index of the batch axis in wire order, or None for an unbatched tensor."""
+        return next((i for i, a in enumerate(self.wire_axes) if a.is_batch), None)
+
+    @property
+    def metadata_shape(self) -> list[int]:
+        """The shape KServe ModelMetadata reports: wire order, -1 for batch and variable axes."""
+        return [VARIABLE if a.size is None else a.size for a in self.wire_axes]
+
+    def wire_shape(self, batch: int) -> tuple[int, ...]:
+        """The wire shape with the batch axis set to `batch`; ValueError on a variable axis."""
+        if any(a.is_variable for a in self.axes):
+            raise ValueError(f"tensor {self.name!r} has a variable axis; its shape depends on the data")
+        return tuple(batch if a.size is None else a.size for a in self.wire_axes)
+
+    def shape_problem(self, shape: Sequence[int]) -> str | None:
+        """None when a wire shape fits this tensor, else a sentence saying what was expected."""
+        expected = self.metadata_shape
+        if len(shape) != len(expected):
+            return f"shape {list(shape)} has rank {len(shape)}, expected {expected} (rank {len(expected)})"
+        for i, (got, axis) in enumerate(zip(shape, self.wire_axes, strict=True)):
+            if axis.size is not None and axis.size != VARIABLE and got != axis.size:
+                return f"shape {list(shape)} does not match {expected}: axis {i} must be {axis.size}"
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    name: str
+    format_version: str
+    executable_inputs: tuple[TensorSpec, ...]
+    executable_outputs: tuple[TensorSpec, ...]
+    client_inputs: tuple[TensorSpec, ...] | None = None
+    client_outputs: tuple[TensorSpec, ...] | None = None
+    compiled_batch_sizes: tuple[int, ...] = ()
+    """Ascending and unique; empty when the manifest names none (the module files decide)."""
+    description: str = ""
+    provenance: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def inputs(self) -> tuple[TensorSpec, ...]:
+        """The inputs clients send (client_inputs when a model.py transforms them)."""
+        return self.client_inputs if self.client_inputs is not None else self.executable_inputs
+
+    @property
+    def outputs(self) -> tuple[TensorSpec, ...]:
+        """The outputs clients receive."""
+        return self.client_outputs if self.client_outputs is not None else self.executable_outputs
+
+    @property
+    def batched(self) -> bool:
+        """True when every executable input has a batch axis (the rule is all or none)."""
+        return all(s.batch_axis is not None for s in self.executable_inputs)
+
+
+class _Reader:
+    """Raises BundleErrors located in this bundle's manifest."""
+
+    def __init__(self, bundle: str) -> None:
+        self.bundle = bundle
+
+    def fail(self, where: str | None, problem: str) -> BundleError:
+        return BundleError(self.bundle, FILE, where, problem)
+
+    def tensor(self, data: Any, where: str, *, client: bool, allow_variable: bool) -> TensorSpec:
+        if not isinstance(data, Mapping):
+            raise self.fail(where, f"expected a mapping with name, dtype, shape and dims, got {data!r}")
+        unknown = set(data) - _TENSOR_KEYS
+        if unknown:
+            raise self.fail(f"{where}.{sorted(unknown)[0]}", f"unknown key; expected {sorted(_TENSOR_KEYS)}")
+        name = data.get("name")
+        if not isinstance(name, str) or not name:
+            raise self.fail(f"{where}.name", f"expected a non-empty string, got {name!r}")
+        token = data.get("dtype")
+        try:
+            dtype = dtypes.by_token(str(token))
+        except KeyError as e:
+            raise self.fail(f"{where}.dtype", str(e.args[0])) from None
+        if client and dtype.wire is None:
+            raise self.fail(f"{where}.dtype", f"{token} has no KServe datatype; it may appear only on executable tensors")
+        shape = data.get("shape", "")
+        if not isinstance(shape, str) or not all(c.isascii() and c.isalpha() for c in shape):
+            raise self.fail(f"{where}.shape", f"expected a string of ASCII letters, one per axis, got {shape!r}")
+        repeated = sorted({c for c in shape if shape.count(c) > 1})
+        if repeated:
+            raise self.fail(f"{where}.shape", f"letter(s) {repeated} appear more than once in {shape!r}")
+        if len(BATCH_LETTERS & set(shape)) > 1:
+            raise self.fail(f"{where}.shape", f"{shape!r} has both batch letters n and b; at most one batch axis")
+        dims = data.get("dims") or {}
+        if not isinstance(dims, Mapping):
+            raise self.fail(f"{where}.dims", f"expected a mapping of letter to size, got {dims!r}")
+        axes = []
+        for letter in shape:
+            if letter in BATCH_LETTERS:
+                if letter in dims:
+                    raise self.fail(f"{where}.dims.{letter}", f"{letter!r} is the batch axis and takes no size")
+                axes.append(Axis(letter, None))
+                continue
+            if letter not in dims:
+                raise self.fail(f"{where}.dims", f"no size for letter {letter!r} of shape {shape!r}")
+            size = dims[letter]
+            if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != VARIABLE):
+                raise self.fail(f"{where}.dims.{letter}", f"expected a positive integer or -1, got {size!r}")
+            if size == VARIABLE and not allow_variable:
+                raise self.fail(
+                    f"{where}.dims.{letter}",
+                    "-1 (variable axis) is allowed only in client_outputs, which a model.py produces",
+                )
+            axes.append(Axis(letter, size))
+        extra = sorted(set(map(str, dims)) - set(shape))
+        if extra:
+            raise self.fail(f"{where}.dims.{extra[0]}", f"letter not in shape {shape!r}")
+        return TensorSpec(name, dtype, tuple(axes))
+
+    def tensors(self, data: Mapping[str, Any], key: str, *, required: bool) -> tuple[TensorSpec, ...] | None:
+        value = data.get(key)
+        if value is None:
+            if required:
+                raise self.fail(key, "missing; expected a non-empty list of tensors")
+            return None
+        if not isinstance(value, list) or not value:
+            raise self.fail(key, f"expected a non-empty list of tensors, got {value!r}")
+        specs = tuple(
+            self.tensor(t, f"{key}[{i}]", client=key.startswith("client_"), allow_variable=key == "client_outputs")
+            for i, t in enumerate(value)
+        )
+        names = [s.name for s in specs]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise self.fail(key, f"tensor name(s) {duplicates} appear more than once")
+        return specs
+
+
+def parse_manifest(data: object, bundle: str, *, has_model_py: bool) -> Manifest:
+    """Validate a loaded manifest mapping; `bundle` is the directory name."""
+    read = _Reader(bundle)
+    if not isinstance(data, Mapping):
+        raise read.fail(None, f"expected a mapping at the top level, got {type(data).__name__}")
+    unknown = set(data) - _KEYS
+    if unknown:
+        raise read.fail(sorted(unknown)[0], f"unknown key; expected one of {sorted(_KEYS)}")
+    version = data.get("format_version")
+    if str(version) not in ("2", "2.0"):
+        raise read.fail("format_version", f"expected \"2.0\", got {version!r}")
+    name = data.get("name", bundle)
+    if name != bundle:
+        raise read.fail("name", f"{name!r} must equal the bundle's directory name {bundle!r}")
+    if data.get("kind", "model") != "model":
+        raise read.fail("kind", f"{data.get('kind')!r} is not supported; expected 'model'")
+    executable_inputs = read.tensors(data, "executable_inputs", required=True)
+    executable_outputs = read.tensors(data, "executable_outputs", required=True)
+    assert executable_inputs is not None and executable_outputs is not None
+    client_inputs = read.tensors(data, "client_inputs", required=False)
+    client_outputs = read.tensors(data, "client_outputs", required=False)
+    for key, specs in (("client_inputs", client_inputs), ("client_outputs", client_outputs)):
+        if specs is not None and not has_model_py:
+            raise read.fail(key, "allowed only in a bundle with a model.py that transforms the tensors")
+    # Without client_* tensors the executable ones are what clients see, so they need wire types.
+    for key, specs, client in (
+        ("executable_inputs", executable_inputs, client_inputs),
+        ("executable_outputs", executable_outputs, client_outputs),
+    ):
+        for i, spec in enumerate(specs):
+            if client is None and spec.dtype.wire is None:
+                raise read.fail(f"{key}[{i}].dtype", f"{spec.dtype.token} has no KServe datatype; clients cannot send it")
+    batched = [s.batch_axis is not None for s in executable_inputs]
+    if any(batched) and not all(batched):
+        unbatched = [s.name for s, b in zip(executable_inputs, batched, strict=True) if not b]
+        raise read.fail("executable_inputs", f"batch axes are all or none; {unbatched} have no n/b axis")
+    sizes = _batch_sizes(read, data.get("batching"))
+    if len(sizes) > 1 and not all(batched):
+        raise read.fail("batching.compiled_batch_sizes", "several batch sizes need inputs with a batch axis (n or b)")
+    if "input_shapes" in data:
+        raise read.fail("input_shapes", "shape variants are not supported by hloserve yet; export one bundle per shape")
+    provenance = data.get("provenance") or {}
+    if not isinstance(provenance, Mapping):
+        raise read.fail("provenance", f"expected a mapping, got {provenance!r}")
+    return Manifest(
+        name=bundle,
+        format_version=str(version),
+        executable_inputs=executable_inputs,
+        executable_outputs=executable_outputs,
+        client_inputs=client_inputs,
+        client_outputs=client_outputs,
+        compiled_batch_sizes=sizes,
+        description=str(data.get("description") or ""),
+        provenance=dict(provenance),
+    )
+
+
+def _batch_sizes(read: _Reader, batching: Any) -> tuple[int, ...]:
+    if batching is None:
+        return ()
+    if not isinstance(batching, Mapping) or set(batching) - {"compiled_batch_sizes"}:
+        raise read.fail("batching", f"expected a mapping with compiled_batch_sizes, got {batching!r}")
+    sizes = batching.get("compiled_batch_sizes") or []
+    where = "batching.compiled_batch_sizes"
+    if not isinstance(sizes, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
+        raise read.fail(where, f"expected a list of positive integers, got {sizes!r}")
+    if len(set(sizes)) != len(sizes):
+        raise read.fail(where, f"{sizes} repeats a size")
+    return tuple(sorted(sizes))
+
+
+def load_manifest(path: Path, bundle: str, *, has_model_py: bool) -> Manifest:
+    """Read and validate `manifest.yaml`."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise BundleError(bundle, FILE, None, f"not valid YAML: {e}") from None
+    except OSError as e:
+        raise BundleError(bundle, FILE, None, f"cannot read: {e.strerror}") from None
+    return parse_manifest(data, bundle, has_model_py=has_model_py)
