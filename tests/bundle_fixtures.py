@@ -1,0 +1,53 @@
+"""Small bundles for tests, exported by hloserve's own exporter into temporary folders."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from hloserve.export import InputSpec, OutputSpec, export_bundle
+
+PARAMS = {"w": np.arange(12, dtype=np.float32).reshape(4, 3) / 10, "b": np.ones(3, np.float32)}
+
+
+def affine(params: Any, x: Any) -> Any:
+    return x @ params["w"] + params["b"]
+
+
+def write_affine(directory: Path, batch_sizes: tuple[int, ...] = (1, 2)) -> Path:
+    """A bundle `y = x @ w + b`: INPUT [n, 4] f32 → OUTPUT [n, 3] f32."""
+    return export_bundle(
+        affine,
+        PARAMS,
+        [InputSpec("INPUT", (4,), np.float32, letters="f")],
+        directory,
+        batch_sizes=batch_sizes,
+        outputs=[OutputSpec("OUTPUT", letters="k")],
+    )
+
+
+def edit_manifest(directory: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    path = directory / "manifest.yaml"
+    manifest = yaml.safe_load(path.read_text())
+    change(manifest)
+    path.write_text(yaml.safe_dump(manifest, sort_keys=False))
+
+
+def edit_weights_metadata(directory: Path, metadata: dict[str, str] | None) -> None:
+    """Rewrite the safetensors header's __metadata__ (None removes it), keeping the data."""
+    path = directory / "weights.safetensors"
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    header.pop("__metadata__", None)
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + raw[8 + length :])
