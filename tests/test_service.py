@@ -1,0 +1,263 @@
+"""Every built RPC through the real tritonclient against a real worker on loopback."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+from conftest import EXAMPLES, ServerThread, make_config
+
+sys.path.insert(0, str(EXAMPLES.parent))
+import export_examples  # noqa: E402
+
+MLP_SIZES = (1, 2, 3, 4, 8, 13, 16)  # every compiled size and rows that pad up to one
+
+
+def infer(client: Any, model: str, array: np.ndarray, name: str = "INPUT0", **kwargs: Any) -> Any:
+    tensor = grpcclient.InferInput(name, list(array.shape), "FP32")
+    tensor.set_data_from_numpy(array)
+    return client.infer(model, [tensor], **kwargs)
+
+
+def assert_good_request_served(client: Any) -> None:
+    x = np.random.default_rng(0).random((2, 16), dtype=np.float32)
+    result = infer(client, "mlp", x)
+    np.testing.assert_allclose(result.as_numpy("OUTPUT0"), export_examples.reference("mlp", x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(name="stub")
+def _stub(server: ServerThread) -> Iterator[Any]:
+    channel = grpc.insecure_channel(server.url)
+    yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    channel.close()
+
+
+class TestHealthAndMetadata:
+    def test_live_and_ready(self, triton: Any) -> None:
+        assert triton.is_server_live()
+        assert triton.is_server_ready()
+        assert triton.is_model_ready("mlp") and triton.is_model_ready("cnn")
+        assert triton.is_model_ready("mlp", "1")
+        assert not triton.is_model_ready("nope")
+        assert not triton.is_model_ready("mlp", "2")
+
+    def test_server_metadata_lists_the_extensions(self, triton: Any) -> None:
+        metadata = triton.get_server_metadata()
+        assert metadata.name == "hloserve"
+        assert {"model_configuration", "statistics"} <= set(metadata.extensions)
+
+    def test_model_metadata_is_row_major_with_minus_one_for_the_batch(self, triton: Any) -> None:
+        mlp = triton.get_model_metadata("mlp")
+        assert (mlp.name, list(mlp.versions), mlp.platform) == ("mlp", ["1"], "stablehlo_cpu")
+        assert [(t.name, t.datatype, list(t.shape)) for t in mlp.inputs] == [("INPUT0", "FP32", [-1, 16])]
+        assert [(t.name, t.datatype, list(t.shape)) for t in mlp.outputs] == [("OUTPUT0", "FP32", [-1, 4])]
+        cnn = triton.get_model_metadata("cnn")
+        assert list(cnn.inputs[0].shape) == [-1, 16, 16, 3]
+
+    def test_model_config_is_triton_shaped(self, triton: Any) -> None:
+        config = triton.get_model_config("mlp").config
+        assert config.max_batch_size == 16
+        assert [(i.name, i.data_type, list(i.dims)) for i in config.input] == [("INPUT0", 11, [16])]  # 11 = TYPE_FP32
+        assert [(o.name, list(o.dims)) for o in config.output] == [("OUTPUT0", [4])]
+        assert list(config.dynamic_batching.preferred_batch_size) == [1, 4, 8, 16]
+
+    def test_repository_index(self, triton: Any) -> None:
+        index = triton.get_model_repository_index()
+        assert [(m.name, m.version, m.state) for m in index.models] == [("cnn", "1", "READY"), ("mlp", "1", "READY")]
+
+    def test_statistics_count_requests_rows_and_batches(self, triton: Any) -> None:
+        before = triton.get_inference_statistics("mlp").model_stats[0]
+        infer(triton, "mlp", np.zeros((3, 16), np.float32))
+        after = triton.get_inference_statistics("mlp").model_stats[0]
+        assert after.inference_count == before.inference_count + 3
+        assert after.execution_count == before.execution_count + 1
+        assert after.inference_stats.success.count == before.inference_stats.success.count + 1
+        assert after.inference_stats.compute_infer.ns > before.inference_stats.compute_infer.ns
+        assert 4 in {b.batch_size for b in after.batch_stats}  # 3 rows ran padded at size 4
+        every = triton.get_inference_statistics()
+        assert {s.name for s in every.model_stats} == {"cnn", "mlp"}
+
+
+class TestInference:
+    @pytest.mark.parametrize("rows", MLP_SIZES)
+    def test_mlp_equals_jax_in_process(self, triton: Any, rows: int) -> None:
+        x = np.random.default_rng(rows).standard_normal((rows, 16)).astype(np.float32)
+        result = infer(triton, "mlp", x)
+        np.testing.assert_allclose(result.as_numpy("OUTPUT0"), export_examples.reference("mlp", x), rtol=1e-5, atol=1e-6)
+
+    @pytest.mark.parametrize("rows", (1, 3, 4))
+    def test_cnn_equals_jax_in_process(self, triton: Any, rows: int) -> None:
+        x = np.random.default_rng(rows).random((rows, 16, 16, 3), dtype=np.float32)
+        result = infer(triton, "cnn", x, name="IMAGE")
+        np.testing.assert_allclose(result.as_numpy("LOGITS"), export_examples.reference("cnn", x), rtol=1e-5, atol=1e-5)
+
+    def test_typed_contents_equal_raw_contents(self, triton: Any, stub: Any) -> None:
+        x = np.random.default_rng(7).random((2, 16), dtype=np.float32)
+        request = service_pb2.ModelInferRequest(model_name="mlp", id="typed-1")
+        tensor = request.inputs.add(name="INPUT0", datatype="FP32", shape=[2, 16])
+        tensor.contents.fp32_contents.extend(x.ravel().tolist())
+        response = stub.ModelInfer(request)
+        assert response.id == "typed-1"
+        assert [(o.name, o.datatype, list(o.shape)) for o in response.outputs] == [("OUTPUT0", "FP32", [2, 4])]
+        typed = np.frombuffer(response.raw_output_contents[0], np.float32).reshape(2, 4)
+        np.testing.assert_array_equal(typed, infer(triton, "mlp", x).as_numpy("OUTPUT0"))
+
+    def test_requested_output_by_name(self, triton: Any) -> None:
+        x = np.ones((1, 16), np.float32)
+        result = infer(triton, "mlp", x, outputs=[grpcclient.InferRequestedOutput("OUTPUT0")])
+        assert result.as_numpy("OUTPUT0").shape == (1, 4)
+
+    def test_concurrent_requests_all_answered_correctly(self, server: ServerThread) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        rng = np.random.default_rng(3)
+        inputs = [rng.random((1 + i % 4, 16), dtype=np.float32) for i in range(24)]
+        clients = [grpcclient.InferenceServerClient(server.url) for _ in range(8)]
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda i: infer(clients[i % 8], "mlp", inputs[i]), range(len(inputs))))
+        for client in clients:
+            client.close()
+        for x, result in zip(inputs, results, strict=True):
+            np.testing.assert_allclose(result.as_numpy("OUTPUT0"), export_examples.reference("mlp", x), rtol=1e-5, atol=1e-6)
+
+
+def _raw_request(shape: list[int], raw: bytes, datatype: str = "FP32", name: str = "INPUT0") -> Any:
+    request = service_pb2.ModelInferRequest(model_name="mlp")
+    request.inputs.add(name=name, datatype=datatype, shape=shape)
+    request.raw_input_contents.append(raw)
+    return request
+
+
+class TestBadInput:
+    """Each bad request gets its status and a message naming what was wrong; the next one is served."""
+
+    @pytest.mark.parametrize(
+        ("model", "name", "array", "status", "says"),
+        [
+            ("nope", "INPUT0", np.zeros((1, 16), np.float32), "NOT_FOUND", "unknown model 'nope'"),
+            ("mlp", "INPUT9", np.zeros((1, 16), np.float32), "INVALID_ARGUMENT", "tensor 'INPUT9': unknown input; expected one of ['INPUT0']"),
+            ("mlp", "INPUT0", np.zeros((1, 15), np.float32), "INVALID_ARGUMENT", "axis 1 must be 16"),
+            ("mlp", "INPUT0", np.zeros((16,), np.float32), "INVALID_ARGUMENT", "rank 1, expected [-1, 16] (rank 2)"),
+            ("mlp", "INPUT0", np.zeros((17, 16), np.float32), "INVALID_ARGUMENT", "batch of 17 rows exceeds the largest compiled batch size 16"),
+            ("mlp", "INPUT0", np.zeros((0, 16), np.float32), "INVALID_ARGUMENT", "batch of 0 rows"),
+        ],
+    )
+    def test_bad_tensor(self, triton: Any, model: str, name: str, array: np.ndarray, status: str, says: str) -> None:
+        with pytest.raises(InferenceServerException) as raised:
+            infer(triton, model, array, name=name)
+        assert raised.value.status() == f"StatusCode.{status}"
+        assert says in raised.value.message()
+        assert_good_request_served(triton)
+
+    def test_wrong_datatype(self, triton: Any) -> None:
+        tensor = grpcclient.InferInput("INPUT0", [1, 16], "FP64")
+        tensor.set_data_from_numpy(np.zeros((1, 16), np.float64))
+        with pytest.raises(InferenceServerException, match="datatype 'FP64', expected 'FP32'") as raised:
+            triton.infer("mlp", [tensor])
+        assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert_good_request_served(triton)
+
+    def test_requested_output_that_does_not_exist(self, triton: Any) -> None:
+        with pytest.raises(InferenceServerException, match=r"tensor 'LOGITS': requested output does not exist") as raised:
+            infer(triton, "mlp", np.zeros((1, 16), np.float32), outputs=[grpcclient.InferRequestedOutput("LOGITS")])
+        assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert_good_request_served(triton)
+
+    def test_unknown_version(self, triton: Any) -> None:
+        with pytest.raises(InferenceServerException, match="version '2' does not exist") as raised:
+            infer(triton, "mlp", np.zeros((1, 16), np.float32), model_version="2")
+        assert raised.value.status() == "StatusCode.NOT_FOUND"
+        assert_good_request_served(triton)
+
+    @pytest.mark.parametrize(
+        ("request_", "says"),
+        [
+            (_raw_request([2, 16], b"\0" * (2 * 16 * 4 - 4)), "raw contents hold 124 bytes, shape [2, 16] of FP32 needs 128"),
+            (_raw_request([2, 16], b"\0" * (2 * 16 * 4 + 4)), "raw contents hold 132 bytes, shape [2, 16] of FP32 needs 128"),
+            (service_pb2.ModelInferRequest(model_name="mlp"), "missing input(s) ['INPUT0']"),
+            (_raw_request([1, -16], b""), "negative dimension"),
+        ],
+    )
+    def test_bad_raw_request(self, triton: Any, stub: Any, request_: Any, says: str) -> None:
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.ModelInfer(request_)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert says in raised.value.details()
+        assert_good_request_served(triton)
+
+    def test_duplicated_input(self, triton: Any, stub: Any) -> None:
+        request = _raw_request([1, 16], b"\0" * 64)
+        request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
+        request.raw_input_contents.append(b"\0" * 64)
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.ModelInfer(request)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "tensor 'INPUT0': input given more than once" in raised.value.details()
+        assert_good_request_served(triton)
+
+    def test_raw_contents_count_must_match_inputs(self, triton: Any, stub: Any) -> None:
+        request = _raw_request([1, 16], b"\0" * 64)
+        request.raw_input_contents.append(b"\0" * 64)
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.ModelInfer(request)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "raw_input_contents has 2 entries for 1 inputs" in raised.value.details()
+        assert_good_request_served(triton)
+
+    def test_typed_contents_with_the_wrong_count(self, triton: Any, stub: Any) -> None:
+        request = service_pb2.ModelInferRequest(model_name="mlp")
+        request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16]).contents.fp32_contents.extend([1.0] * 3)
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.ModelInfer(request)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "contents.fp32_contents holds 3 values, shape [1, 16] needs 16" in raised.value.details()
+        assert_good_request_served(triton)
+
+    @pytest.mark.parametrize(
+        ("call", "request_"),
+        [
+            ("CudaSharedMemoryStatus", service_pb2.CudaSharedMemoryStatusRequest()),
+            ("TraceSetting", service_pb2.TraceSettingRequest()),
+            ("RepositoryModelLoad", service_pb2.RepositoryModelLoadRequest(model_name="mlp")),
+        ],
+    )
+    def test_rpcs_not_built_say_so(self, triton: Any, stub: Any, call: str, request_: Any) -> None:
+        with pytest.raises(grpc.RpcError) as raised:
+            getattr(stub, call)(request_)
+        assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert f"{call} is not implemented by hloserve" in raised.value.details()
+        assert_good_request_served(triton)
+
+
+def test_a_bad_bundle_is_listed_not_ready_with_its_reason(tmp_path: Path) -> None:
+    from bundle_fixtures import edit_manifest, write_affine
+
+    write_affine(tmp_path / "good")
+    bad = write_affine(tmp_path / "bad")
+    edit_manifest(bad, lambda m: m["executable_inputs"][0]["dims"].update(f=5))
+    server = ServerThread(make_config(tmp_path)).start()
+    try:
+        client = grpcclient.InferenceServerClient(server.url)
+        index = {m.name: m for m in client.get_model_repository_index().models}
+        assert (index["good"].state, index["bad"].state) == ("READY", "UNAVAILABLE")
+        assert "bundle 'bad', file 'model.b1.mlir', field 'main'" in index["bad"].reason
+        assert not client.is_server_ready()  # strict readiness, as Triton: every model must be ready
+        assert not client.is_model_ready("bad") and client.is_model_ready("good")
+        tensor = grpcclient.InferInput("INPUT", [1, 4], "FP32")
+        tensor.set_data_from_numpy(np.ones((1, 4), np.float32))
+        with pytest.raises(InferenceServerException, match="model 'bad' is not ready") as raised:
+            client.infer("bad", [tensor])
+        assert raised.value.status() == "StatusCode.UNAVAILABLE"
+        np.testing.assert_allclose(client.infer("good", [tensor]).as_numpy("OUTPUT"), [[0.1 * 18 + 1, 0.1 * 22 + 1, 0.1 * 26 + 1]], rtol=1e-6)
+        client.close()
+    finally:
+        server.stop()
