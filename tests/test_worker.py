@@ -1,0 +1,168 @@
+"""The worker as a whole: embedded in a trio program, as the `hloserve` binary, and its metrics."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+import trio_asyncio
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+
+from conftest import EXAMPLES, ROOT, ServerThread, make_config
+from hloserve.client import Client
+from hloserve.worker import serve
+
+sys.path.insert(0, str(EXAMPLES.parent))
+import export_examples  # noqa: E402
+
+
+def test_embedded_in_a_trio_nursery_and_cancelled_cleanly() -> None:
+    """`async with serve(config)` inside a caller's nursery; cancelling the scope stops it."""
+
+    async def main() -> None:
+        async with trio_asyncio.open_loop():
+            with trio.fail_after(120):
+                async with serve(make_config()) as worker:
+                    assert worker.grpc_port > 0 and worker.metrics_port
+                    client = Client("127.0.0.1", worker.grpc_port)
+                    call = trio_asyncio.aio_as_trio
+                    assert await call(client.is_server_live)()
+                    assert await call(client.is_server_ready)()
+                    assert await call(client.is_model_ready)("mlp")
+                    assert (await call(client.server_metadata)()).name == "hloserve"
+                    assert [t.shape for t in (await call(client.model_metadata)("cnn")).inputs] == [[-1, 16, 16, 3]]
+                    assert (await call(client.model_config)("mlp")).max_batch_size == 16
+                    index = await call(client.repository_index)(True)
+                    assert [m.name for m in index.models] == ["cnn", "mlp"]
+                    x = np.random.default_rng(1).random((5, 16), dtype=np.float32)
+                    out = await call(client.infer)("mlp", {"INPUT0": x}, timeout=10)
+                    np.testing.assert_allclose(out["OUTPUT0"], export_examples.reference("mlp", x), rtol=1e-5, atol=1e-6)
+                    stats = await call(client.model_statistics)("mlp")
+                    assert stats.model_stats[0].inference_count == 5
+                    with pytest.raises(GRPCError) as raised:
+                        await call(client.infer)("mlp", {"INPUT0": x.astype(np.float64)})
+                    assert raised.value.status == Status.INVALID_ARGUMENT
+                    client.close()
+
+                    # Cancel the worker's scope from outside, as an embedding program would.
+                    with trio.move_on_after(0.5) as scope:
+                        await trio.sleep_forever()
+                    assert scope.cancelled_caught
+            port = worker.grpc_port
+        # the port is free again: the worker is gone
+        with trio.socket.socket() as sock:
+            await sock.bind(("127.0.0.1", port))
+
+    trio.run(main)
+
+
+def test_cancelling_the_scope_mid_request_answers_the_client() -> None:
+    """Requests in flight when the embedding scope is cancelled get a status, never a hang."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    outcomes: list[str] = []
+
+    def client_loop(port: int) -> None:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+        tensor = grpcclient.InferInput("IMAGE", [4, 16, 16, 3], "FP32")
+        tensor.set_data_from_numpy(np.zeros((4, 16, 16, 3), np.float32))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                client.infer("cnn", [tensor], client_timeout=20)
+                outcomes.append("OK")
+            except InferenceServerException as e:
+                outcomes.append(str(e.status()))
+                break
+        client.close()
+
+    async def main() -> None:
+        async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
+            with trio.CancelScope() as worker_scope:
+                async with serve(make_config()) as worker:
+                    nursery.start_soon(trio.to_thread.run_sync, client_loop, worker.grpc_port)
+                    with trio.fail_after(30):
+                        while outcomes.count("OK") < 3:
+                            await trio.sleep(0.05)
+                    worker_scope.cancel()
+                    await trio.sleep_forever()
+
+    with_timeout = time.monotonic()
+    trio.run(main)
+    assert time.monotonic() - with_timeout < 90
+    assert outcomes[-1] in ("StatusCode.UNAVAILABLE", "StatusCode.CANCELLED"), outcomes[-3:]
+    assert "StatusCode.DEADLINE_EXCEEDED" not in outcomes
+
+
+def test_metrics_endpoint_counts_requests(server: ServerThread, triton: Any) -> None:
+    import tritonclient.grpc as grpcclient
+
+    tensor = grpcclient.InferInput("INPUT0", [2, 16], "FP32")
+    tensor.set_data_from_numpy(np.zeros((2, 16), np.float32))
+    triton.infer("mlp", [tensor])
+    with pytest.raises(Exception):
+        triton.infer("nope", [tensor])
+    url = f"http://127.0.0.1:{server.worker.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    assert 'hloserve_requests_total{model="mlp",status="OK"}' in text
+    assert 'hloserve_requests_total{model="<unknown>",status="NOT_FOUND"}' in text
+    assert 'hloserve_request_duration_seconds_bucket{le="0.0005",model="mlp"}' in text
+    assert 'hloserve_inference_rows_total{model="mlp"}' in text
+    assert 'hloserve_queue_depth{model="mlp"} 0.0' in text
+    assert "hloserve_models_loaded 2.0" in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_binary_serves_and_shuts_down_on_signal(tmp_path: Path, signum: int) -> None:
+    """`hloserve serve` starts on the example repository, answers, and exits 0 on a signal."""
+    import socket
+
+    import tritonclient.grpc as grpcclient
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "HLOSERVE_SERVER_SHUTDOWN_GRACE_S": "5", "HLOSERVE_LOGGING_FORMAT": "json"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "hloserve.cli", "serve", "--grpc-port", str(port), "--metrics-port", "-1"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if client.is_server_ready():
+                    break
+            except Exception:
+                pass
+            assert process.poll() is None, process.stdout.read() if process.stdout else ""
+            assert time.monotonic() < deadline, "server did not become ready"
+            time.sleep(0.2)
+        tensor = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
+        tensor.set_data_from_numpy(np.ones((1, 16), np.float32))
+        assert client.infer("mlp", [tensor]).as_numpy("OUTPUT0").shape == (1, 4)
+        client.close()
+        process.send_signal(signum)
+        output, _ = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, output
+    assert '"event": "listening"' in output and '"event": "stopped"' in output
