@@ -1,0 +1,68 @@
+"""The JAX adapter: every call hloserve makes into JAX, on the CPU backend."""
+
+from __future__ import annotations
+
+import jax
+import jax.extend.mlir
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jaxlib.mlir.dialects import stablehlo
+
+from hloserve import _xla
+
+
+def _text(fn: object, *specs: jax.ShapeDtypeStruct) -> str:
+    return jax.jit(fn, keep_unused=True).lower(*specs).as_text()  # type: ignore[arg-type]
+
+
+def test_x64_is_on_so_int64_is_not_narrowed() -> None:
+    array = _xla.put(np.array([2**40], np.int64))
+    assert array.dtype == np.int64
+    assert _xla.to_numpy([array])[0][0] == 2**40
+
+
+def test_compile_text_and_bytecode_then_run() -> None:
+    specs = (jax.ShapeDtypeStruct((2, 3), np.float32), jax.ShapeDtypeStruct((3,), np.float32))
+    text = _text(lambda x, w: jnp.tanh(x * w), *specs)
+    bytecode = jax.extend.mlir.serialize_portable_artifact(text, stablehlo.get_current_version())
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    w = np.array([0.1, 0.2, 0.3], np.float32)
+    for source in (text, bytecode):
+        executable = _xla.compile_module(source)
+        (out,) = _xla.to_numpy(_xla.run(executable, [_xla.put(x), _xla.put(w)]))
+        np.testing.assert_allclose(out, np.tanh(x * w), rtol=1e-6)
+        assert _xla.compiled_memory(executable)["argument_bytes"] == x.nbytes + w.nbytes
+
+
+def test_main_signature_reads_types_and_donation() -> None:
+    specs = (jax.ShapeDtypeStruct((4,), np.int64), jax.ShapeDtypeStruct((2, 2), np.bool_))
+    signature = _xla.main_signature(_text(lambda a, b: (a * 2, ~b), *specs))
+    assert [str(t) for t in signature.inputs] == ["i64[4]", "bool[2,2]"]
+    assert [str(t) for t in signature.outputs] == ["i64[4]", "bool[2,2]"]
+    assert signature.donated == ()
+    donated = jax.jit(lambda a, b: (a + 1, b), donate_argnums=(0,)).lower(*specs).as_text()
+    assert _xla.main_signature(donated).donated == (0,)
+
+
+def test_a_module_without_main_or_not_a_module() -> None:
+    with pytest.raises(ValueError, match="not a StableHLO module"):
+        _xla.main_signature("this is not MLIR")
+    with pytest.raises(ValueError, match="no function named 'main'"):
+        _xla.main_signature("module {\n  func.func @other() {\n    return\n  }\n}\n")
+
+
+def test_free_releases_device_buffers() -> None:
+    arrays = [_xla.put(np.ones(1000, np.float32)) for _ in range(3)]
+    _xla.free(arrays)
+    assert all(a.is_deleted() for a in arrays)
+
+
+def test_memory_stats_none_on_cpu_and_lapack_warm_up() -> None:
+    assert _xla.device().platform == "cpu"
+    assert _xla.memory_stats() is None
+    _xla.warm_up()
+    spec = jax.ShapeDtypeStruct((3, 3), np.float32)
+    executable = _xla.compile_module(_text(jnp.linalg.inv, spec))
+    a = np.eye(3, dtype=np.float32) * 2
+    np.testing.assert_allclose(_xla.to_numpy(_xla.run(executable, [_xla.put(a)]))[0], np.eye(3) / 2, rtol=1e-6)
