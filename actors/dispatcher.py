@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import structlog
 import trio
-
-from hloserve import _xla
 from hloserve.actors.messages import Batch, Infer, QueueSummary, SetPolicy
 from hloserve.actors.model_queue import ModelQueueHandle
+
+from hloserve import _xla
 from hloserve.batching import assemble, split_outputs
 from hloserve.compiled import CompiledModel, ExecutionResult
 from hloserve.errors import ExecutionFailed

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import final
 
 import trio
-
 from hloserve.actors.messages import Batch, Infer, QueueSummary, Take
+
 from hloserve.errors import DeadlineExceeded, QueueFull, ShuttingDown
 from hloserve.statistics import Statistics
 

@@ -30,18 +30,27 @@ __all__ = ["install", "perf_analyzer_path", "run_perf_analyzer"]
 
 def perf_analyzer_path() -> Path | None:
     """The installed binary, or None."""
-    return BINARY if BINARY.exists() and (LIB / "libb64.so.0d").exists() and (LIB / "libcudart.so.12").exists() else None
+    return (
+        BINARY
+        if BINARY.exists() and (LIB / "libb64.so.0d").exists() and (LIB / "libcudart.so.12").exists()
+        else None
+    )
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(LIB), os.environ.get("LD_LIBRARY_PATH")]))}
+    return {
+        **os.environ,
+        "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(LIB), os.environ.get("LD_LIBRARY_PATH")])),
+    }
 
 
 def run_perf_analyzer(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
     """Run perf_analyzer with its libraries; output captured as text."""
     path = perf_analyzer_path()
     if path is None:
-        raise FileNotFoundError("perf_analyzer is not installed: run `python benches/perf_analyzer.py --install`")
+        raise FileNotFoundError(
+            "perf_analyzer is not installed: run `python benches/perf_analyzer.py --install`"
+        )
     return subprocess.run([str(path), *args], env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
@@ -97,7 +106,9 @@ def install() -> Path:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--install", action="store_true", help="fetch perf_analyzer into .tools/perf_analyzer")
+    parser.add_argument(
+        "--install", action="store_true", help="fetch perf_analyzer into .tools/perf_analyzer"
+    )
     if parser.parse_args().install:
         print(install())
     else:

@@ -27,7 +27,10 @@ REPOSITORY = Path(__file__).resolve().parent / "repository"
 
 def _params(seed: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
     rng = np.random.RandomState(seed)
-    return {k: (rng.standard_normal(s) / np.sqrt(max(1, np.prod(s[:-1])))).astype(np.float32) for k, s in shapes.items()}
+    return {
+        k: (rng.standard_normal(s) / np.sqrt(max(1, np.prod(s[:-1])))).astype(np.float32)
+        for k, s in shapes.items()
+    }
 
 
 MLP_PARAMS = {

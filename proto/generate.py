@@ -49,7 +49,9 @@ def generate(out: Path) -> list[Path]:
         written = []
         for path in sorted(staging.rglob("*.py")):
             relative = path.relative_to(staging)
-            source = "hot_infer.proto" if relative.parts[0] == "hot" else "grpc_service.proto, model_config.proto"
+            source = (
+                "hot_infer.proto" if relative.parts[0] == "hot" else "grpc_service.proto, model_config.proto"
+            )
             target = out / relative
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(HEADER.format(source=source) + path.read_text())

@@ -9,10 +9,10 @@ import jax
 import jax.extend.mlir
 import numpy as np
 import pytest
+from bundle_fixtures import PARAMS, edit_manifest, edit_weights_metadata, write_affine
 from jaxlib.mlir.dialects import stablehlo
 from safetensors.numpy import save_file
 
-from bundle_fixtures import PARAMS, edit_manifest, edit_weights_metadata, write_affine
 from hloserve.bundle import discover, load_bundle, read_weights
 from hloserve.errors import BundleError
 from hloserve.export import InputSpec, export_bundle
@@ -30,7 +30,11 @@ def test_a_good_bundle_loads_with_its_modules_and_weights(affine: Path) -> None:
     assert [w.name for w in bundle.weights] == ["b", "w"]  # jax flattens dict keys sorted
     assert bundle.weight_nbytes == 4 * 3 * 4 + 3 * 4
     signature = bundle.module_for(2).signature
-    assert [str(t) for t in signature.inputs] == ["f32[2,4]", "f32[3]", "f32[4,3]"]  # inputs first, weights last
+    assert [str(t) for t in signature.inputs] == [
+        "f32[2,4]",
+        "f32[3]",
+        "f32[4,3]",
+    ]  # inputs first, weights last
     with pytest.raises(KeyError, match="no module for batch size 3"):
         bundle.module_for(3)
 
@@ -44,7 +48,9 @@ def test_read_weights_gives_aligned_arrays_in_argument_order(affine: Path) -> No
 
 def test_portable_artifact_bytecode_module_loads(affine: Path) -> None:
     path = affine / "model.b1.mlir"
-    path.write_bytes(jax.extend.mlir.serialize_portable_artifact(path.read_text(), stablehlo.get_current_version()))
+    path.write_bytes(
+        jax.extend.mlir.serialize_portable_artifact(path.read_text(), stablehlo.get_current_version())
+    )
     bundle = load_bundle(affine)
     assert isinstance(bundle.module_for(1).source, bytes)
     assert isinstance(bundle.module_for(2).source, str)
@@ -107,7 +113,12 @@ def test_weights_without_argument_order(affine: Path) -> None:
 
 @pytest.mark.parametrize(
     ("order", "says"),
-    [('["w"]', "unlisted ['b']"), ('["w", "b", "c"]', "not in the file ['c']"), ('["w", "w", "b"]', "repeated ['w']"), ('"w"', "JSON list")],
+    [
+        ('["w"]', "unlisted ['b']"),
+        ('["w", "b", "c"]', "not in the file ['c']"),
+        ('["w", "w", "b"]', "repeated ['w']"),
+        ('"w"', "JSON list"),
+    ],
 )
 def test_argument_order_must_list_every_tensor_once(affine: Path, order: str, says: str) -> None:
     edit_weights_metadata(affine, {"argument_order": order})
@@ -165,7 +176,9 @@ def test_manifest_input_dtype_disagrees_with_the_module(affine: Path) -> None:
 
 
 def test_manifest_declares_more_outputs_than_the_module_returns(affine: Path) -> None:
-    edit_manifest(affine, lambda m: m["executable_outputs"].append({"name": "EXTRA", "dtype": "f32", "shape": "n"}))
+    edit_manifest(
+        affine, lambda m: m["executable_outputs"].append({"name": "EXTRA", "dtype": "f32", "shape": "n"})
+    )
     _expect(affine, "model.b1.mlir", "main", "returns 1 results, executable_outputs declares 2")
 
 
@@ -176,7 +189,10 @@ def test_manifest_output_shape_disagrees_with_the_module(affine: Path) -> None:
 
 def test_manifest_declares_more_inputs_than_the_module_takes(affine: Path) -> None:
     edit_manifest(
-        affine, lambda m: m["executable_inputs"].append({"name": "MORE", "dtype": "f32", "shape": "fn", "dims": {"f": 4}})
+        affine,
+        lambda m: m["executable_inputs"].append(
+            {"name": "MORE", "dtype": "f32", "shape": "fn", "dims": {"f": 4}}
+        ),
     )
     _expect(affine, "model.b1.mlir", "main", "takes 3 arguments, the manifest and weights need 4")
 

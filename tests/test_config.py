@@ -14,7 +14,11 @@ from hloserve.errors import ConfigError
 def test_defaults_serve_the_example_repository_on_loopback() -> None:
     config = load_config(environ={})
     assert config.server.model_repository == EXAMPLE_REPOSITORY
-    assert (config.server.host, config.server.grpc_port, config.server.metrics_port) == ("127.0.0.1", 8001, 8002)
+    assert (config.server.host, config.server.grpc_port, config.server.metrics_port) == (
+        "127.0.0.1",
+        8001,
+        8002,
+    )
     assert config.server.max_message_bytes >= 1 << 30
     assert config.scheduler.discipline == "fair"
 
@@ -25,7 +29,9 @@ def test_yaml_then_environment_then_flags(tmp_path: Path) -> None:
         "server:\n  grpc_port: 9001\n  host: 0.0.0.0\n"
         "scheduler:\n  max_queue_depth: 8\n  models:\n    mlp: {weight: 3, max_queue_delay_us: 500}\n"
     )
-    config = load_config(path, environ={"HLOSERVE_SERVER_GRPC_PORT": "9002", "HLOSERVE_LOGGING_LEVEL": "debug"})
+    config = load_config(
+        path, environ={"HLOSERVE_SERVER_GRPC_PORT": "9002", "HLOSERVE_LOGGING_LEVEL": "debug"}
+    )
     assert config.server.grpc_port == 9002
     assert config.server.host == "0.0.0.0"
     assert config.scheduler.max_queue_depth == 8

@@ -8,14 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-
 from conftest import EXAMPLES
+
 from hloserve import _xla
 from hloserve.bundle import load_bundle, read_weights
 from hloserve.export import InputSpec, OutputSpec, export_bundle
 
 sys.path.insert(0, str(EXAMPLES.parent))
-import export_examples  # noqa: E402
+import export_examples
 
 
 def nested(params: dict, x: np.ndarray, t: np.ndarray) -> tuple:  # type: ignore[type-arg]
@@ -38,9 +38,19 @@ def test_export_writes_modules_weights_and_a_column_major_manifest(tmp_path: Pat
         batch_sizes=(4, 1),
         outputs=[OutputSpec("Y", letters="k"), OutputSpec("S", letters="a")],
     )
-    assert sorted(p.name for p in directory.iterdir()) == ["manifest.yaml", "model.b1.mlir", "model.b4.mlir", "weights.safetensors"]
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "manifest.yaml",
+        "model.b1.mlir",
+        "model.b4.mlir",
+        "weights.safetensors",
+    ]
     manifest = yaml.safe_load((directory / "manifest.yaml").read_text())
-    assert manifest["executable_inputs"][1] == {"name": "T", "dtype": "i64", "shape": "can", "dims": {"a": 2, "c": 5}}
+    assert manifest["executable_inputs"][1] == {
+        "name": "T",
+        "dtype": "i64",
+        "shape": "can",
+        "dims": {"a": 2, "c": 5},
+    }
     assert manifest["executable_outputs"] == [
         {"name": "Y", "dtype": "f32", "shape": "kn", "dims": {"k": 2}},
         {"name": "S", "dtype": "i64", "shape": "an", "dims": {"a": 5}},
@@ -74,7 +84,11 @@ def test_export_writes_modules_weights_and_a_column_major_manifest(tmp_path: Pat
 def test_export_refuses_bad_arguments(tmp_path: Path, kwargs: dict, says: str) -> None:  # type: ignore[type-arg]
     with pytest.raises(ValueError, match=says):
         export_bundle(
-            nested, PARAMS, [InputSpec("X", (3,)), InputSpec("T", (2, 5), np.int64)], tmp_path / "bad", **kwargs
+            nested,
+            PARAMS,
+            [InputSpec("X", (3,)), InputSpec("T", (2, 5), np.int64)],
+            tmp_path / "bad",
+            **kwargs,
         )
 
 
@@ -89,4 +103,6 @@ def test_shipped_example_repository_is_what_the_script_exports(tmp_path: Path) -
         fresh, shipped = tmp_path / model, EXAMPLES / model
         assert sorted(p.name for p in fresh.iterdir()) == sorted(p.name for p in shipped.iterdir())
         for path in fresh.iterdir():
-            assert path.read_bytes() == (shipped / path.name).read_bytes(), f"run examples/export_examples.py: {model}/{path.name}"
+            assert path.read_bytes() == (shipped / path.name).read_bytes(), (
+                f"run examples/export_examples.py: {model}/{path.name}"
+            )

@@ -13,7 +13,9 @@ from hloserve.manifest import Axis, parse_manifest
 GOOD: dict[str, Any] = {
     "format_version": "2.0",
     "name": "grader",
-    "executable_inputs": [{"name": "IMAGE", "dtype": "u8", "shape": "cwhn", "dims": {"c": 3, "w": 8, "h": 6}}],
+    "executable_inputs": [
+        {"name": "IMAGE", "dtype": "u8", "shape": "cwhn", "dims": {"c": 3, "w": 8, "h": 6}}
+    ],
     "executable_outputs": [{"name": "LOGITS", "dtype": "f32", "shape": "zn", "dims": {"z": 9}}],
     "batching": {"compiled_batch_sizes": [6, 1, 3]},
 }
@@ -40,7 +42,10 @@ def test_shape_problem_names_the_axis() -> None:
     image = parse(GOOD).executable_inputs[0]
     assert image.shape_problem([2, 6, 8, 3]) is None
     assert "rank 3" in (image.shape_problem([6, 8, 3]) or "")
-    assert image.shape_problem([2, 6, 9, 3]) == "shape [2, 6, 9, 3] does not match [-1, 6, 8, 3]: axis 2 must be 8"
+    assert (
+        image.shape_problem([2, 6, 9, 3])
+        == "shape [2, 6, 9, 3] does not match [-1, 6, 8, 3]: axis 2 must be 8"
+    )
 
 
 @pytest.mark.parametrize("token", ["bool", "bf16", "i64", "u16", "f16", "f64"])
@@ -77,30 +82,126 @@ DELETE = object()
 BAD_MANIFESTS = [
     pytest.param(["not", "a", "mapping"], None, "expected a mapping", id="not-a-mapping"),
     pytest.param(_with("format_version", "1.0"), "format_version", 'expected "2.0"', id="format-version"),
-    pytest.param(_with("format_version", DELETE), "format_version", 'expected "2.0"', id="format-version-missing"),
-    pytest.param(_with("name", "other"), "name", "must equal the bundle's directory name", id="name-mismatch"),
+    pytest.param(
+        _with("format_version", DELETE), "format_version", 'expected "2.0"', id="format-version-missing"
+    ),
+    pytest.param(
+        _with("name", "other"), "name", "must equal the bundle's directory name", id="name-mismatch"
+    ),
     pytest.param(_with("colour", "red"), "colour", "unknown key", id="unknown-key"),
     pytest.param(_with("executable_inputs", DELETE), "executable_inputs", "missing", id="inputs-missing"),
     pytest.param(_with("executable_outputs", []), "executable_outputs", "non-empty list", id="outputs-empty"),
-    pytest.param(_with("executable_inputs.0.dtype", "f128"), "executable_inputs[0].dtype", "unknown dtype token", id="dtype"),
-    pytest.param(_with("executable_inputs.0.shape", "cw1n"), "executable_inputs[0].shape", "ASCII letters", id="shape-chars"),
-    pytest.param(_with("executable_inputs.0.shape", "ccn"), "executable_inputs[0].shape", "more than once", id="letters-unique"),
-    pytest.param(_with("executable_inputs.0.shape", "cwhnb"), "executable_inputs[0].shape", "both batch letters", id="two-batch-letters"),
-    pytest.param(_with("executable_inputs.0.dims.h", DELETE), "executable_inputs[0].dims", "no size for letter 'h'", id="dims-missing"),
-    pytest.param(_with("executable_inputs.0.dims.x", 4), "executable_inputs[0].dims.x", "not in shape", id="dims-extra"),
-    pytest.param(_with("executable_inputs.0.dims.n", 4), "executable_inputs[0].dims.n", "batch axis and takes no size", id="dims-batch"),
-    pytest.param(_with("executable_inputs.0.dims.c", 0), "executable_inputs[0].dims.c", "positive integer or -1", id="dims-zero"),
-    pytest.param(_with("executable_inputs.0.dims.c", "3"), "executable_inputs[0].dims.c", "positive integer or -1", id="dims-string"),
-    pytest.param(_with("executable_inputs.0.dims.c", -1), "executable_inputs[0].dims.c", "only in client_outputs", id="variable-on-executable"),
-    pytest.param(_with("executable_outputs.0.name", "IMAGE") | {"executable_outputs": [GOOD["executable_outputs"][0], GOOD["executable_outputs"][0]]}, "executable_outputs", "more than once", id="duplicate-names"),
-    pytest.param(_with("executable_inputs.0.dtype", "f8_e5m2"), "executable_inputs[0].dtype", "no KServe datatype", id="fp8-on-the-wire"),
-    pytest.param(_with("client_outputs", [{"name": "g", "dtype": "i64", "shape": "n"}]), "client_outputs", "only in a bundle with a model.py", id="client-without-model-py"),
-    pytest.param(_with("batching.compiled_batch_sizes", [0, 4]), "batching.compiled_batch_sizes", "positive integers", id="batch-size-zero"),
-    pytest.param(_with("batching.compiled_batch_sizes", [4, 4]), "batching.compiled_batch_sizes", "repeats", id="batch-size-repeated"),
-    pytest.param(_with("batching.compiled_batch_sizes", "4"), "batching.compiled_batch_sizes", "positive integers", id="batch-sizes-not-list"),
+    pytest.param(
+        _with("executable_inputs.0.dtype", "f128"),
+        "executable_inputs[0].dtype",
+        "unknown dtype token",
+        id="dtype",
+    ),
+    pytest.param(
+        _with("executable_inputs.0.shape", "cw1n"),
+        "executable_inputs[0].shape",
+        "ASCII letters",
+        id="shape-chars",
+    ),
+    pytest.param(
+        _with("executable_inputs.0.shape", "ccn"),
+        "executable_inputs[0].shape",
+        "more than once",
+        id="letters-unique",
+    ),
+    pytest.param(
+        _with("executable_inputs.0.shape", "cwhnb"),
+        "executable_inputs[0].shape",
+        "both batch letters",
+        id="two-batch-letters",
+    ),
+    pytest.param(
+        _with("executable_inputs.0.dims.h", DELETE),
+        "executable_inputs[0].dims",
+        "no size for letter 'h'",
+        id="dims-missing",
+    ),
+    pytest.param(
+        _with("executable_inputs.0.dims.x", 4), "executable_inputs[0].dims.x", "not in shape", id="dims-extra"
+    ),
+    pytest.param(
+        _with("executable_inputs.0.dims.n", 4),
+        "executable_inputs[0].dims.n",
+        "batch axis and takes no size",
+        id="dims-batch",
+    ),
+    pytest.param(
+        _with("executable_inputs.0.dims.c", 0),
+        "executable_inputs[0].dims.c",
+        "positive integer or -1",
+        id="dims-zero",
+    ),
+    pytest.param(
+        _with("executable_inputs.0.dims.c", "3"),
+        "executable_inputs[0].dims.c",
+        "positive integer or -1",
+        id="dims-string",
+    ),
+    pytest.param(
+        _with("executable_inputs.0.dims.c", -1),
+        "executable_inputs[0].dims.c",
+        "only in client_outputs",
+        id="variable-on-executable",
+    ),
+    pytest.param(
+        _with("executable_outputs.0.name", "IMAGE")
+        | {"executable_outputs": [GOOD["executable_outputs"][0], GOOD["executable_outputs"][0]]},
+        "executable_outputs",
+        "more than once",
+        id="duplicate-names",
+    ),
+    pytest.param(
+        _with("executable_inputs.0.dtype", "f8_e5m2"),
+        "executable_inputs[0].dtype",
+        "no KServe datatype",
+        id="fp8-on-the-wire",
+    ),
+    pytest.param(
+        _with("client_outputs", [{"name": "g", "dtype": "i64", "shape": "n"}]),
+        "client_outputs",
+        "only in a bundle with a model.py",
+        id="client-without-model-py",
+    ),
+    pytest.param(
+        _with("batching.compiled_batch_sizes", [0, 4]),
+        "batching.compiled_batch_sizes",
+        "positive integers",
+        id="batch-size-zero",
+    ),
+    pytest.param(
+        _with("batching.compiled_batch_sizes", [4, 4]),
+        "batching.compiled_batch_sizes",
+        "repeats",
+        id="batch-size-repeated",
+    ),
+    pytest.param(
+        _with("batching.compiled_batch_sizes", "4"),
+        "batching.compiled_batch_sizes",
+        "positive integers",
+        id="batch-sizes-not-list",
+    ),
     pytest.param(_with("batching.extra", 1), "batching", "compiled_batch_sizes", id="batching-unknown-key"),
-    pytest.param(_with("executable_inputs", [GOOD["executable_inputs"][0], {"name": "K", "dtype": "f32", "shape": "k", "dims": {"k": 2}}]), "executable_inputs", "all or none", id="batch-all-or-none"),
-    pytest.param(_with("executable_inputs.0.shape", "cwh") | {"executable_inputs": [{"name": "X", "dtype": "f32", "shape": "k", "dims": {"k": 2}}]}, "batching.compiled_batch_sizes", "several batch sizes need inputs with a batch axis", id="sizes-without-batch-axis"),
+    pytest.param(
+        _with(
+            "executable_inputs",
+            [GOOD["executable_inputs"][0], {"name": "K", "dtype": "f32", "shape": "k", "dims": {"k": 2}}],
+        ),
+        "executable_inputs",
+        "all or none",
+        id="batch-all-or-none",
+    ),
+    pytest.param(
+        _with("executable_inputs.0.shape", "cwh")
+        | {"executable_inputs": [{"name": "X", "dtype": "f32", "shape": "k", "dims": {"k": 2}}]},
+        "batching.compiled_batch_sizes",
+        "several batch sizes need inputs with a batch axis",
+        id="sizes-without-batch-axis",
+    ),
 ]
 
 

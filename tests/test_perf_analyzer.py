@@ -5,17 +5,18 @@ from __future__ import annotations
 import sys
 
 import pytest
-
 from conftest import ROOT, ServerThread
 
 sys.path.insert(0, str(ROOT / "benches"))
-from perf_analyzer import perf_analyzer_path, run_perf_analyzer  # noqa: E402
+from perf_analyzer import perf_analyzer_path, run_perf_analyzer
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("model", "shape"), [("mlp", []), ("cnn", [])])
 def test_perf_analyzer_runs_clean(server: ServerThread, model: str, shape: list[str]) -> None:
-    assert perf_analyzer_path() is not None, "run `python benches/perf_analyzer.py --install` (tox -e tests does)"
+    assert perf_analyzer_path() is not None, (
+        "run `python benches/perf_analyzer.py --install` (tox -e tests does)"
+    )
     result = run_perf_analyzer(
         ["-m", model, "-u", server.url, "-i", "grpc", "--concurrency-range", "1:2", "-b", "2",
          "--measurement-interval", "1000", "-s", "100", "--max-trials", "3", *shape],

@@ -20,7 +20,9 @@ def _files(folder: Path) -> dict[str, str]:
 
 def test_generated_code_is_current(tmp_path: Path) -> None:
     """Committed generated code equals a fresh `python proto/generate.py`."""
-    subprocess.run([sys.executable, str(PROTO / "generate.py"), "--out", str(tmp_path)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(PROTO / "generate.py"), "--out", str(tmp_path)], check=True, capture_output=True
+    )
     fresh, committed = _files(tmp_path), _files(GENERATED)
     assert sorted(fresh) == sorted(committed), "run `python proto/generate.py`: the file list changed"
     stale = [name for name in fresh if fresh[name] != committed[name]]
@@ -30,7 +32,15 @@ def test_generated_code_is_current(tmp_path: Path) -> None:
 def _descriptor_set(tmp_path: Path, *protos: str) -> dict[str, descriptor_pb2.FileDescriptorProto]:
     out = tmp_path / "set.pb"
     subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", f"-I{PROTO}", "--include_imports", f"--descriptor_set_out={out}", *protos],
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"-I{PROTO}",
+            "--include_imports",
+            f"--descriptor_set_out={out}",
+            *protos,
+        ],
         check=True,
     )
     files = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
@@ -81,7 +91,8 @@ def test_rpcs_match_tritonclient(tmp_path: Path) -> None:
     def rpcs(fdp: descriptor_pb2.FileDescriptorProto) -> dict[str, tuple[str, str, bool, bool]]:
         (service,) = fdp.service
         return {
-            m.name: (m.input_type, m.output_type, m.client_streaming, m.server_streaming) for m in service.method
+            m.name: (m.input_type, m.output_type, m.client_streaming, m.server_streaming)
+            for m in service.method
         }
 
     ours = _descriptor_set(tmp_path, "grpc_service.proto")["grpc_service.proto"]
@@ -124,7 +135,11 @@ def test_hot_messages_share_a_process_with_tritonclient() -> None:
     request.raw_input_contents.append(b"\0" * 64)
     request.parameters["timeout"].int64_param = 5
     parsed = hot.ModelInferRequest.FromString(request.SerializeToString())
-    assert (parsed.model_name, parsed.inputs[0].name, list(parsed.inputs[0].shape)) == ("mlp", "INPUT0", [1, 16])
+    assert (parsed.model_name, parsed.inputs[0].name, list(parsed.inputs[0].shape)) == (
+        "mlp",
+        "INPUT0",
+        [1, 16],
+    )
     assert parsed.parameters["timeout"].int64_param == 5
     assert inference.ModelInferRequest.parse(request.SerializeToString()).id == "7"
     assert issubclass(inference.GrpcInferenceServiceBase, object)

@@ -11,13 +11,12 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from conftest import EXAMPLES, ServerThread, make_config
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from conftest import EXAMPLES, ServerThread, make_config
-
 sys.path.insert(0, str(EXAMPLES.parent))
-import export_examples  # noqa: E402
+import export_examples
 
 MLP_SIZES = (1, 2, 3, 4, 8, 13, 16)  # every compiled size and rows that pad up to one
 
@@ -31,7 +30,9 @@ def infer(client: Any, model: str, array: np.ndarray, name: str = "INPUT0", **kw
 def assert_good_request_served(client: Any) -> None:
     x = np.random.default_rng(0).random((2, 16), dtype=np.float32)
     result = infer(client, "mlp", x)
-    np.testing.assert_allclose(result.as_numpy("OUTPUT0"), export_examples.reference("mlp", x), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        result.as_numpy("OUTPUT0"), export_examples.reference("mlp", x), rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.fixture(name="stub")
@@ -66,13 +67,18 @@ class TestHealthAndMetadata:
     def test_model_config_is_triton_shaped(self, triton: Any) -> None:
         config = triton.get_model_config("mlp").config
         assert config.max_batch_size == 16
-        assert [(i.name, i.data_type, list(i.dims)) for i in config.input] == [("INPUT0", 11, [16])]  # 11 = TYPE_FP32
+        assert [(i.name, i.data_type, list(i.dims)) for i in config.input] == [
+            ("INPUT0", 11, [16])
+        ]  # 11 = TYPE_FP32
         assert [(o.name, list(o.dims)) for o in config.output] == [("OUTPUT0", [4])]
         assert list(config.dynamic_batching.preferred_batch_size) == [1, 4, 8, 16]
 
     def test_repository_index(self, triton: Any) -> None:
         index = triton.get_model_repository_index()
-        assert [(m.name, m.version, m.state) for m in index.models] == [("cnn", "1", "READY"), ("mlp", "1", "READY")]
+        assert [(m.name, m.version, m.state) for m in index.models] == [
+            ("cnn", "1", "READY"),
+            ("mlp", "1", "READY"),
+        ]
 
     def test_statistics_count_requests_rows_and_batches(self, triton: Any) -> None:
         before = triton.get_inference_statistics("mlp").model_stats[0]
@@ -92,13 +98,17 @@ class TestInference:
     def test_mlp_equals_jax_in_process(self, triton: Any, rows: int) -> None:
         x = np.random.default_rng(rows).standard_normal((rows, 16)).astype(np.float32)
         result = infer(triton, "mlp", x)
-        np.testing.assert_allclose(result.as_numpy("OUTPUT0"), export_examples.reference("mlp", x), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            result.as_numpy("OUTPUT0"), export_examples.reference("mlp", x), rtol=1e-5, atol=1e-6
+        )
 
     @pytest.mark.parametrize("rows", (1, 3, 4))
     def test_cnn_equals_jax_in_process(self, triton: Any, rows: int) -> None:
         x = np.random.default_rng(rows).random((rows, 16, 16, 3), dtype=np.float32)
         result = infer(triton, "cnn", x, name="IMAGE")
-        np.testing.assert_allclose(result.as_numpy("LOGITS"), export_examples.reference("cnn", x), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            result.as_numpy("LOGITS"), export_examples.reference("cnn", x), rtol=1e-5, atol=1e-5
+        )
 
     def test_typed_contents_equal_raw_contents(self, triton: Any, stub: Any) -> None:
         x = np.random.default_rng(7).random((2, 16), dtype=np.float32)
@@ -107,7 +117,9 @@ class TestInference:
         tensor.contents.fp32_contents.extend(x.ravel().tolist())
         response = stub.ModelInfer(request)
         assert response.id == "typed-1"
-        assert [(o.name, o.datatype, list(o.shape)) for o in response.outputs] == [("OUTPUT0", "FP32", [2, 4])]
+        assert [(o.name, o.datatype, list(o.shape)) for o in response.outputs] == [
+            ("OUTPUT0", "FP32", [2, 4])
+        ]
         typed = np.frombuffer(response.raw_output_contents[0], np.float32).reshape(2, 4)
         np.testing.assert_array_equal(typed, infer(triton, "mlp", x).as_numpy("OUTPUT0"))
 
@@ -127,7 +139,9 @@ class TestInference:
         for client in clients:
             client.close()
         for x, result in zip(inputs, results, strict=True):
-            np.testing.assert_allclose(result.as_numpy("OUTPUT0"), export_examples.reference("mlp", x), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(
+                result.as_numpy("OUTPUT0"), export_examples.reference("mlp", x), rtol=1e-5, atol=1e-6
+            )
 
 
 def _raw_request(shape: list[int], raw: bytes, datatype: str = "FP32", name: str = "INPUT0") -> Any:
@@ -144,14 +158,34 @@ class TestBadInput:
         ("model", "name", "array", "status", "says"),
         [
             ("nope", "INPUT0", np.zeros((1, 16), np.float32), "NOT_FOUND", "unknown model 'nope'"),
-            ("mlp", "INPUT9", np.zeros((1, 16), np.float32), "INVALID_ARGUMENT", "tensor 'INPUT9': unknown input; expected one of ['INPUT0']"),
+            (
+                "mlp",
+                "INPUT9",
+                np.zeros((1, 16), np.float32),
+                "INVALID_ARGUMENT",
+                "tensor 'INPUT9': unknown input; expected one of ['INPUT0']",
+            ),
             ("mlp", "INPUT0", np.zeros((1, 15), np.float32), "INVALID_ARGUMENT", "axis 1 must be 16"),
-            ("mlp", "INPUT0", np.zeros((16,), np.float32), "INVALID_ARGUMENT", "rank 1, expected [-1, 16] (rank 2)"),
-            ("mlp", "INPUT0", np.zeros((17, 16), np.float32), "INVALID_ARGUMENT", "batch of 17 rows exceeds the largest compiled batch size 16"),
+            (
+                "mlp",
+                "INPUT0",
+                np.zeros((16,), np.float32),
+                "INVALID_ARGUMENT",
+                "rank 1, expected [-1, 16] (rank 2)",
+            ),
+            (
+                "mlp",
+                "INPUT0",
+                np.zeros((17, 16), np.float32),
+                "INVALID_ARGUMENT",
+                "batch of 17 rows exceeds the largest compiled batch size 16",
+            ),
             ("mlp", "INPUT0", np.zeros((0, 16), np.float32), "INVALID_ARGUMENT", "batch of 0 rows"),
         ],
     )
-    def test_bad_tensor(self, triton: Any, model: str, name: str, array: np.ndarray, status: str, says: str) -> None:
+    def test_bad_tensor(
+        self, triton: Any, model: str, name: str, array: np.ndarray, status: str, says: str
+    ) -> None:
         with pytest.raises(InferenceServerException) as raised:
             infer(triton, model, array, name=name)
         assert raised.value.status() == f"StatusCode.{status}"
@@ -167,8 +201,15 @@ class TestBadInput:
         assert_good_request_served(triton)
 
     def test_requested_output_that_does_not_exist(self, triton: Any) -> None:
-        with pytest.raises(InferenceServerException, match=r"tensor 'LOGITS': requested output does not exist") as raised:
-            infer(triton, "mlp", np.zeros((1, 16), np.float32), outputs=[grpcclient.InferRequestedOutput("LOGITS")])
+        with pytest.raises(
+            InferenceServerException, match=r"tensor 'LOGITS': requested output does not exist"
+        ) as raised:
+            infer(
+                triton,
+                "mlp",
+                np.zeros((1, 16), np.float32),
+                outputs=[grpcclient.InferRequestedOutput("LOGITS")],
+            )
         assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
         assert_good_request_served(triton)
 
@@ -181,8 +222,14 @@ class TestBadInput:
     @pytest.mark.parametrize(
         ("request_", "says"),
         [
-            (_raw_request([2, 16], b"\0" * (2 * 16 * 4 - 4)), "raw contents hold 124 bytes, shape [2, 16] of FP32 needs 128"),
-            (_raw_request([2, 16], b"\0" * (2 * 16 * 4 + 4)), "raw contents hold 132 bytes, shape [2, 16] of FP32 needs 128"),
+            (
+                _raw_request([2, 16], b"\0" * (2 * 16 * 4 - 4)),
+                "raw contents hold 124 bytes, shape [2, 16] of FP32 needs 128",
+            ),
+            (
+                _raw_request([2, 16], b"\0" * (2 * 16 * 4 + 4)),
+                "raw contents hold 132 bytes, shape [2, 16] of FP32 needs 128",
+            ),
             (service_pb2.ModelInferRequest(model_name="mlp"), "missing input(s) ['INPUT0']"),
             (_raw_request([1, -16], b""), "negative dimension"),
         ],
@@ -215,7 +262,9 @@ class TestBadInput:
 
     def test_typed_contents_with_the_wrong_count(self, triton: Any, stub: Any) -> None:
         request = service_pb2.ModelInferRequest(model_name="mlp")
-        request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16]).contents.fp32_contents.extend([1.0] * 3)
+        request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16]).contents.fp32_contents.extend(
+            [1.0] * 3
+        )
         with pytest.raises(grpc.RpcError) as raised:
             stub.ModelInfer(request)
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -257,7 +306,11 @@ def test_a_bad_bundle_is_listed_not_ready_with_its_reason(tmp_path: Path) -> Non
         with pytest.raises(InferenceServerException, match="model 'bad' is not ready") as raised:
             client.infer("bad", [tensor])
         assert raised.value.status() == "StatusCode.UNAVAILABLE"
-        np.testing.assert_allclose(client.infer("good", [tensor]).as_numpy("OUTPUT"), [[0.1 * 18 + 1, 0.1 * 22 + 1, 0.1 * 26 + 1]], rtol=1e-6)
+        np.testing.assert_allclose(
+            client.infer("good", [tensor]).as_numpy("OUTPUT"),
+            [[0.1 * 18 + 1, 0.1 * 22 + 1, 0.1 * 26 + 1]],
+            rtol=1e-6,
+        )
         client.close()
     finally:
         server.stop()

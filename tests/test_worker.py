@@ -15,15 +15,15 @@ import numpy as np
 import pytest
 import trio
 import trio_asyncio
+from conftest import EXAMPLES, ROOT, ServerThread, make_config
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
-from conftest import EXAMPLES, ROOT, ServerThread, make_config
 from hloserve.client import Client
 from hloserve.worker import serve
 
 sys.path.insert(0, str(EXAMPLES.parent))
-import export_examples  # noqa: E402
+import export_examples
 
 
 def test_embedded_in_a_trio_nursery_and_cancelled_cleanly() -> None:
@@ -40,13 +40,17 @@ def test_embedded_in_a_trio_nursery_and_cancelled_cleanly() -> None:
                     assert await call(client.is_server_ready)()
                     assert await call(client.is_model_ready)("mlp")
                     assert (await call(client.server_metadata)()).name == "hloserve"
-                    assert [t.shape for t in (await call(client.model_metadata)("cnn")).inputs] == [[-1, 16, 16, 3]]
+                    assert [t.shape for t in (await call(client.model_metadata)("cnn")).inputs] == [
+                        [-1, 16, 16, 3]
+                    ]
                     assert (await call(client.model_config)("mlp")).max_batch_size == 16
                     index = await call(client.repository_index)(True)
                     assert [m.name for m in index.models] == ["cnn", "mlp"]
                     x = np.random.default_rng(1).random((5, 16), dtype=np.float32)
                     out = await call(client.infer)("mlp", {"INPUT0": x}, timeout=10)
-                    np.testing.assert_allclose(out["OUTPUT0"], export_examples.reference("mlp", x), rtol=1e-5, atol=1e-6)
+                    np.testing.assert_allclose(
+                        out["OUTPUT0"], export_examples.reference("mlp", x), rtol=1e-5, atol=1e-6
+                    )
                     stats = await call(client.model_statistics)("mlp")
                     assert stats.model_stats[0].inference_count == 5
                     with pytest.raises(GRPCError) as raised:
@@ -107,11 +111,12 @@ def test_cancelling_the_scope_mid_request_answers_the_client() -> None:
 
 def test_metrics_endpoint_counts_requests(server: ServerThread, triton: Any) -> None:
     import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
 
     tensor = grpcclient.InferInput("INPUT0", [2, 16], "FP32")
     tensor.set_data_from_numpy(np.zeros((2, 16), np.float32))
     triton.infer("mlp", [tensor])
-    with pytest.raises(Exception):
+    with pytest.raises(InferenceServerException, match="unknown model 'nope'"):
         triton.infer("nope", [tensor])
     url = f"http://127.0.0.1:{server.worker.metrics_port}/metrics"
     text = urllib.request.urlopen(url, timeout=10).read().decode()

@@ -65,4 +65,6 @@ def test_memory_stats_none_on_cpu_and_lapack_warm_up() -> None:
     spec = jax.ShapeDtypeStruct((3, 3), np.float32)
     executable = _xla.compile_module(_text(jnp.linalg.inv, spec))
     a = np.eye(3, dtype=np.float32) * 2
-    np.testing.assert_allclose(_xla.to_numpy(_xla.run(executable, [_xla.put(a)]))[0], np.eye(3) / 2, rtol=1e-6)
+    np.testing.assert_allclose(
+        _xla.to_numpy(_xla.run(executable, [_xla.put(a)]))[0], np.eye(3) / 2, rtol=1e-6
+    )

@@ -35,7 +35,7 @@ def _short_repr(data: bytes | memoryview | None) -> str:
     return "None" if not data else f"<hex:{bytes(data[:10]).hex()}...>"
 
 
-class _BigFrameH2Connection(grpclib.protocol.H2Connection):  # type: ignore[misc]
+class _BigFrameH2Connection(grpclib.protocol.H2Connection):
     def initiate_connection(self) -> None:
         super().initiate_connection()
         self.update_settings({h2.settings.SettingCodes.MAX_FRAME_SIZE: _MAX_FRAME_SIZE})
@@ -63,7 +63,7 @@ def install(max_receive_bytes: int) -> None:
     global _receive_limit
     _receive_limit = max(_receive_limit, max_receive_bytes)
     hyperframe.frame._raw_data_repr = _short_repr
-    grpclib.protocol.H2Connection = _BigFrameH2Connection
+    grpclib.protocol.H2Connection = _BigFrameH2Connection  # type: ignore[misc]
     grpclib.server.recv_message = _recv_message_limited
 
 
@@ -94,7 +94,7 @@ class GracefulServer(grpclib.server.Server):
     def port(self) -> int:
         """The bound TCP port (useful when started on port 0)."""
         assert self._server is not None, "server not started"
-        return int(self._server.sockets[0].getsockname()[1])
+        return int(self._server.sockets[0].getsockname()[1])  # type: ignore[attr-defined]
 
     def running_calls(self) -> list[asyncio.Task[None]]:
         return [t for h in self._handlers for t in h._tasks.values() if not t.done()]

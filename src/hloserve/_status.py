@@ -37,7 +37,7 @@ def to_grpc_error(error: Exception, rpc: str) -> GRPCError:
     if isinstance(error, GRPCError):
         return error
     for cls in type(error).__mro__:
-        status = STATUS_BY_ERROR.get(cls)  # type: ignore[call-overload]
+        status = STATUS_BY_ERROR.get(cls)
         if status is not None:
             return GRPCError(status, str(error))
     log.error("unexpected error", rpc=rpc, exc_info=error)

@@ -18,24 +18,24 @@ from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # XLA's C++ logs duplicate our own errors
 
-import jax  # noqa: E402
-import jax.extend.backend  # noqa: E402
-import jax.extend.mlir  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax._src.interpreters import mlir as _jax_mlir  # noqa: E402
-from jaxlib import xla_client  # noqa: E402
-from jaxlib.mlir import ir  # noqa: E402
+import jax
+import jax.extend.backend
+import jax.extend.mlir
+import jax.numpy as jnp
+import numpy as np
+from jax._src.interpreters import mlir as _jax_mlir
+from jaxlib import xla_client
+from jaxlib.mlir import ir
 
-from hloserve.dtypes import DType, by_mlir  # noqa: E402
+from hloserve.dtypes import DType, by_mlir
 
 jax.config.update("jax_enable_x64", True)
 
 __all__ = [
     "DeviceArray",
     "Executable",
-    "TensorType",
     "Signature",
+    "TensorType",
     "compile_module",
     "compiled_memory",
     "device",

@@ -16,7 +16,9 @@ from hloserve.manifest import TensorSpec
 __all__ = ["assemble", "split_outputs"]
 
 
-def assemble(specs: Sequence[TensorSpec], requests: Sequence[Sequence[np.ndarray]], batch_size: int) -> list[np.ndarray]:
+def assemble(
+    specs: Sequence[TensorSpec], requests: Sequence[Sequence[np.ndarray]], batch_size: int
+) -> list[np.ndarray]:
     """The executable inputs for one execution: requests joined, zero-padded up to `batch_size`.
 
     A lone request that already fills the batch is passed through without a copy.

@@ -23,7 +23,8 @@ import numpy as np
 from hloserve import _xla, dtypes
 from hloserve.dtypes import DType
 from hloserve.errors import BundleError
-from hloserve.manifest import FILE as MANIFEST, Manifest, TensorSpec, load_manifest
+from hloserve.manifest import FILE as MANIFEST
+from hloserve.manifest import Manifest, TensorSpec, load_manifest
 
 __all__ = ["Bundle", "ModuleFile", "WeightSpec", "discover", "load_bundle", "read_weights"]
 
@@ -105,7 +106,10 @@ def _read_safetensors_header(path: Path, bundle: str) -> tuple[list[WeightSpec],
         except (TypeError, ValueError):
             order = None
         if not isinstance(order, list) or not all(isinstance(n, str) for n in order):
-            raise fail("__metadata__.argument_order", f"expected a JSON list of tensor names, got {metadata['argument_order']!r}")
+            raise fail(
+                "__metadata__.argument_order",
+                f"expected a JSON list of tensor names, got {metadata['argument_order']!r}",
+            )
     data_start = 8 + length
     specs = []
     for name, info in header.items():
@@ -116,7 +120,9 @@ def _read_safetensors_header(path: Path, bundle: str) -> tuple[list[WeightSpec],
         except (KeyError, TypeError, ValueError):
             raise fail(name, f"unsupported or malformed tensor entry {info!r}") from None
         if end - begin != math.prod(shape) * dtype.itemsize:
-            raise fail(name, f"data_offsets span {end - begin} bytes, {dtype.token}{list(shape)} needs more or less")
+            raise fail(
+                name, f"data_offsets span {end - begin} bytes, {dtype.token}{list(shape)} needs more or less"
+            )
         specs.append(WeightSpec(name, dtype, shape, data_start + begin, end - begin))
     return specs, order
 
@@ -131,17 +137,18 @@ def _weights(directory: Path, bundle: str) -> tuple[tuple[WeightSpec, ...], Path
     field = "__metadata__.argument_order"
     if order is None:
         raise BundleError(
-            bundle, WEIGHTS, field, f"missing; {len(specs)} tensors need an order to be bound to the module's arguments"
+            bundle,
+            WEIGHTS,
+            field,
+            f"missing; {len(specs)} tensors need an order to be bound to the module's arguments",
         )
     by_name = {s.name: s for s in specs}
     repeated = sorted({n for n in order if order.count(n) > 1})
     unknown = [n for n in order if n not in by_name]
     unlisted = sorted(set(by_name) - set(order))
     if repeated or unknown or unlisted:
-        raise BundleError(
-            bundle, WEIGHTS, field,
-            f"must list every tensor exactly once (repeated {repeated}, not in the file {unknown}, unlisted {unlisted})",
-        )  # fmt: skip
+        problem = f"repeated {repeated}, not in the file {unknown}, unlisted {unlisted}"
+        raise BundleError(bundle, WEIGHTS, field, f"must list every tensor exactly once ({problem})")
     return tuple(by_name[n] for n in order), path
 
 
@@ -154,7 +161,9 @@ def _modules(directory: Path, bundle: str, manifest: Manifest) -> tuple[ModuleFi
     if not found:
         raise BundleError(bundle, "model.mlir", None, "no module: expected model.mlir or model.b{N}.mlir")
     if 0 in found and len(found) > 1:
-        raise BundleError(bundle, "model.mlir", None, "found beside model.b{N}.mlir files; use one layout or the other")
+        raise BundleError(
+            bundle, "model.mlir", None, "found beside model.b{N}.mlir files; use one layout or the other"
+        )
     missing = [n for n in manifest.compiled_batch_sizes if n not in found and 0 not in found]
     if missing:
         raise BundleError(
@@ -163,7 +172,9 @@ def _modules(directory: Path, bundle: str, manifest: Manifest) -> tuple[ModuleFi
     modules = []
     for size, path in sorted(found.items()):
         raw = path.read_bytes()
-        source: str | bytes = raw if raw.startswith(_BYTECODE_MAGIC) else raw.decode("utf-8", errors="replace")
+        source: str | bytes = (
+            raw if raw.startswith(_BYTECODE_MAGIC) else raw.decode("utf-8", errors="replace")
+        )
         try:
             signature = _xla.main_signature(source)
         except (ValueError, KeyError) as e:
@@ -182,13 +193,17 @@ def _batch_of(module: ModuleFile, specs: tuple[TensorSpec, ...]) -> int | None:
     return None
 
 
-def _check_signature(bundle: str, module: ModuleFile, manifest: Manifest, weights: tuple[WeightSpec, ...]) -> None:
+def _check_signature(
+    bundle: str, module: ModuleFile, manifest: Manifest, weights: tuple[WeightSpec, ...]
+) -> None:
     def fail(problem: str) -> BundleError:
         return BundleError(bundle, module.path.name, "main", problem)
 
     signature = module.signature
     if signature.donated:
-        raise fail(f"donation attribute on argument(s) {list(signature.donated)}; export without donate_argnums")
+        raise fail(
+            f"donation attribute on argument(s) {list(signature.donated)}; export without donate_argnums"
+        )
     inputs = manifest.executable_inputs
     expected_count = len(inputs) + len(weights)
     if len(signature.inputs) != expected_count:
@@ -200,14 +215,23 @@ def _check_signature(bundle: str, module: ModuleFile, manifest: Manifest, weight
     if manifest.batched and batch is None:
         raise fail("cannot tell the batch size of a single model.mlir from its signature")
 
-    def check(kind: str, i: int, name: str, got: _xla.TensorType, dtype: DType, shape: tuple[int, ...]) -> None:
+    def check(
+        kind: str, i: int, name: str, got: _xla.TensorType, dtype: DType, shape: tuple[int, ...]
+    ) -> None:
         if got.dtype != dtype or got.shape != shape:
             raise fail(f"{kind} {i} ({name!r}) is {got}, expected {dtype.token}[{','.join(map(str, shape))}]")
 
     for i, spec in enumerate(inputs):
         check("argument", i, spec.name, signature.inputs[i], spec.dtype, spec.wire_shape(batch or 0))
     for j, weight in enumerate(weights):
-        check("argument", len(inputs) + j, weight.name, signature.inputs[len(inputs) + j], weight.dtype, weight.shape)
+        check(
+            "argument",
+            len(inputs) + j,
+            weight.name,
+            signature.inputs[len(inputs) + j],
+            weight.dtype,
+            weight.shape,
+        )
     outputs = manifest.executable_outputs
     if len(signature.outputs) != len(outputs):
         raise fail(f"returns {len(signature.outputs)} results, executable_outputs declares {len(outputs)}")
@@ -227,8 +251,12 @@ def load_bundle(directory: Path) -> Bundle:
         _check_signature(name, module, manifest, weights)
     if manifest.batched and modules[0].batch_size == 0:
         # A single batched model.mlir is compiled for the batch extent in its signature.
-        modules = (dataclasses.replace(modules[0], batch_size=_batch_of(modules[0], manifest.executable_inputs)),)
-    return Bundle(name, directory, manifest, modules, weights, weights_path, model_py if has_model_py else None)
+        extent = _batch_of(modules[0], manifest.executable_inputs)
+        assert extent is not None  # _check_signature refused a batched module without one
+        modules = (dataclasses.replace(modules[0], batch_size=extent),)
+    return Bundle(
+        name, directory, manifest, modules, weights, weights_path, model_py if has_model_py else None
+    )
 
 
 def discover(repository: Path) -> list[tuple[str, Bundle | BundleError]]:
@@ -257,7 +285,7 @@ def read_weights(bundle: Bundle) -> list[np.ndarray]:
         for spec in bundle.weights:
             buffer = _aligned_empty(spec.nbytes)
             f.seek(spec.offset)
-            if f.readinto(memoryview(buffer)) != spec.nbytes:
+            if f.readinto(buffer.data) != spec.nbytes:
                 raise BundleError(bundle.name, WEIGHTS, spec.name, "file is shorter than its header says")
             arrays.append(buffer.view(spec.dtype.numpy).reshape(spec.shape))
     return arrays

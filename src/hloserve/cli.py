@@ -28,7 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--config", type=Path, help="YAML configuration file")
     serve.add_argument(
-        "--model-repository", type=Path, help="directory of bundles (default: the shipped examples/repository)"
+        "--model-repository",
+        type=Path,
+        help="directory of bundles (default: the shipped examples/repository)",
     )
     serve.add_argument("--host", help="listen address (default 127.0.0.1; 0.0.0.0 for all interfaces)")
     serve.add_argument("--grpc-port", type=int, help="gRPC port (default 8001; 0 picks a free one)")

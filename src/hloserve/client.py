@@ -34,7 +34,9 @@ class Client:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8001) -> None:
         self._channel = Channel(
-            host, port, config=Configuration(http2_connection_window_size=16 << 20, http2_stream_window_size=16 << 20)
+            host,
+            port,
+            config=Configuration(http2_connection_window_size=16 << 20, http2_stream_window_size=16 << 20),
         )
         self._stub = kserve.GrpcInferenceServiceStub(self._channel)
         self._infer = UnaryUnaryMethod(self._channel, _INFER, hot.ModelInferRequest, hot.ModelInferResponse)
@@ -66,7 +68,9 @@ class Client:
         return await self._stub.model_metadata(kserve.ModelMetadataRequest(name=model))
 
     async def model_config(self, model: str) -> kserve.ModelConfig:
-        return (await self._stub.model_config(kserve.ModelConfigRequest(name=model))).config
+        config = (await self._stub.model_config(kserve.ModelConfigRequest(name=model))).config
+        assert config is not None, "ModelConfig answered without a config"
+        return config
 
     async def model_statistics(self, model: str = "") -> kserve.ModelStatisticsResponse:
         return await self._stub.model_statistics(kserve.ModelStatisticsRequest(name=model))

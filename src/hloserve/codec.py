@@ -82,7 +82,9 @@ def _wire_shape(model: str, tensor: Any) -> tuple[int, ...]:
 def _array_from_contents(model: str, tensor: Any, dtype: dtypes.DType, shape: tuple[int, ...]) -> np.ndarray:
     if dtype.contents_field is None:
         raise InvalidInput(
-            model, f"datatype {dtype.wire} has no typed contents field; send it in raw_input_contents", tensor.name
+            model,
+            f"datatype {dtype.wire} has no typed contents field; send it in raw_input_contents",
+            tensor.name,
         )
     values = getattr(tensor.contents, dtype.contents_field)
     count = math.prod(shape)
@@ -95,7 +97,9 @@ def _array_from_contents(model: str, tensor: Any, dtype: dtypes.DType, shape: tu
     return np.asarray(values, dtype=dtype.numpy).reshape(shape)
 
 
-def _array_from_raw(model: str, name: str, raw: bytes, dtype: dtypes.DType, shape: tuple[int, ...]) -> np.ndarray:
+def _array_from_raw(
+    model: str, name: str, raw: bytes, dtype: dtypes.DType, shape: tuple[int, ...]
+) -> np.ndarray:
     needed = math.prod(shape) * dtype.itemsize
     if len(raw) != needed:
         raise InvalidInput(
@@ -121,7 +125,9 @@ def decode_request(
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise InvalidInput(
-            model, f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; expected one per input"
+            model,
+            f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; "
+            "expected one per input",
         )
     arrays: list[np.ndarray | None] = [None] * len(inputs)
     rows: int | None = None
@@ -133,7 +139,9 @@ def decode_request(
             raise InvalidInput(model, "input given more than once", tensor.name)
         spec = inputs[index]
         if tensor.datatype != spec.dtype.wire:
-            raise InvalidInput(model, f"datatype {tensor.datatype!r}, expected {spec.dtype.wire!r}", tensor.name)
+            raise InvalidInput(
+                model, f"datatype {tensor.datatype!r}, expected {spec.dtype.wire!r}", tensor.name
+            )
         shape = _wire_shape(model, tensor)
         problem = spec.shape_problem(shape)
         if problem is not None:
@@ -146,7 +154,9 @@ def decode_request(
             extent = shape[spec.batch_axis]
             if rows is not None and extent != rows:
                 raise InvalidInput(
-                    model, f"batch of {extent} rows, but other inputs have {rows}; batch axes must agree", tensor.name
+                    model,
+                    f"batch of {extent} rows, but other inputs have {rows}; batch axes must agree",
+                    tensor.name,
                 )
             rows = extent
         arrays[index] = array
@@ -158,14 +168,18 @@ def decode_request(
         if rows < 1:
             raise InvalidInput(model, "batch of 0 rows; send at least one")
         if rows > max_rows:
-            raise InvalidInput(model, f"batch of {rows} rows exceeds the largest compiled batch size {max_rows}")
+            raise InvalidInput(
+                model, f"batch of {rows} rows exceeds the largest compiled batch size {max_rows}"
+            )
     out_names = {spec.name: i for i, spec in enumerate(outputs)}
     if request.outputs:
         selected = []
         for requested in request.outputs:
             if requested.name not in out_names:
                 raise InvalidInput(
-                    model, f"requested output does not exist; expected one of {sorted(out_names)}", requested.name
+                    model,
+                    f"requested output does not exist; expected one of {sorted(out_names)}",
+                    requested.name,
                 )
             selected.append(out_names[requested.name])
     else:
@@ -174,7 +188,11 @@ def decode_request(
 
 
 def encode_response(
-    request: Any, model: str, specs: Sequence[TensorSpec], selected: Sequence[int], arrays: Sequence[np.ndarray]
+    request: Any,
+    model: str,
+    specs: Sequence[TensorSpec],
+    selected: Sequence[int],
+    arrays: Sequence[np.ndarray],
 ) -> Any:
     """A ModelInferResponse with every output in raw_output_contents (what tritonclient decodes)."""
     response = pb.ModelInferResponse(model_name=model, id=request.id)

@@ -53,7 +53,9 @@ class CompiledModel:
             return 0
         return next((b for b in self.batch_sizes if b >= rows), None)
 
-    def execute(self, batch_size: int, inputs: Sequence[np.ndarray], weights: Sequence[_xla.DeviceArray]) -> ExecutionResult:
+    def execute(
+        self, batch_size: int, inputs: Sequence[np.ndarray], weights: Sequence[_xla.DeviceArray]
+    ) -> ExecutionResult:
         """Run the `batch_size` executable on inputs (exactly its signature) and the weights.
 
         PJRT checks only byte sizes, so the inputs are checked against the signature here, last,
@@ -72,7 +74,9 @@ class CompiledModel:
             placed = time.perf_counter()
             outputs = _xla.to_numpy(_xla.run(self.executables[batch_size], [*args, *weights]))
         except Exception as e:  # XLA raises its own runtime errors; report the cause
-            raise ExecutionFailed(self.name, str(e).strip().splitlines()[0] if str(e).strip() else repr(e)) from e
+            raise ExecutionFailed(
+                self.name, str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+            ) from e
         done = time.perf_counter()
         return ExecutionResult(outputs, placed - started, done - placed)
 

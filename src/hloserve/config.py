@@ -153,7 +153,8 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
         try:
             number = hint(value)
         except (TypeError, ValueError):
-            raise ConfigError(where, f"got {value!r}; expected {'an integer' if hint is int else 'a number'}")
+            kind = "an integer" if hint is int else "a number"
+            raise ConfigError(where, f"got {value!r}; expected {kind}") from None
         if hint is int and isinstance(value, float) and value != number:
             raise ConfigError(where, f"got {value!r}; expected an integer")
         return number
@@ -185,9 +186,7 @@ def _section(cls: type, data: Any, where: str) -> Any:
         if cls is SchedulerConfig and name == "models":
             if not isinstance(value, Mapping):
                 raise ConfigError(f"{where}.models", "expected a mapping of model name to settings")
-            values[name] = {
-                str(m): _section(ModelPolicy, v, f"{where}.models.{m}") for m, v in value.items()
-            }
+            values[name] = {str(m): _section(ModelPolicy, v, f"{where}.models.{m}") for m, v in value.items()}
         else:
             values[name] = _convert(value, hints[name], f"{where}.{name}")
     return cls(**values)
@@ -215,7 +214,9 @@ def load_config(path: Path | None = None, environ: Mapping[str, str] | None = No
         rest = key[len(ENV_PREFIX) :].lower()
         section = next((s for s in sections if rest.startswith(s + "_")), None)
         if section is None:
-            raise ConfigError(key, f"unknown section; expected {ENV_PREFIX}<{'|'.join(sections).upper()}>_<FIELD>")
+            raise ConfigError(
+                key, f"unknown section; expected {ENV_PREFIX}<{'|'.join(sections).upper()}>_<FIELD>"
+            )
         field_name = rest[len(section) + 1 :]
         cls = typing.get_type_hints(Config)[section]
         if field_name not in {f.name for f in dataclasses.fields(cls)} or field_name == "models":

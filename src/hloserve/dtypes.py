@@ -12,7 +12,7 @@ from typing import Final
 import ml_dtypes
 import numpy as np
 
-__all__ = ["DType", "by_mlir", "by_numpy", "by_token", "by_wire", "DTYPES"]
+__all__ = ["DTYPES", "DType", "by_mlir", "by_numpy", "by_token", "by_wire"]
 
 
 @dataclass(frozen=True, slots=True)

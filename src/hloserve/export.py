@@ -110,10 +110,14 @@ def export_bundle(
         out_shapes = list(jax.eval_shape(flat, *in_specs, *weight_specs))
         for k, out in enumerate(out_shapes):
             if not out.shape or out.shape[0] != size:
-                raise ValueError(f"output {k} has shape {out.shape}; hloserve needs a leading batch axis of {size}")
+                raise ValueError(
+                    f"output {k} has shape {out.shape}; hloserve needs a leading batch axis of {size}"
+                )
         text = jitted.trace(*in_specs, *weight_specs).lower(lowering_platforms=(platform,)).as_text()
         (directory / f"model.b{size}.mlir").write_text(text)
-    out_specs = list(outputs) if outputs is not None else [OutputSpec(f"output_{k}") for k in range(len(out_shapes))]
+    out_specs = (
+        list(outputs) if outputs is not None else [OutputSpec(f"output_{k}") for k in range(len(out_shapes))]
+    )
     if len(out_specs) != len(out_shapes):
         raise ValueError(f"{len(out_specs)} output names for {len(out_shapes)} outputs")
     manifest = {
@@ -135,6 +139,10 @@ def export_bundle(
     if weights:
         from safetensors.numpy import save_file
 
-        save_file(dict(zip(names, weights, strict=True)), str(weights_path), metadata={"argument_order": json.dumps(names)})
+        save_file(
+            dict(zip(names, weights, strict=True)),
+            str(weights_path),
+            metadata={"argument_order": json.dumps(names)},
+        )
         weights_path.chmod(0o644)
     return directory

@@ -153,15 +153,21 @@ class _Reader:
         except KeyError as e:
             raise self.fail(f"{where}.dtype", str(e.args[0])) from None
         if client and dtype.wire is None:
-            raise self.fail(f"{where}.dtype", f"{token} has no KServe datatype; it may appear only on executable tensors")
+            raise self.fail(
+                f"{where}.dtype", f"{token} has no KServe datatype; it may appear only on executable tensors"
+            )
         shape = data.get("shape", "")
         if not isinstance(shape, str) or not all(c.isascii() and c.isalpha() for c in shape):
-            raise self.fail(f"{where}.shape", f"expected a string of ASCII letters, one per axis, got {shape!r}")
+            raise self.fail(
+                f"{where}.shape", f"expected a string of ASCII letters, one per axis, got {shape!r}"
+            )
         repeated = sorted({c for c in shape if shape.count(c) > 1})
         if repeated:
             raise self.fail(f"{where}.shape", f"letter(s) {repeated} appear more than once in {shape!r}")
         if len(BATCH_LETTERS & set(shape)) > 1:
-            raise self.fail(f"{where}.shape", f"{shape!r} has both batch letters n and b; at most one batch axis")
+            raise self.fail(
+                f"{where}.shape", f"{shape!r} has both batch letters n and b; at most one batch axis"
+            )
         dims = data.get("dims") or {}
         if not isinstance(dims, Mapping):
             raise self.fail(f"{where}.dims", f"expected a mapping of letter to size, got {dims!r}")
@@ -169,7 +175,9 @@ class _Reader:
         for letter in shape:
             if letter in BATCH_LETTERS:
                 if letter in dims:
-                    raise self.fail(f"{where}.dims.{letter}", f"{letter!r} is the batch axis and takes no size")
+                    raise self.fail(
+                        f"{where}.dims.{letter}", f"{letter!r} is the batch axis and takes no size"
+                    )
                 axes.append(Axis(letter, None))
                 continue
             if letter not in dims:
@@ -197,7 +205,9 @@ class _Reader:
         if not isinstance(value, list) or not value:
             raise self.fail(key, f"expected a non-empty list of tensors, got {value!r}")
         specs = tuple(
-            self.tensor(t, f"{key}[{i}]", client=key.startswith("client_"), allow_variable=key == "client_outputs")
+            self.tensor(
+                t, f"{key}[{i}]", client=key.startswith("client_"), allow_variable=key == "client_outputs"
+            )
             for i, t in enumerate(value)
         )
         names = [s.name for s in specs]
@@ -217,7 +227,7 @@ def parse_manifest(data: object, bundle: str, *, has_model_py: bool) -> Manifest
         raise read.fail(sorted(unknown)[0], f"unknown key; expected one of {sorted(_KEYS)}")
     version = data.get("format_version")
     if str(version) not in ("2", "2.0"):
-        raise read.fail("format_version", f"expected \"2.0\", got {version!r}")
+        raise read.fail("format_version", f'expected "2.0", got {version!r}')
     name = data.get("name", bundle)
     if name != bundle:
         raise read.fail("name", f"{name!r} must equal the bundle's directory name {bundle!r}")
@@ -238,16 +248,22 @@ def parse_manifest(data: object, bundle: str, *, has_model_py: bool) -> Manifest
     ):
         for i, spec in enumerate(specs):
             if client is None and spec.dtype.wire is None:
-                raise read.fail(f"{key}[{i}].dtype", f"{spec.dtype.token} has no KServe datatype; clients cannot send it")
+                raise read.fail(
+                    f"{key}[{i}].dtype", f"{spec.dtype.token} has no KServe datatype; clients cannot send it"
+                )
     batched = [s.batch_axis is not None for s in executable_inputs]
     if any(batched) and not all(batched):
         unbatched = [s.name for s, b in zip(executable_inputs, batched, strict=True) if not b]
         raise read.fail("executable_inputs", f"batch axes are all or none; {unbatched} have no n/b axis")
     sizes = _batch_sizes(read, data.get("batching"))
     if len(sizes) > 1 and not all(batched):
-        raise read.fail("batching.compiled_batch_sizes", "several batch sizes need inputs with a batch axis (n or b)")
+        raise read.fail(
+            "batching.compiled_batch_sizes", "several batch sizes need inputs with a batch axis (n or b)"
+        )
     if "input_shapes" in data:
-        raise read.fail("input_shapes", "shape variants are not supported by hloserve yet; export one bundle per shape")
+        raise read.fail(
+            "input_shapes", "shape variants are not supported by hloserve yet; export one bundle per shape"
+        )
     provenance = data.get("provenance") or {}
     if not isinstance(provenance, Mapping):
         raise read.fail("provenance", f"expected a mapping, got {provenance!r}")
@@ -271,7 +287,9 @@ def _batch_sizes(read: _Reader, batching: Any) -> tuple[int, ...]:
         raise read.fail("batching", f"expected a mapping with compiled_batch_sizes, got {batching!r}")
     sizes = batching.get("compiled_batch_sizes") or []
     where = "batching.compiled_batch_sizes"
-    if not isinstance(sizes, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
+    if not isinstance(sizes, list) or not all(
+        isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes
+    ):
         raise read.fail(where, f"expected a list of positive integers, got {sizes!r}")
     if len(set(sizes)) != len(sizes):
         raise read.fail(where, f"{sizes} repeats a size")

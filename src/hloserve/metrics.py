@@ -32,7 +32,9 @@ class _StatisticsCollector(Collector):
             "executions": CounterMetricFamily(
                 "hloserve_executions", "Executions run per model", labels=["model"]
             ),
-            "rows": CounterMetricFamily("hloserve_inference_rows", "Rows (batch elements) executed", labels=["model"]),
+            "rows": CounterMetricFamily(
+                "hloserve_inference_rows", "Rows (batch elements) executed", labels=["model"]
+            ),
             "queue": CounterMetricFamily(
                 "hloserve_queue_seconds", "Time requests spent queued", labels=["model"]
             ),
@@ -40,7 +42,9 @@ class _StatisticsCollector(Collector):
                 "hloserve_compute_seconds", "Time spent executing (input, infer, output)", labels=["model"]
             ),
             "batches": CounterMetricFamily(
-                "hloserve_batch_executions", "Executions per compiled batch size", labels=["model", "batch_size"]
+                "hloserve_batch_executions",
+                "Executions per compiled batch size",
+                labels=["model", "batch_size"],
             ),
         }
         for model, s in stats.items():
@@ -48,7 +52,9 @@ class _StatisticsCollector(Collector):
             families["rows"].add_metric([model], s.inference_count)
             families["queue"].add_metric([model], s.queue.ns / 1e9)
             c = s.compute
-            families["compute"].add_metric([model], (c.compute_input.ns + c.compute_infer.ns + c.compute_output.ns) / 1e9)
+            families["compute"].add_metric(
+                [model], (c.compute_input.ns + c.compute_infer.ns + c.compute_output.ns) / 1e9
+            )
             for size, times in sorted(s.by_batch_size.items()):
                 families["batches"].add_metric([model, str(size)], times.compute_infer.count)
         yield from families.values()
@@ -64,7 +70,10 @@ class Metrics:
     def __init__(self, statistics: Statistics) -> None:
         self.registry = CollectorRegistry()
         self.requests = prometheus_client.Counter(
-            "hloserve_requests", "ModelInfer calls by model and gRPC status", ["model", "status"], registry=self.registry
+            "hloserve_requests",
+            "ModelInfer calls by model and gRPC status",
+            ["model", "status"],
+            registry=self.registry,
         )
         self.request_seconds = prometheus_client.Histogram(
             "hloserve_request_duration_seconds",

@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Coroutine, Mapping
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError
@@ -46,17 +46,18 @@ _BUILT = {
 }  # fmt: skip
 _VERSIONS = ("", "1")  # every model has exactly one version, "1"
 
+P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def _rpc(name: str) -> Callable[[Callable[..., Awaitable[R]]], Callable[..., Awaitable[R]]]:
+def _rpc(name: str) -> Callable[[Callable[P, Coroutine[Any, Any, R]]], Callable[P, Coroutine[Any, Any, R]]]:
     """Turn whatever a generated-message handler raises into its gRPC status."""
 
-    def wrap(handler: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
+    def wrap(handler: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
         @functools.wraps(handler)
-        async def wrapped(*args: Any) -> R:
+        async def wrapped(*args: P.args, **kwargs: P.kwargs) -> R:
             try:
-                return await handler(*args)
+                return await handler(*args, **kwargs)
             except Exception as e:
                 raise to_grpc_error(e, name) from None
 
@@ -105,7 +106,9 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         return mapping
 
     async def _unimplemented(self, rpc: str, stream: Any) -> None:
-        raise GRPCError(Status.UNIMPLEMENTED, str(Unimplemented(rpc, "not built in this version of hloserve")))
+        raise GRPCError(
+            Status.UNIMPLEMENTED, str(Unimplemented(rpc, "not built in this version of hloserve"))
+        )
 
     def _entry(self, name: str, version: str = "") -> ModelEntry:
         entry = self._models.get(name)
@@ -243,9 +246,13 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
                 platform=_platform(),
                 backend="jax",
                 max_batch_size=max_batch,
-                input=[kserve.ModelInput(name=s.name, data_type=_data_type(s), dims=dims(s)) for s in manifest.inputs],
+                input=[
+                    kserve.ModelInput(name=s.name, data_type=_data_type(s), dims=dims(s))
+                    for s in manifest.inputs
+                ],
                 output=[
-                    kserve.ModelOutput(name=s.name, data_type=_data_type(s), dims=dims(s)) for s in manifest.outputs
+                    kserve.ModelOutput(name=s.name, data_type=_data_type(s), dims=dims(s))
+                    for s in manifest.outputs
                 ],
                 dynamic_batching=kserve.ModelDynamicBatching(
                     preferred_batch_size=sizes,
@@ -257,7 +264,9 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         )
 
     @_rpc("ModelStatistics")
-    async def model_statistics(self, message: kserve.ModelStatisticsRequest) -> kserve.ModelStatisticsResponse:
+    async def model_statistics(
+        self, message: kserve.ModelStatisticsRequest
+    ) -> kserve.ModelStatisticsResponse:
         names = [self._entry(message.name, message.version).name] if message.name else sorted(self._models)
         stats = []
         for name in names:
@@ -292,7 +301,9 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         return kserve.ModelStatisticsResponse(model_stats=stats)
 
     @_rpc("RepositoryIndex")
-    async def repository_index(self, message: kserve.RepositoryIndexRequest) -> kserve.RepositoryIndexResponse:
+    async def repository_index(
+        self, message: kserve.RepositoryIndexRequest
+    ) -> kserve.RepositoryIndexResponse:
         return kserve.RepositoryIndexResponse(
             models=[
                 kserve.RepositoryIndexResponseModelIndex(
@@ -309,4 +320,3 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
 
 def _platform() -> str:
     return f"stablehlo_{_xla.device().platform}"
-

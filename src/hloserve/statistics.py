@@ -50,10 +50,14 @@ class ModelStatistics:
     fail: Duration = field(default_factory=Duration)
     queue: Duration = field(default_factory=Duration)
     compute: ExecutionTimes = field(default_factory=ExecutionTimes)
-    by_batch_size: defaultdict[int, ExecutionTimes] = field(default_factory=lambda: defaultdict(ExecutionTimes))
+    by_batch_size: defaultdict[int, ExecutionTimes] = field(
+        default_factory=lambda: defaultdict(ExecutionTimes)
+    )
     failures_by_status: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
 
-    def record_execution(self, batch_size: int, rows: int, input_s: float, infer_s: float, output_s: float) -> None:
+    def record_execution(
+        self, batch_size: int, rows: int, input_s: float, infer_s: float, output_s: float
+    ) -> None:
         self.last_inference_ms = int(time.time() * 1e3)
         self.inference_count += rows
         self.execution_count += 1

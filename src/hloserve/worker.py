@@ -74,7 +74,9 @@ def _load(bundle: Bundle) -> tuple[CompiledModel, list[_xla.DeviceArray]]:
     return compiled, weights
 
 
-async def _load_repository(repository: Path) -> tuple[dict[str, ModelEntry], dict[str, list[_xla.DeviceArray]]]:
+async def _load_repository(
+    repository: Path,
+) -> tuple[dict[str, ModelEntry], dict[str, list[_xla.DeviceArray]]]:
     if not repository.is_dir():
         raise ConfigError("server.model_repository", f"{repository} is not a directory")
     entries: dict[str, ModelEntry] = {}
@@ -88,18 +90,19 @@ async def _load_repository(repository: Path) -> tuple[dict[str, ModelEntry], dic
         entry.bundle = found
         started = time.perf_counter()
         try:
-            entry.compiled, weights[name] = await trio.to_thread.run_sync(_load, found)
+            compiled, weights[name] = await trio.to_thread.run_sync(_load, found)
         except Exception as e:  # a module XLA cannot compile is one bad bundle, not a dead server
             entry.error = f"bundle {name!r}: compilation failed: {e}"
             log.error("bundle failed to compile", model=name, reason=str(e))
             continue
+        entry.compiled = compiled
         log.info(
             "model loaded",
             model=name,
-            batch_sizes=list(entry.compiled.batch_sizes),
+            batch_sizes=list(compiled.batch_sizes),
             weight_bytes=found.weight_nbytes,
-            scratch_bytes=entry.compiled.scratch_bytes,
-            compile_s=round(entry.compiled.compile_s, 3),
+            scratch_bytes=compiled.scratch_bytes,
+            compile_s=round(compiled.compile_s, 3),
             load_s=round(time.perf_counter() - started, 3),
         )
     return entries, weights
