@@ -3,6 +3,8 @@
 Two small models with fixed weights, exported with hloserve's own JAX exporter:
 
 * `mlp`: tabular, `INPUT0` FP32 [batch, 16] → 32 relu → `OUTPUT0` FP32 [batch, 4]; sizes 1, 4, 8, 16.
+* `pool`: an almost free model for transfer costs, `IMAGE` FP32 [batch, 224, 224, 3] → per-channel
+  mean `MEAN` FP32 [batch, 3]; sizes 1, 8 (8 images are a 4.8 MB request).
 * `cnn`: vision, `IMAGE` FP32 [batch, 16, 16, 3] (NHWC) → 3x3 conv, 8 channels, relu → global
   average pool → dense → `LOGITS` FP32 [batch, 10]; sizes 1, 4.
 
@@ -48,6 +50,10 @@ def mlp(params: Any, x: Any) -> Any:
     return h @ params["out"]["kernel"] + params["out"]["bias"]
 
 
+def pool(params: Any, image: Any) -> Any:
+    return image.mean(axis=(1, 2))
+
+
 def cnn(params: Any, image: Any) -> Any:
     y = lax.conv_general_dilated(
         image, params["conv"]["kernel"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
@@ -72,6 +78,14 @@ MODELS: dict[str, dict[str, Any]] = {
         "outputs": [OutputSpec("LOGITS", letters="k")],
         "batch_sizes": [1, 4],
         "description": "small CNN on 16x16 RGB images",
+    },
+    "pool": {
+        "fn": pool,
+        "params": {},
+        "inputs": [InputSpec("IMAGE", (224, 224, 3), np.float32, letters="hwc")],
+        "outputs": [OutputSpec("MEAN", letters="c")],
+        "batch_sizes": [1, 8],
+        "description": "per-channel mean of 224x224 RGB images: measures moving tensors, not compute",
     },
 }
 

@@ -78,6 +78,7 @@ class TestHealthAndMetadata:
         assert [(m.name, m.version, m.state) for m in index.models] == [
             ("cnn", "1", "READY"),
             ("mlp", "1", "READY"),
+            ("pool", "1", "READY"),
         ]
 
     def test_statistics_count_requests_rows_and_batches(self, triton: Any) -> None:
@@ -90,7 +91,7 @@ class TestHealthAndMetadata:
         assert after.inference_stats.compute_infer.ns > before.inference_stats.compute_infer.ns
         assert 4 in {b.batch_size for b in after.batch_stats}  # 3 rows ran padded at size 4
         every = triton.get_inference_statistics()
-        assert {s.name for s in every.model_stats} == {"cnn", "mlp"}
+        assert {s.name for s in every.model_stats} == {"cnn", "mlp", "pool"}
 
 
 class TestInference:
@@ -109,6 +110,12 @@ class TestInference:
         np.testing.assert_allclose(
             result.as_numpy("LOGITS"), export_examples.reference("cnn", x), rtol=1e-5, atol=1e-5
         )
+
+    @pytest.mark.parametrize("rows", (1, 8))
+    def test_pool_on_a_large_input(self, triton: Any, rows: int) -> None:
+        x = np.random.default_rng(rows).random((rows, 224, 224, 3), dtype=np.float32)
+        result = infer(triton, "pool", x, name="IMAGE")
+        np.testing.assert_allclose(result.as_numpy("MEAN"), x.mean(axis=(1, 2)), rtol=1e-5)
 
     def test_typed_contents_equal_raw_contents(self, triton: Any, stub: Any) -> None:
         x = np.random.default_rng(7).random((2, 16), dtype=np.float32)

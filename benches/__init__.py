@@ -1,0 +1,1 @@
+"""hloserve's benchmarks: `python -m benches [SCENARIO...]` (or `tox -e bench`)."""

@@ -1,0 +1,163 @@
+"""Serving overhead: perf_analyzer against `hloserve serve` on the example repository.
+
+Scenarios: the tiny MLP at concurrency 1 and 4, and a 4.8 MB request (8 images of 224x224x3
+FP32 to the `pool` model) at concurrency 1. Each prints perf_analyzer's p50, p99 and
+throughput, and the server's CPU time per request: the worker process's user+system time over
+the run (from /proc) divided by the requests it counted (ModelStatistics). The server runs in
+its own process, pinned to core 0 when the machine has two, perf_analyzer to the other.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benches"))
+from perf_analyzer import install, run_perf_analyzer  # noqa: E402
+
+SCENARIOS = (
+    ("mlp c=1", "mlp", 1, ["-b", "1"]),
+    ("mlp c=4", "mlp", 4, ["-b", "1"]),
+    ("4.8 MB c=1", "pool", 1, ["-b", "8"]),
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    scenario: str
+    p50_ms: float
+    p99_ms: float
+    throughput: float
+    server_cpu_ms_per_request: float
+    requests: int
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _pin(core: int) -> list[str]:
+    return ["taskset", "-c", str(core)] if (os.cpu_count() or 1) >= 2 and _has("taskset") else []
+
+
+def _has(program: str) -> bool:
+    return any((Path(p) / program).exists() for p in os.environ.get("PATH", "").split(os.pathsep))
+
+
+def _successes(url: str, model: str) -> int:
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        return int(client.get_inference_statistics(model).model_stats[0].inference_stats.success.count)
+    finally:
+        client.close()
+
+
+def start_server(port: int) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "HLOSERVE_LOGGING_FORMAT": "json"}
+    command = [
+        *_pin(0),
+        sys.executable,
+        "-m",
+        "hloserve.cli",
+        "serve",
+        "--grpc-port",
+        str(port),
+        "--metrics-port",
+        "-1",
+    ]
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if client.is_server_ready():
+                client.close()
+                return process
+        except Exception:
+            time.sleep(0.2)
+        if process.poll() is not None:
+            raise RuntimeError("hloserve exited during start-up")
+    process.kill()
+    raise RuntimeError("hloserve did not become ready in 120 s")
+
+
+def measure(
+    url: str, pid: int, name: str, model: str, concurrency: int, extra: list[str], window_ms: int
+) -> Row:
+    before_cpu, before_n = _cpu_seconds(pid), _successes(url, model)
+    with_csv = ROOT / "benches" / "results" / "tmp"
+    with_csv.mkdir(parents=True, exist_ok=True)
+    out = with_csv / "perf.csv"
+    args = [
+        "-m", model, "-u", url, "-i", "grpc", "--concurrency-range", f"{concurrency}:{concurrency}",
+        "--measurement-interval", str(window_ms), "-s", "100", "--max-trials", "3", "-f", str(out), *extra,
+    ]  # fmt: skip
+    command_prefix = _pin(1)
+    if command_prefix:
+        os.sched_setaffinity(0, {1})
+    try:
+        result = run_perf_analyzer(args, timeout=300)
+    finally:
+        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+    if result.returncode != 0:
+        raise RuntimeError(f"perf_analyzer failed on {name}: {result.stdout[-2000:]} {result.stderr[-2000:]}")
+    cpu, n = _cpu_seconds(pid) - before_cpu, _successes(url, model) - before_n
+    row = next(csv.DictReader(io.StringIO(out.read_text())))
+    return Row(
+        name,
+        float(row["p50 latency"]) / 1e3,
+        float(row["p99 latency"]) / 1e3,
+        float(row["Inferences/Second"]),
+        cpu / max(n, 1) * 1e3,
+        n,
+    )
+
+
+def run(window_ms: int = 3000) -> list[Row]:
+    install()
+    port = _free_port()
+    server = start_server(port)
+    try:
+        url = f"127.0.0.1:{port}"
+        return [measure(url, server.pid, *scenario, window_ms=window_ms) for scenario in SCENARIOS]
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def table(rows: list[Row]) -> str:
+    lines = [
+        f"{'scenario':<12} {'p50 ms':>8} {'p99 ms':>8} {'infer/s':>9} {'server CPU ms/req':>18} {'requests':>9}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r.scenario:<12} {r.p50_ms:8.2f} {r.p99_ms:8.2f} {r.throughput:9.1f} "
+            f"{r.server_cpu_ms_per_request:18.3f} {r.requests:9d}"
+        )
+    return "\n".join(lines)
+
+
+def as_json(rows: list[Row]) -> list[dict[str, Any]]:
+    return [asdict(r) for r in rows]
