@@ -148,9 +148,8 @@ def run(window_ms: int = 3000) -> list[Row]:
 
 
 def table(rows: list[Row]) -> str:
-    lines = [
-        f"{'scenario':<12} {'p50 ms':>8} {'p99 ms':>8} {'infer/s':>9} {'server CPU ms/req':>18} {'requests':>9}",
-    ]
+    header = ("scenario", "p50 ms", "p99 ms", "infer/s", "server CPU ms/req", "requests")
+    lines = ["{:<12} {:>8} {:>8} {:>9} {:>18} {:>9}".format(*header)]
     for r in rows:
         lines.append(
             f"{r.scenario:<12} {r.p50_ms:8.2f} {r.p99_ms:8.2f} {r.throughput:9.1f} "
