@@ -2,8 +2,9 @@
 
 Its inbox takes `QueueSummary` notices from every ModelQueue and control commands
 (`SetPolicy`). Each turn it drains the inbox (control first), picks the next model from the
-queue summaries, asks that queue for a `Batch`, executes it in a worker thread, and answers
-every request in the batch. Only this actor runs executables.
+queue summaries, asks that queue for a `Batch`, executes it, and answers every request in the
+batch. Only this actor runs executables. The loop never waits on the device: waiting for
+results (and all the work of large batches) happens in a worker thread.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import numpy as np
 import structlog
 import trio
 from hloserve.actors.messages import Batch, Infer, QueueSummary, SetPolicy
@@ -20,13 +20,18 @@ from hloserve.actors.model_queue import ModelQueueHandle
 
 from hloserve import _xla
 from hloserve.batching import assemble, split_outputs
-from hloserve.compiled import CompiledModel, ExecutionResult
+from hloserve.compiled import CompiledModel, ExecutionResult, Launched
 from hloserve.errors import ExecutionFailed
 from hloserve.statistics import Statistics
 
 __all__ = ["Dispatcher"]
 
 log = structlog.get_logger("hloserve.dispatcher")
+
+INLINE_INPUT_BYTES = 256 << 10
+"""Batches with at most this many input bytes are launched on the loop (see `_execute`)."""
+POLL_S = 100e-6
+"""How long to poll a launched execution before waiting for it in a thread (see `_collect`)."""
 
 
 @dataclass(slots=True)
@@ -107,31 +112,53 @@ class Dispatcher:
 
     async def _execute(self, batch: Batch) -> None:
         model = self._models[batch.model]
+        weights = self._device_weights[batch.model]
+        requests = batch.requests
+        manifest = model.bundle.manifest
         try:
-            result, per_request = await trio.to_thread.run_sync(
-                self._run_batch, model, batch.batch_size, batch.requests, self._device_weights[batch.model]
-            )
+            if sum(a.nbytes for r in requests for a in r.inputs) <= INLINE_INPUT_BYTES:
+                # Small inputs: joining and placing them costs less than a thread hop, and
+                # launching does not wait; only a slow wait for results goes to a thread.
+                inputs = assemble(manifest.executable_inputs, [r.inputs for r in requests], batch.batch_size)
+                result = await _collect(model.launch(batch.batch_size, inputs, weights))
+            else:
+                result = await trio.to_thread.run_sync(
+                    self._run_batch, model, batch.batch_size, requests, weights
+                )
         except ExecutionFailed as e:
             log.error("execution failed", model=batch.model, batch_size=batch.batch_size, cause=e.cause)
-            for request in batch.requests:
+            for request in requests:
                 request.fail(e)
             return
-        rows = sum(r.rows for r in batch.requests)
         output_s = time.perf_counter()
-        for request, outputs in zip(batch.requests, per_request, strict=True):
+        per_request = split_outputs(manifest.executable_outputs, result.outputs, [r.rows for r in requests])
+        for request, outputs in zip(requests, per_request, strict=True):
             request.answer([outputs[i] for i in request.outputs])
         self._statistics[batch.model].record_execution(
-            batch.batch_size, rows, result.input_s, result.infer_s, time.perf_counter() - output_s
+            batch.batch_size,
+            sum(r.rows for r in requests),
+            result.input_s,
+            result.infer_s,
+            time.perf_counter() - output_s,
         )
 
     @staticmethod
     def _run_batch(
         model: CompiledModel, batch_size: int, requests: list[Infer], weights: list[_xla.DeviceArray]
-    ) -> tuple[ExecutionResult, list[list[np.ndarray]]]:
-        specs = model.bundle.manifest.executable_inputs
-        inputs = assemble(specs, [r.inputs for r in requests], batch_size)
-        result = model.execute(batch_size, inputs, weights)
-        per_request = split_outputs(
-            model.bundle.manifest.executable_outputs, result.outputs, [r.rows for r in requests]
-        )
-        return result, per_request
+    ) -> ExecutionResult:
+        inputs = assemble(model.bundle.manifest.executable_inputs, [r.inputs for r in requests], batch_size)
+        return model.execute(batch_size, inputs, weights)
+
+
+async def _collect(launched: Launched) -> ExecutionResult:
+    """The results of a launched execution, waiting in a worker thread only if they are slow.
+
+    A small model finishes within microseconds of its launch; polling at loop checkpoints for up
+    to `POLL_S` costs far less than handing the wait to a thread (about 0.13 ms of CPU a request).
+    """
+    give_up = time.perf_counter() + POLL_S
+    while not launched.ready():
+        if time.perf_counter() > give_up:
+            return await trio.to_thread.run_sync(launched.collect)
+        await trio.sleep(0)
+    return launched.collect()

@@ -2,7 +2,8 @@
 
 Measured in research/spike_grpc.md, each piece pinned to those versions by pyproject:
 
-* hyperframe hexlifies every received DATA frame for a trace log nobody reads (~42 us a frame);
+* h2 builds `repr(frame)` of every received frame for a trace log nobody reads, and hyperframe
+  hexlifies the whole payload to do it (~42 us per 16 KiB frame, a few % of a tiny request);
 * grpclib advertises 16 KiB frames, so a 4.8 MB tensor arrives in ~300 frames; 1 MiB cuts that;
 * grpclib has no receive size limit: it buffers whatever length the client announces;
 * grpclib's close() never sends GOAWAY, so clients with calls in flight hang: `GracefulServer`.
@@ -19,8 +20,8 @@ from typing import Any
 
 import grpclib.protocol
 import grpclib.server
+import h2.connection
 import h2.settings
-import hyperframe.frame
 from grpclib.const import Status
 from grpclib.events import RecvRequest, listen
 from grpclib.exceptions import GRPCError
@@ -31,8 +32,8 @@ _MAX_FRAME_SIZE = 1 << 20
 _receive_limit = 0
 
 
-def _short_repr(data: bytes | memoryview | None) -> str:
-    return "None" if not data else f"<hex:{bytes(data[:10]).hex()}...>"
+def _no_repr(_: object) -> str:
+    return ""
 
 
 class _BigFrameH2Connection(grpclib.protocol.H2Connection):
@@ -62,7 +63,9 @@ def install(max_receive_bytes: int) -> None:
     """Apply the patches; the receive limit only ever grows (several workers in one process)."""
     global _receive_limit
     _receive_limit = max(_receive_limit, max_receive_bytes)
-    hyperframe.frame._raw_data_repr = _short_repr
+    # The only repr() in h2.connection is the argument of that trace call; a module global
+    # shadows the builtin there and nowhere else.
+    h2.connection.repr = _no_repr  # type: ignore[attr-defined]
     grpclib.protocol.H2Connection = _BigFrameH2Connection  # type: ignore[misc]
     grpclib.server.recv_message = _recv_message_limited
 

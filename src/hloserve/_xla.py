@@ -43,6 +43,7 @@ __all__ = [
     "main_signature",
     "memory_stats",
     "put",
+    "ready",
     "run",
     "to_numpy",
     "warm_up",
@@ -155,6 +156,11 @@ def run(executable: Executable, args: Sequence[DeviceArray]) -> list[DeviceArray
     """Launch one execution; returns at once, results are ready when read."""
     results = executable.execute_sharded(list(args))
     return [per_device[0] for per_device in results.disassemble_into_single_device_arrays()]
+
+
+def ready(arrays: Sequence[DeviceArray]) -> bool:
+    """True when every array's value is computed (reading it will not wait)."""
+    return all(a.is_ready() for a in arrays)  # type: ignore[attr-defined]  # jaxlib ArrayImpl has it
 
 
 def to_numpy(arrays: Sequence[DeviceArray]) -> list[np.ndarray]:

@@ -1,15 +1,18 @@
 """A bundle compiled for the device: one executable per batch size, and how to run one batch.
 
 Compiling blocks (and releases the GIL), so `compile_bundle` is called from a worker thread.
-`CompiledModel.execute` also blocks; the dispatcher runs it in a worker thread, one at a time.
+An execution is launched (placing inputs, starting the executable: no waiting) and then
+collected (waiting for the results): the dispatcher collects on a worker thread unless the
+results are already there, which for small models they usually are.
 Weights are passed in, not owned: where they live (host, device, evicted) is the concern of
 whoever holds them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +21,7 @@ from hloserve import _xla
 from hloserve.bundle import Bundle
 from hloserve.errors import ExecutionFailed
 
-__all__ = ["CompiledModel", "ExecutionResult", "compile_bundle"]
+__all__ = ["CompiledModel", "ExecutionResult", "Launched", "compile_bundle"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +56,10 @@ class CompiledModel:
             return 0
         return next((b for b in self.batch_sizes if b >= rows), None)
 
-    def execute(
+    def launch(
         self, batch_size: int, inputs: Sequence[np.ndarray], weights: Sequence[_xla.DeviceArray]
-    ) -> ExecutionResult:
-        """Run the `batch_size` executable on inputs (exactly its signature) and the weights.
+    ) -> Launched:
+        """Place the inputs and start the `batch_size` executable; returns without waiting.
 
         PJRT checks only byte sizes, so the inputs are checked against the signature here, last,
         whatever the caller validated before.
@@ -65,20 +68,51 @@ class CompiledModel:
         for i, (array, expected) in enumerate(zip(inputs, module.signature.inputs, strict=False)):
             if array.shape != expected.shape or array.dtype != expected.dtype.numpy:
                 raise ExecutionFailed(
-                    self.name,
-                    f"argument {i} is {array.dtype}{list(array.shape)}, module expects {expected}",
+                    self.name, f"argument {i} is {array.dtype}{list(array.shape)}, module expects {expected}"
                 )
         started = time.perf_counter()
-        try:
+        with _execution_errors(self.name):
             args = [_xla.put(np.ascontiguousarray(a)) for a in inputs]
             placed = time.perf_counter()
-            outputs = _xla.to_numpy(_xla.run(self.executables[batch_size], [*args, *weights]))
-        except Exception as e:  # XLA raises its own runtime errors; report the cause
-            raise ExecutionFailed(
-                self.name, str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
-            ) from e
-        done = time.perf_counter()
-        return ExecutionResult(outputs, placed - started, done - placed)
+            outputs = _xla.run(self.executables[batch_size], [*args, *weights])
+        return Launched(self.name, outputs, placed - started, placed)
+
+    def execute(
+        self, batch_size: int, inputs: Sequence[np.ndarray], weights: Sequence[_xla.DeviceArray]
+    ) -> ExecutionResult:
+        """Launch and wait: blocks, so callers run it in a worker thread."""
+        return self.launch(batch_size, inputs, weights).collect()
+
+
+@dataclass(frozen=True, slots=True)
+class Launched:
+    """An execution in flight: its results are readable once `ready()`."""
+
+    model: str
+    outputs: list[_xla.DeviceArray]
+    input_s: float
+    launched_at: float
+
+    def ready(self) -> bool:
+        return _xla.ready(self.outputs)
+
+    def collect(self) -> ExecutionResult:
+        """Wait for the results and read them to host memory (blocks unless `ready()`)."""
+        with _execution_errors(self.model):
+            outputs = _xla.to_numpy(self.outputs)
+        return ExecutionResult(outputs, self.input_s, time.perf_counter() - self.launched_at)
+
+
+@contextlib.contextmanager
+def _execution_errors(model: str) -> Iterator[None]:
+    """XLA raises its own runtime errors (some only when results are read): report the cause."""
+    try:
+        yield
+    except ExecutionFailed:
+        raise
+    except Exception as e:
+        text = str(e).strip()
+        raise ExecutionFailed(model, text.splitlines()[0] if text else repr(e)) from e
 
 
 def compile_bundle(bundle: Bundle) -> CompiledModel:
