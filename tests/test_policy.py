@@ -1,0 +1,154 @@
+"""The scheduler's pure decisions, checked against upstream's worked examples (upstream.md §2.3, §2.4)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hloserve.policy import (
+    BatchPlan,
+    Candidate,
+    ModelPolicy,
+    Pending,
+    PolicyParams,
+    decay,
+    drop_reason,
+    fair_priority,
+    learn_cost,
+    plan_batch,
+    queue_delay,
+    record_execution,
+    select,
+    split_rows,
+)
+
+
+def rows(*counts: int, variant: tuple[int, ...] = ()) -> list[Pending]:
+    return [Pending(r, enqueued_at=i, variant=variant) for i, r in enumerate(counts)]
+
+
+class TestPlanBatch:
+    """upstream §2.4, every listed case, then the split and variant cases."""
+
+    def test_two_two_two_with_sizes_1_4_8_runs_4_taking_2(self) -> None:
+        assert plan_batch(rows(2, 2, 2), [1, 4, 8], coalescable=True) == BatchPlan(4, 2, 4)
+
+    def test_one_row_with_sizes_4_8_is_padded_to_4(self) -> None:
+        assert plan_batch(rows(1), [4, 8], coalescable=True) == BatchPlan(4, 1, 1)
+
+    def test_six_and_one_with_sizes_1_4_8_runs_8_taking_both(self) -> None:
+        assert plan_batch(rows(6, 1), [1, 4, 8], coalescable=True) == BatchPlan(8, 2, 7)
+
+    def test_cap_4_with_four_two_row_requests_runs_4_taking_2(self) -> None:
+        assert plan_batch(rows(2, 2, 2, 2), [1, 4, 8], coalescable=True, cap=4) == BatchPlan(4, 2, 4)
+
+    def test_cap_2_with_sizes_4_8_runs_4_taking_2(self) -> None:
+        assert plan_batch(rows(1, 1, 1), [4, 8], coalescable=True, cap=2) == BatchPlan(4, 2, 2)
+
+    def test_six_row_front_with_cap_2_runs_8_taking_only_the_front(self) -> None:
+        assert plan_batch(rows(6, 1), [4, 8], coalescable=True, cap=2) == BatchPlan(8, 1, 6)
+
+    def test_only_the_leading_run_of_one_variant_coalesces(self) -> None:
+        queue = [*rows(1, 1, variant=(32,)), *rows(1, variant=(64,)), *rows(1, variant=(32,))]
+        assert plan_batch(queue, [1, 2, 4], coalescable=True) == BatchPlan(2, 2, 2)
+
+    def test_a_model_that_cannot_coalesce_takes_exactly_one(self) -> None:
+        assert plan_batch(rows(2, 2), [1, 4, 8], coalescable=False) == BatchPlan(4, 1, 2)
+        assert plan_batch(rows(1, 1), [0], coalescable=False) == BatchPlan(0, 1, 1)
+        assert plan_batch(rows(9), [1, 4, 8], coalescable=False) == BatchPlan(8, 1, 9)
+
+    def test_exact_fill_takes_everything_that_fits(self) -> None:
+        assert plan_batch(rows(1, 1, 1, 1, 1), [1, 4, 8, 16], coalescable=True) == BatchPlan(4, 4, 4)
+        assert plan_batch(rows(*[1] * 20), [1, 4, 8, 16], coalescable=True) == BatchPlan(16, 16, 16)
+
+    def test_empty_queue(self) -> None:
+        assert plan_batch([], [1, 4], coalescable=True) is None
+
+    def test_a_request_larger_than_every_size_is_split(self) -> None:
+        plan = plan_batch(rows(37, 1), [1, 4, 8, 16], coalescable=True)
+        assert plan == BatchPlan(16, 1, 37, ((16, 16), (16, 16), (5, 8)))
+        assert split_rows(32, [1, 4, 8, 16]) == ((16, 16), (16, 16))
+        assert split_rows(17, [4, 16]) == ((16, 16), (1, 4))
+
+
+class TestQueueDelay:
+    def test_waits_for_more_rows_only_between_sizes_and_within_the_delay(self) -> None:
+        sizes = [1, 4, 8, 16]
+        assert queue_delay(3, sizes, waited_s=0.0002, max_delay_s=0.001) == pytest.approx(0.0008)
+        assert queue_delay(3, sizes, waited_s=0.002, max_delay_s=0.001) == 0.0
+        assert queue_delay(4, sizes, waited_s=0.0, max_delay_s=0.001) == 0.0  # a compiled size: go
+        assert queue_delay(20, sizes, waited_s=0.0, max_delay_s=0.001) == 0.0  # already full
+        assert queue_delay(3, sizes, waited_s=0.0, max_delay_s=0.0) == 0.0  # off
+
+
+class TestFairShare:
+    def test_upstream_worked_example(self) -> None:
+        """Shares 1/3; recent compute .7/.2/.1; costs 10/30/100: B wins."""
+        params = PolicyParams()
+        priorities = [fair_priority(1 / 3, e, c, params) for e, c in ((0.7, 10), (0.2, 30), (0.1, 100))]
+        assert priorities == pytest.approx([-0.0278, 0.00493, 0.00259], abs=1e-4)
+        policies = {
+            "A": ModelPolicy(ema=0.7, cost={1: 10}),
+            "B": ModelPolicy(ema=0.2, cost={1: 30}),
+            "C": ModelPolicy(ema=0.1, cost={1: 100}),
+        }
+        candidates = [Candidate(m, 1, 0.0, None) for m in "ABC"]
+        assert select("fair", candidates, policies, now=0.0) == "B"
+
+    def test_penalty_is_clamped(self) -> None:
+        assert fair_priority(1 / 3, 0.7, 1 / 0.9) == pytest.approx(-0.25)
+
+    def test_idle_models_count_in_the_totals(self) -> None:
+        policies = {"A": ModelPolicy(weight=1, ema=1.0), "B": ModelPolicy(weight=1), "idle": ModelPolicy(weight=2)}
+        candidates = [Candidate("A", 1, 0.0, None), Candidate("B", 1, 1.0, None)]
+        # B: share 1/4 - 0 > A: 1/4 - 1
+        assert select("fair", candidates, policies, now=0.0) == "B"
+
+    def test_ties_go_to_the_older_front_then_the_name(self) -> None:
+        policies = {"a": ModelPolicy(), "b": ModelPolicy()}
+        assert select("fair", [Candidate("b", 1, 1.0, None), Candidate("a", 1, 2.0, None)], policies, 0.0) == "b"
+        assert select("fair", [Candidate("b", 1, 1.0, None), Candidate("a", 1, 1.0, None)], policies, 0.0) == "a"
+
+    def test_decay_halves_in_a_halflife(self) -> None:
+        assert decay(8.0, 30.0, 30.0) == pytest.approx(4.0)
+        assert decay(8.0, 0.0, 30.0) == 8.0
+
+    def test_record_execution_decays_then_adds_and_learns_the_cost(self) -> None:
+        policy = ModelPolicy(ema=2.0, ema_at=0.0)
+        record_execution(policy, 4, 0.5, now=30.0)
+        assert policy.ema == pytest.approx(1.5) and policy.ema_at == 30.0
+        assert policy.cost == {4: 0.5}  # the first measurement seeds it
+        learn_cost(policy, 4, 1.0)
+        assert policy.cost[4] == pytest.approx(0.2 * 1.0 + 0.8 * 0.5)
+        assert policy.expected_cost(8) == PolicyParams().default_cost_s
+
+
+class TestFifoAndEdf:
+    def test_fifo_ignores_weights(self) -> None:
+        policies = {"a": ModelPolicy(weight=100), "b": ModelPolicy()}
+        assert select("fifo", [Candidate("a", 1, 2.0, None), Candidate("b", 1, 1.0, None)], policies, 3.0) == "b"
+        assert select("fifo", [Candidate("b", 1, 1.0, None), Candidate("a", 1, 1.0, None)], policies, 3.0) == "a"
+
+    def test_edf_takes_the_earliest_deadline_and_none_is_least_urgent(self) -> None:
+        policies = {m: ModelPolicy() for m in "abc"}
+        candidates = [Candidate("a", 1, 0.0, None), Candidate("b", 1, 1.0, 9.0), Candidate("c", 1, 2.0, 5.0)]
+        assert select("edf", candidates, policies, 0.0) == "c"
+        assert select("edf", [Candidate("a", 1, 1.0, None), Candidate("b", 1, 0.0, None)], policies, 0.0) == "b"
+
+    def test_an_endangered_latency_budget_goes_first(self) -> None:
+        policies = {"slow": ModelPolicy(weight=10), "budget": ModelPolicy(latency_budget_s=0.010, cost={1: 0.002})}
+        candidates = [Candidate("slow", 1, 0.0, None), Candidate("budget", 1, 1.0, None)]
+        assert select("fifo", candidates, policies, now=1.005) == "slow"  # 5 ms left: fine
+        assert select("fifo", candidates, policies, now=1.009) == "budget"  # 1 ms left, costs 2
+
+
+class TestDrops:
+    def test_deadline_passed(self) -> None:
+        assert drop_reason(Pending(1, deadline=1.0), 1.0, edf=False, expected_cost_s=0.5) == "deadline"
+        assert drop_reason(Pending(1, deadline=1.0), 0.9, edf=False, expected_cost_s=0.5) is None
+        assert drop_reason(Pending(1), math.inf, edf=True, expected_cost_s=0.5) is None
+
+    def test_edf_drops_what_cannot_finish_in_its_cost(self) -> None:
+        assert drop_reason(Pending(1, deadline=1.0), 0.6, edf=True, expected_cost_s=0.5) == "deadline"
+        assert drop_reason(Pending(1, deadline=1.0), 0.4, edf=True, expected_cost_s=0.5) is None
