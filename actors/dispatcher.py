@@ -1,27 +1,32 @@
 """Dispatcher: the single dispatch loop; exactly one execution runs at a time.
 
 Its inbox takes `QueueSummary` notices from every ModelQueue and control commands
-(`SetPolicy`). Each turn it drains the inbox (control first), picks the next model from the
-queue summaries, asks that queue for a `Batch`, executes it, and answers every request in the
-batch. Only this actor runs executables. The loop never waits on the device: waiting for
-results (and all the work of large batches) happens in a worker thread.
+(`SetPolicy`). Each turn it drains the inbox (so control is applied before any selection),
+picks the next model among the queues with a batch ready (`hloserve.policy.select`: fair,
+fifo or edf, latency budgets first), asks that queue for a `Batch`, executes it, answers every
+request, and learns the model's cost. It owns the per-model policy state; only it runs
+executables. The loop never waits on the device: waiting for results (and all the work of
+large batches) happens in a worker thread.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import structlog
 import trio
-from hloserve.actors.messages import Batch, Infer, QueueSummary, SetPolicy
+from hloserve.actors.messages import Batch, Infer, QueueSummary, SetPolicy, Take
 from hloserve.actors.model_queue import ModelQueueHandle
 
 from hloserve import _xla
-from hloserve.batching import assemble, split_outputs
+from hloserve.batching import assemble, join_outputs, slice_rows, split_outputs
 from hloserve.compiled import CompiledModel, ExecutionResult, Launched
 from hloserve.errors import ExecutionFailed
+from hloserve.policy import Candidate, Discipline, ModelPolicy, PolicyParams, record_execution, select
 from hloserve.statistics import Statistics
 
 __all__ = ["Dispatcher"]
@@ -29,15 +34,16 @@ __all__ = ["Dispatcher"]
 log = structlog.get_logger("hloserve.dispatcher")
 
 INLINE_INPUT_BYTES = 256 << 10
-"""Batches with at most this many input bytes are launched on the loop (see `_execute`)."""
+"""Batches with at most this many input bytes are launched on the loop (see `_run`)."""
 POLL_S = 100e-6
 """How long to poll a launched execution before waiting for it in a thread (see `_collect`)."""
 
 
 @dataclass(slots=True)
 class _State:
+    discipline: Discipline
+    policies: dict[str, ModelPolicy]  # scheduling state per model (weights, recent compute, costs)
     waiting: dict[str, QueueSummary] = field(default_factory=dict)  # models with queued requests
-    weights: dict[str, float] = field(default_factory=dict)  # scheduling weight per model
 
 
 class Dispatcher:
@@ -48,13 +54,17 @@ class Dispatcher:
         models: Mapping[str, CompiledModel],
         device_weights: Mapping[str, list[_xla.DeviceArray]],
         statistics: Statistics,
+        discipline: Discipline,
+        policies: dict[str, ModelPolicy],
+        params: PolicyParams,
     ) -> None:
         self._models = models
         self._device_weights = device_weights
         self._statistics = statistics
+        self._params = params
         self._queues: dict[str, ModelQueueHandle] = {}
-        self._state = _State(weights=dict.fromkeys(models, 1.0))
-        self.inbox, self._inbox = trio.open_memory_channel[object](float("inf"))
+        self._state = _State(discipline, policies)
+        self.inbox, self._inbox = trio.open_memory_channel[object](math.inf)
         self._batches_send, self._batches = trio.open_memory_channel[Batch](1)
 
     def attach(self, queue: ModelQueueHandle) -> None:
@@ -65,15 +75,15 @@ class Dispatcher:
         task_status.started()
         async with self._inbox:
             while True:
-                if not self._state.waiting:
-                    self._on_message(await self._inbox.receive())
                 self._drain_inbox()
                 model = self._select()
                 if model is None:
+                    await self._wait_for_work()
                     continue
-                await self._queues[model].take(self._batches_send)
+                policy = self._state.policies[model]
+                edf = (policy.discipline or self._state.discipline) == "edf"
+                await self._queues[model].take(Take(self._batches_send, edf, dict(policy.cost)))
                 batch = await self._batches.receive()
-                self._drain_inbox()  # the queue's summary after the take
                 if batch.requests:
                     await self._execute(batch)
 
@@ -87,6 +97,12 @@ class Dispatcher:
                 return
             self._on_message(message)
 
+    async def _wait_for_work(self) -> None:
+        """Sleep until a message arrives, or until a held partial batch is due."""
+        due = min((s.ready_at for s in self._state.waiting.values()), default=math.inf)
+        with trio.move_on_after(max(0.0, due - time.monotonic()) if due < math.inf else math.inf):
+            self._on_message(await self._inbox.receive())
+
     def _on_message(self, message: object) -> None:
         match message:
             case QueueSummary():
@@ -94,60 +110,87 @@ class Dispatcher:
                     self._state.waiting[message.model] = message
                 else:
                     self._state.waiting.pop(message.model, None)
-            case SetPolicy(model=model, weight=weight):
+            case SetPolicy(model=None, discipline=discipline):
+                if discipline is not None:
+                    self._state.discipline = discipline
+            case SetPolicy(model=str() as model, weight=weight, discipline=discipline):
+                policy = self._state.policies[model]
                 if weight is not None:
-                    self._state.weights[model] = weight
+                    policy.weight = weight
+                if discipline is not None:
+                    policy.discipline = discipline
+                log.info("policy changed", model=model, weight=policy.weight, discipline=policy.discipline)
             case _:
                 raise TypeError(f"Dispatcher got an unknown message {message!r}")
 
-    # -- policy --------------------------------------------------------------------------------
-
     def _select(self) -> str | None:
-        """The model to serve next: here the one whose oldest request arrived first."""
-        if not self._state.waiting:
-            return None
-        return min(self._state.waiting.values(), key=lambda s: (s.front_enqueued_at, s.model)).model
+        now = time.monotonic()
+        ready = [
+            Candidate(s.model, s.batch_size, s.front_enqueued_at, s.earliest_deadline)
+            for s in self._state.waiting.values()
+            if s.ready_at <= now
+        ]
+        return select(self._state.discipline, ready, self._state.policies, now, self._params)
 
     # -- execution -----------------------------------------------------------------------------
 
     async def _execute(self, batch: Batch) -> None:
         model = self._models[batch.model]
-        weights = self._device_weights[batch.model]
         requests = batch.requests
-        manifest = model.bundle.manifest
         try:
-            if sum(a.nbytes for r in requests for a in r.inputs) <= INLINE_INPUT_BYTES:
-                # Small inputs: joining and placing them costs less than a thread hop, and
-                # launching does not wait; only a slow wait for results goes to a thread.
-                inputs = assemble(manifest.executable_inputs, [r.inputs for r in requests], batch.batch_size)
-                result = await _collect(model.launch(batch.batch_size, inputs, weights))
+            if batch.chunks:
+                outputs = await self._run_split(model, requests[0], batch.chunks)
+                per_request = [outputs]
             else:
-                result = await trio.to_thread.run_sync(
-                    self._run_batch, model, batch.batch_size, requests, weights
+                inputs = [r.inputs for r in requests]
+                result = await self._run(model, batch.batch_size, inputs, sum(r.rows for r in requests))
+                per_request = split_outputs(
+                    model.bundle.manifest.executable_outputs, result.outputs, [r.rows for r in requests]
                 )
         except ExecutionFailed as e:
             log.error("execution failed", model=batch.model, batch_size=batch.batch_size, cause=e.cause)
             for request in requests:
                 request.fail(e)
             return
-        output_s = time.perf_counter()
-        per_request = split_outputs(manifest.executable_outputs, result.outputs, [r.rows for r in requests])
         for request, outputs in zip(requests, per_request, strict=True):
             request.answer([outputs[i] for i in request.outputs])
-        self._statistics[batch.model].record_execution(
-            batch.batch_size,
-            sum(r.rows for r in requests),
-            result.input_s,
-            result.infer_s,
-            time.perf_counter() - output_s,
-        )
+        self._statistics[batch.model].requests_served += len(requests)
 
-    @staticmethod
-    def _run_batch(
-        model: CompiledModel, batch_size: int, requests: list[Infer], weights: list[_xla.DeviceArray]
+    async def _run(
+        self, model: CompiledModel, batch_size: int, inputs: list[list[np.ndarray]], rows: int
     ) -> ExecutionResult:
-        inputs = assemble(model.bundle.manifest.executable_inputs, [r.inputs for r in requests], batch_size)
-        return model.execute(batch_size, inputs, weights)
+        """One execution at `batch_size` of the joined inputs; records its cost and statistics."""
+        weights = self._device_weights[model.name]
+        specs = model.bundle.manifest.executable_inputs
+        if sum(a.nbytes for request in inputs for a in request) <= INLINE_INPUT_BYTES:
+            # Joining and placing small inputs costs less than a thread hop, and launching does
+            # not wait: only a slow wait for the results goes to a thread.
+            result = await _collect(model.launch(batch_size, assemble(specs, inputs, batch_size), weights))
+        else:
+            result = await trio.to_thread.run_sync(
+                lambda: model.execute(batch_size, assemble(specs, inputs, batch_size), weights)
+            )
+        seconds = result.input_s + result.infer_s
+        record_execution(
+            self._state.policies[model.name], batch_size, seconds, time.monotonic(), self._params
+        )
+        stats = self._statistics[model.name]
+        stats.record_execution(batch_size, rows, result.input_s, result.infer_s, 0.0)
+        stats.cost = dict(self._state.policies[model.name].cost)
+        return result
+
+    async def _run_split(
+        self, model: CompiledModel, request: Infer, chunks: tuple[tuple[int, int], ...]
+    ) -> list[np.ndarray]:
+        """A request larger than every compiled size: one execution per chunk, joined back."""
+        manifest = model.bundle.manifest
+        parts, start = [], 0
+        for rows, size in chunks:
+            inputs = slice_rows(manifest.executable_inputs, request.inputs, start, rows)
+            result = await self._run(model, size, [inputs], rows)
+            parts.append(split_outputs(manifest.executable_outputs, result.outputs, [rows])[0])
+            start += rows
+        return join_outputs(manifest.executable_outputs, parts)
 
 
 async def _collect(launched: Launched) -> ExecutionResult:

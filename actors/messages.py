@@ -7,11 +7,14 @@ handler awaits), so the actor that finishes the work answers the caller directly
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 import trio
+
+from hloserve.policy import Discipline
 
 __all__ = [
     "Batch",
@@ -20,6 +23,7 @@ __all__ = [
     "Reply",
     "SetPolicy",
     "Take",
+    "Withdraw",
 ]
 
 
@@ -59,35 +63,58 @@ class Infer:
 
 
 @dataclass(frozen=True, slots=True)
+class Withdraw:
+    """front end → ModelQueue: the client of `request` went away; forget it."""
+
+    request: Infer
+
+
+@dataclass(frozen=True, slots=True)
 class QueueSummary:
     """ModelQueue → Dispatcher: what this queue holds now (sent after every change)."""
 
     model: str
     depth: int
     rows: int
+    batch_size: int
+    """The compiled size its next batch would run at."""
     front_enqueued_at: float
     earliest_deadline: float | None
+    ready_at: float
+    """When the next batch should go (later than now while max_queue_delay waits for rows)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Take:
-    """Dispatcher → ModelQueue: hand over the next batch; reply a `Batch` on `reply_to`."""
+    """Dispatcher → ModelQueue: hand over the next batch; reply a `Batch` on `reply_to`.
+
+    `edf` asks for laxity drops using `costs` (learned seconds per batch size).
+    """
 
     reply_to: trio.MemorySendChannel[Batch]
+    edf: bool = False
+    costs: Mapping[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """ModelQueue → Dispatcher: the requests to execute together at `batch_size` (may be empty)."""
+    """ModelQueue → Dispatcher: the requests to execute together (may be empty).
+
+    `chunks` is set when one request is larger than the largest compiled size: (rows, compiled
+    size) per execution, in order.
+    """
 
     model: str
     batch_size: int
     requests: list[Infer] = field(default_factory=list)
+    chunks: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class SetPolicy:
-    """control → Dispatcher: change a model's scheduling weight (None leaves it)."""
+    """control → Dispatcher: change a model's weight or discipline, or (model None) the global
+    discipline; None leaves a field as it is."""
 
-    model: str
+    model: str | None
     weight: float | None = None
+    discipline: Discipline | None = None

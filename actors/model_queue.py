@@ -1,9 +1,9 @@
 """ModelQueue: the pending requests of one model, in arrival order.
 
-Owns the FIFO of `Infer` requests of one model. Its inbox takes `Infer` (from the front end,
-through `ModelQueueHandle.submit_nowait`) and `Take` (from the dispatcher). After every change
+Owns the FIFO of `Infer` requests of one model. Its inbox takes `Infer` and `Withdraw` (from
+the front end, through `ModelQueueHandle`) and `Take` (from the dispatcher). After every change
 it sends a `QueueSummary` to the dispatcher; on `Take` it drops requests whose client went away
-or whose deadline passed, and replies a `Batch` with what to execute now.
+or whose deadline passed, plans the batch (`hloserve.policy.plan_batch`) and replies a `Batch`.
 """
 
 from __future__ import annotations
@@ -11,26 +11,26 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import final
 
 import trio
-from hloserve.actors.messages import Batch, Infer, QueueSummary, Take
+from hloserve.actors.messages import Batch, Infer, QueueSummary, Take, Withdraw
 
 from hloserve.errors import DeadlineExceeded, QueueFull, ShuttingDown
+from hloserve.policy import BatchPlan, Pending, drop_reason, plan_batch, queue_delay
 from hloserve.statistics import Statistics
 
-__all__ = ["ModelQueue", "ModelQueueHandle"]
+__all__ = ["ModelQueue", "ModelQueueHandle", "QueueSettings"]
 
 
 @final
 class ModelQueueHandle:
-    """The only way to reach a ModelQueue; made by `ModelQueue.open`, not by callers."""
+    """The only way to reach a ModelQueue; made by the actor, not by callers."""
 
     __slots__ = ("_send", "model")
 
-    def __init__(self, model: str, send: trio.MemorySendChannel[Infer | Take]) -> None:
+    def __init__(self, model: str, send: trio.MemorySendChannel[Infer | Take | Withdraw]) -> None:
         self.model = model
         self._send = send
 
@@ -43,20 +43,41 @@ class ModelQueueHandle:
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             raise ShuttingDown() from None
 
-    async def take(self, reply_to: trio.MemorySendChannel[Batch]) -> None:
-        await self._send.send(Take(reply_to))
+    def withdraw_nowait(self, request: Infer) -> None:
+        """Forget a request whose client went away (best effort: a full inbox skips it)."""
+        try:
+            self._send.send_nowait(Withdraw(request))
+        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+            pass  # it will be skipped when it reaches the front
 
-    def close(self) -> None:
-        self._send.close()
+    async def take(self, message: Take) -> None:
+        await self._send.send(message)
 
     def __repr__(self) -> str:
         return f"<ModelQueueHandle {self.model!r} inbox={self._send.statistics().current_buffer_used}>"
 
 
+@dataclass(frozen=True, slots=True)
+class QueueSettings:
+    """How one model's queue plans and admits."""
+
+    batch_sizes: tuple[int, ...]
+    """Compiled sizes, ascending; `(0,)` for a single unbatched module."""
+    coalescable: bool
+    """Every executable input and output has a batch axis, so requests can be joined."""
+    max_depth: int
+    max_batch_size: int | None = None
+    max_queue_delay_s: float = 0.0
+
+
 @dataclass(slots=True)
 class _State:
-    pending: deque[Infer] = field(default_factory=deque)  # FIFO, oldest first
+    pending: deque[Infer] = field(default_factory=deque)  # oldest first
     rows: int = 0  # rows over `pending`
+
+
+def _pending(request: Infer) -> Pending:
+    return Pending(request.rows, request.enqueued_at, request.deadline)
 
 
 class ModelQueue:
@@ -65,26 +86,23 @@ class ModelQueue:
     def __init__(
         self,
         model: str,
-        batch_sizes: Sequence[int],
-        max_depth: int,
+        settings: QueueSettings,
         dispatcher: trio.MemorySendChannel[object],
         statistics: Statistics,
     ) -> None:
         self.model = model
-        self._batch_sizes = tuple(sorted(batch_sizes))
-        self._max_depth = max_depth
+        self._settings = settings
         self._dispatcher = dispatcher
         self._statistics = statistics
         self._state = _State()
-        # The inbox only needs to hold what arrives between two turns of this actor; depth is
-        # enforced on the FIFO, where it can be answered with a precise error.
-        self._send, self._receive = trio.open_memory_channel[Infer | Take](max(64, max_depth))
-
-    def handle(self) -> ModelQueueHandle:
-        return ModelQueueHandle(self.model, self._send.clone())
+        # The inbox only holds what arrives between two turns of this actor; depth is enforced
+        # on the FIFO, where it can be answered with a precise error.
+        self._send, self._receive = trio.open_memory_channel[Infer | Take | Withdraw](
+            max(64, settings.max_depth)
+        )
 
     async def run(self, *, task_status: trio.TaskStatus[ModelQueueHandle] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started(self.handle())
+        task_status.started(ModelQueueHandle(self.model, self._send.clone()))
         try:
             async for message in self._receive:
                 match message:
@@ -92,6 +110,8 @@ class ModelQueue:
                         self._on_infer(message)
                     case Take():
                         self._on_take(message)
+                    case Withdraw():
+                        self._on_withdraw(message)
                     case _:
                         raise TypeError(f"ModelQueue got an unknown message {message!r}")
         finally:
@@ -111,52 +131,120 @@ class ModelQueue:
                 message.fail(error)
         self._receive.close()
 
+    # -- messages ------------------------------------------------------------------------------
+
     def _on_infer(self, request: Infer) -> None:
         state = self._state
-        if len(state.pending) >= self._max_depth:
+        if len(state.pending) >= self._settings.max_depth:
+            self._statistics[self.model].drops["queue_full"] += 1
             request.fail(QueueFull(self.model, len(state.pending)))
             return
         state.pending.append(request)
         state.rows += request.rows
         self._summarize()
 
-    def _on_take(self, message: Take) -> None:
-        taken = self._next_batch()
+    def _on_withdraw(self, message: Withdraw) -> None:
+        try:
+            self._state.pending.remove(message.request)
+        except ValueError:
+            return  # already taken or dropped
+        self._state.rows -= message.request.rows
+        self._statistics[self.model].drops["cancelled"] += 1
         self._summarize()
-        batch_size = self._batch_size_for(taken[0].rows) if taken else 0
-        message.reply_to.send_nowait(Batch(self.model, batch_size, taken))
 
-    def _next_batch(self) -> list[Infer]:
-        """The requests to run next: here the first live one, alone."""
+    def _on_take(self, message: Take) -> None:
+        plan, taken = self._next_batch(message)
+        self._summarize()
+        if plan is None:
+            message.reply_to.send_nowait(Batch(self.model, 0))
+            return
+        message.reply_to.send_nowait(Batch(self.model, plan.batch_size, taken, plan.chunks))
+
+    # -- planning ------------------------------------------------------------------------------
+
+    def _drop_dead(self, request: Infer, now: float, message: Take, batch_size: int) -> bool:
+        """Answer and count a request that must not run; True if it was dropped."""
+        stats = self._statistics[self.model]
+        if request.reply.cancelled():
+            stats.drops["cancelled"] += 1
+            return True
+        cost = message.costs.get(batch_size, 0.0)
+        if drop_reason(_pending(request), now, edf=message.edf, expected_cost_s=cost):
+            stats.drops["deadline"] += 1
+            assert request.deadline is not None
+            request.fail(DeadlineExceeded(self.model, now - request.deadline))
+            return True
+        return False
+
+    def _next_batch(self, message: Take) -> tuple[BatchPlan | None, list[Infer]]:
+        """Plan the next batch over the live requests, dropping dead ones on the way."""
         state = self._state
+        settings = self._settings
         now = time.monotonic()
-        while state.pending:
-            request = state.pending.popleft()
-            state.rows -= request.rows
-            if request.reply.cancelled():
-                continue
-            if request.deadline is not None and now >= request.deadline:
-                request.fail(DeadlineExceeded(self.model, now - request.deadline))
-                continue
-            self._statistics[self.model].queue.add(now - request.enqueued_at)
-            return [request]
-        return []
+        while True:
+            plan = plan_batch(
+                [_pending(r) for r in self._window()],
+                settings.batch_sizes,
+                coalescable=settings.coalescable,
+                cap=settings.max_batch_size,
+            )
+            if plan is None:
+                return None, []
+            taken = [state.pending.popleft() for _ in range(plan.take)]
+            state.rows -= sum(r.rows for r in taken)
+            live = [r for r in taken if not self._drop_dead(r, now, message, plan.batch_size)]
+            if len(live) == len(taken):
+                break
+            for request in reversed(live):  # re-plan without the dead ones
+                state.pending.appendleft(request)
+                state.rows += request.rows
+        stats = self._statistics[self.model]
+        for request in taken:
+            waited = now - request.enqueued_at
+            stats.queue.add(waited)
+            stats.waits.append(waited)
+        return plan, taken
 
-    def _batch_size_for(self, rows: int) -> int:
-        if self._batch_sizes == (0,):
-            return 0
-        return next((b for b in self._batch_sizes if b >= rows), self._batch_sizes[-1])
+    def _window(self) -> list[Infer]:
+        """The requests planning may look at: enough to fill the largest batch."""
+        largest = max(self._settings.batch_sizes)
+        window, rows = [], 0
+        for request in self._state.pending:
+            window.append(request)
+            rows += request.rows
+            if rows >= largest:
+                break
+        return window
 
     def _summarize(self) -> None:
-        pending = self._state.pending
+        state = self._state
+        pending = state.pending
         self._statistics[self.model].queue_depth = len(pending)
+        if not pending:
+            self._dispatcher.send_nowait(QueueSummary(self.model, 0, 0, 0, math.inf, None, math.inf))
+            return
+        settings = self._settings
+        plan = plan_batch(
+            [_pending(r) for r in self._window()],
+            settings.batch_sizes,
+            coalescable=settings.coalescable,
+            cap=settings.max_batch_size,
+        )
+        assert plan is not None
+        now = time.monotonic()
+        front = pending[0]
+        wait = queue_delay(
+            state.rows, settings.batch_sizes, now - front.enqueued_at, settings.max_queue_delay_s
+        )
         deadlines = [r.deadline for r in pending if r.deadline is not None]
         self._dispatcher.send_nowait(
             QueueSummary(
                 self.model,
                 len(pending),
-                self._state.rows,
-                pending[0].enqueued_at if pending else math.inf,
+                state.rows,
+                plan.batch_size,
+                front.enqueued_at,
                 min(deadlines) if deadlines else None,
+                now + wait,
             )
         )

@@ -18,7 +18,7 @@ from tritonclient.utils import InferenceServerException
 sys.path.insert(0, str(EXAMPLES.parent))
 import export_examples
 
-MLP_SIZES = (1, 2, 3, 4, 8, 13, 16)  # every compiled size and rows that pad up to one
+MLP_SIZES = (1, 2, 3, 4, 8, 13, 16, 17, 37, 100)  # compiled sizes, rows padded up to one, and split
 
 
 def infer(client: Any, model: str, array: np.ndarray, name: str = "INPUT0", **kwargs: Any) -> Any:
@@ -180,13 +180,6 @@ class TestBadInput:
                 "INVALID_ARGUMENT",
                 "rank 1, expected [-1, 16] (rank 2)",
             ),
-            (
-                "mlp",
-                "INPUT0",
-                np.zeros((17, 16), np.float32),
-                "INVALID_ARGUMENT",
-                "batch of 17 rows exceeds the largest compiled batch size 16",
-            ),
             ("mlp", "INPUT0", np.zeros((0, 16), np.float32), "INVALID_ARGUMENT", "batch of 0 rows"),
         ],
     )
@@ -292,6 +285,37 @@ class TestBadInput:
         assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED
         assert f"{call} is not implemented by hloserve" in raised.value.details()
         assert_good_request_served(triton)
+
+
+def test_a_model_whose_outputs_cannot_be_joined_refuses_a_batch_larger_than_its_sizes(tmp_path: Path) -> None:
+    """A batch total (no batch axis on the output) cannot be split: too many rows is INVALID_ARGUMENT."""
+    import jax
+    import yaml
+
+    directory = tmp_path / "total"
+    directory.mkdir()
+    for size in (1, 2):
+        spec = jax.ShapeDtypeStruct((size, 4), np.float32)
+        (directory / f"model.b{size}.mlir").write_text(jax.jit(lambda x: x.sum(axis=0)).lower(spec).as_text())
+    manifest = {
+        "format_version": "2.0",
+        "executable_inputs": [{"name": "X", "dtype": "f32", "shape": "fn", "dims": {"f": 4}}],
+        "executable_outputs": [{"name": "TOTAL", "dtype": "f32", "shape": "f", "dims": {"f": 4}}],
+        "batching": {"compiled_batch_sizes": [1, 2]},
+    }
+    (directory / "manifest.yaml").write_text(yaml.safe_dump(manifest))
+    server = ServerThread(make_config(tmp_path)).start()
+    try:
+        client = grpcclient.InferenceServerClient(server.url)
+        with pytest.raises(InferenceServerException) as raised:
+            infer(client, "total", np.ones((3, 4), np.float32), name="X")
+        assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert "batch of 3 rows exceeds the largest compiled batch size 2" in raised.value.message()
+        result = infer(client, "total", np.arange(8, dtype=np.float32).reshape(2, 4), name="X")
+        np.testing.assert_array_equal(result.as_numpy("TOTAL"), [4, 6, 8, 10])
+        client.close()
+    finally:
+        server.stop()
 
 
 def test_a_bad_bundle_is_listed_not_ready_with_its_reason(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 
 from hloserve.manifest import TensorSpec
 
-__all__ = ["assemble", "split_outputs"]
+__all__ = ["assemble", "join_outputs", "slice_rows", "split_outputs"]
 
 
 def assemble(
@@ -64,3 +64,30 @@ def split_outputs(
             per_request[r].append(output[tuple(index)])
             start += count
     return per_request
+
+
+def slice_rows(
+    specs: Sequence[TensorSpec], arrays: Sequence[np.ndarray], start: int, count: int
+) -> list[np.ndarray]:
+    """Rows `start:start+count` of each batched tensor (views); unbatched tensors whole."""
+    sliced = []
+    for spec, array in zip(specs, arrays, strict=True):
+        axis = spec.batch_axis
+        if axis is None:
+            sliced.append(array)
+            continue
+        index: list[slice] = [slice(None)] * array.ndim
+        index[axis] = slice(start, start + count)
+        sliced.append(array[tuple(index)])
+    return sliced
+
+
+def join_outputs(specs: Sequence[TensorSpec], parts: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:
+    """Outputs of consecutive executions of one request, joined along each batch axis."""
+    joined = []
+    for i, spec in enumerate(specs):
+        if spec.batch_axis is None:
+            joined.append(parts[0][i])
+        else:
+            joined.append(np.concatenate([p[i] for p in parts], axis=spec.batch_axis))
+    return joined

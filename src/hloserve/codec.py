@@ -119,7 +119,7 @@ def decode_request(
 ) -> DecodedRequest:
     """Check a ModelInferRequest against the model's client-facing tensors and decode it.
 
-    `max_rows` is the largest batch the model can run (None when it has no batch axis).
+    `max_rows` is the largest batch the model can run (None: no limit, or no batch axis).
     """
     by_name = {spec.name: i for i, spec in enumerate(inputs)}
     raw = request.raw_input_contents
@@ -163,10 +163,10 @@ def decode_request(
     missing = [spec.name for spec, a in zip(inputs, arrays, strict=True) if a is None]
     if missing:
         raise InvalidInput(model, f"missing input(s) {missing}; the model takes {[s.name for s in inputs]}")
+    if rows == 0:
+        raise InvalidInput(model, "batch of 0 rows; send at least one")
     rows = 1 if rows is None else rows
     if max_rows is not None:
-        if rows < 1:
-            raise InvalidInput(model, "batch of 0 rows; send at least one")
         if rows > max_rows:
             raise InvalidInput(
                 model, f"batch of {rows} rows exceeds the largest compiled batch size {max_rows}"

@@ -50,6 +50,29 @@ class CompiledModel:
     def batch_sizes(self) -> tuple[int, ...]:
         return tuple(sorted(self.executables))
 
+    @property
+    def coalescable(self) -> bool:
+        """Requests can be joined: every executable input and output has a batch axis."""
+        manifest = self.bundle.manifest
+        tensors = (*manifest.executable_inputs, *manifest.executable_outputs)
+        return 0 not in self.executables and all(t.batch_axis is not None for t in tensors)
+
+    def warm_up(self, weights: Sequence[_xla.DeviceArray]) -> dict[int, float]:
+        """Run every compiled size once on zeros; returns the seconds each took (blocking).
+
+        Seeds the scheduler's cost estimates and takes first-run costs off the first request.
+        """
+        costs = {}
+        for size in self.batch_sizes:
+            module = self.bundle.module_for(size)
+            zeros = [
+                np.zeros(t.shape, t.dtype.numpy)
+                for t in module.signature.inputs[: len(module.signature.inputs) - len(weights)]
+            ]
+            result = self.execute(size, zeros, weights)
+            costs[size] = result.input_s + result.infer_s
+        return costs
+
     def batch_size_for(self, rows: int) -> int | None:
         """The smallest compiled size holding `rows`; 0 for a single-module bundle; None if none."""
         if 0 in self.executables:

@@ -21,7 +21,7 @@ import yaml
 
 from hloserve.errors import ConfigError
 
-__all__ = ["Config", "LoggingConfig", "ModelPolicy", "SchedulerConfig", "ServerConfig", "load_config"]
+__all__ = ["Config", "LoggingConfig", "ModelSettings", "SchedulerConfig", "ServerConfig", "load_config"]
 
 ENV_PREFIX = "HLOSERVE_"
 EXAMPLE_REPOSITORY = Path(__file__).resolve().parents[2] / "examples" / "repository"
@@ -55,7 +55,7 @@ class ServerConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class ModelPolicy:
+class ModelSettings:
     """Scheduling settings of one model (`scheduler.models.<name>`)."""
 
     weight: float = 1.0
@@ -77,7 +77,7 @@ class SchedulerConfig:
     recency_penalty_cap: float = 0.25
     coalescing_discount: float = 0.10
     cost_ema_alpha: float = 0.2
-    models: Mapping[str, ModelPolicy] = field(default_factory=dict)
+    models: Mapping[str, ModelSettings] = field(default_factory=dict)
 
     def validate(self) -> None:
         _check(self.max_queue_depth >= 1, "scheduler.max_queue_depth", "must be >= 1")
@@ -186,7 +186,9 @@ def _section(cls: type, data: Any, where: str) -> Any:
         if cls is SchedulerConfig and name == "models":
             if not isinstance(value, Mapping):
                 raise ConfigError(f"{where}.models", "expected a mapping of model name to settings")
-            values[name] = {str(m): _section(ModelPolicy, v, f"{where}.models.{m}") for m, v in value.items()}
+            values[name] = {
+                str(m): _section(ModelSettings, v, f"{where}.models.{m}") for m, v in value.items()
+            }
         else:
             values[name] = _convert(value, hints[name], f"{where}.{name}")
     return cls(**values)

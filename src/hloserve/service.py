@@ -152,24 +152,29 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         entry = self._ready_entry(request.model_name, request.model_version)
         assert entry.bundle is not None and entry.compiled is not None and entry.queue is not None
         manifest = entry.bundle.manifest
-        max_rows = entry.compiled.batch_sizes[-1] if manifest.batched else None
+        # A batched model runs any number of rows (split across executions if need be), unless
+        # its outputs cannot be joined back; then the largest compiled size is the limit.
+        compiled = entry.compiled
+        max_rows = None if compiled.coalescable or not manifest.batched else compiled.batch_sizes[-1]
         decoded = decode_request(request, entry.name, manifest.inputs, manifest.outputs, max_rows)
         if self._inflight >= self._config.server.max_inflight_requests:
             raise Overloaded(self._config.server.max_inflight_requests)
         now = time.monotonic()
         remaining = None if grpc_deadline is None else grpc_deadline.time_remaining()
         reply: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
-        entry.queue.submit_nowait(
-            Infer(
-                entry.name,
-                decoded.inputs,
-                decoded.rows,
-                decoded.outputs,
-                reply,
-                now,
-                request_deadline(request.parameters, remaining, now),
-            )
+        queued = Infer(
+            entry.name,
+            decoded.inputs,
+            decoded.rows,
+            decoded.outputs,
+            reply,
+            now,
+            request_deadline(request.parameters, remaining, now),
         )
+        queue = entry.queue
+        queue.submit_nowait(queued)
+        # A client that cancels or disconnects cancels this handler, and so the future.
+        reply.add_done_callback(lambda f: queue.withdraw_nowait(queued) if f.cancelled() else None)
         self._inflight += 1
         try:
             outputs = await reply

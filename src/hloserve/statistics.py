@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 __all__ = ["Duration", "ExecutionTimes", "ModelStatistics", "Statistics"]
@@ -53,7 +53,21 @@ class ModelStatistics:
     by_batch_size: defaultdict[int, ExecutionTimes] = field(
         default_factory=lambda: defaultdict(ExecutionTimes)
     )
-    failures_by_status: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+    requests_served: int = 0
+    """Requests answered from an execution (a batch counts each of its requests)."""
+    waits: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
+    """Queue waits of the last 1024 requests taken, in seconds."""
+    drops: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+    """Requests that never ran, by reason: deadline, cancelled, queue_full."""
+    cost: dict[int, float] = field(default_factory=dict)
+    """The dispatcher's learned seconds per execution, by batch size."""
+
+    def wait_quantile(self, q: float) -> float:
+        """A quantile of the recent queue waits (0 when none)."""
+        if not self.waits:
+            return 0.0
+        ordered = sorted(self.waits)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
     def record_execution(
         self, batch_size: int, rows: int, input_s: float, infer_s: float, output_s: float

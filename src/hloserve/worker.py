@@ -26,12 +26,14 @@ from grpclib.config import Configuration
 
 from hloserve import _grpclib_patches, _xla
 from hloserve.actors.dispatcher import Dispatcher
-from hloserve.actors.model_queue import ModelQueue, ModelQueueHandle
+from hloserve.actors.messages import SetPolicy
+from hloserve.actors.model_queue import ModelQueue, ModelQueueHandle, QueueSettings
 from hloserve.bundle import Bundle, discover, read_weights
 from hloserve.compiled import CompiledModel, compile_bundle
-from hloserve.config import Config
-from hloserve.errors import BundleError, ConfigError
+from hloserve.config import Config, ModelSettings, SchedulerConfig
+from hloserve.errors import BundleError, ConfigError, ModelNotFound
 from hloserve.metrics import Metrics
+from hloserve.policy import Discipline, ModelPolicy, PolicyParams
 from hloserve.service import InferenceService
 from hloserve.statistics import Statistics
 
@@ -66,21 +68,62 @@ class Worker:
     metrics_port: int | None
     models: dict[str, ModelEntry] = field(default_factory=dict)
     statistics: Statistics = field(default_factory=Statistics)
+    _dispatcher: trio.MemorySendChannel[object] | None = None
+
+    def set_policy(
+        self, model: str | None, *, weight: float | None = None, discipline: Discipline | None = None
+    ) -> None:
+        """Change a model's scheduling weight or discipline (model None: the global discipline).
+
+        Applied by the dispatcher before its next selection.
+        """
+        if model is not None and (model not in self.models or not self.models[model].ready):
+            raise ModelNotFound(model)
+        if weight is not None and not weight > 0:
+            raise ValueError(f"weight must be > 0, got {weight}")
+        assert self._dispatcher is not None
+        self._dispatcher.send_nowait(SetPolicy(model, weight, discipline))
 
 
-def _load(bundle: Bundle) -> tuple[CompiledModel, list[_xla.DeviceArray]]:
+def _policy(scheduler: SchedulerConfig, model: str, costs: dict[int, float]) -> ModelPolicy:
+    settings = scheduler.models.get(model, ModelSettings())
+    budget = None if settings.latency_budget_ms is None else settings.latency_budget_ms / 1e3
+    return ModelPolicy(
+        weight=settings.weight, cost=dict(costs), discipline=settings.discipline, latency_budget_s=budget
+    )
+
+
+def _queue_settings(scheduler: SchedulerConfig, compiled: CompiledModel) -> QueueSettings:
+    settings = scheduler.models.get(compiled.name, ModelSettings())
+    return QueueSettings(
+        batch_sizes=compiled.batch_sizes,
+        coalescable=compiled.coalescable,
+        max_depth=settings.max_queue_depth or scheduler.max_queue_depth,
+        max_batch_size=settings.max_batch_size,
+        max_queue_delay_s=settings.max_queue_delay_us / 1e6,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Loaded:
+    compiled: CompiledModel
+    weights: list[_xla.DeviceArray]
+    costs: dict[int, float]
+    """Seconds per execution by batch size, measured by the warm-up run."""
+
+
+def _load(bundle: Bundle) -> _Loaded:
+    """Compile, place the weights, run each size once (blocking: call in a worker thread)."""
     compiled = compile_bundle(bundle)
     weights = [_xla.put(w) for w in read_weights(bundle)]
-    return compiled, weights
+    return _Loaded(compiled, weights, compiled.warm_up(weights))
 
 
-async def _load_repository(
-    repository: Path,
-) -> tuple[dict[str, ModelEntry], dict[str, list[_xla.DeviceArray]]]:
+async def _load_repository(repository: Path) -> tuple[dict[str, ModelEntry], dict[str, _Loaded]]:
     if not repository.is_dir():
         raise ConfigError("server.model_repository", f"{repository} is not a directory")
     entries: dict[str, ModelEntry] = {}
-    weights: dict[str, list[_xla.DeviceArray]] = {}
+    loaded: dict[str, _Loaded] = {}
     for name, found in await trio.to_thread.run_sync(discover, repository):
         entry = entries[name] = ModelEntry(name)
         if isinstance(found, BundleError):
@@ -90,12 +133,12 @@ async def _load_repository(
         entry.bundle = found
         started = time.perf_counter()
         try:
-            compiled, weights[name] = await trio.to_thread.run_sync(_load, found)
+            loaded[name] = await trio.to_thread.run_sync(_load, found)
         except Exception as e:  # a module XLA cannot compile is one bad bundle, not a dead server
             entry.error = f"bundle {name!r}: compilation failed: {e}"
             log.error("bundle failed to compile", model=name, reason=str(e))
             continue
-        entry.compiled = compiled
+        entry.compiled = compiled = loaded[name].compiled
         log.info(
             "model loaded",
             model=name,
@@ -104,8 +147,9 @@ async def _load_repository(
             scratch_bytes=compiled.scratch_bytes,
             compile_s=round(compiled.compile_s, 3),
             load_s=round(time.perf_counter() - started, 3),
+            warm_up_ms={size: round(s * 1e3, 3) for size, s in loaded[name].costs.items()},
         )
-    return entries, weights
+    return entries, loaded
 
 
 @asynccontextmanager
@@ -114,15 +158,28 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
     server_config = config.server
     _grpclib_patches.install(server_config.max_message_bytes)
     await trio.to_thread.run_sync(_xla.warm_up)
-    entries, device_weights = await _load_repository(server_config.model_repository)
+    entries, loaded = await _load_repository(server_config.model_repository)
     statistics = Statistics()
-    ready = {n: e.compiled for n, e in entries.items() if e.compiled is not None}
-    dispatcher = Dispatcher(ready, device_weights, statistics)
+    scheduler = config.scheduler
+    dispatcher = Dispatcher(
+        {n: m.compiled for n, m in loaded.items()},
+        {n: m.weights for n, m in loaded.items()},
+        statistics,
+        scheduler.discipline,
+        {n: _policy(scheduler, n, m.costs) for n, m in loaded.items()},
+        PolicyParams(
+            scheduler.ema_halflife_s,
+            scheduler.recency_penalty_cap,
+            scheduler.coalescing_discount,
+            scheduler.cost_ema_alpha,
+        ),
+    )
+    ready = {n: m.compiled for n, m in loaded.items()}
     async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
         for name, compiled in ready.items():
-            policy = config.scheduler.models.get(name)
-            depth = (policy.max_queue_depth if policy else None) or config.scheduler.max_queue_depth
-            queue = ModelQueue(name, compiled.batch_sizes, depth, dispatcher.inbox.clone(), statistics)
+            queue = ModelQueue(
+                name, _queue_settings(scheduler, compiled), dispatcher.inbox.clone(), statistics
+            )
             entries[name].queue = await nursery.start(queue.run)
             dispatcher.attach(entries[name].queue)
         await nursery.start(dispatcher.run)
@@ -148,7 +205,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
             raise ConfigError(
                 "server.grpc_port", f"cannot listen on {server_config.host}:{server_config.grpc_port}: {e}"
             ) from None
-        worker = Worker(config, server.port, metrics_port, entries, statistics)
+        worker = Worker(config, server.port, metrics_port, entries, statistics, dispatcher.inbox)
         log.info(
             "listening",
             grpc=f"{server_config.host}:{worker.grpc_port}",
