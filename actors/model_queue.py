@@ -237,14 +237,9 @@ class ModelQueue:
             state.rows, settings.batch_sizes, now - front.enqueued_at, settings.max_queue_delay_s
         )
         deadlines = [r.deadline for r in pending if r.deadline is not None]
+        earliest = min(deadlines) if deadlines else None
+        # A partial batch is held for more rows, but never past a request's deadline.
+        ready_at = now + wait if earliest is None else min(now + wait, earliest)
         self._dispatcher.send_nowait(
-            QueueSummary(
-                self.model,
-                len(pending),
-                state.rows,
-                plan.batch_size,
-                front.enqueued_at,
-                min(deadlines) if deadlines else None,
-                now + wait,
-            )
+            QueueSummary(self.model, len(pending), state.rows, plan.batch_size, front.enqueued_at, earliest, ready_at)
         )

@@ -53,6 +53,10 @@ class ServerThread:
             raise RuntimeError("worker failed to start") from started
         return self
 
+    def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run `fn` on the worker's own thread (the event loop's), and return its result."""
+        return trio.from_thread.run_sync(lambda: fn(*args, **kwargs), trio_token=self._token)
+
     @property
     def url(self) -> str:
         return f"127.0.0.1:{self.worker.grpc_port}"
@@ -67,10 +71,13 @@ class ServerThread:
         assert not self._thread.is_alive(), "worker thread did not stop"
 
 
-def make_config(repository: Path = EXAMPLES, **server: Any) -> Config:
-    """The default config on a free port with metrics on a free port, plus overrides."""
+def make_config(
+    repository: Path = EXAMPLES, scheduler: dict[str, Any] | None = None, **server: Any
+) -> Config:
+    """The default config on free ports, plus overrides of `server` fields and `scheduler` ones."""
     config = load_config(environ={})
-    return config.replace("server", model_repository=repository, grpc_port=0, metrics_port=0, **server)
+    config = config.replace("server", model_repository=repository, grpc_port=0, metrics_port=0, **server)
+    return config.replace("scheduler", **scheduler) if scheduler else config
 
 
 @pytest.fixture(scope="session", name="server")

@@ -73,12 +73,13 @@ class TestPlanBatch:
 
 
 class TestQueueDelay:
-    def test_waits_for_more_rows_only_between_sizes_and_within_the_delay(self) -> None:
+    def test_waits_for_more_rows_until_full_or_the_delay_ends(self) -> None:
         sizes = [1, 4, 8, 16]
         assert queue_delay(3, sizes, waited_s=0.0002, max_delay_s=0.001) == pytest.approx(0.0008)
+        assert queue_delay(1, sizes, waited_s=0.0, max_delay_s=0.001) == pytest.approx(0.001)
         assert queue_delay(3, sizes, waited_s=0.002, max_delay_s=0.001) == 0.0
-        assert queue_delay(4, sizes, waited_s=0.0, max_delay_s=0.001) == 0.0  # a compiled size: go
-        assert queue_delay(20, sizes, waited_s=0.0, max_delay_s=0.001) == 0.0  # already full
+        assert queue_delay(16, sizes, waited_s=0.0, max_delay_s=0.001) == 0.0  # full: go
+        assert queue_delay(20, sizes, waited_s=0.0, max_delay_s=0.001) == 0.0
         assert queue_delay(3, sizes, waited_s=0.0, max_delay_s=0.0) == 0.0  # off
 
 
@@ -100,15 +101,23 @@ class TestFairShare:
         assert fair_priority(1 / 3, 0.7, 1 / 0.9) == pytest.approx(-0.25)
 
     def test_idle_models_count_in_the_totals(self) -> None:
-        policies = {"A": ModelPolicy(weight=1, ema=1.0), "B": ModelPolicy(weight=1), "idle": ModelPolicy(weight=2)}
+        policies = {
+            "A": ModelPolicy(weight=1, ema=1.0),
+            "B": ModelPolicy(weight=1),
+            "idle": ModelPolicy(weight=2),
+        }
         candidates = [Candidate("A", 1, 0.0, None), Candidate("B", 1, 1.0, None)]
         # B: share 1/4 - 0 > A: 1/4 - 1
         assert select("fair", candidates, policies, now=0.0) == "B"
 
     def test_ties_go_to_the_older_front_then_the_name(self) -> None:
         policies = {"a": ModelPolicy(), "b": ModelPolicy()}
-        assert select("fair", [Candidate("b", 1, 1.0, None), Candidate("a", 1, 2.0, None)], policies, 0.0) == "b"
-        assert select("fair", [Candidate("b", 1, 1.0, None), Candidate("a", 1, 1.0, None)], policies, 0.0) == "a"
+        assert (
+            select("fair", [Candidate("b", 1, 1.0, None), Candidate("a", 1, 2.0, None)], policies, 0.0) == "b"
+        )
+        assert (
+            select("fair", [Candidate("b", 1, 1.0, None), Candidate("a", 1, 1.0, None)], policies, 0.0) == "a"
+        )
 
     def test_decay_halves_in_a_halflife(self) -> None:
         assert decay(8.0, 30.0, 30.0) == pytest.approx(4.0)
@@ -127,17 +136,26 @@ class TestFairShare:
 class TestFifoAndEdf:
     def test_fifo_ignores_weights(self) -> None:
         policies = {"a": ModelPolicy(weight=100), "b": ModelPolicy()}
-        assert select("fifo", [Candidate("a", 1, 2.0, None), Candidate("b", 1, 1.0, None)], policies, 3.0) == "b"
-        assert select("fifo", [Candidate("b", 1, 1.0, None), Candidate("a", 1, 1.0, None)], policies, 3.0) == "a"
+        assert (
+            select("fifo", [Candidate("a", 1, 2.0, None), Candidate("b", 1, 1.0, None)], policies, 3.0) == "b"
+        )
+        assert (
+            select("fifo", [Candidate("b", 1, 1.0, None), Candidate("a", 1, 1.0, None)], policies, 3.0) == "a"
+        )
 
     def test_edf_takes_the_earliest_deadline_and_none_is_least_urgent(self) -> None:
         policies = {m: ModelPolicy() for m in "abc"}
         candidates = [Candidate("a", 1, 0.0, None), Candidate("b", 1, 1.0, 9.0), Candidate("c", 1, 2.0, 5.0)]
         assert select("edf", candidates, policies, 0.0) == "c"
-        assert select("edf", [Candidate("a", 1, 1.0, None), Candidate("b", 1, 0.0, None)], policies, 0.0) == "b"
+        assert (
+            select("edf", [Candidate("a", 1, 1.0, None), Candidate("b", 1, 0.0, None)], policies, 0.0) == "b"
+        )
 
     def test_an_endangered_latency_budget_goes_first(self) -> None:
-        policies = {"slow": ModelPolicy(weight=10), "budget": ModelPolicy(latency_budget_s=0.010, cost={1: 0.002})}
+        policies = {
+            "slow": ModelPolicy(weight=10),
+            "budget": ModelPolicy(latency_budget_s=0.010, cost={1: 0.002}),
+        }
         candidates = [Candidate("slow", 1, 0.0, None), Candidate("budget", 1, 1.0, None)]
         assert select("fifo", candidates, policies, now=1.005) == "slow"  # 5 ms left: fine
         assert select("fifo", candidates, policies, now=1.009) == "budget"  # 1 ms left, costs 2

@@ -28,40 +28,48 @@ class _StatisticsCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         stats = self._read()
-        families = {
-            "executions": CounterMetricFamily(
-                "hloserve_executions", "Executions run per model", labels=["model"]
-            ),
-            "rows": CounterMetricFamily(
-                "hloserve_inference_rows", "Rows (batch elements) executed", labels=["model"]
-            ),
-            "queue": CounterMetricFamily(
-                "hloserve_queue_seconds", "Time requests spent queued", labels=["model"]
-            ),
-            "compute": CounterMetricFamily(
-                "hloserve_compute_seconds", "Time spent executing (input, infer, output)", labels=["model"]
-            ),
-            "batches": CounterMetricFamily(
-                "hloserve_batch_executions",
-                "Executions per compiled batch size",
-                labels=["model", "batch_size"],
-            ),
-        }
-        for model, s in stats.items():
-            families["executions"].add_metric([model], s.execution_count)
-            families["rows"].add_metric([model], s.inference_count)
-            families["queue"].add_metric([model], s.queue.ns / 1e9)
+        model = ["model"]
+        executions = CounterMetricFamily(
+            "hloserve_executions", "Executions (dispatches) per model", labels=model
+        )
+        requests = CounterMetricFamily(
+            "hloserve_requests_served", "Requests answered from executions", labels=model
+        )
+        rows = CounterMetricFamily("hloserve_inference_rows", "Rows (batch elements) executed", labels=model)
+        queue = CounterMetricFamily("hloserve_queue_seconds", "Time requests spent queued", labels=model)
+        compute = CounterMetricFamily("hloserve_compute_seconds", "Time spent executing", labels=model)
+        batches = CounterMetricFamily(
+            "hloserve_batch_executions", "Executions per compiled batch size", labels=["model", "batch_size"]
+        )
+        drops = CounterMetricFamily(
+            "hloserve_dropped_requests", "Requests that never ran, by reason", labels=["model", "reason"]
+        )
+        depth = GaugeMetricFamily("hloserve_queue_depth", "Requests waiting", labels=model)
+        wait = GaugeMetricFamily(
+            "hloserve_queue_wait_seconds",
+            "Queue wait of the last 1024 requests",
+            labels=["model", "quantile"],
+        )
+        cost = GaugeMetricFamily(
+            "hloserve_cost_estimate_seconds", "Learned seconds per execution", labels=["model", "batch_size"]
+        )
+        for name, s in stats.items():
+            executions.add_metric([name], s.execution_count)
+            requests.add_metric([name], s.requests_served)
+            rows.add_metric([name], s.inference_count)
+            queue.add_metric([name], s.queue.ns / 1e9)
             c = s.compute
-            families["compute"].add_metric(
-                [model], (c.compute_input.ns + c.compute_infer.ns + c.compute_output.ns) / 1e9
-            )
+            compute.add_metric([name], (c.compute_input.ns + c.compute_infer.ns + c.compute_output.ns) / 1e9)
             for size, times in sorted(s.by_batch_size.items()):
-                families["batches"].add_metric([model, str(size)], times.compute_infer.count)
-        yield from families.values()
-        depth = GaugeMetricFamily("hloserve_queue_depth", "Requests waiting per model", labels=["model"])
-        for model, s in stats.items():
-            depth.add_metric([model], s.queue_depth)
-        yield depth
+                batches.add_metric([name, str(size)], times.compute_infer.count)
+            for reason, count in sorted(s.drops.items()):
+                drops.add_metric([name, reason], count)
+            depth.add_metric([name], s.queue_depth)
+            for q in (0.5, 0.99):
+                wait.add_metric([name, str(q)], s.wait_quantile(q))
+            for size, seconds in sorted(s.cost.items()):
+                cost.add_metric([name, str(size)], seconds)
+        yield from (executions, requests, rows, queue, compute, batches, drops, depth, wait, cost)
 
 
 class Metrics:

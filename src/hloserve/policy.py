@@ -126,12 +126,12 @@ def plan_batch(
 
 
 def queue_delay(rows: int, sizes: Sequence[int], waited_s: float, max_delay_s: float) -> float:
-    """Seconds to hold a partial batch for more rows (Triton's max_queue_delay); 0 = go now.
+    """Seconds to hold a batch for more rows (Triton's max_queue_delay); 0 = go now.
 
-    Waits only while the queued rows fall between compiled sizes (a batch would be padded) and
-    the oldest request has waited less than `max_delay_s`.
+    Holds while fewer rows are queued than the largest compiled size and the oldest request has
+    waited less than `max_delay_s`, as Triton's dynamic batcher fills its max batch size.
     """
-    if max_delay_s <= 0 or rows >= max(sizes) or rows in sizes:
+    if max_delay_s <= 0 or rows >= max(sizes):
         return 0.0
     return max(0.0, max_delay_s - waited_s)
 

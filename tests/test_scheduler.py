@@ -1,0 +1,245 @@
+"""The scheduler on a live server: coalescing, fair shares, deadlines, admission, cancellation."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from conftest import EXAMPLES, ServerThread, make_config
+from test_service import export_examples, infer
+from tritonclient.utils import InferenceServerException
+
+from hloserve.config import ModelSettings
+from hloserve.export import InputSpec, export_bundle
+
+
+def _outcome(call: Any) -> str:
+    try:
+        call()
+        return "OK"
+    except InferenceServerException as e:
+        return str(e.status()).removeprefix("StatusCode.")
+
+
+def _stats(client: Any, model: str) -> Any:
+    return client.get_inference_statistics(model).model_stats[0]
+
+
+def write_heavy(directory: Path, products: int) -> Path:
+    """A model of `products` 256x256 matrix products per row: milliseconds of work, on purpose."""
+
+    def heavy(params: Any, x: Any) -> Any:
+        m = x.reshape(-1)[:, None] * params["w"]
+        for _ in range(products):
+            m = jnp.tanh(m @ params["w"])
+        return m.sum(axis=1)[None, :]
+
+    w = (np.random.default_rng(0).standard_normal((256, 256)) / 16).astype(np.float32)
+    return export_bundle(heavy, {"w": w}, [InputSpec("INPUT0", (256,))], directory, batch_sizes=(1,))
+
+
+@pytest.fixture(name="twins")
+def _twins(tmp_path: Path) -> Path:
+    """Two identical models, `a` and `b`, each a few milliseconds per execution."""
+    for name in ("a", "b"):
+        write_heavy(tmp_path / name, 6)
+    return tmp_path
+
+
+def test_concurrent_requests_coalesce_and_stay_correct() -> None:
+    config = make_config(scheduler={"models": {"mlp": ModelSettings(max_queue_delay_us=20_000)}})
+    server = ServerThread(config).start()
+    try:
+        clients = [grpcclient.InferenceServerClient(server.url) for _ in range(12)]
+        rng = np.random.default_rng(11)
+        inputs = [rng.random((1 + i % 3, 16), dtype=np.float32) for i in range(48)]
+        with ThreadPoolExecutor(12) as pool:
+            results = list(pool.map(lambda i: infer(clients[i % 12], "mlp", inputs[i]), range(len(inputs))))
+        for x, result in zip(inputs, results, strict=True):
+            np.testing.assert_allclose(
+                result.as_numpy("OUTPUT0"), export_examples.reference("mlp", x), rtol=1e-5, atol=1e-6
+            )
+        stats = _stats(clients[0], "mlp")
+        assert stats.inference_count == sum(len(x) for x in inputs)
+        assert stats.execution_count < len(inputs)  # requests were joined
+        assert any(b.batch_size > 1 and b.compute_infer.count for b in stats.batch_stats)
+        for client in clients:
+            client.close()
+    finally:
+        server.stop()
+
+
+def _saturate(url: str, models: dict[str, int], seconds: float) -> dict[str, int]:
+    """Keep `threads` requests in flight per model for `seconds`; returns dispatches per model."""
+    stop = time.monotonic() + seconds
+    counted: Counter[str] = Counter()
+
+    def loop(model: str) -> None:
+        client = grpcclient.InferenceServerClient(url)
+        x = np.ones((1, 256), np.float32)
+        while time.monotonic() < stop:
+            infer(client, model, x)
+            counted[model] += 1
+        client.close()
+
+    threads = [threading.Thread(target=loop, args=(m,)) for m, n in models.items() for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 30)
+    return dict(counted)
+
+
+@pytest.mark.slow
+def test_weights_one_to_three_give_dispatch_shares_one_to_three(twins: Path) -> None:
+    """Both models saturated, one row per dispatch (equal costs): dispatches split 1:3 within 5%."""
+    settings = {"a": ModelSettings(weight=1), "b": ModelSettings(weight=3)}
+    server = ServerThread(make_config(twins, scheduler={"models": settings, "ema_halflife_s": 2.0})).start()
+    try:
+        client = grpcclient.InferenceServerClient(server.url)
+        _saturate(server.url, {"a": 6, "b": 6}, 2.0)  # reach the steady state first
+        before = {m: _stats(client, m).execution_count for m in ("a", "b")}
+        _saturate(server.url, {"a": 6, "b": 6}, 6.0)
+        counts = {m: _stats(client, m).execution_count - before[m] for m in ("a", "b")}
+        share_b = counts["b"] / (counts["a"] + counts["b"])
+        assert share_b == pytest.approx(0.75, abs=0.05), counts
+
+        # Live policy: equal weights now give equal shares.
+        server.call(server.worker.set_policy, "b", weight=1.0)
+        _saturate(server.url, {"a": 6, "b": 6}, 2.0)
+        before = {m: _stats(client, m).execution_count for m in ("a", "b")}
+        _saturate(server.url, {"a": 6, "b": 6}, 5.0)
+        counts = {m: _stats(client, m).execution_count - before[m] for m in ("a", "b")}
+        assert counts["b"] / (counts["a"] + counts["b"]) == pytest.approx(0.5, abs=0.05), counts
+        client.close()
+    finally:
+        server.stop()
+
+
+@pytest.fixture(name="held")
+def _held() -> Any:
+    """A server whose mlp queue holds a lone row for 300 ms waiting for more, and queues at most 3."""
+    settings = {"mlp": ModelSettings(max_queue_delay_us=300_000, max_queue_depth=3)}
+    server = ServerThread(make_config(scheduler={"models": settings})).start()
+    client = grpcclient.InferenceServerClient(server.url)
+    yield server, client
+    client.close()
+    server.stop()
+
+
+def test_a_deadline_that_expires_in_the_queue(tmp_path: Path) -> None:
+    """While a slow execution holds the dispatcher, a queued request's deadline passes: dropped."""
+    write_heavy(tmp_path / "slow", 150)
+    shutil.copytree(EXAMPLES / "mlp", tmp_path / "mlp")
+    server = ServerThread(make_config(tmp_path)).start()
+    try:
+        client = grpcclient.InferenceServerClient(server.url)
+        before = _stats(client, "mlp")
+        with ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(
+                infer, grpcclient.InferenceServerClient(server.url), "slow", np.ones((1, 256), np.float32)
+            )
+            deadline = time.monotonic() + 10
+            while server.call(lambda: server.worker.statistics["slow"].queue.count) == 0:  # it is executing
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            x = np.ones((1, 16), np.float32)
+            with pytest.raises(InferenceServerException) as raised:
+                infer(client, "mlp", x, timeout=5_000)  # Triton's `timeout` parameter, microseconds
+            assert slow.result().as_numpy("output_0").shape == (1, 256)
+        assert raised.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+        assert "model 'mlp': deadline passed" in raised.value.message()
+        assert "request dropped" in raised.value.message()
+        assert _stats(client, "mlp").execution_count == before.execution_count
+        drops = server.call(lambda: dict(server.worker.statistics["mlp"].drops))
+        assert drops == {"deadline": 1}
+        np.testing.assert_allclose(
+            infer(client, "mlp", x).as_numpy("OUTPUT0"),
+            export_examples.reference("mlp", x),
+            rtol=1e-5,
+            atol=1e-6,
+        )
+        client.close()
+    finally:
+        server.stop()
+
+
+def test_queue_full_is_unavailable_and_names_the_limit(held: Any) -> None:
+    _, client = held
+    clients = [grpcclient.InferenceServerClient(held[0].url) for _ in range(6)]
+    x = np.ones((1, 16), np.float32)
+    with ThreadPoolExecutor(6) as pool:
+        futures = []
+        for c in clients:
+            futures.append(pool.submit(_outcome, lambda c=c: infer(c, "mlp", x)))
+            time.sleep(0.02)
+        outcomes = Counter(f.result() for f in futures)
+    assert outcomes["UNAVAILABLE"] >= 1 and outcomes["OK"] >= 3, outcomes
+    assert set(outcomes) <= {"OK", "UNAVAILABLE"}
+    with pytest.raises(InferenceServerException, match="max_queue_depth"):
+        with ThreadPoolExecutor(5) as pool:
+            list(pool.map(lambda c: infer(c, "mlp", x), clients[:5]))
+    for c in clients:
+        c.close()
+    np.testing.assert_allclose(
+        infer(client, "mlp", x).as_numpy("OUTPUT0"), export_examples.reference("mlp", x), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_a_cancelled_request_never_executes(held: Any) -> None:
+    server, client = held
+    before = _stats(client, "mlp")
+    x = np.ones((1, 16), np.float32)
+    with pytest.raises(InferenceServerException) as raised:
+        infer(client, "mlp", x, client_timeout=0.1)  # the client gives up while it is queued
+    assert raised.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+    time.sleep(0.5)  # past the 300 ms hold: it would have run by now
+    after = _stats(client, "mlp")
+    assert after.execution_count == before.execution_count
+    assert after.inference_count == before.inference_count
+    drops = server.call(lambda: dict(server.worker.statistics["mlp"].drops))
+    assert drops.get("cancelled", 0) + drops.get("deadline", 0) >= 1
+    np.testing.assert_allclose(
+        infer(client, "mlp", x).as_numpy("OUTPUT0"), export_examples.reference("mlp", x), rtol=1e-5, atol=1e-6
+    )
+
+
+@pytest.mark.slow
+def test_ten_times_overload_answers_everyone_and_stays_responsive() -> None:
+    """40 clients against a cap of 4 in flight: every call gets OK or UNAVAILABLE; health stays up."""
+    server = ServerThread(make_config(max_inflight_requests=4)).start()
+    try:
+        clients = [grpcclient.InferenceServerClient(server.url) for _ in range(40)]
+        x = np.ones((2, 16), np.float32)
+
+        def burst(c: Any) -> list[str]:
+            return [
+                _outcome(lambda: infer(c, "cnn", np.ones((4, 16, 16, 3), np.float32), name="IMAGE"))
+                for _ in range(10)
+            ]
+
+        with ThreadPoolExecutor(40) as pool:
+            outcomes = Counter(o for result in pool.map(burst, clients) for o in result)
+        assert sum(outcomes.values()) == 400
+        assert set(outcomes) <= {"OK", "UNAVAILABLE"}, outcomes
+        assert outcomes["OK"] > 0 and outcomes["UNAVAILABLE"] > 0, outcomes
+        assert clients[0].is_server_live()
+        np.testing.assert_allclose(
+            infer(clients[0], "mlp", x).as_numpy("OUTPUT0"),
+            export_examples.reference("mlp", x),
+            rtol=1e-5,
+            atol=1e-6,
+        )
+        for c in clients:
+            c.close()
+    finally:
+        server.stop()
