@@ -240,6 +240,7 @@ class ModelQueue:
         earliest = min(deadlines) if deadlines else None
         # A partial batch is held for more rows, but never past a request's deadline.
         ready_at = now + wait if earliest is None else min(now + wait, earliest)
-        self._dispatcher.send_nowait(
-            QueueSummary(self.model, len(pending), state.rows, plan.batch_size, front.enqueued_at, earliest, ready_at)
+        summary = QueueSummary(
+            self.model, len(pending), state.rows, plan.batch_size, front.enqueued_at, earliest, ready_at
         )
+        self._dispatcher.send_nowait(summary)
