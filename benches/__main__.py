@@ -14,10 +14,10 @@ import sys
 import time
 from pathlib import Path
 
-from benches import serving
+from benches import scheduler, serving
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SUITES = {"serving": serving}
+SUITES = {"serving": serving, "scheduler": scheduler}
 
 
 def main() -> None:
