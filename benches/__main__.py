@@ -14,10 +14,10 @@ import sys
 import time
 from pathlib import Path
 
-from benches import scheduler, serving
+from benches import scheduler, serving, shared_memory
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SUITES = {"serving": serving, "scheduler": scheduler}
+SUITES = {"serving": serving, "scheduler": scheduler, "shared_memory": shared_memory}
 
 
 def main() -> None:

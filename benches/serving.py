@@ -70,8 +70,12 @@ def _successes(url: str, model: str) -> int:
         client.close()
 
 
-def start_server(port: int) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "HLOSERVE_LOGGING_FORMAT": "json"}
+def start_server(port: int, allow_client_shm: bool = False) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "HLOSERVE_LOGGING_FORMAT": "json",
+        "HLOSERVE_SERVER_ALLOW_CLIENT_SHM": str(allow_client_shm),
+    }
     command = [
         *_pin(0),
         sys.executable,

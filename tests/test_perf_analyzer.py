@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from conftest import ROOT, ServerThread
+from conftest import ROOT, ServerThread, make_config
 
 sys.path.insert(0, str(ROOT / "benches"))
 from perf_analyzer import perf_analyzer_path, run_perf_analyzer
@@ -28,3 +28,21 @@ def test_perf_analyzer_runs_clean(server: ServerThread, model: str, shape: list[
     assert "Request concurrency: 2" in output
     # Server-side figures come from ModelStatistics: queue and compute times are reported.
     assert "Server:" in output and "compute infer" in output and "queue" in output
+
+
+@pytest.mark.slow
+def test_perf_analyzer_with_system_shared_memory() -> None:
+    server = ServerThread(make_config(allow_client_shm=True)).start()
+    try:
+        result = run_perf_analyzer(
+            ["-m", "mlp", "-u", server.url, "-i", "grpc", "--concurrency-range", "1:2", "-b", "2",
+             "--shared-memory", "system", "--output-shared-memory-size", "32",
+             "--measurement-interval", "1000", "-s", "100", "--max-trials", "3"],
+            timeout=180,
+        )  # fmt: skip
+    finally:
+        server.stop()
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "error" not in output.lower(), output
+    assert "Request concurrency: 2" in output

@@ -13,6 +13,7 @@ CASES = [
     (errors.ModelNotReady("m", "bad manifest"), Status.UNAVAILABLE),
     (errors.InvalidInput("m", "wrong", "T"), Status.INVALID_ARGUMENT),
     (errors.ShmRegionError("r", "out of bounds"), Status.INVALID_ARGUMENT),
+    (errors.ShmDisabled(), Status.FAILED_PRECONDITION),
     (errors.QueueFull("m", 8), Status.UNAVAILABLE),
     (errors.Overloaded(64), Status.UNAVAILABLE),
     (errors.ShuttingDown(), Status.UNAVAILABLE),

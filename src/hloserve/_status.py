@@ -22,6 +22,7 @@ STATUS_BY_ERROR: dict[type[Exception], Status] = {
     errors.ModelNotReady: Status.UNAVAILABLE,
     errors.InvalidInput: Status.INVALID_ARGUMENT,
     errors.ShmRegionError: Status.INVALID_ARGUMENT,
+    errors.ShmDisabled: Status.FAILED_PRECONDITION,
     errors.QueueFull: Status.UNAVAILABLE,
     errors.Overloaded: Status.UNAVAILABLE,
     errors.ShuttingDown: Status.UNAVAILABLE,

@@ -40,6 +40,7 @@ __all__ = [
     "compiled_memory",
     "device",
     "free",
+    "host_buffer",
     "main_signature",
     "memory_stats",
     "put",
@@ -145,6 +146,16 @@ def compiled_memory(executable: Executable) -> dict[str, int]:
         "argument_bytes": int(stats.argument_size_in_bytes),
         "output_bytes": int(stats.output_size_in_bytes),
     }
+
+
+ALIGNMENT = 64
+
+
+def host_buffer(nbytes: int) -> np.ndarray:
+    """An uninitialised, 64-byte aligned uint8 array: on CPU, `put` aliases it instead of copying."""
+    raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start : start + nbytes]
 
 
 @functools.cache

@@ -32,7 +32,6 @@ WEIGHTS = "weights.safetensors"
 MODEL_PY = "model.py"
 _MODULE_NAME = re.compile(r"^model(?:\.b([1-9][0-9]*))?\.mlir$")
 _BYTECODE_MAGIC = b"ML\xefR"
-_ALIGN = 64  # device_put aliases 64-byte aligned host arrays on CPU instead of copying
 _SAFETENSORS_DTYPES = {
     "BOOL": "bool", "U8": "u8", "U16": "u16", "U32": "u32", "U64": "u64", "I8": "i8", "I16": "i16",
     "I32": "i32", "I64": "i64", "F16": "f16", "BF16": "bf16", "F32": "f32", "F64": "f64",
@@ -270,12 +269,6 @@ def discover(repository: Path) -> list[tuple[str, Bundle | BundleError]]:
     return found
 
 
-def _aligned_empty(nbytes: int) -> np.ndarray:
-    raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
-    start = -raw.ctypes.data % _ALIGN
-    return raw[start : start + nbytes]
-
-
 def read_weights(bundle: Bundle) -> list[np.ndarray]:
     """Every weight in argument order, each read once into its own 64-byte aligned array."""
     if bundle.weights_path is None:
@@ -283,7 +276,7 @@ def read_weights(bundle: Bundle) -> list[np.ndarray]:
     arrays = []
     with bundle.weights_path.open("rb", buffering=0) as f:
         for spec in bundle.weights:
-            buffer = _aligned_empty(spec.nbytes)
+            buffer = _xla.host_buffer(spec.nbytes)
             f.seek(spec.offset)
             if f.readinto(buffer.data) != spec.nbytes:
                 raise BundleError(bundle.name, WEIGHTS, spec.name, "file is shorter than its header says")

@@ -35,6 +35,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="listen address (default 127.0.0.1; 0.0.0.0 for all interfaces)")
     serve.add_argument("--grpc-port", type=int, help="gRPC port (default 8001; 0 picks a free one)")
     serve.add_argument("--metrics-port", type=int, help="Prometheus port (default 8002; -1 turns it off)")
+    serve.add_argument(
+        "--allow-client-shm",
+        action="store_true",
+        default=None,
+        help="accept Triton system shared-memory regions from clients (off by default)",
+    )
     return parser
 
 
@@ -46,6 +52,7 @@ def _apply_flags(config: Config, args: argparse.Namespace) -> Config:
             ("host", args.host),
             ("grpc_port", args.grpc_port),
             ("metrics_port", args.metrics_port),
+            ("allow_client_shm", args.allow_client_shm),
         )
         if value is not None
     }

@@ -17,8 +17,9 @@ import numpy as np
 
 from hloserve import dtypes
 from hloserve._proto.hot import hot_infer_pb2 as pb
-from hloserve.errors import InvalidInput
+from hloserve.errors import InvalidInput, ShmDisabled, ShmRegionError
 from hloserve.manifest import TensorSpec
+from hloserve.shm_registry import Region, ShmRegistry
 
 __all__ = [
     "TIMEOUT_NS_PARAM",
@@ -48,6 +49,8 @@ class DecodedRequest:
     """Extent of the batch axis shared by the batched inputs (1 when none is batched)."""
     outputs: list[int]
     """Indices of the declared outputs to return, in the order requested."""
+    shm_outputs: dict[int, ShmTarget]
+    """Outputs to write into shared memory instead of the response, by output index."""
 
 
 def _int_param(param: Any) -> int | None:
@@ -110,28 +113,70 @@ def _array_from_raw(
     return np.frombuffer(raw, dtype=dtype.numpy).reshape(shape)
 
 
+SHM_REGION = "shared_memory_region"
+SHM_OFFSET = "shared_memory_offset"
+SHM_BYTE_SIZE = "shared_memory_byte_size"
+
+
+@dataclass(frozen=True, slots=True)
+class ShmTarget:
+    """Where a tensor lives in shared memory: a registered region, an offset, a byte size."""
+
+    region: Region
+    offset: int
+    byte_size: int
+
+
+def _shm_target(model: str, tensor: Any, registry: ShmRegistry | None) -> ShmTarget | None:
+    """The tensor's shared-memory parameters, checked; None when it has none."""
+    parameters = tensor.parameters
+    if SHM_REGION not in parameters:
+        return None
+    if registry is None:
+        raise ShmDisabled()
+    region = registry.get(parameters[SHM_REGION].string_param)
+    offset = _int_param(parameters[SHM_OFFSET]) if SHM_OFFSET in parameters else 0
+    if SHM_BYTE_SIZE not in parameters:
+        raise InvalidInput(model, f"{SHM_REGION} needs {SHM_BYTE_SIZE}", tensor.name)
+    size = _int_param(parameters[SHM_BYTE_SIZE])
+    if offset is None or size is None:
+        raise InvalidInput(model, f"{SHM_OFFSET} and {SHM_BYTE_SIZE} must be integers", tensor.name)
+    if offset < 0 or size < 0 or offset + size > region.byte_size:
+        raise ShmRegionError(
+            region.name, f"offset {offset} + byte_size {size} exceeds the region's {region.byte_size} bytes"
+        )
+    return ShmTarget(region, offset, size)
+
+
 def decode_request(
     request: Any,
     model: str,
     inputs: Sequence[TensorSpec],
     outputs: Sequence[TensorSpec],
     max_rows: int | None,
+    registry: ShmRegistry | None = None,
 ) -> DecodedRequest:
     """Check a ModelInferRequest against the model's client-facing tensors and decode it.
 
-    `max_rows` is the largest batch the model can run (None: no limit, or no batch axis).
+    `max_rows` is the largest batch the model can run (None: no limit, or no batch axis);
+    `registry` holds the shared-memory regions (None: shared memory is disabled). Inputs come
+    from shared memory when they name a region, else from `raw_input_contents` (one entry per
+    input not in shared memory, in order), else from typed `contents`.
     """
     by_name = {spec.name: i for i, spec in enumerate(inputs)}
-    raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
+    in_shm = [_shm_target(model, t, registry) for t in request.inputs]
+    raw = list(request.raw_input_contents)
+    inline = sum(target is None for target in in_shm)
+    if raw and len(raw) != inline:
         raise InvalidInput(
             model,
-            f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; "
+            f"raw_input_contents has {len(raw)} entries for {inline} inputs not in shared memory; "
             "expected one per input",
         )
+    raw_entries = iter(raw)
     arrays: list[np.ndarray | None] = [None] * len(inputs)
     rows: int | None = None
-    for position, tensor in enumerate(request.inputs):
+    for tensor, target in zip(request.inputs, in_shm, strict=True):
         index = by_name.get(tensor.name)
         if index is None:
             raise InvalidInput(model, f"unknown input; expected one of {sorted(by_name)}", tensor.name)
@@ -146,8 +191,18 @@ def decode_request(
         problem = spec.shape_problem(shape)
         if problem is not None:
             raise InvalidInput(model, problem, tensor.name)
-        if raw:
-            array = _array_from_raw(model, tensor.name, raw[position], spec.dtype, shape)
+        if target is not None:
+            needed = math.prod(shape) * spec.dtype.itemsize
+            if target.byte_size != needed:
+                raise InvalidInput(
+                    model,
+                    f"{SHM_BYTE_SIZE} is {target.byte_size}, "
+                    f"shape {list(shape)} of {spec.dtype.wire} needs {needed}",
+                    tensor.name,
+                )
+            array = target.region.read(target.offset, needed).view(spec.dtype.numpy).reshape(shape)
+        elif raw:
+            array = _array_from_raw(model, tensor.name, next(raw_entries), spec.dtype, shape)
         else:
             array = _array_from_contents(model, tensor, spec.dtype, shape)
         if spec.batch_axis is not None:
@@ -166,41 +221,68 @@ def decode_request(
     if rows == 0:
         raise InvalidInput(model, "batch of 0 rows; send at least one")
     rows = 1 if rows is None else rows
-    if max_rows is not None:
-        if rows > max_rows:
-            raise InvalidInput(
-                model, f"batch of {rows} rows exceeds the largest compiled batch size {max_rows}"
-            )
+    if max_rows is not None and rows > max_rows:
+        raise InvalidInput(model, f"batch of {rows} rows exceeds the largest compiled batch size {max_rows}")
     out_names = {spec.name: i for i, spec in enumerate(outputs)}
-    if request.outputs:
-        selected = []
-        for requested in request.outputs:
-            if requested.name not in out_names:
-                raise InvalidInput(
-                    model,
-                    f"requested output does not exist; expected one of {sorted(out_names)}",
-                    requested.name,
-                )
-            selected.append(out_names[requested.name])
-    else:
+    selected: list[int] = []
+    targets: dict[int, ShmTarget] = {}
+    for requested in request.outputs:
+        if requested.name not in out_names:
+            raise InvalidInput(
+                model, f"requested output does not exist; expected one of {sorted(out_names)}", requested.name
+            )
+        index = out_names[requested.name]
+        selected.append(index)
+        target = _shm_target(model, requested, registry)
+        if target is not None:
+            spec = outputs[index]
+            if not any(a.is_variable for a in spec.axes):
+                needed = math.prod(spec.wire_shape(rows)) * spec.dtype.itemsize
+                if target.byte_size < needed:
+                    raise InvalidInput(
+                        model,
+                        f"{SHM_BYTE_SIZE} is {target.byte_size}, the output needs {needed} bytes",
+                        requested.name,
+                    )
+            targets[index] = target
+    if not selected:
         selected = list(range(len(outputs)))
-    return DecodedRequest([a for a in arrays if a is not None], rows, selected)
+    return DecodedRequest([a for a in arrays if a is not None], rows, selected, targets)
 
 
 def encode_response(
     request: Any,
     model: str,
     specs: Sequence[TensorSpec],
-    selected: Sequence[int],
+    decoded: DecodedRequest,
     arrays: Sequence[np.ndarray],
 ) -> Any:
-    """A ModelInferResponse with every output in raw_output_contents (what tritonclient decodes)."""
+    """A ModelInferResponse: outputs written to their shared-memory targets, the rest inline.
+
+    Clients index `raw_output_contents` by output position (perf_analyzer crashes otherwise), so
+    an output in shared memory keeps its place there with an empty entry, as Triton does.
+    """
     response = pb.ModelInferResponse(model_name=model, id=request.id)
-    for index, array in zip(selected, arrays, strict=True):
+    contents: list[bytes] = []
+    for index, array in zip(decoded.outputs, arrays, strict=True):
         spec = specs[index]
         tensor = response.outputs.add()
         tensor.name = spec.name
         tensor.datatype = spec.dtype.wire
         tensor.shape.extend(array.shape)
-        response.raw_output_contents.append(array.tobytes())
+        target = decoded.shm_outputs.get(index)
+        if target is None:
+            contents.append(array.tobytes())
+            continue
+        data = np.ascontiguousarray(array)
+        if data.nbytes > target.byte_size:
+            raise InvalidInput(
+                model, f"{SHM_BYTE_SIZE} is {target.byte_size}, the output has {data.nbytes} bytes", spec.name
+            )
+        target.region.write(target.offset, data)
+        tensor.parameters[SHM_REGION].string_param = target.region.name
+        tensor.parameters[SHM_OFFSET].int64_param = target.offset
+        tensor.parameters[SHM_BYTE_SIZE].int64_param = data.nbytes
+        contents.append(b"")
+    response.raw_output_contents.extend(contents)
     return response

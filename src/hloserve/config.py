@@ -45,6 +45,9 @@ class ServerConfig:
     """Global cap on ModelInfer calls in flight; past it, UNAVAILABLE."""
     shutdown_grace_s: float = 10.0
     """On SIGTERM, how long in-flight requests get to finish before they are failed."""
+    allow_client_shm: bool = False
+    """Accept Triton system shared-memory regions; off by default, since a registered region
+    makes the server map memory a client names (as Triton since 2026)."""
 
     def validate(self) -> None:
         _check(0 <= self.grpc_port <= 65535, "server.grpc_port", "must be a port number 0..65535")

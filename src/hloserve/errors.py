@@ -19,6 +19,7 @@ __all__ = [
     "NotResident",
     "Overloaded",
     "QueueFull",
+    "ShmDisabled",
     "ShmRegionError",
     "ShuttingDown",
     "Unimplemented",
@@ -134,6 +135,16 @@ class ShmRegionError(HloserveError):
     def __init__(self, region: str, problem: str) -> None:
         self.region, self.problem = region, problem
         super().__init__(f"shared memory region {region!r}: {problem}")
+
+
+class ShmDisabled(HloserveError):
+    """A client asked for system shared memory, which the server does not allow by default."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "system shared memory is disabled: a client region makes the server map memory it names; "
+            "start hloserve with --allow-client-shm (config server.allow_client_shm: true) to allow it"
+        )
 
 
 class ExecutionFailed(HloserveError):

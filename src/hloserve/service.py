@@ -26,9 +26,10 @@ from hloserve._status import to_grpc_error
 from hloserve.actors.messages import Infer
 from hloserve.codec import decode_request, encode_response, request_deadline
 from hloserve.config import Config
-from hloserve.errors import ModelNotFound, ModelNotReady, Overloaded, Unimplemented
+from hloserve.errors import ModelNotFound, ModelNotReady, Overloaded, ShmDisabled, Unimplemented
 from hloserve.manifest import TensorSpec
 from hloserve.metrics import Metrics
+from hloserve.shm_registry import ShmRegistry
 from hloserve.statistics import Duration, ExecutionTimes, Statistics
 
 if TYPE_CHECKING:
@@ -36,14 +37,16 @@ if TYPE_CHECKING:
 
 __all__ = ["EXTENSIONS", "InferenceService"]
 
-EXTENSIONS = ("model_configuration", "statistics")
+EXTENSIONS = ("model_configuration", "statistics", "system_shared_memory")
 """Triton protocol extensions hloserve implements, reported by ServerMetadata."""
 
 _SERVICE = "/inference.GRPCInferenceService/"
 _BUILT = {
     "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer",
     "ModelConfig", "ModelStatistics", "RepositoryIndex",
+    "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
 }  # fmt: skip
+_CUDA_SHM = {"CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister"}
 _VERSIONS = ("", "1")  # every model has exactly one version, "1"
 
 P = ParamSpec("P")
@@ -85,6 +88,12 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         self._statistics = statistics
         self._metrics = metrics
         self._inflight = 0
+        self._shm = ShmRegistry() if config.server.allow_client_shm else None
+
+    def close(self) -> None:
+        """Unmap every registered shared-memory region."""
+        if self._shm is not None:
+            self._shm.close()
 
     # -- routing -------------------------------------------------------------------------------
 
@@ -106,9 +115,12 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         return mapping
 
     async def _unimplemented(self, rpc: str, stream: Any) -> None:
-        raise GRPCError(
-            Status.UNIMPLEMENTED, str(Unimplemented(rpc, "not built in this version of hloserve"))
+        detail = (
+            "hloserve has no CUDA shared memory; use system shared memory (--allow-client-shm)"
+            if rpc in _CUDA_SHM
+            else "not built in this version of hloserve"
         )
+        raise GRPCError(Status.UNIMPLEMENTED, str(Unimplemented(rpc, detail)))
 
     def _entry(self, name: str, version: str = "") -> ModelEntry:
         entry = self._models.get(name)
@@ -156,7 +168,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         # its outputs cannot be joined back; then the largest compiled size is the limit.
         compiled = entry.compiled
         max_rows = None if compiled.coalescable or not manifest.batched else compiled.batch_sizes[-1]
-        decoded = decode_request(request, entry.name, manifest.inputs, manifest.outputs, max_rows)
+        decoded = decode_request(request, entry.name, manifest.inputs, manifest.outputs, max_rows, self._shm)
         if self._inflight >= self._config.server.max_inflight_requests:
             raise Overloaded(self._config.server.max_inflight_requests)
         now = time.monotonic()
@@ -180,7 +192,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
             outputs = await reply
         finally:
             self._inflight -= 1
-        return encode_response(request, entry.name, manifest.outputs, decoded.outputs, outputs)
+        return encode_response(request, entry.name, manifest.outputs, decoded, outputs)
 
     # -- health and metadata -------------------------------------------------------------------
 
@@ -304,6 +316,40 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
                 )
             )
         return kserve.ModelStatisticsResponse(model_stats=stats)
+
+    # -- system shared memory ------------------------------------------------------------------
+
+    def _registry(self) -> ShmRegistry:
+        if self._shm is None:
+            raise ShmDisabled()
+        return self._shm
+
+    @_rpc("SystemSharedMemoryRegister")
+    async def system_shared_memory_register(
+        self, message: kserve.SystemSharedMemoryRegisterRequest
+    ) -> kserve.SystemSharedMemoryRegisterResponse:
+        self._registry().register(message.name, message.key, message.offset, message.byte_size)
+        return kserve.SystemSharedMemoryRegisterResponse()
+
+    @_rpc("SystemSharedMemoryStatus")
+    async def system_shared_memory_status(
+        self, message: kserve.SystemSharedMemoryStatusRequest
+    ) -> kserve.SystemSharedMemoryStatusResponse:
+        return kserve.SystemSharedMemoryStatusResponse(
+            regions={
+                r.name: kserve.SystemSharedMemoryStatusResponseRegionStatus(
+                    name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size
+                )
+                for r in self._registry().status(message.name)
+            }
+        )
+
+    @_rpc("SystemSharedMemoryUnregister")
+    async def system_shared_memory_unregister(
+        self, message: kserve.SystemSharedMemoryUnregisterRequest
+    ) -> kserve.SystemSharedMemoryUnregisterResponse:
+        self._registry().unregister(message.name)
+        return kserve.SystemSharedMemoryUnregisterResponse()
 
     @_rpc("RepositoryIndex")
     async def repository_index(

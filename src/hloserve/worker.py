@@ -193,7 +193,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
 
         # grpclib looks up the event loop when constructed: build it inside trio-asyncio's loop.
         server = _grpclib_patches.GracefulServer(
-            [InferenceService(config, entries, statistics, metrics)],
+            [service := InferenceService(config, entries, statistics, metrics)],
             config=Configuration(
                 http2_connection_window_size=_WINDOW_BYTES, http2_stream_window_size=_WINDOW_BYTES
             ),
@@ -221,4 +221,5 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
                 log.info("shutting down", grace_s=server_config.shutdown_grace_s)
                 await trio_asyncio.aio_as_trio(server.shutdown)(server_config.shutdown_grace_s)
                 metrics.close()
+                service.close()
             nursery.cancel_scope.cancel()
