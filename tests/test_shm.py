@@ -251,3 +251,41 @@ def test_registry_bounds_are_checked_before_touching_memory(regions: Any) -> Non
     registry.close()
     with pytest.raises(ShmRegionError, match="was unregistered while in use"):
         region.read(0, 4)
+
+
+def test_hloserve_client_through_a_staging_pool(shm_server: ServerThread) -> None:
+    """hloserve's client stages inputs and outputs in a pool slot; results equal inline."""
+    import trio
+    import trio_asyncio
+
+    from hloserve.buffer_pool import BufferPool
+    from hloserve.client import Client, deadline_params, encode_request_shm
+
+    assert deadline_params(0) == {} and deadline_params(0.5) == {"hloserve_timeout_ns": 500_000_000}
+
+    async def main() -> None:
+        async with trio_asyncio.open_loop():
+            client = Client("127.0.0.1", shm_server.worker.grpc_port)
+            call = trio_asyncio.aio_as_trio
+            with BufferPool(1 << 20, n_slots=4) as pool:
+                await call(client.register_pool)(pool, "staging")
+                assert (await call(client.system_shared_memory_status)("staging"))["staging"][
+                    2
+                ] == pool.n_bytes
+                slot = await pool.acquire_slot()
+                x, y = pool.scratch(slot, [(X.shape, np.float32), ((4, 4), np.float32)])
+                x[:] = X
+                request = encode_request_shm(
+                    "mlp", pool, "staging", {"INPUT0": x}, outputs={"OUTPUT0": y}, timeout=5
+                )
+                response = await call(client.infer_message)(request, 5)
+                assert [o.name for o in response.outputs] == ["OUTPUT0"]
+                np.testing.assert_allclose(y, export_examples.reference("mlp", X), rtol=1e-5, atol=1e-6)
+                inline = await call(client.infer)("mlp", {"INPUT0": X})
+                np.testing.assert_array_equal(inline["OUTPUT0"], y)
+                pool.release(slot)
+                await call(client.unregister_system_shared_memory)("staging")
+                del x, y
+            client.close()
+
+    trio.run(main)
