@@ -48,8 +48,25 @@ def _free_port() -> int:
 
 
 def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User+system CPU seconds of a process and all its descendants (Triton runs backend stubs)."""
+    parents: dict[int, int] = {}
+    times: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        child = int(stat.parent.name)
+        parents[child] = int(fields[1])
+        times[child] = int(fields[11]) + int(fields[12])
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, ppid in parents.items():
+            if ppid == parent and child not in tree:
+                tree.add(child)
+                frontier.append(child)
+    return sum(times.get(p, 0) for p in tree) / os.sysconf("SC_CLK_TCK")
 
 
 def _pin(core: int) -> list[str]:
