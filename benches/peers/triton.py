@@ -110,7 +110,7 @@ def write_repository() -> Path:
         weights = ""
         if weights_file.exists():
             weights = str(model / "weights.npz")
-            np.savez(weights, **load_file(str(weights_file)))
+            np.savez(weights, **load_file(str(weights_file)))  # type: ignore[arg-type]
         (model / "config.pbtxt").write_text(
             f'name: "{name}"\nbackend: "python"\nmax_batch_size: {max_batch}\n'
             f'input [ {{ name: "{inp}", data_type: TYPE_FP32, dims: {list(in_dims)} }} ]\n'
