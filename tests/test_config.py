@@ -42,6 +42,10 @@ def test_yaml_then_environment_then_flags(tmp_path: Path) -> None:
     flagged = _apply_flags(config, args)
     assert flagged.server.grpc_port == 9003
     assert flagged.server.model_repository == tmp_path
+    assert not flagged.server.allow_client_shm  # shared memory is off unless asked for
+    shm = _apply_flags(config, _parser().parse_args(["serve", "--allow-client-shm"]))
+    assert shm.server.allow_client_shm
+    assert load_config(environ={"HLOSERVE_SERVER_ALLOW_CLIENT_SHM": "true"}).server.allow_client_shm
 
 
 @pytest.mark.parametrize(

@@ -171,3 +171,18 @@ def test_binary_serves_and_shuts_down_on_signal(tmp_path: Path, signum: int) -> 
             process.kill()
     assert process.returncode == 0, output
     assert '"event": "listening"' in output and '"event": "stopped"' in output
+
+
+def test_client_from_plain_asyncio(server: ServerThread) -> None:
+    """hloserve's client needs no trio: it runs on a plain asyncio loop."""
+    import asyncio
+
+    async def main() -> dict[str, np.ndarray]:
+        async with Client("127.0.0.1", server.worker.grpc_port) as client:
+            assert await client.is_server_ready()
+            return await client.infer("mlp", {"INPUT0": np.ones((2, 16), np.float32)}, timeout=10)
+
+    out = asyncio.run(main())
+    np.testing.assert_allclose(
+        out["OUTPUT0"], export_examples.reference("mlp", np.ones((2, 16), np.float32)), rtol=1e-5, atol=1e-6
+    )
