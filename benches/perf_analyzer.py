@@ -5,6 +5,8 @@ glibc 2.38. The one in the `tritonclient==2.51.0` manylinux1 wheel runs on Debia
 two libraries: `libb64.so.0d` (Debian's libb64-0d, downloaded and unpacked, not installed) and
 `libcudart.so.12` (PyPI's nvidia-cuda-runtime-cu12; it loads without a GPU). Everything goes
 under `.tools/perf_analyzer/` in the repository (git-ignored). Installing twice does nothing.
+2.51.0 rather than 2.50.0 (both work) because it matches PyTriton's server, our peer in benches
+(research/peers_runnable.md §4.1).
 """
 
 from __future__ import annotations
@@ -98,9 +100,9 @@ def install() -> Path:
         _libb64(work)
     path = perf_analyzer_path()
     assert path is not None
-    check = subprocess.run([str(path), "--help"], env=_env(), capture_output=True, text=True)
-    if "perf_analyzer" not in check.stdout + check.stderr:
-        raise RuntimeError(f"perf_analyzer does not run: {check.stderr.strip()[:500]}")
+    check = subprocess.run([str(path), "--version"], env=_env(), capture_output=True, text=True)
+    if check.returncode != 0 or "Perf Analyzer Version" not in check.stdout + check.stderr:
+        raise RuntimeError(f"perf_analyzer does not run: {(check.stderr or check.stdout).strip()[:500]}")
     return path
 
 

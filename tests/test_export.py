@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import yaml
 from conftest import EXAMPLES
+from safetensors import safe_open
 
 from hloserve import _xla
 from hloserve.bundle import load_bundle, read_weights
@@ -61,8 +63,12 @@ def test_export_writes_modules_weights_and_a_column_major_manifest(tmp_path: Pat
     assert header.count("%arg") == 5 and "tensor<4x3xf32>" in header.split(",")[0]  # inputs first
     assert "aliasing_output" not in header and "buffer_donor" not in header
 
+    with safe_open(directory / "weights.safetensors", "numpy") as f:
+        order = json.loads(f.metadata()["argument_order"])
+    assert order == ["layers.0.w", "layers.1.b", "scale"]  # jax's flattening order of PARAMS
+    assert manifest["name"] == "nested" and manifest["format_version"] == "2.0"
     bundle = load_bundle(directory)
-    assert [w.name for w in bundle.weights] == ["layers.0.w", "layers.1.b", "scale"]
+    assert [w.name for w in bundle.weights] == order
     weights = [_xla.put(w) for w in read_weights(bundle)]
     x = np.random.default_rng(0).random((4, 3), dtype=np.float32)
     t = np.arange(40, dtype=np.int64).reshape(4, 2, 5)
@@ -79,6 +85,7 @@ def test_export_writes_modules_weights_and_a_column_major_manifest(tmp_path: Pat
         ({"batch_sizes": (0, 2)}, "distinct positive integers"),
         ({"batch_sizes": (2, 2)}, "distinct positive integers"),
         ({"outputs": [OutputSpec("A")]}, "1 output names for 2 outputs"),
+        ({"name": "other"}, "must equal its directory's name"),
     ],
 )
 def test_export_refuses_bad_arguments(tmp_path: Path, kwargs: dict, says: str) -> None:  # type: ignore[type-arg]
@@ -99,7 +106,8 @@ def test_export_refuses_an_output_without_a_batch_axis(tmp_path: Path) -> None:
 
 def test_shipped_example_repository_is_what_the_script_exports(tmp_path: Path) -> None:
     export_examples.export_all(tmp_path)
-    for model in ("mlp", "cnn"):
+    assert sorted(p.name for p in EXAMPLES.iterdir()) == sorted(export_examples.MODELS)
+    for model in export_examples.MODELS:
         fresh, shipped = tmp_path / model, EXAMPLES / model
         assert sorted(p.name for p in fresh.iterdir()) == sorted(p.name for p in shipped.iterdir())
         for path in fresh.iterdir():

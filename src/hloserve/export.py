@@ -35,12 +35,15 @@ class InputSpec:
     name: str
     shape: tuple[int, ...]
     dtype: Any = np.float32
+    """A numpy dtype (or anything `np.dtype` takes; ml_dtypes for bf16 and fp8), not a token."""
     letters: str | None = None
     """Manifest letters for the non-batch axes in row-major order; generated when None."""
 
 
 @dataclass(frozen=True, slots=True)
 class OutputSpec:
+    """One output: its name and optional letters (row-major, no batch); shape and dtype are traced."""
+
     name: str
     letters: str | None = None
 
@@ -76,16 +79,22 @@ def export_bundle(
     inputs: Sequence[InputSpec],
     directory: Path,
     *,
+    name: str | None = None,
     batch_sizes: Sequence[int] = (1,),
     outputs: Sequence[OutputSpec] | None = None,
     platform: str = "cpu",
     description: str = "",
 ) -> Path:
-    """Export `fn(params, *inputs)` as a bundle named after `directory`; returns the directory.
+    """Export `fn(params, *inputs)` as the bundle `directory`; returns the directory.
 
     Every input and output gets a leading batch axis; `platform` is `cpu` or `cuda` (modules
-    are lowered for it; no GPU is needed to lower for cuda).
+    are lowered for it; no GPU is needed to lower for cuda, and a module lowered for one
+    platform may not run on the other). `name` defaults to the directory's name and must equal
+    it: the server names a bundle after its directory, so a different name could never load.
     """
+    directory = Path(directory)
+    if name is not None and name != directory.name:
+        raise ValueError(f"bundle name {name!r} must equal its directory's name {directory.name!r}")
     sizes = sorted(batch_sizes)
     if not sizes or sizes[0] < 1 or len(set(sizes)) != len(sizes):
         raise ValueError(f"batch_sizes must be distinct positive integers, got {list(batch_sizes)}")
@@ -101,7 +110,6 @@ def export_bundle(
         return tuple(result) if isinstance(result, tuple | list) else (result,)
 
     weight_specs = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights]
-    directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     jitted = jax.jit(flat, keep_unused=True)
     out_shapes: list[Any] = []
