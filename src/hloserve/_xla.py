@@ -38,6 +38,7 @@ __all__ = [
     "TensorType",
     "compile_module",
     "compiled_memory",
+    "deserialize_executable",
     "device",
     "free",
     "host_buffer",
@@ -46,6 +47,8 @@ __all__ = [
     "put",
     "ready",
     "run",
+    "runtime_identity",
+    "serialize_executable",
     "to_numpy",
     "warm_up",
 ]
@@ -129,13 +132,38 @@ def main_signature(source: str | bytes) -> Signature:
         raise ValueError("module has no function named 'main'")
 
 
+def _compile_options() -> Any:
+    return jax.extend.backend.get_compile_options(num_replicas=1, num_partitions=1)
+
+
 def compile_module(source: str | bytes) -> Executable:
     """Compile StableHLO text or a portable artifact for `device()`. Blocks; GIL released."""
     dev = device()
-    options = jax.extend.backend.get_compile_options(num_replicas=1, num_partitions=1)
     return jax.extend.backend.get_backend(dev.platform).compile_and_load(
-        source, xla_client.DeviceList((dev,)), options
+        source, xla_client.DeviceList((dev,)), _compile_options()
     )
+
+
+def serialize_executable(executable: Executable) -> bytes:
+    """The compiled executable as bytes, to load again with `deserialize_executable`."""
+    return bytes(executable.serialize())
+
+
+def deserialize_executable(blob: bytes) -> Executable:
+    """An executable serialized by this jaxlib for this device kind (only ever load your own:
+    deserializing can run arbitrary code). Raises on a corrupt or foreign blob."""
+    dev = device()
+    return jax.extend.backend.get_backend(dev.platform).deserialize_executable(
+        blob, xla_client.DeviceList((dev,)), _compile_options()
+    )
+
+
+def runtime_identity() -> str:
+    """What a serialized executable depends on: jaxlib's version, the platform, the device kind."""
+    import jaxlib
+
+    dev = device()
+    return f"jaxlib {jaxlib.__version__}; {dev.platform}; {dev.device_kind}"
 
 
 def compiled_memory(executable: Executable) -> dict[str, int]:

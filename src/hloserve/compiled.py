@@ -20,6 +20,7 @@ import numpy as np
 from hloserve import _xla
 from hloserve.bundle import Bundle
 from hloserve.errors import ExecutionFailed
+from hloserve.executable_cache import ExecutableCache
 
 __all__ = ["CompiledModel", "ExecutionResult", "Launched", "compile_bundle"]
 
@@ -138,9 +139,10 @@ def _execution_errors(model: str) -> Iterator[None]:
         raise ExecutionFailed(model, text.splitlines()[0] if text else repr(e)) from e
 
 
-def compile_bundle(bundle: Bundle) -> CompiledModel:
-    """Compile every module of a bundle (blocking; run it in a worker thread)."""
+def compile_bundle(bundle: Bundle, cache: ExecutableCache | None = None) -> CompiledModel:
+    """Compile every module of a bundle, through the executable cache if given (blocking)."""
     started = time.perf_counter()
-    executables = {m.batch_size: _xla.compile_module(m.source) for m in bundle.modules}
+    compile_module = cache.compile if cache is not None else _xla.compile_module
+    executables = {m.batch_size: compile_module(m.source) for m in bundle.modules}
     scratch = max((_xla.compiled_memory(e)["temp_bytes"] for e in executables.values()), default=0)
     return CompiledModel(bundle, executables, time.perf_counter() - started, scratch)

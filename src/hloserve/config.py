@@ -45,6 +45,10 @@ class ServerConfig:
     """Global cap on ModelInfer calls in flight; past it, UNAVAILABLE."""
     shutdown_grace_s: float = 10.0
     """On SIGTERM, how long in-flight requests get to finish before they are failed."""
+    cache_executables: bool = True
+    """Keep compiled executables on disk and load them at the next start instead of compiling."""
+    executable_cache: Path | None = None
+    """Where; None means $XDG_CACHE_HOME/hloserve/executables (~/.cache/...)."""
     allow_client_shm: bool = False
     """Accept Triton system shared-memory regions; off by default, since a registered region
     makes the server map memory a client names (as Triton since 2026)."""

@@ -32,6 +32,7 @@ from hloserve.bundle import Bundle, discover, read_weights
 from hloserve.compiled import CompiledModel, compile_bundle
 from hloserve.config import Config, ModelSettings, SchedulerConfig
 from hloserve.errors import BundleError, ConfigError, ModelNotFound
+from hloserve.executable_cache import ExecutableCache, default_directory
 from hloserve.metrics import Metrics
 from hloserve.policy import Discipline, ModelPolicy, PolicyParams
 from hloserve.service import InferenceService
@@ -112,14 +113,16 @@ class _Loaded:
     """Seconds per execution by batch size, measured by the warm-up run."""
 
 
-def _load(bundle: Bundle) -> _Loaded:
+def _load(bundle: Bundle, cache: ExecutableCache | None) -> _Loaded:
     """Compile, place the weights, run each size once (blocking: call in a worker thread)."""
-    compiled = compile_bundle(bundle)
+    compiled = compile_bundle(bundle, cache)
     weights = [_xla.put(w) for w in read_weights(bundle)]
     return _Loaded(compiled, weights, compiled.warm_up(weights))
 
 
-async def _load_repository(repository: Path) -> tuple[dict[str, ModelEntry], dict[str, _Loaded]]:
+async def _load_repository(
+    repository: Path, cache: ExecutableCache | None
+) -> tuple[dict[str, ModelEntry], dict[str, _Loaded]]:
     if not repository.is_dir():
         raise ConfigError("server.model_repository", f"{repository} is not a directory")
     entries: dict[str, ModelEntry] = {}
@@ -133,7 +136,7 @@ async def _load_repository(repository: Path) -> tuple[dict[str, ModelEntry], dic
         entry.bundle = found
         started = time.perf_counter()
         try:
-            loaded[name] = await trio.to_thread.run_sync(_load, found)
+            loaded[name] = await trio.to_thread.run_sync(_load, found, cache)
         except Exception as e:  # a module XLA cannot compile is one bad bundle, not a dead server
             entry.error = f"bundle {name!r}: compilation failed: {e}"
             log.error("bundle failed to compile", model=name, reason=str(e))
@@ -158,7 +161,12 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
     server_config = config.server
     _grpclib_patches.install(server_config.max_message_bytes)
     await trio.to_thread.run_sync(_xla.warm_up)
-    entries, loaded = await _load_repository(server_config.model_repository)
+    cache = None
+    if server_config.cache_executables:
+        cache = ExecutableCache(server_config.executable_cache or default_directory())
+    entries, loaded = await _load_repository(server_config.model_repository, cache)
+    if cache is not None:
+        log.info("executable cache", directory=str(cache.directory), hits=cache.hits, compiled=cache.misses)
     statistics = Statistics()
     scheduler = config.scheduler
     dispatcher = Dispatcher(

@@ -1,0 +1,69 @@
+"""Compiled executables survive a restart, and a corrupt entry is recompiled."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import structlog
+from bundle_fixtures import PARAMS, affine, write_affine
+from conftest import ServerThread, make_config
+
+from hloserve import _xla
+from hloserve.bundle import load_bundle, read_weights
+from hloserve.executable_cache import ExecutableCache, default_directory
+
+
+def test_a_second_cache_loads_what_the_first_compiled(tmp_path: Path) -> None:
+    bundle = load_bundle(write_affine(tmp_path / "affine"))
+    source = bundle.module_for(2).source
+    first = ExecutableCache(tmp_path / "cache")
+    first.compile(source)
+    assert (first.hits, first.misses) == (0, 1)
+    assert len(list((tmp_path / "cache").glob("*.xla"))) == 1
+
+    restarted = ExecutableCache(tmp_path / "cache")  # as after a restart
+    executable = restarted.compile(source)
+    assert (restarted.hits, restarted.misses) == (1, 0)
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    weights = [_xla.put(w) for w in read_weights(bundle)]
+    (y,) = _xla.to_numpy(_xla.run(executable, [_xla.put(x), *weights]))
+    np.testing.assert_allclose(y, affine(PARAMS, x), rtol=1e-6)
+
+
+def test_the_key_covers_the_module_and_the_runtime(tmp_path: Path) -> None:
+    cache = ExecutableCache(tmp_path)
+    assert cache.key("module a") != cache.key("module b")
+    assert cache.key("module a") == cache.key(b"module a")
+    assert "jaxlib" in _xla.runtime_identity() and "cpu" in _xla.runtime_identity()
+
+
+def test_a_corrupt_entry_is_recompiled_and_replaced(tmp_path: Path) -> None:
+    source = load_bundle(write_affine(tmp_path / "affine")).module_for(1).source
+    cache = ExecutableCache(tmp_path / "cache")
+    cache.compile(source)
+    (entry,) = (tmp_path / "cache").glob("*.xla")
+    entry.write_bytes(b"not an executable")
+    with structlog.testing.capture_logs() as logs:
+        again = ExecutableCache(tmp_path / "cache")
+        again.compile(source)
+    assert (again.hits, again.misses) == (0, 1)
+    assert any(e["event"] == "executable cache entry unreadable; recompiling" for e in logs)
+    assert entry.read_bytes() != b"not an executable"
+    assert ExecutableCache(tmp_path / "cache").compile(source) is not None
+
+
+def test_the_worker_uses_the_cache_across_restarts(tmp_path: Path) -> None:
+    write_affine(tmp_path / "repo" / "affine")
+    config = make_config(tmp_path / "repo", executable_cache=tmp_path / "cache")
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(2):
+            ServerThread(config).start().stop()
+    starts = [e for e in logs if e["event"] == "executable cache"]
+    assert [(e["hits"], e["compiled"]) for e in starts] == [(0, 2), (2, 0)]
+
+
+def test_default_directory_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_directory() == tmp_path / "hloserve" / "executables"
