@@ -158,6 +158,15 @@ def _raw_request(shape: list[int], raw: bytes, datatype: str = "FP32", name: str
     return request
 
 
+def assert_refused(triton: Any, call: Any, request: Any, code: grpc.StatusCode, says: str) -> None:
+    """A raw gRPC call fails with `code` and a message containing `says`; the next request is served."""
+    with pytest.raises(grpc.RpcError) as raised:
+        call(request)
+    assert raised.value.code() == code
+    assert says in raised.value.details()
+    assert_good_request_served(triton)
+
+
 class TestBadInput:
     """Each bad request gets its status and a message naming what was wrong; the next one is served."""
 
@@ -235,41 +244,43 @@ class TestBadInput:
         ],
     )
     def test_bad_raw_request(self, triton: Any, stub: Any, request_: Any, says: str) -> None:
-        with pytest.raises(grpc.RpcError) as raised:
-            stub.ModelInfer(request_)
-        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert says in raised.value.details()
-        assert_good_request_served(triton)
+        assert_refused(triton, stub.ModelInfer, request_, grpc.StatusCode.INVALID_ARGUMENT, says)
 
     def test_duplicated_input(self, triton: Any, stub: Any) -> None:
         request = _raw_request([1, 16], b"\0" * 64)
         request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
         request.raw_input_contents.append(b"\0" * 64)
-        with pytest.raises(grpc.RpcError) as raised:
-            stub.ModelInfer(request)
-        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "tensor 'INPUT0': input given more than once" in raised.value.details()
-        assert_good_request_served(triton)
+        assert_refused(
+            triton,
+            stub.ModelInfer,
+            request,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "tensor 'INPUT0': input given more than once",
+        )
 
     def test_raw_contents_count_must_match_inputs(self, triton: Any, stub: Any) -> None:
         request = _raw_request([1, 16], b"\0" * 64)
         request.raw_input_contents.append(b"\0" * 64)
-        with pytest.raises(grpc.RpcError) as raised:
-            stub.ModelInfer(request)
-        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "raw_input_contents has 2 entries for 1 inputs" in raised.value.details()
-        assert_good_request_served(triton)
+        assert_refused(
+            triton,
+            stub.ModelInfer,
+            request,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "raw_input_contents has 2 entries for 1 inputs",
+        )
 
     def test_typed_contents_with_the_wrong_count(self, triton: Any, stub: Any) -> None:
         request = service_pb2.ModelInferRequest(model_name="mlp")
         request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16]).contents.fp32_contents.extend(
             [1.0] * 3
         )
-        with pytest.raises(grpc.RpcError) as raised:
-            stub.ModelInfer(request)
-        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "contents.fp32_contents holds 3 values, shape [1, 16] needs 16" in raised.value.details()
-        assert_good_request_served(triton)
+        assert_refused(
+            triton,
+            stub.ModelInfer,
+            request,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "contents.fp32_contents holds 3 values, shape [1, 16] needs 16",
+        )
 
     @pytest.mark.parametrize(
         ("call", "request_"),
@@ -280,11 +291,13 @@ class TestBadInput:
         ],
     )
     def test_rpcs_not_built_say_so(self, triton: Any, stub: Any, call: str, request_: Any) -> None:
-        with pytest.raises(grpc.RpcError) as raised:
-            getattr(stub, call)(request_)
-        assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED
-        assert f"{call} is not implemented by hloserve" in raised.value.details()
-        assert_good_request_served(triton)
+        assert_refused(
+            triton,
+            getattr(stub, call),
+            request_,
+            grpc.StatusCode.UNIMPLEMENTED,
+            f"{call} is not implemented by hloserve",
+        )
 
 
 def test_a_model_whose_outputs_cannot_be_joined_refuses_a_batch_larger_than_its_sizes(tmp_path: Path) -> None:
