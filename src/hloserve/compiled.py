@@ -74,12 +74,6 @@ class CompiledModel:
             costs[size] = result.input_s + result.infer_s
         return costs
 
-    def batch_size_for(self, rows: int) -> int | None:
-        """The smallest compiled size holding `rows`; 0 for a single-module bundle; None if none."""
-        if 0 in self.executables:
-            return 0
-        return next((b for b in self.batch_sizes if b >= rows), None)
-
     def launch(
         self, batch_size: int, inputs: Sequence[np.ndarray], weights: Sequence[_xla.DeviceArray]
     ) -> Launched:

@@ -96,6 +96,3 @@ class Statistics:
     def snapshot(self) -> dict[str, ModelStatistics]:
         """A deep copy, safe to read from another thread."""
         return copy.deepcopy(self._models)
-
-    def forget(self, model: str) -> None:
-        self._models.pop(model, None)
