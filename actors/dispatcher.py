@@ -21,11 +21,11 @@ import structlog
 import trio
 from hloserve.actors.messages import Batch, Infer, QueueSummary, SetPolicy, Take
 from hloserve.actors.model_queue import ModelQueueHandle
+from hloserve.actors.weight_cache import WeightCacheHandle
 
-from hloserve import _xla
 from hloserve.batching import assemble, join_outputs, slice_rows, split_outputs
 from hloserve.compiled import CompiledModel, ExecutionResult, Launched
-from hloserve.errors import ExecutionFailed
+from hloserve.errors import ExecutionFailed, NotResident
 from hloserve.policy import Candidate, Discipline, ModelPolicy, PolicyParams, record_execution, select
 from hloserve.statistics import Statistics
 
@@ -52,20 +52,23 @@ class Dispatcher:
     def __init__(
         self,
         models: Mapping[str, CompiledModel],
-        device_weights: Mapping[str, list[_xla.DeviceArray]],
         statistics: Statistics,
         discipline: Discipline,
         policies: dict[str, ModelPolicy],
         params: PolicyParams,
     ) -> None:
         self._models = models
-        self._device_weights = device_weights
+        self._weights: WeightCacheHandle | None = None
         self._statistics = statistics
         self._params = params
         self._queues: dict[str, ModelQueueHandle] = {}
         self._state = _State(discipline, policies)
         self.inbox, self._inbox = trio.open_memory_channel[object](math.inf)
         self._batches_send, self._batches = trio.open_memory_channel[Batch](1)
+
+    def use_weights(self, weights: WeightCacheHandle) -> None:
+        """Give the dispatcher the weight cache, of which it is the only client (before `run`)."""
+        self._weights = weights
 
     def attach(self, queue: ModelQueueHandle) -> None:
         """Give the dispatcher a model's queue (before `run`)."""
@@ -152,6 +155,10 @@ class Dispatcher:
             for request in requests:
                 request.fail(e)
             return
+        except NotResident as e:
+            for request in requests:
+                request.fail(e)
+            return
         for request, outputs in zip(requests, per_request, strict=True):
             request.answer([outputs[i] for i in request.outputs])
         self._statistics[batch.model].requests_served += len(requests)
@@ -160,7 +167,8 @@ class Dispatcher:
         self, model: CompiledModel, batch_size: int, inputs: list[list[np.ndarray]], rows: int
     ) -> ExecutionResult:
         """One execution at `batch_size` of the joined inputs; records its cost and statistics."""
-        weights = self._device_weights[model.name]
+        assert self._weights is not None, "use_weights before run"
+        weights = await self._weights.acquire(model.name)
         specs = model.bundle.manifest.executable_inputs
         if sum(a.nbytes for request in inputs for a in request) <= INLINE_INPUT_BYTES:
             # Joining and placing small inputs costs less than a thread hop, and launching does

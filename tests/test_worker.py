@@ -126,6 +126,8 @@ def test_metrics_endpoint_counts_requests(server: ServerThread, triton: Any) -> 
     assert 'hloserve_inference_rows_total{model="mlp"}' in text
     assert 'hloserve_queue_depth{model="mlp"} 0.0' in text
     assert "hloserve_models_loaded 3.0" in text
+    assert 'hloserve_model_resident{model="mlp"} 1.0' in text
+    assert 'hloserve_weight_loads_total{model="mlp"} 1.0' in text
 
 
 @pytest.mark.slow

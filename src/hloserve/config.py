@@ -1,6 +1,6 @@
 """Worker configuration: one YAML file, environment overrides, command-line flags, in that order.
 
-Every field lives in a section (`server`, `scheduler`, `logging`) and can be overridden by the
+Every field lives in a section (`server`, `scheduler`, `weights`, `logging`) and can be overridden by the
 variable `HLOSERVE_<SECTION>_<FIELD>` (`HLOSERVE_SERVER_GRPC_PORT=9001`). Per-model settings
 (`scheduler.models.<name>`) exist only in the file. A bad value is a `ConfigError` naming the
 field and what it accepts, raised before anything starts.
@@ -21,7 +21,15 @@ import yaml
 
 from hloserve.errors import ConfigError
 
-__all__ = ["Config", "LoggingConfig", "ModelSettings", "SchedulerConfig", "ServerConfig", "load_config"]
+__all__ = [
+    "Config",
+    "LoggingConfig",
+    "ModelSettings",
+    "SchedulerConfig",
+    "ServerConfig",
+    "WeightsConfig",
+    "load_config",
+]
 
 ENV_PREFIX = "HLOSERVE_"
 EXAMPLE_REPOSITORY = Path(__file__).resolve().parents[2] / "examples" / "repository"
@@ -71,6 +79,28 @@ class ModelSettings:
     max_queue_depth: int | None = None
     discipline: Discipline | None = None
     max_batch_size: int | None = None
+    residency: Literal["unpinned", "system", "device"] | None = None
+    """Residency floor: `system` (default) keeps weights in host RAM, `device` pins them on the
+    device, `unpinned` re-reads the file at each load."""
+    pin_to_gpu: bool = False
+    """Alias of `residency: device`."""
+
+    @property
+    def floor(self) -> Literal["unpinned", "system", "device"]:
+        return "device" if self.pin_to_gpu else (self.residency or "system")
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsConfig:
+    """The weight cache: how many bytes of weights may be on the device at once."""
+
+    budget_bytes: int | None = None
+    """Byte budget for weights loaded on demand; None keeps every model resident."""
+    externally_managed: bool = False
+    """No autonomous loads: a request for a model not on the device is FAILED_PRECONDITION."""
+
+    def validate(self) -> None:
+        _check(self.budget_bytes is None or self.budget_bytes >= 0, "weights.budget_bytes", "must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,11 +147,13 @@ class LoggingConfig:
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def validate(self) -> Config:
         self.server.validate()
         self.scheduler.validate()
+        self.weights.validate()
         return self
 
     def replace(self, section: str, **changes: Any) -> Config:
@@ -210,7 +242,9 @@ def load_config(path: Path | None = None, environ: Mapping[str, str] | None = No
         except (OSError, yaml.YAMLError) as e:
             raise ConfigError(str(path), f"cannot read: {e}") from None
         if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(str(path), "expected a mapping of sections (server, scheduler, logging)")
+            raise ConfigError(
+                str(path), "expected a mapping of sections (server, scheduler, weights, logging)"
+            )
         data = dict(loaded or {})
     sections = {f.name: f.type for f in dataclasses.fields(Config)}
     unknown = set(data) - set(sections)

@@ -53,6 +53,17 @@ class _StatisticsCollector(Collector):
         cost = GaugeMetricFamily(
             "hloserve_cost_estimate_seconds", "Learned seconds per execution", labels=["model", "batch_size"]
         )
+        resident = GaugeMetricFamily(
+            "hloserve_model_resident", "Weights on the device (1) or not (0)", labels=model
+        )
+        weight_bytes = GaugeMetricFamily("hloserve_model_weight_bytes", "Bytes of weights", labels=model)
+        loads = CounterMetricFamily("hloserve_weight_loads", "Weight loads to the device", labels=model)
+        evictions = CounterMetricFamily(
+            "hloserve_weight_evictions", "Weight evictions from the device", labels=model
+        )
+        load_seconds = CounterMetricFamily(
+            "hloserve_weight_load_seconds", "Time spent loading weights", labels=model
+        )
         for name, s in stats.items():
             executions.add_metric([name], s.execution_count)
             requests.add_metric([name], s.requests_served)
@@ -69,7 +80,14 @@ class _StatisticsCollector(Collector):
                 wait.add_metric([name, str(q)], s.wait_quantile(q))
             for size, seconds in sorted(s.cost.items()):
                 cost.add_metric([name, str(size)], seconds)
+            if s.residency:
+                resident.add_metric([name], int(s.resident))
+                weight_bytes.add_metric([name], s.weight_bytes)
+                loads.add_metric([name], s.weight_loads)
+                evictions.add_metric([name], s.weight_evictions)
+                load_seconds.add_metric([name], s.weight_load_seconds)
         yield from (executions, requests, rows, queue, compute, batches, drops, depth, wait, cost)
+        yield from (resident, weight_bytes, loads, evictions, load_seconds)
 
 
 class Metrics:

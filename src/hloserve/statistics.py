@@ -61,6 +61,14 @@ class ModelStatistics:
     """Requests that never ran, by reason: deadline, cancelled, queue_full."""
     cost: dict[int, float] = field(default_factory=dict)
     """The dispatcher's learned seconds per execution, by batch size."""
+    residency: str = ""
+    """The model's residency floor: unpinned, system or device."""
+    resident: bool = False
+    """Its weights are on the device now."""
+    weight_bytes: int = 0
+    weight_loads: int = 0
+    weight_evictions: int = 0
+    weight_load_seconds: float = 0.0
 
     def wait_quantile(self, q: float) -> float:
         """A quantile of the recent queue waits (0 when none)."""

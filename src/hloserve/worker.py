@@ -28,6 +28,7 @@ from hloserve import _grpclib_patches, _xla
 from hloserve.actors.dispatcher import Dispatcher
 from hloserve.actors.messages import SetPolicy
 from hloserve.actors.model_queue import ModelQueue, ModelQueueHandle, QueueSettings
+from hloserve.actors.weight_cache import WeightCache
 from hloserve.bundle import Bundle, discover, read_weights
 from hloserve.compiled import CompiledModel, compile_bundle
 from hloserve.config import Config, ModelSettings, SchedulerConfig
@@ -108,16 +109,20 @@ def _queue_settings(scheduler: SchedulerConfig, compiled: CompiledModel) -> Queu
 @dataclass(frozen=True, slots=True)
 class _Loaded:
     compiled: CompiledModel
-    weights: list[_xla.DeviceArray]
     costs: dict[int, float]
     """Seconds per execution by batch size, measured by the warm-up run."""
 
 
 def _load(bundle: Bundle, cache: ExecutableCache | None) -> _Loaded:
-    """Compile, place the weights, run each size once (blocking: call in a worker thread)."""
+    """Compile, then run each size once on zeros (blocking: call in a worker thread).
+
+    The warm-up places the weights only for its own run; residency is the weight cache's.
+    """
     compiled = compile_bundle(bundle, cache)
     weights = [_xla.put(w) for w in read_weights(bundle)]
-    return _Loaded(compiled, weights, compiled.warm_up(weights))
+    costs = compiled.warm_up(weights)
+    _xla.free(weights)
+    return _Loaded(compiled, costs)
 
 
 async def _load_repository(
@@ -169,9 +174,15 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         log.info("executable cache", directory=str(cache.directory), hits=cache.hits, compiled=cache.misses)
     statistics = Statistics()
     scheduler = config.scheduler
+    weight_cache = WeightCache(
+        {n: m.compiled.bundle for n, m in loaded.items()},
+        {n: scheduler.models.get(n, ModelSettings()).floor for n in loaded},
+        config.weights.budget_bytes,
+        config.weights.externally_managed,
+        statistics,
+    )
     dispatcher = Dispatcher(
         {n: m.compiled for n, m in loaded.items()},
-        {n: m.weights for n, m in loaded.items()},
         statistics,
         scheduler.discipline,
         {n: _policy(scheduler, n, m.costs) for n, m in loaded.items()},
@@ -184,6 +195,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
     )
     ready = {n: m.compiled for n, m in loaded.items()}
     async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
+        dispatcher.use_weights(await nursery.start(weight_cache.run))
         for name, compiled in ready.items():
             queue = ModelQueue(
                 name, _queue_settings(scheduler, compiled), dispatcher.inbox.clone(), statistics

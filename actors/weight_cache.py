@@ -1,0 +1,183 @@
+"""WeightCache: whose weights are on the device, within a byte budget, least recently used out.
+
+Owns each model's residency floor (`unpinned`: read from the file at every load; `system`: read
+once into aligned host memory, so a load is one host-to-device copy; `device`: loaded at start
+and never evicted), the device buffers, the LRU order and the counters. Its inbox takes
+`Acquire` from the dispatcher, the only holder of its send side: the reply is the model's
+device weights, loaded first when needed after evicting least-recently-used unpinned models to
+fit the budget, or `NotResident` when residency is managed externally.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal, final
+
+import numpy as np
+import structlog
+import trio
+
+from hloserve import _xla
+from hloserve.bundle import Bundle, read_weights
+from hloserve.errors import ExecutionFailed, NotResident
+from hloserve.statistics import Statistics
+
+__all__ = ["Acquire", "Floor", "WeightCache", "WeightCacheHandle"]
+
+log = structlog.get_logger("hloserve.weight_cache")
+
+Floor = Literal["unpinned", "system", "device"]
+
+
+@dataclass(frozen=True, slots=True)
+class Acquire:
+    """Dispatcher → WeightCache: make `model` resident; reply its weights (or the error)."""
+
+    model: str
+    reply_to: trio.MemorySendChannel[list[_xla.DeviceArray] | Exception]
+
+
+@dataclass(slots=True)
+class _Model:
+    bundle: Bundle
+    floor: Floor
+    nbytes: int
+    host: list[np.ndarray] | None  # the host floor of a `system` model
+    device: list[_xla.DeviceArray] | None = None  # on the device when not None
+
+
+@final
+class WeightCacheHandle:
+    """The dispatcher's way to the cache: one request at a time, over its own reply channel."""
+
+    def __init__(self, send: trio.MemorySendChannel[Acquire]) -> None:
+        self._send = send
+        self._reply_send, self._replies = trio.open_memory_channel[list[_xla.DeviceArray] | Exception](1)
+
+    async def acquire(self, model: str) -> list[_xla.DeviceArray]:
+        """The model's device weights, loading them if needed; raises NotResident."""
+        await self._send.send(Acquire(model, self._reply_send))
+        reply = await self._replies.receive()
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+
+class WeightCache:
+    """The actor; see the module docstring."""
+
+    def __init__(
+        self,
+        bundles: Mapping[str, Bundle],
+        floors: Mapping[str, Floor],
+        budget_bytes: int | None,
+        externally_managed: bool,
+        statistics: Statistics,
+    ) -> None:
+        self._models = {
+            name: _Model(bundle, floors.get(name, "system"), bundle.weight_nbytes, None)
+            for name, bundle in bundles.items()
+        }
+        self._budget = budget_bytes
+        self._externally_managed = externally_managed
+        self._statistics = statistics
+        self._lru: OrderedDict[str, None] = OrderedDict()  # resident unpinned models, oldest first
+        self.resident_bytes = 0
+        self._send, self._receive = trio.open_memory_channel[Acquire](0)
+
+    async def run(
+        self, *, task_status: trio.TaskStatus[WeightCacheHandle] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        await trio.to_thread.run_sync(self._fill_floors)
+        for name in self._models:
+            self._publish(name)
+        task_status.started(WeightCacheHandle(self._send))
+        async with self._receive:
+            async for message in self._receive:
+                match message:
+                    case Acquire():
+                        await self._on_acquire(message)
+                    case _:
+                        raise TypeError(f"WeightCache got an unknown message {message!r}")
+
+    def _fill_floors(self) -> None:
+        """Read `system` floors into host memory and load `device` models (blocking)."""
+        for model in self._models.values():
+            if model.floor == "system":
+                model.host = read_weights(model.bundle)
+            elif model.floor == "device":
+                model.device = [_xla.put(a) for a in read_weights(model.bundle)]
+        log.info(
+            "weight floors ready",
+            system=sorted(n for n, m in self._models.items() if m.floor == "system"),
+            device=sorted(n for n, m in self._models.items() if m.floor == "device"),
+            budget_bytes=self._budget,
+        )
+
+    async def _on_acquire(self, message: Acquire) -> None:
+        model = self._models[message.model]
+        if model.device is not None:
+            if model.floor != "device":
+                self._lru.move_to_end(message.model)
+            message.reply_to.send_nowait(model.device)
+            return
+        if self._externally_managed:
+            message.reply_to.send_nowait(NotResident(message.model))
+            return
+        try:
+            await self._load(message.model, model)
+        except Exception as e:  # a weights file that cannot be read now fails this model's batch
+            message.reply_to.send_nowait(ExecutionFailed(message.model, f"loading its weights failed: {e}"))
+            return
+        assert model.device is not None
+        message.reply_to.send_nowait(model.device)
+
+    async def _load(self, name: str, model: _Model) -> None:
+        """Evict least-recently-used models until `model` fits, then copy it to the device."""
+        if self._budget is not None:
+            while self._lru and self.resident_bytes + model.nbytes > self._budget:
+                self._evict(next(iter(self._lru)))
+            if self.resident_bytes + model.nbytes > self._budget:
+                log.warning(
+                    "model exceeds the weight budget even with every other model evicted; loading anyway",
+                    model=name,
+                    weight_bytes=model.nbytes,
+                    budget_bytes=self._budget,
+                )
+        started = time.perf_counter()
+        host = model.host
+
+        def copy() -> list[_xla.DeviceArray]:
+            arrays = host if host is not None else read_weights(model.bundle)
+            device = [_xla.put(a) for a in arrays]
+            for array in device:
+                array.block_until_ready()
+            return device
+
+        model.device = await trio.to_thread.run_sync(copy)
+        self.resident_bytes += model.nbytes
+        self._lru[name] = None
+        stats = self._statistics[name]
+        stats.weight_loads += 1
+        stats.weight_load_seconds += time.perf_counter() - started
+        self._publish(name)
+
+    def _evict(self, name: str) -> None:
+        model = self._models[name]
+        assert model.device is not None and model.floor != "device"
+        _xla.free(model.device)
+        model.device = None
+        self.resident_bytes -= model.nbytes
+        del self._lru[name]
+        self._statistics[name].weight_evictions += 1
+        self._publish(name)
+
+    def _publish(self, name: str) -> None:
+        model = self._models[name]
+        stats = self._statistics[name]
+        stats.resident = model.device is not None
+        stats.weight_bytes = model.nbytes
+        stats.residency = model.floor

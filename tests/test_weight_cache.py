@@ -1,0 +1,141 @@
+"""The weight cache on CPU with a small byte budget: LRU order, pinning, over-budget, external mode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import structlog
+import tritonclient.grpc as grpcclient
+from bundle_fixtures import PARAMS, affine, write_affine
+from conftest import ServerThread, make_config
+from tritonclient.utils import InferenceServerException
+
+from hloserve.config import ModelSettings, WeightsConfig
+
+WEIGHT_BYTES = PARAMS["w"].nbytes + PARAMS["b"].nbytes  # 60 bytes per model
+
+
+def _server(
+    tmp_path: Path, names: str, budget: int | None, external: bool = False, **floors: str
+) -> ServerThread:
+    for name in names:
+        write_affine(tmp_path / name)
+    settings = {name: ModelSettings(residency=floor) for name, floor in floors.items()}  # type: ignore[arg-type]
+    config = make_config(tmp_path, scheduler={"models": settings})
+    config = config.replace("weights", budget_bytes=budget, externally_managed=external)
+    return ServerThread(config).start()
+
+
+def _infer(client: Any, model: str) -> None:
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    tensor = grpcclient.InferInput("INPUT", [1, 4], "FP32")
+    tensor.set_data_from_numpy(x)
+    np.testing.assert_allclose(client.infer(model, [tensor]).as_numpy("OUTPUT"), affine(PARAMS, x), rtol=1e-6)
+
+
+def _resident(server: ServerThread) -> dict[str, tuple[bool, int, int]]:
+    """name → (resident, loads, evictions)."""
+    stats = server.call(server.worker.statistics.snapshot)
+    return {
+        n: (s.resident, s.weight_loads, s.weight_evictions) for n, s in sorted(stats.items()) if s.residency
+    }
+
+
+def test_least_recently_used_is_evicted_to_fit_the_budget(tmp_path: Path) -> None:
+    server = _server(tmp_path, "abc", budget=2 * WEIGHT_BYTES + 10)
+    try:
+        client = grpcclient.InferenceServerClient(server.url)
+        assert _resident(server) == {"a": (False, 0, 0), "b": (False, 0, 0), "c": (False, 0, 0)}
+        for model in "abc":
+            _infer(client, model)
+        assert _resident(server) == {"a": (False, 1, 1), "b": (True, 1, 0), "c": (True, 1, 0)}
+        _infer(client, "b")  # b is now the most recent: c is next out
+        _infer(client, "a")
+        assert _resident(server) == {"a": (True, 2, 1), "b": (True, 1, 0), "c": (False, 1, 1)}
+        client.close()
+    finally:
+        server.stop()
+
+
+def test_a_device_pinned_model_is_never_evicted(tmp_path: Path) -> None:
+    server = _server(tmp_path, "abp", budget=WEIGHT_BYTES + 10, p="device")
+    try:
+        client = grpcclient.InferenceServerClient(server.url)
+        assert _resident(server)["p"] == (True, 0, 0)  # loaded at start
+        for model in "abpab":
+            _infer(client, model)
+        state = _resident(server)
+        assert state["p"] == (True, 0, 0)
+        assert state["a"] == (False, 2, 2) and state["b"] == (True, 2, 1)
+        client.close()
+    finally:
+        server.stop()
+
+
+def test_a_model_larger_than_the_budget_loads_alone_with_a_warning(tmp_path: Path) -> None:
+    with structlog.testing.capture_logs() as logs:
+        server = _server(tmp_path, "ab", budget=WEIGHT_BYTES // 2)
+        try:
+            client = grpcclient.InferenceServerClient(server.url)
+            _infer(client, "a")
+            _infer(client, "b")
+            assert _resident(server) == {"a": (False, 1, 1), "b": (True, 1, 0)}
+            client.close()
+        finally:
+            server.stop()
+    warnings = [e for e in logs if e["event"].startswith("model exceeds the weight budget")]
+    assert [e["model"] for e in warnings] == ["a", "b"]
+
+
+def test_unpinned_models_are_read_from_the_file_at_each_load(tmp_path: Path) -> None:
+    """`unpinned` re-reads the file at every load; `system` keeps the floor read at start."""
+    from safetensors.numpy import save_file
+
+    server = _server(tmp_path, "ab", budget=WEIGHT_BYTES + 10, a="unpinned")
+    try:
+        client = grpcclient.InferenceServerClient(server.url)
+        for model in "abab":
+            _infer(client, model)
+        assert _resident(server) == {"a": (False, 2, 2), "b": (True, 2, 1)}
+        doubled = {"b": PARAMS["b"] * 2, "w": PARAMS["w"] * 2}
+        for name in "ab":
+            save_file(
+                doubled,
+                str(tmp_path / name / "weights.safetensors"),
+                metadata={"argument_order": '["b", "w"]'},
+            )
+        x = np.ones((1, 4), np.float32)
+        tensor = grpcclient.InferInput("INPUT", [1, 4], "FP32")
+        tensor.set_data_from_numpy(x)
+        np.testing.assert_allclose(
+            client.infer("a", [tensor]).as_numpy("OUTPUT"), affine(doubled, x), rtol=1e-6
+        )
+        _infer(client, "b")  # evicted meanwhile and reloaded from its host floor: old weights
+        client.close()
+    finally:
+        server.stop()
+
+
+def test_externally_managed_refuses_a_model_not_on_the_device(tmp_path: Path) -> None:
+    server = _server(tmp_path, "ap", budget=None, external=True, p="device")
+    try:
+        client = grpcclient.InferenceServerClient(server.url)
+        with pytest.raises(InferenceServerException) as raised:
+            _infer(client, "a")
+        assert raised.value.status() == "StatusCode.FAILED_PRECONDITION"
+        assert "model 'a' is not resident and residency is externally managed" in raised.value.message()
+        _infer(client, "p")  # a pinned model serves
+        assert _resident(server)["a"] == (False, 0, 0)
+        client.close()
+    finally:
+        server.stop()
+
+
+def test_weights_budget_is_validated() -> None:
+    from hloserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"weights\.budget_bytes: must be >= 0"):
+        WeightsConfig(budget_bytes=-1).validate()
