@@ -1,12 +1,13 @@
 """Dispatcher: the single dispatch loop; exactly one execution runs at a time.
 
 Its inbox takes `QueueSummary` notices from every ModelQueue and control commands
-(`SetPolicy`). Each turn it drains the inbox (so control is applied before any selection),
-picks the next model among the queues with a batch ready (`hloserve.policy.select`: fair,
-fifo or edf, latency budgets first), asks that queue for a `Batch`, executes it, answers every
-request, and learns the model's cost. It owns the per-model policy state; only it runs
-executables. The loop never waits on the device: waiting for results (and all the work of
-large batches) happens in a worker thread.
+(`SetPolicy`; `Compact`, which it passes to the weight cache, whose only client it is). Each
+turn it drains the inbox (so control is applied before any selection), picks the next model
+among the queues with a batch ready (`hloserve.policy.select`: fair, fifo or edf, latency
+budgets first), asks that queue for a `Batch`, asks the weight cache for the model's weights,
+executes the batch, answers every request, and learns the model's cost. It owns the per-model
+policy state; only it runs executables. The loop never waits on the device: waiting for
+results (and all the work of large batches) happens in a worker thread.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import structlog
 import trio
-from hloserve.actors.messages import Batch, Infer, QueueSummary, SetPolicy, Take
+from hloserve.actors.messages import Batch, Compact, Infer, QueueSummary, SetPolicy, Take
 from hloserve.actors.model_queue import ModelQueueHandle
 from hloserve.actors.weight_cache import WeightCacheHandle
 
@@ -44,6 +45,7 @@ class _State:
     discipline: Discipline
     policies: dict[str, ModelPolicy]  # scheduling state per model (weights, recent compute, costs)
     waiting: dict[str, QueueSummary] = field(default_factory=dict)  # models with queued requests
+    compactions: list[Compact] = field(default_factory=list)  # to pass to the weight cache
 
 
 class Dispatcher:
@@ -79,6 +81,9 @@ class Dispatcher:
         async with self._inbox:
             while True:
                 self._drain_inbox()
+                while self._state.compactions:  # control first: between executions, never during one
+                    assert self._weights is not None
+                    await self._weights.forward(self._state.compactions.pop(0))
                 model = self._select()
                 if model is None:
                     await self._wait_for_work()
@@ -123,6 +128,8 @@ class Dispatcher:
                 if discipline is not None:
                     policy.discipline = discipline
                 log.info("policy changed", model=model, weight=policy.weight, discipline=policy.discipline)
+            case Compact():
+                self._state.compactions.append(message)
             case _:
                 raise TypeError(f"Dispatcher got an unknown message {message!r}")
 

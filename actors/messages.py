@@ -17,7 +17,10 @@ import trio
 from hloserve.policy import Discipline
 
 __all__ = [
+    "Acquire",
     "Batch",
+    "Compact",
+    "Compacted",
     "Infer",
     "QueueSummary",
     "Reply",
@@ -118,3 +121,28 @@ class SetPolicy:
     model: str | None
     weight: float | None = None
     discipline: Discipline | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Acquire:
+    """Dispatcher → WeightCache: make `model` resident; reply its weights (or the error)."""
+
+    model: str
+    reply_to: trio.MemorySendChannel[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Compact:
+    """control → Dispatcher → WeightCache: free every resident unpinned model, then load
+    `reload`; reply `Compacted` on `reply_to`."""
+
+    reload: tuple[str, ...]
+    reply_to: trio.MemorySendChannel[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Compacted:
+    """WeightCache → control: what a compaction reloaded and the resident bytes after it."""
+
+    reloaded: tuple[str, ...]
+    resident_bytes: int

@@ -3,9 +3,11 @@
 Owns each model's residency floor (`unpinned`: read from the file at every load; `system`: read
 once into aligned host memory, so a load is one host-to-device copy; `device`: loaded at start
 and never evicted), the device buffers, the LRU order and the counters. Its inbox takes
-`Acquire` from the dispatcher, the only holder of its send side: the reply is the model's
-device weights, loaded first when needed after evicting least-recently-used unpinned models to
-fit the budget, or `NotResident` when residency is managed externally.
+`Acquire` and `Compact` from the dispatcher, the only holder of its send side. `Acquire` is
+answered with the model's device weights, loaded first when needed after evicting
+least-recently-used unpinned models to fit the budget (or `NotResident` when residency is
+managed externally); `Compact` frees every resident unpinned model and reloads a list, to
+defragment the device allocator.
 """
 
 from __future__ import annotations
@@ -19,25 +21,18 @@ from typing import Literal, final
 import numpy as np
 import structlog
 import trio
+from hloserve.actors.messages import Acquire, Compact, Compacted
 
 from hloserve import _xla
 from hloserve.bundle import Bundle, read_weights
 from hloserve.errors import ExecutionFailed, NotResident
 from hloserve.statistics import Statistics
 
-__all__ = ["Acquire", "Floor", "WeightCache", "WeightCacheHandle"]
+__all__ = ["Floor", "WeightCache", "WeightCacheHandle"]
 
 log = structlog.get_logger("hloserve.weight_cache")
 
 Floor = Literal["unpinned", "system", "device"]
-
-
-@dataclass(frozen=True, slots=True)
-class Acquire:
-    """Dispatcher → WeightCache: make `model` resident; reply its weights (or the error)."""
-
-    model: str
-    reply_to: trio.MemorySendChannel[list[_xla.DeviceArray] | Exception]
 
 
 @dataclass(slots=True)
@@ -65,6 +60,10 @@ class WeightCacheHandle:
             raise reply
         return reply
 
+    async def forward(self, message: Compact) -> None:
+        """Pass on a compaction (its reply goes straight to whoever asked)."""
+        await self._send.send(message)
+
 
 class WeightCache:
     """The actor; see the module docstring."""
@@ -76,6 +75,7 @@ class WeightCache:
         budget_bytes: int | None,
         externally_managed: bool,
         statistics: Statistics,
+        compaction_interval: int = 0,
     ) -> None:
         self._models = {
             name: _Model(bundle, floors.get(name, "system"), bundle.weight_nbytes, None)
@@ -86,7 +86,9 @@ class WeightCache:
         self._statistics = statistics
         self._lru: OrderedDict[str, None] = OrderedDict()  # resident unpinned models, oldest first
         self.resident_bytes = 0
-        self._send, self._receive = trio.open_memory_channel[Acquire](0)
+        self._compaction_interval = compaction_interval  # loads between compactions; 0: never
+        self._loads_since_compaction = 0
+        self._send, self._receive = trio.open_memory_channel[Acquire | Compact](0)
 
     async def run(
         self, *, task_status: trio.TaskStatus[WeightCacheHandle] = trio.TASK_STATUS_IGNORED
@@ -100,6 +102,8 @@ class WeightCache:
                 match message:
                     case Acquire():
                         await self._on_acquire(message)
+                    case Compact():
+                        message.reply_to.send_nowait(await self._compact(message.reload))
                     case _:
                         raise TypeError(f"WeightCache got an unknown message {message!r}")
 
@@ -127,6 +131,8 @@ class WeightCache:
         if self._externally_managed:
             message.reply_to.send_nowait(NotResident(message.model))
             return
+        if self._compaction_interval and self._loads_since_compaction >= self._compaction_interval:
+            await self._compact(())
         try:
             await self._load(message.model, model)
         except Exception as e:  # a weights file that cannot be read now fails this model's batch
@@ -160,19 +166,38 @@ class WeightCache:
         model.device = await trio.to_thread.run_sync(copy)
         self.resident_bytes += model.nbytes
         self._lru[name] = None
+        self._loads_since_compaction += 1
         stats = self._statistics[name]
         stats.weight_loads += 1
         stats.weight_load_seconds += time.perf_counter() - started
         self._publish(name)
 
-    def _evict(self, name: str) -> None:
+    async def _compact(self, reload: tuple[str, ...]) -> Compacted:
+        """Free every resident unpinned model, then load `reload` (pinned ones stay as they are)."""
+        before = self.resident_bytes
+        for name in list(self._lru):
+            self._evict(name, counted=False)
+        reloaded = []
+        for name in reload:
+            model = self._models[name]
+            if model.device is None and not self._externally_managed:
+                await self._load(name, model)
+                reloaded.append(name)
+        self._loads_since_compaction = 0
+        self._statistics.compactions += 1
+        log.info("memory compacted", resident_bytes_before=before, resident_bytes_after=self.resident_bytes,
+                 reloaded=reloaded, device_memory=_xla.memory_stats())  # fmt: skip
+        return Compacted(tuple(reloaded), self.resident_bytes)
+
+    def _evict(self, name: str, counted: bool = True) -> None:
         model = self._models[name]
         assert model.device is not None and model.floor != "device"
         _xla.free(model.device)
         model.device = None
         self.resident_bytes -= model.nbytes
         del self._lru[name]
-        self._statistics[name].weight_evictions += 1
+        if counted:
+            self._statistics[name].weight_evictions += 1
         self._publish(name)
 
     def _publish(self, name: str) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 import structlog
+import trio
 import tritonclient.grpc as grpcclient
 from bundle_fixtures import PARAMS, affine, write_affine
 from conftest import ServerThread, make_config
@@ -139,3 +140,39 @@ def test_weights_budget_is_validated() -> None:
 
     with pytest.raises(ConfigError, match=r"weights\.budget_bytes: must be >= 0"):
         WeightsConfig(budget_bytes=-1).validate()
+
+
+def test_compaction_frees_every_unpinned_model_and_reloads_exactly_the_list(tmp_path: Path) -> None:
+    server = _server(tmp_path, "abcp", budget=None, p="device")
+    try:
+        client = grpcclient.InferenceServerClient(server.url)
+        for model in "abc":
+            _infer(client, model)
+        assert all(resident for resident, _, _ in _resident(server).values())
+        done = trio.from_thread.run(server.worker.compact, ["b"], trio_token=server._token)
+        assert done.reloaded == ("b",) and done.resident_bytes == WEIGHT_BYTES
+        state = _resident(server)
+        assert {n for n, (resident, _, _) in state.items() if resident} == {"b", "p"}  # p is pinned
+        assert state["b"] == (True, 2, 0)
+        assert server.call(lambda: server.worker.statistics.compactions) == 1
+        _infer(client, "a")  # serves on, loading again
+        client.close()
+    finally:
+        server.stop()
+
+
+def test_compaction_every_n_loads(tmp_path: Path) -> None:
+    server = _server(tmp_path, "abc", budget=None)
+    server.stop()
+    config = make_config(tmp_path, scheduler={"compaction_interval": 2})
+    server = ServerThread(config).start()
+    try:
+        client = grpcclient.InferenceServerClient(server.url)
+        for model in "abc":  # the third load finds 2 loads since the last compaction
+            _infer(client, model)
+        state = _resident(server)
+        assert {n for n, (resident, _, _) in state.items() if resident} == {"c"}
+        assert server.call(lambda: server.worker.statistics.compactions) == 1
+        client.close()
+    finally:
+        server.stop()

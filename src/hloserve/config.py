@@ -114,6 +114,8 @@ class SchedulerConfig:
     recency_penalty_cap: float = 0.25
     coalescing_discount: float = 0.10
     cost_ema_alpha: float = 0.2
+    compaction_interval: int = 0
+    """Compact the device's weights after this many loads (0: never)."""
     models: Mapping[str, ModelSettings] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -122,6 +124,7 @@ class SchedulerConfig:
         _check(0 < self.recency_penalty_cap <= 1, "scheduler.recency_penalty_cap", "must be in (0, 1]")
         _check(0 <= self.coalescing_discount < 1, "scheduler.coalescing_discount", "must be in [0, 1)")
         _check(0 < self.cost_ema_alpha <= 1, "scheduler.cost_ema_alpha", "must be in (0, 1]")
+        _check(self.compaction_interval >= 0, "scheduler.compaction_interval", "must be >= 0")
         for name, policy in self.models.items():
             where = f"scheduler.models.{name}"
             _check(policy.weight > 0, f"{where}.weight", "must be > 0")

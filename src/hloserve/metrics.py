@@ -90,6 +90,16 @@ class _StatisticsCollector(Collector):
         yield from (resident, weight_bytes, loads, evictions, load_seconds)
 
 
+class _CompactionCollector(Collector):
+    def __init__(self, read: Callable[[], int]):
+        self._read = read
+
+    def collect(self) -> Iterator[Any]:
+        compactions = CounterMetricFamily("hloserve_compactions", "Weight-cache compactions")
+        compactions.add_metric([], self._read())
+        yield compactions
+
+
 class Metrics:
     """The worker's metric objects and, once `serve` is called, its HTTP endpoint."""
 
@@ -120,6 +130,7 @@ class Metrics:
             return lambda: trio.from_thread.run_sync(read, trio_token=token)
 
         self.registry.register(_StatisticsCollector(on_loop(statistics.snapshot)))
+        self.registry.register(_CompactionCollector(on_loop(lambda: statistics.compactions)))
         self._httpd: Any = None
 
     def serve(self, host: str, port: int) -> int:

@@ -94,6 +94,8 @@ class Statistics:
 
     def __init__(self) -> None:
         self._models: dict[str, ModelStatistics] = {}
+        self.compactions = 0
+        """Weight-cache compactions since start."""
 
     def __getitem__(self, model: str) -> ModelStatistics:
         stats = self._models.get(model)

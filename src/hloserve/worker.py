@@ -14,7 +14,7 @@ cancelling the surrounding scope stops at once, failing queued calls with UNAVAI
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +26,7 @@ from grpclib.config import Configuration
 
 from hloserve import _grpclib_patches, _xla
 from hloserve.actors.dispatcher import Dispatcher
-from hloserve.actors.messages import SetPolicy
+from hloserve.actors.messages import Compact, Compacted, SetPolicy
 from hloserve.actors.model_queue import ModelQueue, ModelQueueHandle, QueueSettings
 from hloserve.actors.weight_cache import WeightCache
 from hloserve.bundle import Bundle, discover, read_weights
@@ -85,6 +85,16 @@ class Worker:
             raise ValueError(f"weight must be > 0, got {weight}")
         assert self._dispatcher is not None
         self._dispatcher.send_nowait(SetPolicy(model, weight, discipline))
+
+    async def compact(self, reload: Sequence[str] = ()) -> Compacted:
+        """Free every resident unpinned model's weights, then load `reload`; between executions."""
+        unknown = [m for m in reload if m not in self.models or not self.models[m].ready]
+        if unknown:
+            raise ModelNotFound(unknown[0])
+        assert self._dispatcher is not None
+        send, receive = trio.open_memory_channel[Compacted](1)
+        await self._dispatcher.send(Compact(tuple(reload), send))
+        return await receive.receive()
 
 
 def _policy(scheduler: SchedulerConfig, model: str, costs: dict[int, float]) -> ModelPolicy:
@@ -180,6 +190,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         config.weights.budget_bytes,
         config.weights.externally_managed,
         statistics,
+        scheduler.compaction_interval,
     )
     dispatcher = Dispatcher(
         {n: m.compiled for n, m in loaded.items()},
