@@ -130,6 +130,12 @@ def test_externally_managed_refuses_a_model_not_on_the_device(tmp_path: Path) ->
         assert "model 'a' is not resident and residency is externally managed" in raised.value.message()
         _infer(client, "p")  # a pinned model serves
         assert _resident(server)["a"] == (False, 0, 0)
+        assert not client.is_model_ready("a") and client.is_model_ready("p")
+        index = {m.name: (m.state, m.reason) for m in client.get_model_repository_index().models}
+        assert index == {
+            "a": ("UNAVAILABLE", "not resident; residency is externally managed"),
+            "p": ("READY", ""),
+        }
         client.close()
     finally:
         server.stop()

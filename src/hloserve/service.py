@@ -209,8 +209,19 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
     async def model_ready(self, message: kserve.ModelReadyRequest) -> kserve.ModelReadyResponse:
         entry = self._models.get(message.name)
         return kserve.ModelReadyResponse(
-            ready=entry is not None and entry.ready and message.version in _VERSIONS
+            ready=entry is not None
+            and self._not_ready_because(entry) is None
+            and message.version in _VERSIONS
         )
+
+    def _not_ready_because(self, entry: ModelEntry) -> str | None:
+        """Why a model cannot serve now: it failed to load, or (externally managed) it is not
+        on the device; None when it can."""
+        if not entry.ready:
+            return entry.error or "not loaded"
+        if self._config.weights.externally_managed and not self._statistics[entry.name].resident:
+            return "not resident; residency is externally managed"
+        return None
 
     @_rpc("ServerMetadata")
     async def server_metadata(self, message: kserve.ServerMetadataRequest) -> kserve.ServerMetadataResponse:
@@ -355,18 +366,19 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
     async def repository_index(
         self, message: kserve.RepositoryIndexRequest
     ) -> kserve.RepositoryIndexResponse:
-        return kserve.RepositoryIndexResponse(
-            models=[
-                kserve.RepositoryIndexResponseModelIndex(
-                    name=e.name,
-                    version="1",
-                    state="READY" if e.ready else "UNAVAILABLE",
-                    reason="" if e.ready else (e.error or ""),
+        index = []
+        for entry in sorted(self._models.values(), key=lambda e: e.name):
+            reason = self._not_ready_because(entry)
+            if reason is None or not message.ready:
+                index.append(
+                    kserve.RepositoryIndexResponseModelIndex(
+                        name=entry.name,
+                        version="1",
+                        state="READY" if reason is None else "UNAVAILABLE",
+                        reason=reason or "",
+                    )
                 )
-                for e in sorted(self._models.values(), key=lambda e: e.name)
-                if e.ready or not message.ready
-            ]
-        )
+        return kserve.RepositoryIndexResponse(models=index)
 
 
 def _platform() -> str:
