@@ -1,7 +1,8 @@
 """Dispatcher: the single dispatch loop; exactly one execution runs at a time.
 
 Its inbox takes `QueueSummary` notices from every ModelQueue and control commands
-(`SetPolicy`; `Compact`, which it passes to the weight cache, whose only client it is). Each
+(`SetPolicy`; `Compact` and `SetResidency`, passed on to the weight cache, whose only client
+it is). Each
 turn it drains the inbox (so control is applied before any selection), picks the next model
 among the queues with a batch ready (`hloserve.policy.select`: fair, fifo or edf, latency
 budgets first), asks that queue for a `Batch`, asks the weight cache for the model's weights,
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import structlog
 import trio
-from hloserve.actors.messages import Batch, Compact, Infer, QueueSummary, SetPolicy, Take
+from hloserve.actors.messages import Batch, Compact, Infer, QueueSummary, SetPolicy, SetResidency, Take
 from hloserve.actors.model_queue import ModelQueueHandle
 from hloserve.actors.weight_cache import WeightCacheHandle
 
@@ -45,7 +46,7 @@ class _State:
     discipline: Discipline
     policies: dict[str, ModelPolicy]  # scheduling state per model (weights, recent compute, costs)
     waiting: dict[str, QueueSummary] = field(default_factory=dict)  # models with queued requests
-    compactions: list[Compact] = field(default_factory=list)  # to pass to the weight cache
+    for_weight_cache: list[Compact | SetResidency] = field(default_factory=list)  # to pass on
 
 
 class Dispatcher:
@@ -65,6 +66,8 @@ class Dispatcher:
         self._params = params
         self._queues: dict[str, ModelQueueHandle] = {}
         self._state = _State(discipline, policies)
+        for name, policy in policies.items():
+            statistics[name].weight = policy.weight
         self.inbox, self._inbox = trio.open_memory_channel[object](math.inf)
         self._batches_send, self._batches = trio.open_memory_channel[Batch](1)
 
@@ -81,9 +84,9 @@ class Dispatcher:
         async with self._inbox:
             while True:
                 self._drain_inbox()
-                while self._state.compactions:  # control first: between executions, never during one
+                while self._state.for_weight_cache:  # control first: between executions, never during one
                     assert self._weights is not None
-                    await self._weights.forward(self._state.compactions.pop(0))
+                    await self._weights.forward(self._state.for_weight_cache.pop(0))
                 model = self._select()
                 if model is None:
                     await self._wait_for_work()
@@ -125,11 +128,12 @@ class Dispatcher:
                 policy = self._state.policies[model]
                 if weight is not None:
                     policy.weight = weight
+                    self._statistics[model].weight = weight
                 if discipline is not None:
                     policy.discipline = discipline
                 log.info("policy changed", model=model, weight=policy.weight, discipline=policy.discipline)
-            case Compact():
-                self._state.compactions.append(message)
+            case Compact() | SetResidency():
+                self._state.for_weight_cache.append(message)
             case _:
                 raise TypeError(f"Dispatcher got an unknown message {message!r}")
 

@@ -25,6 +25,7 @@ __all__ = [
     "QueueSummary",
     "Reply",
     "SetPolicy",
+    "SetResidency",
     "Take",
     "Withdraw",
 ]
@@ -146,3 +147,14 @@ class Compacted:
 
     reloaded: tuple[str, ...]
     resident_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class SetResidency:
+    """control → Dispatcher → WeightCache: give `model` the floor `floor` (unpinned, system or
+    device; externally managed residency only); reply the new floor and whether it is on the
+    device, or the error, on `reply_to`."""
+
+    model: str
+    floor: str
+    reply_to: trio.MemorySendChannel[Any]

@@ -21,11 +21,11 @@ from typing import Literal, final
 import numpy as np
 import structlog
 import trio
-from hloserve.actors.messages import Acquire, Compact, Compacted
+from hloserve.actors.messages import Acquire, Compact, Compacted, SetResidency
 
 from hloserve import _xla
 from hloserve.bundle import Bundle, read_weights
-from hloserve.errors import ExecutionFailed, NotResident
+from hloserve.errors import ExecutionFailed, NotResident, ResidencyRefused
 from hloserve.statistics import Statistics
 
 __all__ = ["Floor", "WeightCache", "WeightCacheHandle"]
@@ -60,7 +60,7 @@ class WeightCacheHandle:
             raise reply
         return reply
 
-    async def forward(self, message: Compact) -> None:
+    async def forward(self, message: Compact | SetResidency) -> None:
         """Pass on a compaction (its reply goes straight to whoever asked)."""
         await self._send.send(message)
 
@@ -88,7 +88,7 @@ class WeightCache:
         self.resident_bytes = 0
         self._compaction_interval = compaction_interval  # loads between compactions; 0: never
         self._loads_since_compaction = 0
-        self._send, self._receive = trio.open_memory_channel[Acquire | Compact](0)
+        self._send, self._receive = trio.open_memory_channel[Acquire | Compact | SetResidency](0)
 
     async def run(
         self, *, task_status: trio.TaskStatus[WeightCacheHandle] = trio.TASK_STATUS_IGNORED
@@ -104,6 +104,8 @@ class WeightCache:
                         await self._on_acquire(message)
                     case Compact():
                         message.reply_to.send_nowait(await self._compact(message.reload))
+                    case SetResidency():
+                        await self._on_set_residency(message)
                     case _:
                         raise TypeError(f"WeightCache got an unknown message {message!r}")
 
@@ -172,6 +174,41 @@ class WeightCache:
         stats.weight_load_seconds += time.perf_counter() - started
         self._publish(name)
 
+    async def _on_set_residency(self, message: SetResidency) -> None:
+        """Externally managed residency: `device` loads and pins; `system` and `unpinned` free the
+        device buffers at once, keeping or dropping the host copy."""
+        if not self._externally_managed:
+            message.reply_to.send_nowait(
+                ResidencyRefused("residency is self-managed; set weights.externally_managed to manage it")
+            )
+            return
+        name, model = message.model, self._models[message.model]
+        floor: Floor = message.floor
+        try:
+            if floor == "device":
+                if model.device is None:
+                    await self._load(name, model)
+                self._lru.pop(name, None)
+                if model.floor != "device":
+                    self.resident_bytes -= model.nbytes  # pinned weights are outside the budget
+            else:
+                if model.device is not None:
+                    if model.floor == "device":  # unpinned: back under the budget, then out
+                        self.resident_bytes += model.nbytes
+                        self._lru[name] = None
+                        model.floor = floor
+                    self._evict(name)
+                if floor == "system" and model.host is None:
+                    model.host = await trio.to_thread.run_sync(read_weights, model.bundle)
+                if floor == "unpinned":
+                    model.host = None
+        except Exception as e:  # the weights file cannot be read now
+            message.reply_to.send_nowait(ExecutionFailed(name, f"changing residency failed: {e}"))
+            return
+        model.floor = floor
+        self._publish(name)
+        message.reply_to.send_nowait((floor, model.device is not None))
+
     async def _compact(self, reload: tuple[str, ...]) -> Compacted:
         """Free every resident unpinned model, then load `reload` (pinned ones stay as they are)."""
         before = self.resident_bytes
@@ -206,3 +243,4 @@ class WeightCache:
         stats.resident = model.device is not None
         stats.weight_bytes = model.nbytes
         stats.residency = model.floor
+        stats.host_resident = model.host is not None

@@ -19,6 +19,7 @@ CASES = [
     (errors.ShuttingDown(), Status.UNAVAILABLE),
     (errors.DeadlineExceeded("m", 0.01), Status.DEADLINE_EXCEEDED),
     (errors.NotResident("m"), Status.FAILED_PRECONDITION),
+    (errors.ResidencyRefused("self-managed"), Status.FAILED_PRECONDITION),
     (errors.ExecutionFailed("m", "XLA said no"), Status.INTERNAL),
     (errors.Unimplemented("TraceSetting"), Status.UNIMPLEMENTED),
 ]

@@ -7,13 +7,17 @@ logged once with its traceback; BaseException (cancellation) is never caught her
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Coroutine
+from typing import Any, ParamSpec, TypeVar
+
 import structlog
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
 from hloserve import errors
 
-__all__ = ["STATUS_BY_ERROR", "to_grpc_error"]
+__all__ = ["STATUS_BY_ERROR", "grpc_errors", "to_grpc_error"]
 
 log = structlog.get_logger("hloserve.grpc")
 
@@ -28,6 +32,7 @@ STATUS_BY_ERROR: dict[type[Exception], Status] = {
     errors.ShuttingDown: Status.UNAVAILABLE,
     errors.DeadlineExceeded: Status.DEADLINE_EXCEEDED,
     errors.NotResident: Status.FAILED_PRECONDITION,
+    errors.ResidencyRefused: Status.FAILED_PRECONDITION,
     errors.ExecutionFailed: Status.INTERNAL,
     errors.Unimplemented: Status.UNIMPLEMENTED,
 }
@@ -43,3 +48,25 @@ def to_grpc_error(error: Exception, rpc: str) -> GRPCError:
             return GRPCError(status, str(error))
     log.error("unexpected error", rpc=rpc, exc_info=error)
     return GRPCError(Status.INTERNAL, f"{rpc} failed: {type(error).__name__}: {error}")
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def grpc_errors(
+    rpc: str,
+) -> Callable[[Callable[P, Coroutine[Any, Any, R]]], Callable[P, Coroutine[Any, Any, R]]]:
+    """Decorate a generated-message handler so whatever it raises becomes its gRPC status."""
+
+    def wrap(handler: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
+        @functools.wraps(handler)
+        async def wrapped(*args: P.args, **kwargs: P.kwargs) -> R:
+            try:
+                return await handler(*args, **kwargs)
+            except Exception as e:
+                raise to_grpc_error(e, rpc) from None
+
+        return wrapped
+
+    return wrap

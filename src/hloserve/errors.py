@@ -19,6 +19,7 @@ __all__ = [
     "NotResident",
     "Overloaded",
     "QueueFull",
+    "ResidencyRefused",
     "ShmDisabled",
     "ShmRegionError",
     "ShuttingDown",
@@ -127,6 +128,13 @@ class NotResident(HloserveError):
             f"model {model!r} is not resident and residency is externally managed; "
             "load it with SetModelResidency first"
         )
+
+
+class ResidencyRefused(HloserveError):
+    """A residency change the worker's mode does not allow (FAILED_PRECONDITION)."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(problem)
 
 
 class ShmRegionError(HloserveError):

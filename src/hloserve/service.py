@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Callable, Coroutine, Mapping
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError
@@ -22,6 +22,7 @@ import hloserve
 from hloserve import _xla
 from hloserve._proto import inference as kserve
 from hloserve._proto.hot import hot_infer_pb2 as hot
+from hloserve._status import grpc_errors as _rpc
 from hloserve._status import to_grpc_error
 from hloserve.actors.messages import Infer
 from hloserve.codec import decode_request, encode_response, request_deadline
@@ -48,25 +49,6 @@ _BUILT = {
 }  # fmt: skip
 _CUDA_SHM = {"CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister"}
 _VERSIONS = ("", "1")  # every model has exactly one version, "1"
-
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-def _rpc(name: str) -> Callable[[Callable[P, Coroutine[Any, Any, R]]], Callable[P, Coroutine[Any, Any, R]]]:
-    """Turn whatever a generated-message handler raises into its gRPC status."""
-
-    def wrap(handler: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
-        @functools.wraps(handler)
-        async def wrapped(*args: P.args, **kwargs: P.kwargs) -> R:
-            try:
-                return await handler(*args, **kwargs)
-            except Exception as e:
-                raise to_grpc_error(e, name) from None
-
-        return wrapped
-
-    return wrap
 
 
 def _duration(d: Duration) -> kserve.StatisticDuration:

@@ -65,6 +65,10 @@ class ModelStatistics:
     """The model's residency floor: unpinned, system or device."""
     resident: bool = False
     """Its weights are on the device now."""
+    host_resident: bool = False
+    """Its weights are held in host memory (a `system` floor)."""
+    weight: float = 1.0
+    """Its scheduling weight (kept by the dispatcher)."""
     weight_bytes: int = 0
     weight_loads: int = 0
     weight_evictions: int = 0

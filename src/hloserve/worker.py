@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import structlog
 import trio
@@ -26,12 +27,13 @@ from grpclib.config import Configuration
 
 from hloserve import _grpclib_patches, _xla
 from hloserve.actors.dispatcher import Dispatcher
-from hloserve.actors.messages import Compact, Compacted, SetPolicy
+from hloserve.actors.messages import Compact, Compacted, SetPolicy, SetResidency
 from hloserve.actors.model_queue import ModelQueue, ModelQueueHandle, QueueSettings
 from hloserve.actors.weight_cache import WeightCache
 from hloserve.bundle import Bundle, discover, read_weights
 from hloserve.compiled import CompiledModel, compile_bundle
 from hloserve.config import Config, ModelSettings, SchedulerConfig
+from hloserve.control import ControlService
 from hloserve.errors import BundleError, ConfigError, ModelNotFound
 from hloserve.executable_cache import ExecutableCache, default_directory
 from hloserve.metrics import Metrics
@@ -85,6 +87,22 @@ class Worker:
             raise ValueError(f"weight must be > 0, got {weight}")
         assert self._dispatcher is not None
         self._dispatcher.send_nowait(SetPolicy(model, weight, discipline))
+
+    async def set_residency(self, model: str, floor: str) -> tuple[str, bool]:
+        """Externally managed residency: pin `model` on the device (`device`), or free it from
+        the device keeping (`system`) or dropping (`unpinned`) its host copy. Returns the floor
+        and whether it is on the device; ResidencyRefused in self-managed mode."""
+        if model not in self.models or not self.models[model].ready:
+            raise ModelNotFound(model)
+        if floor not in ("unpinned", "system", "device"):
+            raise ValueError(f"residency must be unpinned, system or device, got {floor!r}")
+        assert self._dispatcher is not None
+        send, receive = trio.open_memory_channel[Any](1)
+        await self._dispatcher.send(SetResidency(model, floor, send))
+        reply = await receive.receive()
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
 
     async def compact(self, reload: Sequence[str] = ()) -> Compacted:
         """Free every resident unpinned model's weights, then load `reload`; between executions."""
@@ -222,9 +240,10 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         if server_config.metrics_port >= 0:
             metrics_port = metrics.serve(server_config.host, server_config.metrics_port)
 
+        worker = Worker(config, 0, metrics_port, entries, statistics, dispatcher.inbox)
         # grpclib looks up the event loop when constructed: build it inside trio-asyncio's loop.
         server = _grpclib_patches.GracefulServer(
-            [service := InferenceService(config, entries, statistics, metrics)],
+            [service := InferenceService(config, entries, statistics, metrics), ControlService(worker)],
             config=Configuration(
                 http2_connection_window_size=_WINDOW_BYTES, http2_stream_window_size=_WINDOW_BYTES
             ),
@@ -236,7 +255,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
             raise ConfigError(
                 "server.grpc_port", f"cannot listen on {server_config.host}:{server_config.grpc_port}: {e}"
             ) from None
-        worker = Worker(config, server.port, metrics_port, entries, statistics, dispatcher.inbox)
+        worker.grpc_port = server.port
         log.info(
             "listening",
             grpc=f"{server_config.host}:{worker.grpc_port}",

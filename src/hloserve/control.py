@@ -1,0 +1,104 @@
+"""hloserve's control service over gRPC: status, residency, policy and compaction of a worker.
+
+Each RPC becomes a message to the dispatch loop (through the `Worker` methods), so it applies
+between executions and nothing here touches residency or policy state itself. Handlers run on
+asyncio (grpclib); they reach the trio side with `trio_asyncio.trio_as_aio`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import trio_asyncio
+
+from hloserve._proto import hloserve_control as hc
+from hloserve._status import grpc_errors
+from hloserve.errors import InvalidInput, ModelNotFound
+
+if TYPE_CHECKING:
+    from hloserve.worker import Worker
+
+__all__ = ["ControlService"]
+
+_FLOORS = {hc.Residency.UNPINNED: "unpinned", hc.Residency.SYSTEM: "system", hc.Residency.DEVICE: "device"}
+_RESIDENCY = {floor: residency for residency, floor in _FLOORS.items()}
+
+
+class ControlService(hc.ControlServiceBase):
+    """`hloserve_control.ControlService` for one worker."""
+
+    def __init__(self, worker: Worker) -> None:
+        self._worker = worker
+
+    @grpc_errors("ModelControlStatus")
+    async def model_control_status(
+        self, message: hc.ModelControlStatusRequest
+    ) -> hc.ModelControlStatusResponse:
+        worker = self._worker
+        config = worker.config
+        models = []
+        for name, entry in sorted(worker.models.items()):
+            if not entry.ready or entry.compiled is None:
+                continue
+            s = worker.statistics[name]
+            policy = config.scheduler.models.get(name)
+            compute = s.compute.compute_input.ns + s.compute.compute_infer.ns + s.compute.compute_output.ns
+            models.append(
+                hc.ModelStatus(
+                    name=name,
+                    residency=_RESIDENCY.get(s.residency, hc.Residency.RESIDENCY_UNSPECIFIED),
+                    device_resident=s.resident,
+                    host_resident=s.host_resident,
+                    weight_nbytes=s.weight_bytes,
+                    weight=s.weight,
+                    queue_depth=s.queue_depth,
+                    total_compute_seconds=compute / 1e9,
+                    requests_served=s.requests_served,
+                    dispatch_count=s.execution_count,
+                    max_batch_size=max(entry.compiled.batch_sizes),
+                    rows_served=s.inference_count,
+                    loads=s.weight_loads,
+                    evictions=s.weight_evictions,
+                    discipline=(policy.discipline if policy else None) or "",
+                )
+            )
+        return hc.ModelControlStatusResponse(
+            residency_mode="externally_managed" if config.weights.externally_managed else "self_managed",
+            discipline=config.scheduler.discipline,
+            weight_cache_max_bytes=config.weights.budget_bytes or 0,
+            models=models,
+            resident_bytes=sum(worker.statistics[m.name].weight_bytes for m in models if m.device_resident),
+            compactions=worker.statistics.compactions,
+        )
+
+    @grpc_errors("SetModelResidency")
+    async def set_model_residency(self, message: hc.SetModelResidencyRequest) -> hc.SetModelResidencyResponse:
+        floor = _FLOORS.get(message.target)
+        if floor is None:
+            raise InvalidInput(
+                message.name, "target residency is unspecified; expected UNPINNED, SYSTEM or DEVICE"
+            )
+        new_floor, on_device = await trio_asyncio.trio_as_aio(self._worker.set_residency)(message.name, floor)
+        return hc.SetModelResidencyResponse(residency=_RESIDENCY[new_floor], device_resident=on_device)
+
+    @grpc_errors("SetModelPolicy")
+    async def set_model_policy(self, message: hc.SetModelPolicyRequest) -> hc.SetModelPolicyResponse:
+        if message.has_weight and not message.weight > 0:
+            raise InvalidInput(message.name, f"weight must be > 0, got {message.weight}")
+        if message.discipline not in ("", "fair", "fifo", "edf"):
+            raise InvalidInput(message.name, f"discipline {message.discipline!r}; expected fair, fifo or edf")
+        if message.name not in self._worker.models:
+            raise ModelNotFound(message.name)
+        self._worker.set_policy(
+            message.name,
+            weight=message.weight if message.has_weight else None,
+            discipline=message.discipline or None,  # type: ignore[arg-type]
+        )
+        return hc.SetModelPolicyResponse()
+
+    @grpc_errors("CompactMemory")
+    async def compact_memory(self, message: hc.CompactMemoryRequest) -> hc.CompactMemoryResponse:
+        done = await trio_asyncio.trio_as_aio(self._worker.compact)(list(message.reload_models))
+        return hc.CompactMemoryResponse(
+            reloaded_models=list(done.reloaded), resident_bytes_after=done.resident_bytes
+        )
