@@ -14,10 +14,15 @@ import sys
 import time
 from pathlib import Path
 
-from benches import scheduler, serving, shared_memory
+from benches import scheduler, serving, shared_memory, weight_cache
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SUITES = {"serving": serving, "scheduler": scheduler, "shared_memory": shared_memory}
+SUITES = {
+    "serving": serving,
+    "scheduler": scheduler,
+    "shared_memory": shared_memory,
+    "weight_cache": weight_cache,
+}
 
 
 def main() -> None:
