@@ -1,9 +1,13 @@
-"""A catalogue ten times larger than the weight budget, under Zipf-distributed traffic.
+"""The weight cache: a catalogue ten times the budget under Zipf traffic, and cold loads.
 
 Ten models of 8 MB of weights each (cheap maths: the weights are what moves), a budget of one
 model's weights, and four clients picking models by a Zipf law (s = 1.1). The same load runs
 against the same catalogue with no budget (everything resident); the table gives throughput,
 errors, loads and evictions, and the ratio of the two throughputs.
+
+Cold against warm: models of 10, 100 and 500 MB of weights, each requested right after another
+model evicted it (cold) and again (warm), beside a raw device_put of the same host arrays; the
+last column is the cold request's extra time over that raw put.
 """
 
 from __future__ import annotations
@@ -78,7 +82,11 @@ def _load(url: str, seconds: float) -> tuple[int, int]:
     return counts["ok"], counts["errors"]
 
 
-def run(window_ms: int = 3000) -> list[Row]:
+def run(window_ms: int = 3000) -> list[Row | ColdRow]:
+    return [*run_zipf(), *run_cold()]
+
+
+def run_zipf() -> list[Row]:
     install()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -125,7 +133,8 @@ def _residency_counts(port: int) -> tuple[int, int]:
     return asyncio.run(main())
 
 
-def table(rows: list[Row]) -> str:
+def table(all_rows: list[Row | ColdRow]) -> str:
+    rows = [r for r in all_rows if isinstance(r, Row)]
     lines = ["{:<22} {:>9} {:>7} {:>6} {:>10}".format("budget", "infer/s", "errors", "loads", "evictions")]
     for r in rows:
         lines.append(f"{r.budget:<22} {r.throughput:9.1f} {r.errors:7d} {r.loads:6d} {r.evictions:10d}")
@@ -136,5 +145,102 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def as_json(rows: list[Row]) -> list[dict[str, Any]]:
-    return [asdict(r) for r in rows]
+def as_json(rows: list[Row | ColdRow]) -> list[dict[str, Any]]:
+    return [
+        {**asdict(r), **({"overhead_ratio": r.overhead_ratio} if isinstance(r, ColdRow) else {})}
+        for r in rows
+    ]
+
+
+SIZES_MB = (10, 100, 500)
+
+
+@dataclass(frozen=True)
+class ColdRow:
+    weights_mb: int
+    warm_ms: float
+    cold_ms: float
+    raw_put_ms: float
+
+    @property
+    def overhead_ratio(self) -> float:
+        """Cold request's extra time over a raw device_put of the same bytes."""
+        return (self.cold_ms - self.warm_ms) / self.raw_put_ms
+
+
+def run_cold(repeats: int = 5) -> list[ColdRow]:
+    """Cold (weights evicted) against warm latency per model size, beside a raw device_put."""
+    import statistics as stats
+
+    import tritonclient.grpc as grpcclient
+
+    from hloserve import _xla
+    from hloserve.bundle import load_bundle, read_weights
+    from hloserve.export import InputSpec, export_bundle
+
+    def model(params: Any, x: Any) -> Any:
+        return x @ params["w"] + params["big"][:4]
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        repository = Path(tmp) / "sizes"
+        for mb in (*SIZES_MB, 0):
+            params = {
+                "big": np.ones(max(4, mb * (1 << 18)), np.float32),
+                "w": np.eye(16, 4, dtype=np.float32),
+            }
+            export_bundle(
+                model, params, [InputSpec("INPUT0", (16,))], repository / f"w{mb}", batch_sizes=(1,)
+            )
+        raw = {}
+        for mb in SIZES_MB:
+            host = read_weights(load_bundle(repository / f"w{mb}"))
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                placed = [_xla.put(a) for a in host]
+                for a in placed:
+                    a.block_until_ready()
+                times.append(time.perf_counter() - started)
+                _xla.free(placed)
+            raw[mb] = stats.median(times) * 1e3
+        os.environ["HLOSERVE_SERVER_MODEL_REPOSITORY"] = str(repository)
+        os.environ["HLOSERVE_WEIGHTS_BUDGET_BYTES"] = "1"  # every load evicts whatever else is there
+        port = _free_port()
+        server = start_server(port)
+        try:
+            client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+            tensor = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
+            tensor.set_data_from_numpy(np.ones((1, 16), np.float32))
+
+            def timed(name: str) -> float:
+                started = time.perf_counter()
+                client.infer(name, [tensor])
+                return (time.perf_counter() - started) * 1e3
+
+            for mb in SIZES_MB:
+                cold, warm = [], []
+                for _ in range(repeats):
+                    timed("w0")  # evicts the big one
+                    cold.append(timed(f"w{mb}"))
+                    warm.append(timed(f"w{mb}"))
+                rows.append(ColdRow(mb, stats.median(warm), stats.median(cold), raw[mb]))
+            client.close()
+        finally:
+            server.terminate()
+            server.wait(60)
+            os.environ.pop("HLOSERVE_SERVER_MODEL_REPOSITORY", None)
+            os.environ.pop("HLOSERVE_WEIGHTS_BUDGET_BYTES", None)
+    return rows
+
+
+def cold_table(rows: list[ColdRow]) -> str:
+    lines = [
+        "{:>10} {:>8} {:>8} {:>12} {:>15}".format(
+            "weights", "warm ms", "cold ms", "raw put ms", "overhead/put"
+        )
+    ]
+    for r in rows:
+        times = f"{r.warm_ms:8.2f} {r.cold_ms:8.2f} {r.raw_put_ms:12.3f}"
+        lines.append(f"{r.weights_mb:>7} MB {times} {r.overhead_ratio:15.1f}")
+    return "\n".join(lines)
