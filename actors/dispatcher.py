@@ -15,13 +15,25 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import structlog
 import trio
-from hloserve.actors.messages import Batch, Compact, Infer, QueueSummary, SetPolicy, SetResidency, Take
+from hloserve.actors.messages import (
+    AddModel,
+    AddWeights,
+    Batch,
+    Compact,
+    DropWeights,
+    Infer,
+    QueueSummary,
+    RemoveModel,
+    SetPolicy,
+    SetResidency,
+    Take,
+)
 from hloserve.actors.model_queue import ModelQueueHandle
 from hloserve.actors.weight_cache import WeightCacheHandle
 
@@ -46,7 +58,8 @@ class _State:
     discipline: Discipline
     policies: dict[str, ModelPolicy]  # scheduling state per model (weights, recent compute, costs)
     waiting: dict[str, QueueSummary] = field(default_factory=dict)  # models with queued requests
-    for_weight_cache: list[Compact | SetResidency] = field(default_factory=list)  # to pass on
+    for_weight_cache: list[Any] = field(default_factory=list)  # control messages to pass on
+    removals: list[RemoveModel] = field(default_factory=list)  # models to stop serving
 
 
 class Dispatcher:
@@ -54,7 +67,7 @@ class Dispatcher:
 
     def __init__(
         self,
-        models: Mapping[str, CompiledModel],
+        models: dict[str, CompiledModel],
         statistics: Statistics,
         discipline: Discipline,
         policies: dict[str, ModelPolicy],
@@ -87,6 +100,8 @@ class Dispatcher:
                 while self._state.for_weight_cache:  # control first: between executions, never during one
                     assert self._weights is not None
                     await self._weights.forward(self._state.for_weight_cache.pop(0))
+                while self._state.removals:
+                    await self._remove(self._state.removals.pop(0))
                 model = self._select()
                 if model is None:
                     await self._wait_for_work()
@@ -116,6 +131,8 @@ class Dispatcher:
 
     def _on_message(self, message: object) -> None:
         match message:
+            case QueueSummary() if message.model not in self._queues:
+                pass  # the last words of a queue retired meanwhile
             case QueueSummary():
                 if message.depth:
                     self._state.waiting[message.model] = message
@@ -134,8 +151,31 @@ class Dispatcher:
                 log.info("policy changed", model=model, weight=policy.weight, discipline=policy.discipline)
             case Compact() | SetResidency():
                 self._state.for_weight_cache.append(message)
+            case AddModel():
+                self._models[message.name] = message.compiled
+                self._state.policies[message.name] = message.policy
+                self._statistics[message.name].weight = message.policy.weight
+                self._queues[message.name] = message.queue
+                self._state.for_weight_cache.append(
+                    AddWeights(message.name, message.compiled.bundle, message.floor)
+                )
+                log.info("model added", model=message.name)
+            case RemoveModel():
+                self._state.removals.append(message)
             case _:
                 raise TypeError(f"Dispatcher got an unknown message {message!r}")
+
+    async def _remove(self, message: RemoveModel) -> None:
+        """Stop serving a model: its queue answers what it holds with NOT_FOUND, weights go."""
+        queue = self._queues.pop(message.name, None)
+        self._state.waiting.pop(message.name, None)
+        self._state.policies.pop(message.name, None)
+        self._models.pop(message.name, None)
+        if queue is not None:
+            await queue.retire()
+        assert self._weights is not None
+        await self._weights.forward(DropWeights(message.name, message.reply_to))
+        log.info("model removed", model=message.name)
 
     def _select(self) -> str | None:
         now = time.monotonic()

@@ -18,12 +18,17 @@ from hloserve.policy import Discipline
 
 __all__ = [
     "Acquire",
+    "AddModel",
+    "AddWeights",
     "Batch",
     "Compact",
     "Compacted",
+    "DropWeights",
     "Infer",
     "QueueSummary",
+    "RemoveModel",
     "Reply",
+    "Retire",
     "SetPolicy",
     "SetResidency",
     "Take",
@@ -157,4 +162,47 @@ class SetResidency:
 
     model: str
     floor: str
+    reply_to: trio.MemorySendChannel[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class AddModel:
+    """control → Dispatcher: start serving a newly compiled model from `queue`."""
+
+    name: str
+    compiled: Any
+    policy: Any
+    queue: Any
+    floor: str
+
+
+@dataclass(frozen=True, slots=True)
+class RemoveModel:
+    """control → Dispatcher: stop serving `name`: retire its queue, drop its weights; reply
+    None on `reply_to` once done."""
+
+    name: str
+    reply_to: trio.MemorySendChannel[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Retire:
+    """Dispatcher → ModelQueue: answer everything queued with NOT_FOUND and stop."""
+
+
+@dataclass(frozen=True, slots=True)
+class AddWeights:
+    """Dispatcher → WeightCache: take on a new model's weights at residency `floor`."""
+
+    name: str
+    bundle: Any
+    floor: str
+
+
+@dataclass(frozen=True, slots=True)
+class DropWeights:
+    """Dispatcher → WeightCache: forget a model, freeing its device buffers; reply None on
+    `reply_to`."""
+
+    name: str
     reply_to: trio.MemorySendChannel[Any]

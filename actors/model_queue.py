@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import final
 
 import trio
-from hloserve.actors.messages import Batch, Infer, QueueSummary, Take, Withdraw
+from hloserve.actors.messages import Batch, Infer, QueueSummary, Retire, Take, Withdraw
 
-from hloserve.errors import DeadlineExceeded, QueueFull, ShuttingDown
+from hloserve.errors import DeadlineExceeded, ModelNotFound, QueueFull, ShuttingDown
 from hloserve.policy import BatchPlan, Pending, drop_reason, plan_batch, queue_delay
 from hloserve.statistics import Statistics
 
@@ -52,6 +52,10 @@ class ModelQueueHandle:
 
     async def take(self, message: Take) -> None:
         await self._send.send(message)
+
+    async def retire(self) -> None:
+        """Answer everything queued with NOT_FOUND and stop the queue (the model is unloaded)."""
+        await self._send.send(Retire())
 
     def __repr__(self) -> str:
         return f"<ModelQueueHandle {self.model!r} inbox={self._send.statistics().current_buffer_used}>"
@@ -112,10 +116,13 @@ class ModelQueue:
                         self._on_take(message)
                     case Withdraw():
                         self._on_withdraw(message)
+                    case Retire():
+                        self._fail_everything(ModelNotFound(self.model, "it was unloaded"))
+                        return
                     case _:
                         raise TypeError(f"ModelQueue got an unknown message {message!r}")
         finally:
-            self._fail_everything(ShuttingDown())
+            self._fail_everything(ShuttingDown())  # after Retire: nothing left, a no-op
 
     def _fail_everything(self, error: Exception) -> None:
         """Answer every queued request and everything still in the inbox, then close it."""

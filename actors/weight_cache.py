@@ -21,7 +21,7 @@ from typing import Literal, final
 import numpy as np
 import structlog
 import trio
-from hloserve.actors.messages import Acquire, Compact, Compacted, SetResidency
+from hloserve.actors.messages import Acquire, AddWeights, Compact, Compacted, DropWeights, SetResidency
 
 from hloserve import _xla
 from hloserve.bundle import Bundle, read_weights
@@ -60,7 +60,7 @@ class WeightCacheHandle:
             raise reply
         return reply
 
-    async def forward(self, message: Compact | SetResidency) -> None:
+    async def forward(self, message: Compact | SetResidency | AddWeights | DropWeights) -> None:
         """Pass on a compaction (its reply goes straight to whoever asked)."""
         await self._send.send(message)
 
@@ -88,7 +88,9 @@ class WeightCache:
         self.resident_bytes = 0
         self._compaction_interval = compaction_interval  # loads between compactions; 0: never
         self._loads_since_compaction = 0
-        self._send, self._receive = trio.open_memory_channel[Acquire | Compact | SetResidency](0)
+        self._send, self._receive = trio.open_memory_channel[
+            Acquire | Compact | SetResidency | AddWeights | DropWeights
+        ](0)
 
     async def run(
         self, *, task_status: trio.TaskStatus[WeightCacheHandle] = trio.TASK_STATUS_IGNORED
@@ -106,6 +108,10 @@ class WeightCache:
                         message.reply_to.send_nowait(await self._compact(message.reload))
                     case SetResidency():
                         await self._on_set_residency(message)
+                    case AddWeights():
+                        await self._on_add(message)
+                    case DropWeights():
+                        self._on_drop(message)
                     case _:
                         raise TypeError(f"WeightCache got an unknown message {message!r}")
 
@@ -173,6 +179,28 @@ class WeightCache:
         stats.weight_loads += 1
         stats.weight_load_seconds += time.perf_counter() - started
         self._publish(name)
+
+    async def _on_add(self, message: AddWeights) -> None:
+        floor: Floor = message.floor
+        model = _Model(message.bundle, floor, message.bundle.weight_nbytes, None)
+        if floor == "system":
+            model.host = await trio.to_thread.run_sync(read_weights, model.bundle)
+        elif floor == "device":
+            model.device = await trio.to_thread.run_sync(
+                lambda: [_xla.put(a) for a in read_weights(model.bundle)]
+            )
+        self._models[message.name] = model
+        self._publish(message.name)
+
+    def _on_drop(self, message: DropWeights) -> None:
+        model = self._models.get(message.name)
+        if model is not None and model.device is not None:
+            if model.floor != "device":
+                self.resident_bytes -= model.nbytes
+                self._lru.pop(message.name, None)
+            _xla.free(model.device)
+        self._models.pop(message.name, None)
+        message.reply_to.send_nowait(None)
 
     async def _on_set_residency(self, message: SetResidency) -> None:
         """Externally managed residency: `device` loads and pins; `system` and `unpinned` free the

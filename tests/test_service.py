@@ -287,7 +287,7 @@ class TestBadInput:
         [
             ("CudaSharedMemoryStatus", service_pb2.CudaSharedMemoryStatusRequest()),
             ("TraceSetting", service_pb2.TraceSettingRequest()),
-            ("RepositoryModelLoad", service_pb2.RepositoryModelLoadRequest(model_name="mlp")),
+            ("LogSettings", service_pb2.LogSettingsRequest()),
         ],
     )
     def test_rpcs_not_built_say_so(self, triton: Any, stub: Any, call: str, request_: Any) -> None:

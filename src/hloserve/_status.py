@@ -23,6 +23,7 @@ log = structlog.get_logger("hloserve.grpc")
 
 STATUS_BY_ERROR: dict[type[Exception], Status] = {
     errors.ModelNotFound: Status.NOT_FOUND,
+    errors.BundleError: Status.INVALID_ARGUMENT,
     errors.ModelNotReady: Status.UNAVAILABLE,
     errors.InvalidInput: Status.INVALID_ARGUMENT,
     errors.ShmRegionError: Status.INVALID_ARGUMENT,

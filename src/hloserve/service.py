@@ -15,6 +15,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import trio_asyncio
 from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError
 
@@ -34,7 +35,7 @@ from hloserve.shm_registry import ShmRegistry
 from hloserve.statistics import Duration, ExecutionTimes, Statistics
 
 if TYPE_CHECKING:
-    from hloserve.worker import ModelEntry
+    from hloserve.worker import ModelEntry, Worker
 
 __all__ = ["EXTENSIONS", "InferenceService"]
 
@@ -46,6 +47,7 @@ _BUILT = {
     "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer",
     "ModelConfig", "ModelStatistics", "RepositoryIndex",
     "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
+    "RepositoryModelLoad", "RepositoryModelUnload",
 }  # fmt: skip
 _CUDA_SHM = {"CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister"}
 _VERSIONS = ("", "1")  # every model has exactly one version, "1"
@@ -63,13 +65,19 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
     """`inference.GRPCInferenceService` over the worker's model table."""
 
     def __init__(
-        self, config: Config, models: Mapping[str, ModelEntry], statistics: Statistics, metrics: Metrics
+        self,
+        config: Config,
+        models: Mapping[str, ModelEntry],
+        statistics: Statistics,
+        metrics: Metrics,
+        worker: Worker,
     ) -> None:
         self._config = config
         self._models = models
         self._statistics = statistics
         self._metrics = metrics
         self._inflight = 0
+        self._worker = worker
         self._shm = ShmRegistry() if config.server.allow_client_shm else None
 
     def close(self) -> None:
@@ -343,6 +351,22 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
     ) -> kserve.SystemSharedMemoryUnregisterResponse:
         self._registry().unregister(message.name)
         return kserve.SystemSharedMemoryUnregisterResponse()
+
+    # -- model repository ----------------------------------------------------------------------
+
+    @_rpc("RepositoryModelLoad")
+    async def repository_model_load(
+        self, message: kserve.RepositoryModelLoadRequest
+    ) -> kserve.RepositoryModelLoadResponse:
+        await trio_asyncio.trio_as_aio(self._worker.load_model)(message.model_name)
+        return kserve.RepositoryModelLoadResponse()
+
+    @_rpc("RepositoryModelUnload")
+    async def repository_model_unload(
+        self, message: kserve.RepositoryModelUnloadRequest
+    ) -> kserve.RepositoryModelUnloadResponse:
+        await trio_asyncio.trio_as_aio(self._worker.unload_model)(message.model_name)
+        return kserve.RepositoryModelUnloadResponse()
 
     @_rpc("RepositoryIndex")
     async def repository_index(

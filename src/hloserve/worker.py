@@ -27,10 +27,10 @@ from grpclib.config import Configuration
 
 from hloserve import _grpclib_patches, _xla
 from hloserve.actors.dispatcher import Dispatcher
-from hloserve.actors.messages import Compact, Compacted, SetPolicy, SetResidency
+from hloserve.actors.messages import AddModel, Compact, Compacted, RemoveModel, SetPolicy, SetResidency
 from hloserve.actors.model_queue import ModelQueue, ModelQueueHandle, QueueSettings
 from hloserve.actors.weight_cache import WeightCache
-from hloserve.bundle import Bundle, discover, read_weights
+from hloserve.bundle import Bundle, discover, load_bundle, read_weights
 from hloserve.compiled import CompiledModel, compile_bundle
 from hloserve.config import Config, ModelSettings, SchedulerConfig
 from hloserve.control import ControlService
@@ -73,6 +73,50 @@ class Worker:
     models: dict[str, ModelEntry] = field(default_factory=dict)
     statistics: Statistics = field(default_factory=Statistics)
     _dispatcher: trio.MemorySendChannel[object] | None = None
+    _nursery: trio.Nursery | None = None
+    _cache: ExecutableCache | None = None
+
+    async def load_model(self, name: str) -> None:
+        """Load the bundle `name` from the repository, or reload it: it is read and compiled
+        outside the dispatch loop (other models keep serving), and only then replaces the old
+        version, which keeps serving if the new one fails."""
+        directory = self.config.server.model_repository / name
+        if not (directory / "manifest.yaml").is_file():
+            raise ModelNotFound(name, f"the repository has no bundle {name!r}")
+        bundle = await trio.to_thread.run_sync(load_bundle, directory)
+        loaded = await trio.to_thread.run_sync(_load, bundle, self._cache)
+        if name in self.models and self.models[name].ready:
+            await self.unload_model(name)
+        assert self._dispatcher is not None and self._nursery is not None
+        scheduler = self.config.scheduler
+        queue = ModelQueue(
+            name, _queue_settings(scheduler, loaded.compiled), self._dispatcher.clone(), self.statistics
+        )
+        handle: ModelQueueHandle = await self._nursery.start(queue.run)
+        floor = scheduler.models.get(name, ModelSettings()).floor
+        self._dispatcher.send_nowait(
+            AddModel(name, loaded.compiled, _policy(scheduler, name, loaded.costs), handle, floor)
+        )
+        self.models[name] = ModelEntry(name, bundle, loaded.compiled, handle)
+        log.info(
+            "model loaded",
+            model=name,
+            source="repository load",
+            batch_sizes=list(loaded.compiled.batch_sizes),
+        )
+
+    async def unload_model(self, name: str) -> None:
+        """Stop serving `name`: new requests get NOT_FOUND at once, queued ones too; its
+        weights leave the device."""
+        entry = self.models.get(name)
+        if entry is None or not entry.ready:
+            raise ModelNotFound(name)
+        del self.models[name]
+        assert self._dispatcher is not None
+        send, receive = trio.open_memory_channel[Any](1)
+        await self._dispatcher.send(RemoveModel(name, send))
+        await receive.receive()
+        log.info("model unloaded", model=name)
 
     def set_policy(
         self, model: str | None, *, weight: float | None = None, discipline: Discipline | None = None
@@ -240,10 +284,13 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         if server_config.metrics_port >= 0:
             metrics_port = metrics.serve(server_config.host, server_config.metrics_port)
 
-        worker = Worker(config, 0, metrics_port, entries, statistics, dispatcher.inbox)
+        worker = Worker(config, 0, metrics_port, entries, statistics, dispatcher.inbox, nursery, cache)
         # grpclib looks up the event loop when constructed: build it inside trio-asyncio's loop.
         server = _grpclib_patches.GracefulServer(
-            [service := InferenceService(config, entries, statistics, metrics), ControlService(worker)],
+            [
+                service := InferenceService(config, entries, statistics, metrics, worker),
+                ControlService(worker),
+            ],
             config=Configuration(
                 http2_connection_window_size=_WINDOW_BYTES, http2_stream_window_size=_WINDOW_BYTES
             ),

@@ -1,0 +1,129 @@
+"""Triton's RepositoryModelLoad and RepositoryModelUnload on a live server."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from bundle_fixtures import PARAMS, affine, edit_manifest, write_affine
+from conftest import ServerThread, make_config
+from safetensors.numpy import save_file
+from tritonclient.utils import InferenceServerException
+
+from hloserve.config import ModelSettings
+
+X = np.arange(4, dtype=np.float32).reshape(1, 4)
+
+
+def _infer(client: Any, model: str) -> np.ndarray:
+    tensor = grpcclient.InferInput("INPUT", [1, 4], "FP32")
+    tensor.set_data_from_numpy(X)
+    return client.infer(model, [tensor]).as_numpy("OUTPUT")
+
+
+@pytest.fixture(name="repo")
+def _repo(tmp_path: Path) -> Any:
+    write_affine(tmp_path / "steady")
+    settings = {"late": ModelSettings(max_queue_delay_us=500_000)}  # holds lone rows half a second
+    server = ServerThread(make_config(tmp_path, scheduler={"models": settings})).start()
+    client = grpcclient.InferenceServerClient(server.url)
+    yield tmp_path, server, client
+    client.close()
+    server.stop()
+
+
+def test_load_a_new_bundle_then_reload_it_changed(repo: Any) -> None:
+    path, _, client = repo
+    with pytest.raises(InferenceServerException, match="unknown model 'late'"):
+        _infer(client, "late")
+    write_affine(path / "late")
+    client.load_model("late")
+    assert client.is_model_ready("late")
+    assert "late" in [m.name for m in client.get_model_repository_index().models]
+    np.testing.assert_allclose(_infer(client, "late"), affine(PARAMS, X), rtol=1e-6)
+    doubled = {"b": PARAMS["b"] * 2, "w": PARAMS["w"] * 2}
+    save_file(doubled, str(path / "late" / "weights.safetensors"), metadata={"argument_order": '["b", "w"]'})
+    client.load_model("late")
+    np.testing.assert_allclose(_infer(client, "late"), affine(doubled, X), rtol=1e-6)
+
+
+def test_a_failed_reload_keeps_the_old_version_serving(repo: Any) -> None:
+    path, _, client = repo
+    write_affine(path / "late")
+    client.load_model("late")
+    edit_manifest(path / "late", lambda m: m.update(format_version="9"))
+    with pytest.raises(InferenceServerException) as raised:
+        client.load_model("late")
+    assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "bundle 'late', file 'manifest.yaml', field 'format_version'" in raised.value.message()
+    np.testing.assert_allclose(_infer(client, "late"), affine(PARAMS, X), rtol=1e-6)
+
+
+def test_unload_answers_queued_requests_not_found(repo: Any) -> None:
+    path, server, client = repo
+    write_affine(path / "late")
+    client.load_model("late")
+    outcome: list[str] = []
+
+    def queued() -> None:
+        c = grpcclient.InferenceServerClient(server.url)
+        try:
+            _infer(c, "late")
+            outcome.append("OK")
+        except InferenceServerException as e:
+            outcome.append(f"{e.status()} {e.message()}")
+        c.close()
+
+    thread = threading.Thread(target=queued)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while server.call(lambda: server.worker.statistics["late"].queue_depth) == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    client.unload_model("late")
+    thread.join(10)
+    assert outcome == ["StatusCode.NOT_FOUND unknown model 'late': it was unloaded"]
+    assert not client.is_model_ready("late")
+    with pytest.raises(InferenceServerException, match="unknown model 'late'"):
+        _infer(client, "late")
+    with pytest.raises(InferenceServerException, match="unknown model 'late'") as raised:
+        client.unload_model("late")
+    assert raised.value.status() == "StatusCode.NOT_FOUND"
+    with pytest.raises(InferenceServerException, match="no bundle 'nothing'"):
+        client.load_model("nothing")
+
+
+def test_load_and_unload_while_another_model_is_under_load(repo: Any) -> None:
+    path, server, client = repo
+    stop = threading.Event()
+    results: list[str] = []
+
+    def steady() -> None:
+        c = grpcclient.InferenceServerClient(server.url)
+        while not stop.is_set():
+            try:
+                np.testing.assert_allclose(_infer(c, "steady"), affine(PARAMS, X), rtol=1e-6)
+                results.append("OK")
+            except Exception as e:
+                results.append(repr(e))
+        c.close()
+
+    threads = [threading.Thread(target=steady) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        for i in range(3):
+            write_affine(path / f"extra{i}")
+            client.load_model(f"extra{i}")
+            np.testing.assert_allclose(_infer(client, f"extra{i}"), affine(PARAMS, X), rtol=1e-6)
+            client.unload_model(f"extra{i}")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+    assert results and set(results) == {"OK"}, [r for r in results if r != "OK"][:3]
