@@ -26,6 +26,7 @@ from hloserve.actors.messages import Acquire, AddWeights, Compact, Compacted, Dr
 from hloserve import _xla
 from hloserve.bundle import Bundle, read_weights
 from hloserve.errors import ExecutionFailed, NotResident, ResidencyRefused
+from hloserve.shared_weights import SharedHostWeights
 from hloserve.statistics import Statistics
 
 __all__ = ["Floor", "WeightCache", "WeightCacheHandle"]
@@ -76,6 +77,7 @@ class WeightCache:
         externally_managed: bool,
         statistics: Statistics,
         compaction_interval: int = 0,
+        share_mode: int | None = None,
     ) -> None:
         self._models = {
             name: _Model(bundle, floors.get(name, "system"), bundle.weight_nbytes, None)
@@ -87,6 +89,8 @@ class WeightCache:
         self._lru: OrderedDict[str, None] = OrderedDict()  # resident unpinned models, oldest first
         self.resident_bytes = 0
         self._compaction_interval = compaction_interval  # loads between compactions; 0: never
+        self._share_mode = share_mode  # permissions of shared host floors; None: private floors
+        self._shared: dict[str, SharedHostWeights] = {}  # shared host floors held, by model
         self._loads_since_compaction = 0
         self._send, self._receive = trio.open_memory_channel[
             Acquire | Compact | SetResidency | AddWeights | DropWeights
@@ -95,6 +99,13 @@ class WeightCache:
     async def run(
         self, *, task_status: trio.TaskStatus[WeightCacheHandle] = trio.TASK_STATUS_IGNORED
     ) -> None:
+        try:
+            await self._run(task_status)
+        finally:
+            for shared in self._shared.values():
+                shared.release()
+
+    async def _run(self, task_status: trio.TaskStatus[WeightCacheHandle]) -> None:
         await trio.to_thread.run_sync(self._fill_floors)
         for name in self._models:
             self._publish(name)
@@ -117,9 +128,9 @@ class WeightCache:
 
     def _fill_floors(self) -> None:
         """Read `system` floors into host memory and load `device` models (blocking)."""
-        for model in self._models.values():
+        for name, model in self._models.items():
             if model.floor == "system":
-                model.host = read_weights(model.bundle)
+                model.host = self._host_floor(name, model.bundle)
             elif model.floor == "device":
                 model.device = [_xla.put(a) for a in read_weights(model.bundle)]
         log.info(
@@ -180,11 +191,19 @@ class WeightCache:
         stats.weight_load_seconds += time.perf_counter() - started
         self._publish(name)
 
+    def _host_floor(self, name: str, bundle: Bundle) -> list[np.ndarray]:
+        """The model's host copy: private, or in a region shared with the node's other workers."""
+        if self._share_mode is None or bundle.weights_path is None:
+            return read_weights(bundle)
+        shared = self._shared[name] = SharedHostWeights.acquire(bundle, self._share_mode)
+        log.info("shared host weights", model=name, region=shared.name, filled=shared.filled)
+        return shared.arrays
+
     async def _on_add(self, message: AddWeights) -> None:
         floor: Floor = message.floor
         model = _Model(message.bundle, floor, message.bundle.weight_nbytes, None)
         if floor == "system":
-            model.host = await trio.to_thread.run_sync(read_weights, model.bundle)
+            model.host = await trio.to_thread.run_sync(self._host_floor, message.name, model.bundle)
         elif floor == "device":
             model.device = await trio.to_thread.run_sync(
                 lambda: [_xla.put(a) for a in read_weights(model.bundle)]
@@ -200,6 +219,9 @@ class WeightCache:
                 self._lru.pop(message.name, None)
             _xla.free(model.device)
         self._models.pop(message.name, None)
+        shared = self._shared.pop(message.name, None)
+        if shared is not None:
+            shared.release()
         message.reply_to.send_nowait(None)
 
     async def _on_set_residency(self, message: SetResidency) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -98,9 +99,18 @@ class WeightsConfig:
     """Byte budget for weights loaded on demand; None keeps every model resident."""
     externally_managed: bool = False
     """No autonomous loads: a request for a model not on the device is FAILED_PRECONDITION."""
+    shared_host_weights: bool = False
+    """Keep `system` host floors in POSIX shared memory shared by the workers of a node."""
+    shared_host_weights_mode: str = "660"
+    """Octal permissions of those regions and their lock files."""
 
     def validate(self) -> None:
         _check(self.budget_bytes is None or self.budget_bytes >= 0, "weights.budget_bytes", "must be >= 0")
+        _check(
+            re.fullmatch(r"[0-7]{3}", self.shared_host_weights_mode) is not None,
+            "weights.shared_host_weights_mode",
+            f"got {self.shared_host_weights_mode!r}; expected three octal digits such as 660",
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -253,6 +253,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         config.weights.externally_managed,
         statistics,
         scheduler.compaction_interval,
+        int(config.weights.shared_host_weights_mode, 8) if config.weights.shared_host_weights else None,
     )
     dispatcher = Dispatcher(
         {n: m.compiled for n, m in loaded.items()},

@@ -1,0 +1,102 @@
+"""Shared host weights: two worker processes, one region per model, the last holder unlinks it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from bundle_fixtures import PARAMS, affine, write_affine
+from conftest import ROOT
+
+from hloserve.bundle import load_bundle
+from hloserve.shared_weights import SharedHostWeights
+
+
+def test_attach_fill_and_last_holder_unlinks(tmp_path: Path) -> None:
+    bundle = load_bundle(write_affine(tmp_path / f"sw{os.getpid()}"))
+    first = SharedHostWeights.acquire(bundle, 0o640)
+    second = SharedHostWeights.acquire(bundle, 0o640)
+    assert first.filled and not second.filled and first.name == second.name
+    region = Path("/dev/shm") / first.name
+    assert stat.S_IMODE(region.stat().st_mode) == 0o640
+    np.testing.assert_array_equal(second.arrays[1], PARAMS["w"])
+    assert all(a.ctypes.data % 64 == 0 for a in second.arrays)
+    first.release()
+    assert region.exists()  # the second worker still holds it
+    second.release()
+    assert not region.exists()
+    Path(f"{region}.lock").unlink()  # kept by design (a lock must outlive its region); the test tidies
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_two_worker_processes_share_one_region(tmp_path: Path) -> None:
+    model = f"shared{os.getpid()}"
+    write_affine(tmp_path / model)
+    env = {
+        **os.environ,
+        "HLOSERVE_SERVER_MODEL_REPOSITORY": str(tmp_path),
+        "HLOSERVE_WEIGHTS_SHARED_HOST_WEIGHTS": "true",
+        "HLOSERVE_WEIGHTS_SHARED_HOST_WEIGHTS_MODE": "640",
+        "HLOSERVE_SERVER_CACHE_EXECUTABLES": "false",
+    }
+    ports = [_free_port(), _free_port()]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "hloserve.cli", "serve", "--grpc-port", str(port), "--metrics-port", "-1"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for port in ports
+    ]
+    try:
+        clients = [grpcclient.InferenceServerClient(f"127.0.0.1:{port}") for port in ports]
+        deadline = time.monotonic() + 120
+        for client in clients:
+            while True:
+                try:
+                    if client.is_server_ready():
+                        break
+                except Exception:
+                    pass
+                assert time.monotonic() < deadline, "workers did not become ready"
+                time.sleep(0.2)
+        regions = sorted(Path("/dev/shm").glob(f"hloserve-w-{model}-*"))
+        regions = [r for r in regions if not r.name.endswith(".lock")]
+        assert len(regions) == 1, regions
+        assert stat.S_IMODE(regions[0].stat().st_mode) == 0o640
+        x = np.arange(4, dtype=np.float32).reshape(1, 4)
+        for client in clients:
+            tensor = grpcclient.InferInput("INPUT", [1, 4], "FP32")
+            tensor.set_data_from_numpy(x)
+            np.testing.assert_allclose(
+                client.infer(model, [tensor]).as_numpy("OUTPUT"), affine(PARAMS, x), rtol=1e-6
+            )
+            client.close()
+        workers[0].send_signal(signal.SIGTERM)
+        assert workers[0].wait(60) == 0
+        assert regions[0].exists()  # the other worker still holds it
+        workers[1].send_signal(signal.SIGTERM)
+        assert workers[1].wait(60) == 0
+        assert not regions[0].exists()  # the last holder unlinked it
+        Path(f"{regions[0]}.lock").unlink()
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
