@@ -223,12 +223,18 @@ class ModelQueue:
                 break
         return window
 
+    def _tell_dispatcher(self, summary: QueueSummary) -> None:
+        try:
+            self._dispatcher.send_nowait(summary)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the dispatcher has stopped: shutting down, and this queue's end answers everyone
+
     def _summarize(self) -> None:
         state = self._state
         pending = state.pending
         self._statistics[self.model].queue_depth = len(pending)
         if not pending:
-            self._dispatcher.send_nowait(QueueSummary(self.model, 0, 0, 0, math.inf, None, math.inf))
+            self._tell_dispatcher(QueueSummary(self.model, 0, 0, 0, math.inf, None, math.inf))
             return
         settings = self._settings
         plan = plan_batch(
@@ -250,4 +256,4 @@ class ModelQueue:
         summary = QueueSummary(
             self.model, len(pending), state.rows, plan.batch_size, front.enqueued_at, earliest, ready_at
         )
-        self._dispatcher.send_nowait(summary)
+        self._tell_dispatcher(summary)
