@@ -128,6 +128,8 @@ def test_metrics_endpoint_counts_requests(server: ServerThread, triton: Any) -> 
     assert "hloserve_models_loaded 3.0" in text
     assert 'hloserve_model_resident{model="mlp"} 1.0' in text
     assert 'hloserve_weight_loads_total{model="mlp"} 1.0' in text
+    assert "hloserve_compactions_total 0.0" in text
+    assert "hloserve_device_memory" not in text  # the CPU backend keeps no allocator statistics
 
 
 @pytest.mark.slow
@@ -188,3 +190,23 @@ def test_client_from_plain_asyncio(server: ServerThread) -> None:
     np.testing.assert_allclose(
         out["OUTPUT0"], export_examples.reference("mlp", np.ones((2, 16), np.float32)), rtol=1e-5, atol=1e-6
     )
+
+
+def test_device_memory_gauges_from_allocator_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU allocator statistics (which a CPU cannot produce, so they are stood in for here)
+    become the in-use, limit, peak, pool and free gauges; -1 means not supported."""
+    from prometheus_client.registry import CollectorRegistry
+
+    from hloserve import _xla
+    from hloserve.metrics import _DeviceMemoryCollector
+
+    stats = {"bytes_in_use": 300, "bytes_limit": 1000, "peak_bytes_in_use": 700, "pool_bytes": -1}
+    monkeypatch.setattr(_xla, "memory_stats", lambda: stats)
+    registry = CollectorRegistry()
+    registry.register(_DeviceMemoryCollector())
+    value = registry.get_sample_value
+    assert value("hloserve_device_memory_in_use_bytes") == 300
+    assert value("hloserve_device_memory_limit_bytes") == 1000
+    assert value("hloserve_device_memory_peak_in_use_bytes") == 700
+    assert value("hloserve_device_memory_free_bytes") == 700
+    assert value("hloserve_device_memory_pool_bytes") is None

@@ -15,6 +15,7 @@ import trio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from hloserve import _xla
 from hloserve.statistics import ModelStatistics, Statistics
 
 __all__ = ["Metrics"]
@@ -100,6 +101,29 @@ class _CompactionCollector(Collector):
         yield compactions
 
 
+_DEVICE_MEMORY = {
+    "bytes_in_use": ("in_use", "Device memory in use by live buffers"),
+    "bytes_limit": ("limit", "The allocator's arena"),
+    "peak_bytes_in_use": ("peak_in_use", "High-water mark of device memory in use"),
+    "pool_bytes": ("pool", "Device memory the allocator holds"),
+}
+
+
+class _DeviceMemoryCollector(Collector):
+    """The allocator's statistics, where the backend keeps them (a GPU; not the CPU)."""
+
+    def collect(self) -> Iterator[Any]:
+        stats = _xla.memory_stats()
+        if stats is None:
+            return
+        for key, (name, doc) in _DEVICE_MEMORY.items():
+            if stats.get(key, -1) >= 0:
+                yield GaugeMetricFamily(f"hloserve_device_memory_{name}_bytes", doc, value=stats[key])
+        if stats.get("bytes_limit", -1) >= 0 and stats.get("bytes_in_use", -1) >= 0:
+            free = stats["bytes_limit"] - stats["bytes_in_use"]
+            yield GaugeMetricFamily("hloserve_device_memory_free_bytes", "Arena not in use", value=free)
+
+
 class Metrics:
     """The worker's metric objects and, once `serve` is called, its HTTP endpoint."""
 
@@ -131,6 +155,7 @@ class Metrics:
 
         self.registry.register(_StatisticsCollector(on_loop(statistics.snapshot)))
         self.registry.register(_CompactionCollector(on_loop(lambda: statistics.compactions)))
+        self.registry.register(_DeviceMemoryCollector())
         self._httpd: Any = None
 
     def serve(self, host: str, port: int) -> int:
