@@ -2,13 +2,13 @@
 
 Its inbox takes `QueueSummary` notices from every ModelQueue and control commands
 (`SetPolicy`; `Compact` and `SetResidency`, passed on to the weight cache, whose only client
-it is). Each
-turn it drains the inbox (so control is applied before any selection), picks the next model
-among the queues with a batch ready (`hloserve.policy.select`: fair, fifo or edf, latency
-budgets first), asks that queue for a `Batch`, asks the weight cache for the model's weights,
-executes the batch, answers every request, and learns the model's cost. It owns the per-model
-policy state; only it runs executables. The loop never waits on the device: waiting for
-results (and all the work of large batches) happens in a worker thread.
+it is). Each turn it drains the inbox (so control is applied before any selection), picks the
+next model among the queues with a batch ready (meta models' sub-calls first, then
+`hloserve.policy.select`: fair, fifo or edf, latency budgets first), asks that queue for a
+`Batch`, asks the weight cache for the model's weights, executes the batch, answers every
+request, and learns the model's cost. It owns the per-model policy state; only it runs
+executables. The loop never waits on the device: waiting for results (and all the work of
+large batches) happens in a worker thread.
 """
 
 from __future__ import annotations
@@ -179,6 +179,9 @@ class Dispatcher:
 
     def _select(self) -> str | None:
         now = time.monotonic()
+        committed = [s for s in self._state.waiting.values() if s.committed]
+        if committed:  # meta sub-calls go ahead of the discipline, oldest first
+            return min(committed, key=lambda s: s.front_enqueued_at).model
         ready = [
             Candidate(s.model, s.batch_size, s.front_enqueued_at, s.earliest_deadline)
             for s in self._state.waiting.values()

@@ -61,6 +61,8 @@ class Infer:
     reply: Reply
     enqueued_at: float
     deadline: float | None = None
+    committed: bool = False
+    """A meta model's sub-call: queued ahead of other requests, never dropped for laxity."""
 
     def answer(self, result: Any) -> None:
         if not self.reply.done():
@@ -91,6 +93,8 @@ class QueueSummary:
     earliest_deadline: float | None
     ready_at: float
     """When the next batch should go (later than now while max_queue_delay waits for rows)."""
+    committed: bool = False
+    """The front request is a meta model's sub-call: the dispatcher takes it first."""
 
 
 @dataclass(frozen=True, slots=True)

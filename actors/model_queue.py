@@ -1,9 +1,11 @@
 """ModelQueue: the pending requests of one model, in arrival order.
 
-Owns the FIFO of `Infer` requests of one model. Its inbox takes `Infer` and `Withdraw` (from
-the front end, through `ModelQueueHandle`) and `Take` (from the dispatcher). After every change
-it sends a `QueueSummary` to the dispatcher; on `Take` it drops requests whose client went away
-or whose deadline passed, plans the batch (`hloserve.policy.plan_batch`) and replies a `Batch`.
+Owns the FIFO of `Infer` requests of one model; a meta model's sub-calls (`committed`) go ahead
+of the rest, in their own arrival order, so a meta request already running finishes first. Its
+inbox takes `Infer` and `Withdraw` (from the front end, through `ModelQueueHandle`) and `Take`
+(from the dispatcher). After every change it sends a `QueueSummary` to the dispatcher; on
+`Take` it drops requests whose client went away or whose deadline passed, plans the batch
+(`hloserve.policy.plan_batch`) and replies a `Batch`.
 """
 
 from __future__ import annotations
@@ -146,7 +148,13 @@ class ModelQueue:
             self._statistics[self.model].drops["queue_full"] += 1
             request.fail(QueueFull(self.model, len(state.pending)))
             return
-        state.pending.append(request)
+        if request.committed:
+            ahead = 0
+            while ahead < len(state.pending) and state.pending[ahead].committed:
+                ahead += 1
+            state.pending.insert(ahead, request)
+        else:
+            state.pending.append(request)
         state.rows += request.rows
         self._summarize()
 
@@ -176,7 +184,8 @@ class ModelQueue:
             stats.drops["cancelled"] += 1
             return True
         cost = message.costs.get(batch_size, 0.0)
-        if drop_reason(_pending(request), now, edf=message.edf, expected_cost_s=cost):
+        edf = message.edf and not request.committed  # a sub-call is exempt from laxity drops
+        if drop_reason(_pending(request), now, edf=edf, expected_cost_s=cost):
             stats.drops["deadline"] += 1
             assert request.deadline is not None
             request.fail(DeadlineExceeded(self.model, now - request.deadline))
@@ -251,9 +260,19 @@ class ModelQueue:
         )
         deadlines = [r.deadline for r in pending if r.deadline is not None]
         earliest = min(deadlines) if deadlines else None
-        # A partial batch is held for more rows, but never past a request's deadline.
+        # A partial batch is held for more rows, but never past a request's deadline, and a
+        # sub-call is never held: its meta request is already running.
         ready_at = now + wait if earliest is None else min(now + wait, earliest)
+        if front.committed:
+            ready_at = now
         summary = QueueSummary(
-            self.model, len(pending), state.rows, plan.batch_size, front.enqueued_at, earliest, ready_at
+            self.model,
+            len(pending),
+            state.rows,
+            plan.batch_size,
+            front.enqueued_at,
+            earliest,
+            ready_at,
+            front.committed,
         )
         self._tell_dispatcher(summary)

@@ -7,17 +7,22 @@ Two small models with fixed weights, exported with hloserve's own JAX exporter:
   mean `MEAN` FP32 [batch, 3]; sizes 1, 8 (8 images are a 4.8 MB request).
 * `cnn`: vision, `IMAGE` FP32 [batch, 16, 16, 3] (NHWC) → 3x3 conv, 8 channels, relu → global
   average pool → dense → `LOGITS` FP32 [batch, 10]; sizes 1, 4.
+* `severity_grader`: the seeds' example. `INPUT__0` UINT8 [batch, 224, 224] → 8x8 mean pool →
+  dense → CORAL ordinal logits `OUTPUT__0` FP32 [batch, 9]; its hand-written `model.py` turns
+  them into `grade` INT64 [batch, 1] with an early-break loop; sizes 1, 3, 6.
 
 The functions and parameters are importable, so tests compare the server with JAX in-process.
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
 from hloserve.export import InputSpec, OutputSpec, export_bundle
 
@@ -25,6 +30,8 @@ jnp = __import__("jax.numpy", fromlist=["numpy"])
 lax = __import__("jax.lax", fromlist=["lax"])
 
 REPOSITORY = Path(__file__).resolve().parent / "repository"
+MODEL_PY = Path(__file__).resolve().parent / "model_py"
+"""The hand-written model.py of each example bundle that has one."""
 
 
 def _params(seed: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
@@ -44,6 +51,12 @@ CNN_PARAMS = {
     "dense": _params(4, {"kernel": (8, 10), "bias": (10,)}),
 }
 
+SEVERITY_PARAMS = {
+    "kernel": np.random.RandomState(5).standard_normal((784, 9)).astype(np.float32),
+    "bias": np.linspace(2.5, -2.5, 9, dtype=np.float32),
+}
+SEVERITY_CLIENT_OUTPUTS = [{"name": "grade", "dtype": "i64", "shape": "yn", "dims": {"y": 1}}]
+
 
 def mlp(params: Any, x: Any) -> Any:
     h = jnp.maximum(x @ params["hidden"]["kernel"] + params["hidden"]["bias"], 0)
@@ -60,6 +73,18 @@ def cnn(params: Any, image: Any) -> Any:
     )
     y = jnp.maximum(y + params["conv"]["bias"], 0).mean(axis=(1, 2))
     return y @ params["dense"]["kernel"] + params["dense"]["bias"]
+
+
+def severity(params: Any, image: Any) -> Any:
+    x = image.astype(jnp.float32) / 255.0 - 0.5
+    pooled = x.reshape(x.shape[0], 28, 8, 28, 8).mean(axis=(2, 4)).reshape(x.shape[0], 784)
+    return pooled @ params["kernel"] + params["bias"]
+
+
+def grades(logits: np.ndarray) -> np.ndarray:
+    """The severity grade of each row: how many leading logits are above zero (int64 [B, 1])."""
+    positive = np.asarray(logits) > 0
+    return np.cumprod(positive, axis=1).sum(axis=1, dtype=np.int64)[:, None]
 
 
 MODELS: dict[str, dict[str, Any]] = {
@@ -87,6 +112,15 @@ MODELS: dict[str, dict[str, Any]] = {
         "batch_sizes": [1, 8],
         "description": "per-channel mean of 224x224 RGB images: measures moving tensors, not compute",
     },
+    "severity_grader": {
+        "fn": severity,
+        "params": SEVERITY_PARAMS,
+        "inputs": [InputSpec("INPUT__0", (224, 224), np.uint8, letters="hw")],
+        "outputs": [OutputSpec("OUTPUT__0", letters="z")],
+        "batch_sizes": [1, 3, 6],
+        "description": "the seeds' severity grader: CORAL logits, graded by model.py",
+        "client_outputs": SEVERITY_CLIENT_OUTPUTS,
+    },
 }
 
 
@@ -107,6 +141,12 @@ def export_all(repository: Path = REPOSITORY) -> None:
             outputs=spec["outputs"],
             description=spec["description"],
         )
+        if "client_outputs" in spec:  # its model.py, from examples/model_py/, reshapes them
+            manifest_path = repository / name / "manifest.yaml"
+            manifest = yaml.safe_load(manifest_path.read_text())
+            manifest["client_outputs"] = spec["client_outputs"]
+            manifest_path.write_text(yaml.safe_dump(manifest, sort_keys=False))
+            shutil.copyfile(MODEL_PY / f"{name}.py", repository / name / "model.py")
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ def test_status_reports_every_model(server: ServerThread, triton: Any) -> None:
     assert mlp.residency == hc.Residency.SYSTEM and mlp.device_resident and mlp.host_resident
     assert mlp.weight_nbytes == 2704 and mlp.max_batch_size == 16 and mlp.weight == 1.0
     assert mlp.rows_served >= 2 and mlp.dispatch_count >= 1 and mlp.loads == 1
-    assert [m.name for m in status.models] == ["cnn", "mlp", "pool"]
+    assert [m.name for m in status.models] == ["cnn", "mlp", "pool", "severity_grader"]
 
 
 def test_set_model_policy(server: ServerThread) -> None:

@@ -145,7 +145,7 @@ BAD_MANIFESTS = [
     pytest.param(
         _with("executable_inputs.0.dims.c", -1),
         "executable_inputs[0].dims.c",
-        "only in client_outputs",
+        "only in client_inputs and client_outputs",
         id="variable-on-executable",
     ),
     pytest.param(

@@ -10,12 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import export_examples
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from conftest import EXAMPLES, ServerThread, make_config
-from test_service import export_examples, infer
+from test_service import infer
 from tritonclient.utils import InferenceServerException
 
 from hloserve.config import ModelSettings

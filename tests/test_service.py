@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,12 +10,10 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from conftest import EXAMPLES, ServerThread, make_config
+from conftest import ServerThread, make_config
+from export_examples import reference
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
-
-sys.path.insert(0, str(EXAMPLES.parent))
-import export_examples
 
 MLP_SIZES = (1, 2, 3, 4, 8, 13, 16, 17, 37, 100)  # compiled sizes, rows padded up to one, and split
 
@@ -30,9 +27,7 @@ def infer(client: Any, model: str, array: np.ndarray, name: str = "INPUT0", **kw
 def assert_good_request_served(client: Any) -> None:
     x = np.random.default_rng(0).random((2, 16), dtype=np.float32)
     result = infer(client, "mlp", x)
-    np.testing.assert_allclose(
-        result.as_numpy("OUTPUT0"), export_examples.reference("mlp", x), rtol=1e-5, atol=1e-6
-    )
+    np.testing.assert_allclose(result.as_numpy("OUTPUT0"), reference("mlp", x), rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(name="stub")
@@ -79,6 +74,7 @@ class TestHealthAndMetadata:
             ("cnn", "1", "READY"),
             ("mlp", "1", "READY"),
             ("pool", "1", "READY"),
+            ("severity_grader", "1", "READY"),
         ]
 
     def test_statistics_count_requests_rows_and_batches(self, triton: Any) -> None:
@@ -91,7 +87,7 @@ class TestHealthAndMetadata:
         assert after.inference_stats.compute_infer.ns > before.inference_stats.compute_infer.ns
         assert 4 in {b.batch_size for b in after.batch_stats}  # 3 rows ran padded at size 4
         every = triton.get_inference_statistics()
-        assert {s.name for s in every.model_stats} == {"cnn", "mlp", "pool"}
+        assert {s.name for s in every.model_stats} == {"cnn", "mlp", "pool", "severity_grader"}
 
 
 class TestInference:
@@ -99,17 +95,13 @@ class TestInference:
     def test_mlp_equals_jax_in_process(self, triton: Any, rows: int) -> None:
         x = np.random.default_rng(rows).standard_normal((rows, 16)).astype(np.float32)
         result = infer(triton, "mlp", x)
-        np.testing.assert_allclose(
-            result.as_numpy("OUTPUT0"), export_examples.reference("mlp", x), rtol=1e-5, atol=1e-6
-        )
+        np.testing.assert_allclose(result.as_numpy("OUTPUT0"), reference("mlp", x), rtol=1e-5, atol=1e-6)
 
     @pytest.mark.parametrize("rows", (1, 3, 4))
     def test_cnn_equals_jax_in_process(self, triton: Any, rows: int) -> None:
         x = np.random.default_rng(rows).random((rows, 16, 16, 3), dtype=np.float32)
         result = infer(triton, "cnn", x, name="IMAGE")
-        np.testing.assert_allclose(
-            result.as_numpy("LOGITS"), export_examples.reference("cnn", x), rtol=1e-5, atol=1e-5
-        )
+        np.testing.assert_allclose(result.as_numpy("LOGITS"), reference("cnn", x), rtol=1e-5, atol=1e-5)
 
     @pytest.mark.parametrize("rows", (1, 8))
     def test_pool_on_a_large_input(self, triton: Any, rows: int) -> None:
@@ -146,9 +138,7 @@ class TestInference:
         for client in clients:
             client.close()
         for x, result in zip(inputs, results, strict=True):
-            np.testing.assert_allclose(
-                result.as_numpy("OUTPUT0"), export_examples.reference("mlp", x), rtol=1e-5, atol=1e-6
-            )
+            np.testing.assert_allclose(result.as_numpy("OUTPUT0"), reference("mlp", x), rtol=1e-5, atol=1e-6)
 
 
 def _raw_request(shape: list[int], raw: bytes, datatype: str = "FP32", name: str = "INPUT0") -> Any:

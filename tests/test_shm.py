@@ -8,12 +8,13 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import export_examples
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.utils.shared_memory as shm
 from conftest import ServerThread, make_config
-from test_service import assert_good_request_served, export_examples
+from test_service import assert_good_request_served
 from tritonclient.utils import InferenceServerException
 
 from hloserve.errors import ShmRegionError

@@ -45,7 +45,7 @@ def test_embedded_in_a_trio_nursery_and_cancelled_cleanly() -> None:
                     ]
                     assert (await call(client.model_config)("mlp")).max_batch_size == 16
                     index = await call(client.repository_index)(True)
-                    assert [m.name for m in index.models] == ["cnn", "mlp", "pool"]
+                    assert [m.name for m in index.models] == ["cnn", "mlp", "pool", "severity_grader"]
                     x = np.random.default_rng(1).random((5, 16), dtype=np.float32)
                     out = await call(client.infer)("mlp", {"INPUT0": x}, timeout=10)
                     np.testing.assert_allclose(
@@ -125,7 +125,7 @@ def test_metrics_endpoint_counts_requests(server: ServerThread, triton: Any) -> 
     assert 'hloserve_request_duration_seconds_bucket{le="0.0005",model="mlp"}' in text
     assert 'hloserve_inference_rows_total{model="mlp"}' in text
     assert 'hloserve_queue_depth{model="mlp"} 0.0' in text
-    assert "hloserve_models_loaded 3.0" in text
+    assert "hloserve_models_loaded 4.0" in text
     assert 'hloserve_model_resident{model="mlp"} 1.0' in text
     assert 'hloserve_weight_loads_total{model="mlp"} 1.0' in text
     assert "hloserve_compactions_total 0.0" in text

@@ -2,15 +2,27 @@
 
 Layout: `hloserve.worker` runs a worker (`serve`), `hloserve.actors` holds the trio actors
 (model queues, dispatcher), `hloserve.service` the gRPC front end, `hloserve.bundle` and
-`hloserve.manifest` the bundle format, `hloserve._xla` every call into JAX.
+`hloserve.manifest` the bundle format, `hloserve._xla` every call into JAX. A bundle's model.py
+uses `register_model`, `register_meta_model` and `NamedTensor` from here.
 """
 
 from hloserve.config import Config as Config
 from hloserve.config import load_config as load_config
+from hloserve.model_py import NamedTensor as NamedTensor
+from hloserve.model_py import register_meta_model as register_meta_model
+from hloserve.model_py import register_model as register_model
 
 __version__ = "0.1.0"
 
-__all__ = ["Config", "__version__", "load_config", "serve"]
+__all__ = [
+    "Config",
+    "NamedTensor",
+    "__version__",
+    "load_config",
+    "register_meta_model",
+    "register_model",
+    "serve",
+]
 
 
 def __getattr__(name: str) -> object:

@@ -35,6 +35,7 @@ STATUS_BY_ERROR: dict[type[Exception], Status] = {
     errors.NotResident: Status.FAILED_PRECONDITION,
     errors.ResidencyRefused: Status.FAILED_PRECONDITION,
     errors.ExecutionFailed: Status.INTERNAL,
+    errors.HookFailed: Status.INTERNAL,
     errors.Unimplemented: Status.UNIMPLEMENTED,
 }
 

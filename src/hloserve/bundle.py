@@ -3,9 +3,9 @@
 Layout (the seeds' format): `manifest.yaml`; `model.mlir` (one module) or `model.b{N}.mlir`
 (one per compiled batch size), StableHLO text or portable-artifact bytecode; an optional
 `weights.safetensors` whose `__metadata__.argument_order` lists the weights in argument order;
-an optional `model.py`. Every module's `main` takes the executable inputs first, then the
-weights, and is checked here dtype by dtype and shape by shape, because PJRT itself checks only
-byte sizes. Nothing is compiled here.
+an optional `model.py` (a meta bundle has only the manifest and that). Every module's `main`
+takes the executable inputs first, then the weights, and is checked here dtype by dtype and
+shape by shape, because PJRT itself checks only byte sizes. Nothing is compiled here.
 """
 
 from __future__ import annotations
@@ -244,6 +244,8 @@ def load_bundle(directory: Path) -> Bundle:
     model_py = directory / MODEL_PY
     has_model_py = model_py.is_file()
     manifest = load_manifest(directory / MANIFEST, name, has_model_py=has_model_py)
+    if manifest.is_meta:
+        return Bundle(name, directory, manifest, (), (), None, model_py)
     weights, weights_path = _weights(directory, name)
     modules = _modules(directory, name, manifest)
     for module in modules:

@@ -61,6 +61,20 @@ class ServerConfig:
     allow_client_shm: bool = False
     """Accept Triton system shared-memory regions; off by default, since a registered region
     makes the server map memory a client names (as Triton since 2026)."""
+    meta_concurrency: int = 2
+    """Meta-model requests running at once (each holds a thread while its model.py runs);
+    metas that call no model are not counted."""
+    meta_scratch_bytes: int = 0
+    """Staging pool carved by a meta model's `call.scratch`; 0 gives plain arrays instead."""
+    meta_scratch_slots: int = 8
+    reload: bool = False
+    """Watch the repository (development): a changed model.py re-registers its hooks, a changed
+    bundle reloads, added and removed bundles load and unload; a failed reload keeps the old one."""
+    repository_poll_s: float = 1.0
+    """How often the repository is scanned when `reload` is on (Triton's --repository-poll-secs)."""
+    reload_debounce_s: float = 0.5
+    """A changed bundle is reloaded once its files have stayed unchanged this long (a half-written
+    file is never loaded)."""
 
     def validate(self) -> None:
         _check(0 <= self.grpc_port <= 65535, "server.grpc_port", "must be a port number 0..65535")
@@ -68,6 +82,15 @@ class ServerConfig:
         _check(self.max_message_bytes >= 1 << 20, "server.max_message_bytes", "must be >= 1048576")
         _check(self.max_inflight_requests >= 1, "server.max_inflight_requests", "must be >= 1")
         _check(self.shutdown_grace_s >= 0, "server.shutdown_grace_s", "must be >= 0")
+        _check(self.meta_concurrency >= 1, "server.meta_concurrency", "must be >= 1")
+        _check(self.meta_scratch_bytes >= 0, "server.meta_scratch_bytes", "must be >= 0 (0: no pool)")
+        _check(
+            self.meta_scratch_bytes == 0 or 1 <= self.meta_scratch_slots <= self.meta_scratch_bytes,
+            "server.meta_scratch_slots",
+            "must be between 1 and server.meta_scratch_bytes",
+        )
+        _check(self.repository_poll_s > 0, "server.repository_poll_s", "must be > 0")
+        _check(self.reload_debounce_s >= 0, "server.reload_debounce_s", "must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)

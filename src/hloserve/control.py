@@ -22,6 +22,7 @@ __all__ = ["ControlService"]
 
 _FLOORS = {hc.Residency.UNPINNED: "unpinned", hc.Residency.SYSTEM: "system", hc.Residency.DEVICE: "device"}
 _RESIDENCY = {floor: residency for residency, floor in _FLOORS.items()}
+_ORDER = {hc.Residency.UNPINNED: 0, hc.Residency.SYSTEM: 1, hc.Residency.DEVICE: 2}
 
 
 class ControlService(hc.ControlServiceBase):
@@ -36,38 +37,56 @@ class ControlService(hc.ControlServiceBase):
     ) -> hc.ModelControlStatusResponse:
         worker = self._worker
         config = worker.config
+        ready = {name: e for name, e in worker.models.items() if e.ready and e.bundle is not None}
+        # As upstream: a meta model is reported as one unit over the models it calls, which
+        # are not listed on their own.
+        parts = {callee for e in ready.values() for callee in e.calls}
         models = []
-        for name, entry in sorted(worker.models.items()):
-            if not entry.ready or entry.compiled is None:
+        for name, entry in sorted(ready.items()):
+            if name in parts:
                 continue
             s = worker.statistics[name]
             policy = config.scheduler.models.get(name)
             compute = s.compute.compute_input.ns + s.compute.compute_infer.ns + s.compute.compute_output.ns
-            models.append(
-                hc.ModelStatus(
-                    name=name,
-                    residency=_RESIDENCY.get(s.residency, hc.Residency.RESIDENCY_UNSPECIFIED),
-                    device_resident=s.resident,
-                    host_resident=s.host_resident,
-                    weight_nbytes=s.weight_bytes,
-                    weight=s.weight,
-                    queue_depth=s.queue_depth,
-                    total_compute_seconds=compute / 1e9,
-                    requests_served=s.requests_served,
-                    dispatch_count=s.execution_count,
-                    max_batch_size=max(entry.compiled.batch_sizes),
-                    rows_served=s.inference_count,
-                    loads=s.weight_loads,
-                    evictions=s.weight_evictions,
-                    discipline=(policy.discipline if policy else None) or "",
-                )
+            status = hc.ModelStatus(
+                name=name,
+                residency=_RESIDENCY.get(s.residency, hc.Residency.RESIDENCY_UNSPECIFIED),
+                device_resident=s.resident,
+                host_resident=s.host_resident,
+                weight_nbytes=s.weight_bytes,
+                weight=s.weight,
+                queue_depth=s.queue_depth,
+                total_compute_seconds=compute / 1e9,
+                requests_served=s.requests_served,
+                dispatch_count=s.execution_count,
+                max_batch_size=0 if entry.compiled is None else max(entry.compiled.batch_sizes),
+                rows_served=s.inference_count,
+                loads=s.weight_loads,
+                evictions=s.weight_evictions,
+                discipline=(policy.discipline if policy else None) or "",
             )
+            calls = [worker.statistics[c] for c in entry.calls if c in ready]
+            if entry.compiled is None and calls:
+                status.weight_nbytes = sum(c.weight_bytes for c in calls)
+                status.residency = min(
+                    (_RESIDENCY.get(c.residency, hc.Residency.RESIDENCY_UNSPECIFIED) for c in calls),
+                    key=lambda r: _ORDER.get(r, -1),
+                )
+                status.device_resident = all(c.resident for c in calls)
+                status.host_resident = all(c.host_resident for c in calls)
+            models.append(status)
         return hc.ModelControlStatusResponse(
             residency_mode="externally_managed" if config.weights.externally_managed else "self_managed",
             discipline=config.scheduler.discipline,
             weight_cache_max_bytes=config.weights.budget_bytes or 0,
             models=models,
-            resident_bytes=sum(worker.statistics[m.name].weight_bytes for m in models if m.device_resident),
+            resident_bytes=sum(
+                s.weight_bytes
+                for name, e in ready.items()
+                if e.compiled is not None
+                for s in [worker.statistics[name]]
+                if s.resident
+            ),
             compactions=worker.statistics.compactions,
         )
 

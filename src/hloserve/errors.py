@@ -13,6 +13,7 @@ __all__ = [
     "DeadlineExceeded",
     "ExecutionFailed",
     "HloserveError",
+    "HookFailed",
     "InvalidInput",
     "ModelNotFound",
     "ModelNotReady",
@@ -156,11 +157,20 @@ class ShmDisabled(HloserveError):
 
 
 class ExecutionFailed(HloserveError):
-    """XLA or a model.py hook raised; the message carries the cause, the server keeps serving."""
+    """XLA raised; the message carries the cause, the server keeps serving."""
 
     def __init__(self, model: str, cause: str) -> None:
         self.model, self.cause = model, cause
         super().__init__(f"model {model!r}: execution failed: {cause}")
+
+
+class HookFailed(HloserveError):
+    """A model.py hook (or a meta model's run) raised, or returned tensors that do not fit the
+    manifest; the message carries the hook's own words, the server keeps serving."""
+
+    def __init__(self, model: str, hook: str, cause: str) -> None:
+        self.model, self.hook, self.cause = model, hook, cause
+        super().__init__(f"model {model!r}: {hook} failed: {cause}")
 
 
 class Unimplemented(HloserveError):

@@ -3,8 +3,9 @@
 Shapes are written the seeds' way: one ASCII letter per axis in column-major order with the
 batch axis last (`"fn"` with `dims: {f: 16}` is a wire tensor of shape `[batch, 16]`). `n` or
 `b` marks the batch axis; every other letter needs a size in `dims`; `-1` marks a variable axis,
-allowed only on client-facing outputs (a `model.py` produces them). Every rule raises a
-`BundleError` that names the bundle, the file and the field.
+allowed only on client-facing tensors (a `model.py` consumes or produces them). A bundle of
+`kind: meta` has no executable: its `model.py` answers with calls to the models listed in
+`meta.calls`. Every rule raises a `BundleError` that names the bundle, the file and the field.
 """
 
 from __future__ import annotations
@@ -112,6 +113,14 @@ class Manifest:
     """Ascending and unique; empty when the manifest names none (the module files decide)."""
     description: str = ""
     provenance: Mapping[str, Any] = field(default_factory=dict)
+    kind: str = "model"
+    """`model` (an executable) or `meta` (a model.py calling other models)."""
+    calls: tuple[str, ...] = ()
+    """The models a meta model may call (`meta.calls`)."""
+
+    @property
+    def is_meta(self) -> bool:
+        return self.kind == "meta"
 
     @property
     def inputs(self) -> tuple[TensorSpec, ...]:
@@ -188,7 +197,8 @@ class _Reader:
             if size == VARIABLE and not allow_variable:
                 raise self.fail(
                     f"{where}.dims.{letter}",
-                    "-1 (variable axis) is allowed only in client_outputs, which a model.py produces",
+                    "-1 (variable axis) is allowed only in client_inputs and client_outputs, "
+                    "which a model.py consumes and produces",
                 )
             axes.append(Axis(letter, size))
         extra = sorted(set(map(str, dims)) - set(shape))
@@ -206,7 +216,7 @@ class _Reader:
             raise self.fail(key, f"expected a non-empty list of tensors, got {value!r}")
         specs = tuple(
             self.tensor(
-                t, f"{key}[{i}]", client=key.startswith("client_"), allow_variable=key == "client_outputs"
+                t, f"{key}[{i}]", client=key.startswith("client_"), allow_variable=key.startswith("client_")
             )
             for i, t in enumerate(value)
         )
@@ -231,8 +241,13 @@ def parse_manifest(data: object, bundle: str, *, has_model_py: bool) -> Manifest
     name = data.get("name", bundle)
     if name != bundle:
         raise read.fail("name", f"{name!r} must equal the bundle's directory name {bundle!r}")
-    if data.get("kind", "model") != "model":
-        raise read.fail("kind", f"{data.get('kind')!r} is not supported; expected 'model'")
+    kind = data.get("kind", "model")
+    if kind not in ("model", "meta"):
+        raise read.fail("kind", f"{kind!r} is not a bundle kind; expected 'model' or 'meta'")
+    if kind == "meta":
+        return _meta_manifest(read, data, bundle, str(version), has_model_py=has_model_py)
+    if "meta" in data:
+        raise read.fail("meta", "allowed only with kind: meta")
     executable_inputs = read.tensors(data, "executable_inputs", required=True)
     executable_outputs = read.tensors(data, "executable_outputs", required=True)
     assert executable_inputs is not None and executable_outputs is not None
@@ -277,6 +292,47 @@ def parse_manifest(data: object, bundle: str, *, has_model_py: bool) -> Manifest
         compiled_batch_sizes=sizes,
         description=str(data.get("description") or ""),
         provenance=dict(provenance),
+    )
+
+
+def _meta_manifest(
+    read: _Reader, data: Mapping[str, Any], bundle: str, version: str, *, has_model_py: bool
+) -> Manifest:
+    """A `kind: meta` bundle: client tensors, `meta.calls`, and a model.py; no executable."""
+    if not has_model_py:
+        raise read.fail("kind", "a meta model needs a model.py that calls register_meta_model")
+    for key in ("input_shapes", "batching"):
+        if key in data:
+            raise read.fail(key, "not allowed with kind: meta (a meta model has no executable)")
+    client_inputs = read.tensors(data, "client_inputs", required=True)
+    client_outputs = read.tensors(data, "client_outputs", required=True)
+    assert client_inputs is not None and client_outputs is not None
+    for key in ("executable_inputs", "executable_outputs"):  # upstream allows them; checked, unused
+        read.tensors(data, key, required=False)
+    meta = data.get("meta") or {}
+    if not isinstance(meta, Mapping) or set(meta) - {"calls"}:
+        raise read.fail("meta", f"expected a mapping with calls, got {meta!r}")
+    calls = meta.get("calls") or []
+    if not isinstance(calls, list) or not all(isinstance(c, str) and c for c in calls):
+        raise read.fail("meta.calls", f"expected a list of model names, got {calls!r}")
+    if len(set(calls)) != len(calls):
+        raise read.fail("meta.calls", f"{calls} names a model more than once")
+    if bundle in calls:
+        raise read.fail("meta.calls", "a meta model may not call itself")
+    provenance = data.get("provenance") or {}
+    if not isinstance(provenance, Mapping):
+        raise read.fail("provenance", f"expected a mapping, got {provenance!r}")
+    return Manifest(
+        name=bundle,
+        format_version=version,
+        executable_inputs=(),
+        executable_outputs=(),
+        client_inputs=client_inputs,
+        client_outputs=client_outputs,
+        description=str(data.get("description") or ""),
+        provenance=dict(provenance),
+        kind="meta",
+        calls=tuple(calls),
     )
 
 

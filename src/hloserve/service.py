@@ -15,6 +15,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import trio
 import trio_asyncio
 from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError
@@ -28,9 +29,11 @@ from hloserve._status import to_grpc_error
 from hloserve.actors.messages import Infer
 from hloserve.codec import decode_request, encode_response, request_deadline
 from hloserve.config import Config
-from hloserve.errors import ModelNotFound, ModelNotReady, Overloaded, ShmDisabled, Unimplemented
+from hloserve.errors import InvalidInput, ModelNotFound, ModelNotReady, Overloaded, ShmDisabled, Unimplemented
 from hloserve.manifest import TensorSpec
+from hloserve.meta import MetaModels
 from hloserve.metrics import Metrics
+from hloserve.pipeline import to_client, to_executable
 from hloserve.shm_registry import ShmRegistry
 from hloserve.statistics import Duration, ExecutionTimes, Statistics
 
@@ -71,6 +74,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         statistics: Statistics,
         metrics: Metrics,
         worker: Worker,
+        metas: MetaModels,
     ) -> None:
         self._config = config
         self._models = models
@@ -78,6 +82,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         self._metrics = metrics
         self._inflight = 0
         self._worker = worker
+        self._metas = metas
         self._shm = ShmRegistry() if config.server.allow_client_shm else None
 
     def close(self) -> None:
@@ -152,37 +157,65 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
 
     async def _infer(self, request: Any, grpc_deadline: Any) -> Any:
         entry = self._ready_entry(request.model_name, request.model_version)
-        assert entry.bundle is not None and entry.compiled is not None and entry.queue is not None
+        assert entry.bundle is not None
         manifest = entry.bundle.manifest
-        # A batched model runs any number of rows (split across executions if need be), unless
-        # its outputs cannot be joined back; then the largest compiled size is the limit.
-        compiled = entry.compiled
-        max_rows = None if compiled.coalescable or not manifest.batched else compiled.batch_sizes[-1]
-        decoded = decode_request(request, entry.name, manifest.inputs, manifest.outputs, max_rows, self._shm)
+        hooks, meta_run = entry.hooks, entry.meta_run  # one registration per request (hot reload)
+        transformed = hooks is not None or meta_run is not None
+        decoded = decode_request(
+            request,
+            entry.name,
+            manifest.inputs,
+            manifest.outputs,
+            None if transformed else entry.max_rows,
+            self._shm,
+        )
         if self._inflight >= self._config.server.max_inflight_requests:
             raise Overloaded(self._config.server.max_inflight_requests)
         now = time.monotonic()
         remaining = None if grpc_deadline is None else grpc_deadline.time_remaining()
+        deadline = request_deadline(request.parameters, remaining, now)
+        self._inflight += 1
+        try:
+            if meta_run is not None:
+                outputs = await _on_trio(self._metas.infer, entry, decoded.inputs, decoded.rows, deadline)
+            elif hooks is not None:
+                inputs, rows = await _in_thread(to_executable, entry.name, manifest, hooks, decoded.inputs)
+                if entry.max_rows is not None and rows > entry.max_rows:
+                    raise InvalidInput(
+                        entry.name,
+                        f"preprocess made {rows} rows; the largest compiled batch size is {entry.max_rows}",
+                    )
+                every = list(range(len(manifest.executable_outputs)))
+                outputs = await self._execute(entry, inputs, rows, every, deadline, now)
+                outputs = await _in_thread(to_client, entry.name, manifest, hooks, outputs, decoded.rows)
+            else:
+                outputs = await self._execute(
+                    entry, decoded.inputs, decoded.rows, decoded.outputs, deadline, now
+                )
+        finally:
+            self._inflight -= 1
+        if transformed:
+            outputs = [outputs[i] for i in decoded.outputs]
+        return encode_response(request, entry.name, manifest.outputs, decoded, outputs)
+
+    async def _execute(
+        self,
+        entry: ModelEntry,
+        inputs: list[Any],
+        rows: int,
+        outputs: list[int],
+        deadline: float | None,
+        now: float,
+    ) -> list[Any]:
+        """Queue executable inputs on the model's queue and await its outputs."""
+        assert entry.queue is not None
         reply: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
-        queued = Infer(
-            entry.name,
-            decoded.inputs,
-            decoded.rows,
-            decoded.outputs,
-            reply,
-            now,
-            request_deadline(request.parameters, remaining, now),
-        )
+        queued = Infer(entry.name, inputs, rows, outputs, reply, now, deadline)
         queue = entry.queue
         queue.submit_nowait(queued)
         # A client that cancels or disconnects cancels this handler, and so the future.
         reply.add_done_callback(lambda f: queue.withdraw_nowait(queued) if f.cancelled() else None)
-        self._inflight += 1
-        try:
-            outputs = await reply
-        finally:
-            self._inflight -= 1
-        return encode_response(request, entry.name, manifest.outputs, decoded, outputs)
+        return await reply
 
     # -- health and metadata -------------------------------------------------------------------
 
@@ -209,7 +242,12 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         on the device; None when it can."""
         if not entry.ready:
             return entry.error or "not loaded"
-        if self._config.weights.externally_managed and not self._statistics[entry.name].resident:
+        if not self._config.weights.externally_managed:
+            return None
+        if entry.meta_run is not None:
+            away = [m for m in entry.calls if not self._statistics[m].resident]
+            return f"called models {away} not resident; residency is externally managed" if away else None
+        if not self._statistics[entry.name].resident:
             return "not resident; residency is externally managed"
         return None
 
@@ -244,13 +282,15 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
     @_rpc("ModelConfig")
     async def model_config(self, message: kserve.ModelConfigRequest) -> kserve.ModelConfigResponse:
         entry = self._ready_entry(message.name, message.version)
-        assert entry.bundle is not None and entry.compiled is not None
+        assert entry.bundle is not None
         manifest = entry.bundle.manifest
         specs = (*manifest.inputs, *manifest.outputs)
         # Triton's max_batch_size > 0 means "dims exclude a leading batch axis"; a model whose
-        # batch axis is elsewhere is described unbatched, with -1 where the batch goes.
+        # batch axis is elsewhere is described unbatched, with -1 where the batch goes. A meta
+        # model has no compiled sizes: unbatched.
         leading = manifest.batched and all(s.batch_axis in (0, None) for s in specs)
-        sizes = [b for b in entry.compiled.batch_sizes if b > 0]
+        compiled_sizes = () if entry.compiled is None else entry.compiled.batch_sizes
+        sizes = [b for b in compiled_sizes if b > 0]
         max_batch = sizes[-1] if leading and sizes else 0
 
         def dims(spec: TensorSpec) -> list[int]:
@@ -262,7 +302,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
             config=kserve.ModelConfig(
                 name=entry.name,
                 platform=_platform(),
-                backend="jax",
+                backend="python" if manifest.is_meta else "jax",
                 max_batch_size=max_batch,
                 input=[
                     kserve.ModelInput(name=s.name, data_type=_data_type(s), dims=dims(s))
@@ -372,8 +412,13 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
     async def repository_index(
         self, message: kserve.RepositoryIndexRequest
     ) -> kserve.RepositoryIndexResponse:
+        # As upstream: the models a meta model calls are its parts, listed through it alone
+        # (still addressable by name).
+        parts = {callee for e in self._models.values() if e.ready for callee in e.calls}
         index = []
         for entry in sorted(self._models.values(), key=lambda e: e.name):
+            if entry.name in parts:
+                continue
             reason = self._not_ready_because(entry)
             if reason is None or not message.ready:
                 index.append(
@@ -385,6 +430,12 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
                     )
                 )
         return kserve.RepositoryIndexResponse(models=index)
+
+
+_on_trio = trio_asyncio.trio_as_aio
+"""Await a trio function from a handler (grpclib runs them on asyncio)."""
+_in_thread = trio_asyncio.trio_as_aio(trio.to_thread.run_sync)
+"""Run blocking Python (model.py hooks) in a worker thread from a handler."""
 
 
 def _platform() -> str:

@@ -30,14 +30,18 @@ from hloserve.actors.dispatcher import Dispatcher
 from hloserve.actors.messages import AddModel, Compact, Compacted, RemoveModel, SetPolicy, SetResidency
 from hloserve.actors.model_queue import ModelQueue, ModelQueueHandle, QueueSettings
 from hloserve.actors.weight_cache import WeightCache
-from hloserve.bundle import Bundle, discover, load_bundle, read_weights
+from hloserve.buffer_pool import BufferPool
+from hloserve.bundle import MODEL_PY, Bundle, discover, load_bundle, read_weights
 from hloserve.compiled import CompiledModel, compile_bundle
 from hloserve.config import Config, ModelSettings, SchedulerConfig
 from hloserve.control import ControlService
-from hloserve.errors import BundleError, ConfigError, ModelNotFound
+from hloserve.errors import BundleError, ConfigError, InvalidInput, ModelNotFound
 from hloserve.executable_cache import ExecutableCache, default_directory
+from hloserve.meta import MetaModels
 from hloserve.metrics import Metrics
+from hloserve.model_py import MetaRun, ModelHooks, Registration, load_model_py
 from hloserve.policy import Discipline, ModelPolicy, PolicyParams
+from hloserve.reloader import RepositoryWatcher
 from hloserve.service import InferenceService
 from hloserve.statistics import Statistics
 
@@ -50,17 +54,43 @@ _WINDOW_BYTES = 16 << 20  # HTTP/2 flow-control windows: a 4.8 MB tensor in one 
 
 @dataclass(slots=True)
 class ModelEntry:
-    """One bundle of the repository: compiled and queued when ready, else why not."""
+    """One bundle of the repository: compiled and queued (or a registered meta model) when
+    ready, else why not."""
 
     name: str
     bundle: Bundle | None = None
     compiled: CompiledModel | None = None
     queue: ModelQueueHandle | None = None
+    registration: Registration | None = None
+    """What its model.py registered (None without one); hot reload swaps it."""
     error: str | None = None
 
     @property
     def ready(self) -> bool:
-        return self.queue is not None
+        if self.error is not None:
+            return False
+        return self.queue is not None or self.meta_run is not None
+
+    @property
+    def hooks(self) -> ModelHooks | None:
+        return None if self.registration is None else self.registration.hooks
+
+    @property
+    def meta_run(self) -> MetaRun | None:
+        return None if self.registration is None else self.registration.meta_run
+
+    @property
+    def calls(self) -> tuple[str, ...]:
+        """The models it calls, if it is a meta model."""
+        return () if self.bundle is None else self.bundle.manifest.calls
+
+    @property
+    def max_rows(self) -> int | None:
+        """The most executable rows one request may carry; None: any (split if need be)."""
+        compiled = self.compiled
+        if compiled is None or compiled.coalescable or not compiled.bundle.manifest.batched:
+            return None
+        return compiled.batch_sizes[-1]
 
 
 @dataclass(slots=True)
@@ -85,38 +115,66 @@ class Worker:
             raise ModelNotFound(name, f"the repository has no bundle {name!r}")
         bundle = await trio.to_thread.run_sync(load_bundle, directory)
         loaded = await trio.to_thread.run_sync(_load, bundle, self._cache)
-        if name in self.models and self.models[name].ready:
+        if bundle.manifest.is_meta:
+            _check_meta(bundle, self.models)
+        old = self.models.get(name)
+        if old is not None and old.queue is not None:
             await self.unload_model(name)
+        compiled = loaded.compiled
+        if compiled is None:  # a meta model: nothing for the dispatcher
+            self.models[name] = ModelEntry(name, bundle, registration=loaded.registration)
+            log.info("model loaded", model=name, source="repository load", kind="meta")
+            return
         assert self._dispatcher is not None and self._nursery is not None
         scheduler = self.config.scheduler
         queue = ModelQueue(
-            name, _queue_settings(scheduler, loaded.compiled), self._dispatcher.clone(), self.statistics
+            name, _queue_settings(scheduler, compiled), self._dispatcher.clone(), self.statistics
         )
         handle: ModelQueueHandle = await self._nursery.start(queue.run)
         floor = scheduler.models.get(name, ModelSettings()).floor
         self._dispatcher.send_nowait(
-            AddModel(name, loaded.compiled, _policy(scheduler, name, loaded.costs), handle, floor)
+            AddModel(name, compiled, _policy(scheduler, name, loaded.costs), handle, floor)
         )
-        self.models[name] = ModelEntry(name, bundle, loaded.compiled, handle)
-        log.info(
-            "model loaded",
-            model=name,
-            source="repository load",
-            batch_sizes=list(loaded.compiled.batch_sizes),
-        )
+        self.models[name] = ModelEntry(name, bundle, compiled, handle, loaded.registration)
+        log.info("model loaded", model=name, source="repository load", batch_sizes=list(compiled.batch_sizes))
+
+    def record_failure(self, name: str, reason: str) -> None:
+        """List a bundle that could not be loaded, with why (RepositoryIndex shows it)."""
+        self.models[name] = ModelEntry(name, error=reason)
+
+    async def reload_model_py(self, name: str) -> None:
+        """Execute `name`'s model.py again and swap in what it registers; requests already past
+        a hook finish with the old one. A model.py that fails leaves the old hooks in place."""
+        entry = self.models.get(name)
+        if entry is None or not entry.ready or entry.bundle is None or entry.bundle.model_py is None:
+            raise ModelNotFound(name, "no serving bundle with a model.py by that name")
+        entry.registration = await trio.to_thread.run_sync(_registration, entry.bundle)
+        log.info("model.py reloaded", model=name)
 
     async def unload_model(self, name: str) -> None:
         """Stop serving `name`: new requests get NOT_FOUND at once, queued ones too; its
         weights leave the device."""
         entry = self.models.get(name)
-        if entry is None or not entry.ready:
+        if entry is None:
             raise ModelNotFound(name)
         del self.models[name]
-        assert self._dispatcher is not None
-        send, receive = trio.open_memory_channel[Any](1)
-        await self._dispatcher.send(RemoveModel(name, send))
-        await receive.receive()
+        if entry.queue is not None:
+            assert self._dispatcher is not None
+            send, receive = trio.open_memory_channel[Any](1)
+            await self._dispatcher.send(RemoveModel(name, send))
+            await receive.receive()
         log.info("model unloaded", model=name)
+
+    def _executable(self, model: str) -> ModelEntry:
+        """The serving model `model` that has an executable (policy and residency apply)."""
+        entry = self.models.get(model)
+        if entry is None or not entry.ready:
+            raise ModelNotFound(model)
+        if entry.queue is None:
+            raise InvalidInput(
+                model, "it is a meta model; set the policy or residency of the models it calls"
+            )
+        return entry
 
     def set_policy(
         self, model: str | None, *, weight: float | None = None, discipline: Discipline | None = None
@@ -125,8 +183,8 @@ class Worker:
 
         Applied by the dispatcher before its next selection.
         """
-        if model is not None and (model not in self.models or not self.models[model].ready):
-            raise ModelNotFound(model)
+        if model is not None:
+            self._executable(model)
         if weight is not None and not weight > 0:
             raise ValueError(f"weight must be > 0, got {weight}")
         assert self._dispatcher is not None
@@ -136,8 +194,7 @@ class Worker:
         """Externally managed residency: pin `model` on the device (`device`), or free it from
         the device keeping (`system`) or dropping (`unpinned`) its host copy. Returns the floor
         and whether it is on the device; ResidencyRefused in self-managed mode."""
-        if model not in self.models or not self.models[model].ready:
-            raise ModelNotFound(model)
+        self._executable(model)
         if floor not in ("unpinned", "system", "device"):
             raise ValueError(f"residency must be unpinned, system or device, got {floor!r}")
         assert self._dispatcher is not None
@@ -150,9 +207,8 @@ class Worker:
 
     async def compact(self, reload: Sequence[str] = ()) -> Compacted:
         """Free every resident unpinned model's weights, then load `reload`; between executions."""
-        unknown = [m for m in reload if m not in self.models or not self.models[m].ready]
-        if unknown:
-            raise ModelNotFound(unknown[0])
+        for model in reload:
+            self._executable(model)
         assert self._dispatcher is not None
         send, receive = trio.open_memory_channel[Compacted](1)
         await self._dispatcher.send(Compact(tuple(reload), send))
@@ -180,21 +236,55 @@ def _queue_settings(scheduler: SchedulerConfig, compiled: CompiledModel) -> Queu
 
 @dataclass(frozen=True, slots=True)
 class _Loaded:
-    compiled: CompiledModel
+    compiled: CompiledModel | None
+    """None for a meta model, which has no executable."""
     costs: dict[int, float]
     """Seconds per execution by batch size, measured by the warm-up run."""
+    registration: Registration | None
+    """What its model.py registered."""
+
+
+def _registration(bundle: Bundle) -> Registration | None:
+    """Execute the bundle's model.py, if any, and check it registered the bundle's kind."""
+    if bundle.model_py is None:
+        return None
+    registration = load_model_py(bundle.name, bundle.model_py)
+    if bundle.manifest.is_meta and registration.meta_run is None:
+        raise BundleError(bundle.name, MODEL_PY, None, "a bundle of kind: meta must call register_meta_model")
+    if not bundle.manifest.is_meta and registration.hooks is None:
+        raise BundleError(
+            bundle.name, MODEL_PY, None, "calls register_meta_model, but the manifest has no kind: meta"
+        )
+    return registration
+
+
+def _check_meta(bundle: Bundle, models: dict[str, ModelEntry]) -> None:
+    """A meta model may not call another meta; a callee served elsewhere is only noted."""
+    for callee in bundle.manifest.calls:
+        other = models.get(callee)
+        if other is None:
+            log.info("meta model calls a model this worker does not serve", model=bundle.name, callee=callee)
+        elif other.bundle is not None and other.bundle.manifest.is_meta:
+            raise BundleError(
+                bundle.name,
+                "manifest.yaml",
+                "meta.calls",
+                f"{callee!r} is a meta model; a meta may not call a meta",
+            )
 
 
 def _load(bundle: Bundle, cache: ExecutableCache | None) -> _Loaded:
-    """Compile, then run each size once on zeros (blocking: call in a worker thread).
-
-    The warm-up places the weights only for its own run; residency is the weight cache's.
+    """Run its model.py, compile, then run each size once on zeros (blocking: call in a worker
+    thread). The warm-up places the weights only for its own run; residency is the weight cache's.
     """
+    registration = _registration(bundle)
+    if bundle.manifest.is_meta:
+        return _Loaded(None, {}, registration)
     compiled = compile_bundle(bundle, cache)
     weights = [_xla.put(w) for w in read_weights(bundle)]
     costs = compiled.warm_up(weights)
     _xla.free(weights)
-    return _Loaded(compiled, costs)
+    return _Loaded(compiled, costs, registration)
 
 
 async def _load_repository(
@@ -214,11 +304,18 @@ async def _load_repository(
         started = time.perf_counter()
         try:
             loaded[name] = await trio.to_thread.run_sync(_load, found, cache)
+        except BundleError as e:
+            entry.error = str(e)
+            log.error("bundle rejected", model=name, reason=entry.error)
+            continue
         except Exception as e:  # a module XLA cannot compile is one bad bundle, not a dead server
             entry.error = f"bundle {name!r}: compilation failed: {e}"
             log.error("bundle failed to compile", model=name, reason=str(e))
             continue
-        entry.compiled = compiled = loaded[name].compiled
+        entry.registration = loaded[name].registration
+        compiled = entry.compiled = loaded[name].compiled
+        if compiled is None:
+            continue
         log.info(
             "model loaded",
             model=name,
@@ -228,7 +325,17 @@ async def _load_repository(
             compile_s=round(compiled.compile_s, 3),
             load_s=round(time.perf_counter() - started, 3),
             warm_up_ms={size: round(s * 1e3, 3) for size, s in loaded[name].costs.items()},
+            model_py=found.model_py is not None,
         )
+    for name, entry in entries.items():
+        if entry.bundle is not None and entry.bundle.manifest.is_meta and entry.error is None:
+            try:
+                _check_meta(entry.bundle, entries)
+            except BundleError as e:
+                entry.error = str(e)
+                log.error("bundle rejected", model=name, reason=entry.error)
+                continue
+            log.info("meta model loaded", model=name, calls=list(entry.bundle.manifest.calls))
     return entries, loaded
 
 
@@ -241,13 +348,15 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
     cache = None
     if server_config.cache_executables:
         cache = ExecutableCache(server_config.executable_cache or default_directory())
-    entries, loaded = await _load_repository(server_config.model_repository, cache)
+    entries, found = await _load_repository(server_config.model_repository, cache)
+    loaded = {n: m for n, m in found.items() if m.compiled is not None and entries[n].error is None}
     if cache is not None:
         log.info("executable cache", directory=str(cache.directory), hits=cache.hits, compiled=cache.misses)
     statistics = Statistics()
     scheduler = config.scheduler
+    compiled_models = {n: m.compiled for n, m in loaded.items() if m.compiled is not None}
     weight_cache = WeightCache(
-        {n: m.compiled.bundle for n, m in loaded.items()},
+        {n: m.bundle for n, m in compiled_models.items()},
         {n: scheduler.models.get(n, ModelSettings()).floor for n in loaded},
         config.weights.budget_bytes,
         config.weights.externally_managed,
@@ -256,7 +365,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         int(config.weights.shared_host_weights_mode, 8) if config.weights.shared_host_weights else None,
     )
     dispatcher = Dispatcher(
-        {n: m.compiled for n, m in loaded.items()},
+        dict(compiled_models),
         statistics,
         scheduler.discipline,
         {n: _policy(scheduler, n, m.costs) for n, m in loaded.items()},
@@ -267,10 +376,17 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
             scheduler.cost_ema_alpha,
         ),
     )
-    ready = {n: m.compiled for n, m in loaded.items()}
+    metas = MetaModels(
+        entries,
+        server_config.meta_concurrency,
+        BufferPool(server_config.meta_scratch_bytes, server_config.meta_scratch_slots, use_shm=False)
+        if server_config.meta_scratch_bytes
+        else None,
+        statistics,
+    )
     async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
         dispatcher.use_weights(await nursery.start(weight_cache.run))
-        for name, compiled in ready.items():
+        for name, compiled in compiled_models.items():
             queue = ModelQueue(
                 name, _queue_settings(scheduler, compiled), dispatcher.inbox.clone(), statistics
             )
@@ -279,6 +395,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         await nursery.start(dispatcher.run)
 
         metrics = Metrics(statistics)
+        ready = sorted(n for n, e in entries.items() if e.ready)
         metrics.models_loaded.set(len(ready))
         metrics.models_failed.set(len(entries) - len(ready))
         metrics_port = None
@@ -289,7 +406,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         # grpclib looks up the event loop when constructed: build it inside trio-asyncio's loop.
         server = _grpclib_patches.GracefulServer(
             [
-                service := InferenceService(config, entries, statistics, metrics, worker),
+                service := InferenceService(config, entries, statistics, metrics, worker, metas),
                 ControlService(worker),
             ],
             config=Configuration(
@@ -304,11 +421,19 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
                 "server.grpc_port", f"cannot listen on {server_config.host}:{server_config.grpc_port}: {e}"
             ) from None
         worker.grpc_port = server.port
+        if server_config.reload:
+            watcher = RepositoryWatcher(
+                worker,
+                server_config.model_repository,
+                server_config.repository_poll_s,
+                server_config.reload_debounce_s,
+            )
+            await nursery.start(watcher.run)
         log.info(
             "listening",
             grpc=f"{server_config.host}:{worker.grpc_port}",
             metrics=None if metrics_port is None else f"{server_config.host}:{metrics_port}",
-            models_ready=sorted(ready),
+            models_ready=ready,
             models_failed=sorted(set(entries) - set(ready)),
             device=str(_xla.device()),
         )
@@ -320,4 +445,5 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
                 await trio_asyncio.aio_as_trio(server.shutdown)(server_config.shutdown_grace_s)
                 metrics.close()
                 service.close()
+                metas.close()
             nursery.cancel_scope.cancel()

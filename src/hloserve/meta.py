@@ -1,0 +1,223 @@
+"""Meta models: a model.py `run(inputs, call)` that answers a request by calling other models.
+
+Data-dependent logic between models (a detector's boxes deciding whether a classifier runs)
+does not fit one static graph, so a meta bundle holds plain Python instead of an executable.
+`run` executes in a worker thread, on the request's own behalf; each `call(model, inputs)`
+goes through that model's hooks and queue like any request, except that it is *committed*: it
+goes ahead of the queue and of the dispatcher's discipline, so a meta request already running
+finishes before new work starts, and it is never dropped for laxity. Upstream's rules apply: a
+meta calls only the models in its `meta.calls`, never another meta; a gate bounds the metas
+running at once (those that call nothing bypass it); the meta's deadline bounds the gate, each
+sub-call and `call.scratch`; `call.scratch` carves buffers from a staging pool once per request.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import trio
+
+from hloserve.actors.messages import Infer
+from hloserve.buffer_pool import BufferPool, PoolAcquireTimeout, PoolSlot
+from hloserve.errors import DeadlineExceeded, HloserveError, HookFailed, ModelNotFound, ModelNotReady
+from hloserve.model_py import MetaRun, NamedTensor
+from hloserve.pipeline import arrange, named, to_client, to_executable
+from hloserve.statistics import Statistics
+
+if TYPE_CHECKING:
+    from hloserve.worker import ModelEntry
+
+__all__ = ["Call", "MetaModels"]
+
+_ALIGNMENT = 64
+
+
+def _trio_time(deadline: float | None) -> float:
+    """A `time.monotonic()` deadline on trio's clock."""
+    return math.inf if deadline is None else trio.current_time() + (deadline - time.monotonic())
+
+
+class Call:
+    """The `call` a meta model's `run` receives: `call(model, inputs)` and `call.scratch(...)`."""
+
+    def __init__(
+        self,
+        meta: str,
+        calls: Sequence[str],
+        models: Mapping[str, ModelEntry],
+        deadline: float | None,
+        pool: BufferPool | None,
+    ) -> None:
+        self._meta = meta
+        self._calls = frozenset(calls)
+        self._models = models
+        self._deadline = deadline
+        self._pool = pool
+        self._token = trio.lowlevel.current_trio_token()
+        self.slot: PoolSlot | None = None
+        """The scratch slots this request holds (released when `run` returns)."""
+        self._scratched = False
+        self.seconds = 0.0
+        """Wall time spent inside calls, queueing and hooks included."""
+
+    def _remaining(self) -> float | None:
+        if self._deadline is None:
+            return None
+        remaining = self._deadline - time.monotonic()
+        if remaining <= 0:
+            raise DeadlineExceeded(self._meta, -remaining)
+        return remaining
+
+    def __call__(
+        self, model: str, inputs: Sequence[NamedTensor], requested_outputs: Sequence[str] = ()
+    ) -> list[NamedTensor]:
+        """Run `model` on `inputs` (its client-facing tensors) and return its outputs, all of
+        them or the `requested_outputs`; its hooks run here, in this thread."""
+        if model not in self._calls:
+            raise ValueError(f"called undeclared model {model!r}; add it to meta.calls of {self._meta!r}")
+        self._remaining()
+        started = time.perf_counter()
+        try:
+            return self._call(model, inputs, requested_outputs)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def _call(self, model: str, inputs: Sequence[NamedTensor], requested: Sequence[str]) -> list[NamedTensor]:
+        entry = self._models.get(model)
+        if entry is None:
+            raise ModelNotFound(model, f"called by meta model {self._meta!r}")
+        if not entry.ready or entry.queue is None or entry.bundle is None:
+            raise ModelNotReady(model, entry.error or "not loaded")
+        manifest = entry.bundle.manifest
+        outputs = {spec.name: i for i, spec in enumerate(manifest.outputs)}
+        unknown = [name for name in requested if name not in outputs]
+        if unknown:
+            raise ValueError(f"call({model!r}): no output(s) {unknown}; it has {sorted(outputs)}")
+        selected = [outputs[name] for name in requested] or list(range(len(outputs)))
+        try:
+            arrays, extent = arrange(list(inputs), manifest.inputs)
+        except ValueError as e:
+            raise ValueError(f"call({model!r}): {e}") from None
+        rows = 1 if extent is None else extent
+        hooks = entry.hooks
+        if hooks is not None:
+            arrays, executable_rows = to_executable(model, manifest, hooks, arrays)
+        else:
+            executable_rows = rows
+        reply: concurrent.futures.Future[list[np.ndarray]] = concurrent.futures.Future()
+        request = Infer(
+            model,
+            arrays,
+            executable_rows,
+            list(range(len(manifest.executable_outputs))) if hooks is not None else selected,
+            reply,
+            time.monotonic(),
+            self._deadline,
+            committed=True,
+        )
+        trio.from_thread.run_sync(entry.queue.submit_nowait, request, trio_token=self._token)
+        try:
+            result = reply.result(timeout=self._remaining())
+        except concurrent.futures.TimeoutError:
+            trio.from_thread.run_sync(entry.queue.withdraw_nowait, request, trio_token=self._token)
+            raise DeadlineExceeded(model, 0.0) from None
+        if hooks is not None:
+            result = [to_client(model, manifest, hooks, result, rows)[i] for i in selected]
+        return named([manifest.outputs[i] for i in selected], result)
+
+    def scratch(self, shape: Any, dtype: Any = None) -> Any:
+        """Buffers for this request, carved at once from the staging pool and released when
+        `run` returns: `scratch(shape, dtype)` gives one array, `scratch([(shape, dtype), ...])`
+        a list. Once per request; plain arrays when the server has no pool."""
+        if self._scratched:
+            raise RuntimeError("call.scratch may be used once per request; ask for every buffer in one call")
+        self._scratched = True
+        single = dtype is not None
+        specs = [(shape, dtype)] if single else list(shape)
+        if self._pool is None:
+            arrays = [np.empty(s, dtype=np.dtype(d)) for s, d in specs]
+        else:
+            pool = self._pool
+            nbytes = sum(
+                int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize + _ALIGNMENT for s, d in specs
+            )
+            span = max(1, -(-nbytes // pool.slot_bytes))
+            try:
+                self.slot = trio.from_thread.run(
+                    pool.acquire_slot, span, _trio_time(self._deadline), trio_token=self._token
+                )
+            except PoolAcquireTimeout:
+                raise DeadlineExceeded(self._meta, 0.0) from None
+            arrays = pool.scratch(self.slot, specs)
+        return arrays[0] if single else arrays
+
+
+class MetaModels:
+    """Runs the requests of every meta model of a worker (on the loop; `run` in threads)."""
+
+    def __init__(
+        self,
+        models: Mapping[str, ModelEntry],
+        concurrency: int,
+        pool: BufferPool | None,
+        statistics: Statistics,
+    ) -> None:
+        self._models = models
+        self._gate = trio.CapacityLimiter(concurrency)
+        self._pool = pool
+        self._statistics = statistics
+
+    async def infer(
+        self, entry: ModelEntry, inputs: list[np.ndarray], rows: int, deadline: float | None
+    ) -> list[np.ndarray]:
+        """Answer one request of the meta model `entry`: its client outputs, in manifest order."""
+        assert entry.bundle is not None and entry.meta_run is not None
+        manifest = entry.bundle.manifest
+        gated = bool(manifest.calls)
+        if gated:
+            with trio.move_on_at(_trio_time(deadline)) as waiting:
+                await self._gate.acquire()
+            if waiting.cancelled_caught:
+                assert deadline is not None
+                raise DeadlineExceeded(entry.name, time.monotonic() - deadline)
+        call = Call(entry.name, manifest.calls, self._models, deadline, self._pool)
+        try:
+            outputs = await trio.to_thread.run_sync(
+                _run, entry.name, entry.meta_run, manifest, call, inputs, rows
+            )
+        finally:
+            if call.slot is not None:
+                assert self._pool is not None
+                self._pool.release(call.slot)
+            if gated:
+                self._gate.release()
+        self._statistics[entry.name].record_execution(1, rows, 0.0, call.seconds, 0.0)
+        return outputs
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+
+
+def _run(
+    meta: str, run: MetaRun, manifest: Any, call: Call, inputs: list[np.ndarray], rows: int
+) -> list[np.ndarray]:
+    """`run` on the client's inputs, its answer checked against client_outputs (in a thread)."""
+    try:
+        returned = run(named(manifest.inputs, inputs), call)
+    except HloserveError:
+        raise  # a sub-call's own status (deadline, not found, overload) is the request's
+    except Exception as e:
+        raise HookFailed(meta, "run", f"{type(e).__name__}: {e}") from e
+    try:
+        arrays, extent = arrange(returned, manifest.outputs)
+    except ValueError as e:
+        raise HookFailed(meta, "run", f"returned tensors that do not fit client_outputs: {e}") from None
+    if extent is not None and extent != rows:
+        raise HookFailed(meta, "run", f"returned {extent} rows for a request of {rows}")
+    return arrays

@@ -1,0 +1,121 @@
+"""Hot reload: watch the model repository and apply what changed, bundle by bundle.
+
+For development (`--reload`) and for Triton-style repository polling. Every
+`server.repository_poll_s` the repository is scanned (each bundle's files, their sizes and
+modification times). A bundle whose files changed is acted on once they have stayed unchanged
+for `server.reload_debounce_s`, so a file still being written is never loaded:
+
+- only `model.py` changed: it is executed again and its hooks swapped in (no recompilation);
+- anything else changed: the bundle is reloaded (`Worker.load_model`), the others serving on;
+- a new bundle is loaded, a removed one unloaded.
+
+A reload that fails leaves the old version serving and logs why. Polling, not inotify: it works
+the same on every filesystem (bind mounts, NFS, container volumes) and costs a few `stat` calls.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import structlog
+import trio
+
+from hloserve.bundle import MODEL_PY
+from hloserve.manifest import FILE as MANIFEST
+
+if TYPE_CHECKING:
+    from hloserve.worker import Worker
+
+__all__ = ["RepositoryWatcher", "scan"]
+
+log = structlog.get_logger("hloserve.reload")
+
+Snapshot = dict[str, tuple[int, int]]
+"""A bundle's files: name to (size, mtime in ns)."""
+
+
+def scan(repository: Path) -> dict[str, Snapshot]:
+    """Every bundle of the repository (a directory with a manifest.yaml) and its files."""
+    bundles: dict[str, Snapshot] = {}
+    try:
+        directories = [d for d in os.scandir(repository) if d.is_dir()]
+    except OSError:
+        return bundles
+    for directory in directories:
+        files: Snapshot = {}
+        try:
+            for f in os.scandir(directory.path):
+                if f.is_file():
+                    stat = f.stat()
+                    files[f.name] = (stat.st_size, stat.st_mtime_ns)
+        except OSError:
+            continue  # removed while scanning: the next scan will say
+        if MANIFEST in files:
+            bundles[directory.name] = files
+    return bundles
+
+
+class RepositoryWatcher:
+    """Polls the repository and brings the worker in line with it; see the module docstring."""
+
+    def __init__(self, worker: Worker, repository: Path, interval_s: float, debounce_s: float) -> None:
+        self._worker = worker
+        self._repository = repository
+        self._interval_s = interval_s
+        self._debounce_s = debounce_s
+        self._applied: dict[str, Snapshot] = {}
+        self._changing: dict[str, tuple[Snapshot | None, float]] = {}  # snapshot, changed since
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self._applied = await trio.to_thread.run_sync(scan, self._repository)
+        task_status.started()
+        log.info("watching the repository", repository=str(self._repository), poll_s=self._interval_s)
+        while True:
+            await trio.sleep(self._interval_s)
+            await self.poll()
+
+    async def poll(self) -> None:
+        """One scan: note what changed, apply what has held still long enough."""
+        current = await trio.to_thread.run_sync(scan, self._repository)
+        now = trio.current_time()
+        for name in sorted(set(current) | set(self._applied) | set(self._changing)):
+            files = current.get(name)
+            if files == self._applied.get(name):
+                self._changing.pop(name, None)  # changed back, or never changed
+                continue
+            seen = self._changing.get(name)
+            if seen is None or seen[0] != files:
+                self._changing[name] = (files, now)
+            elif now - seen[1] >= self._debounce_s:
+                del self._changing[name]
+                await self._apply(name, self._applied.get(name), files)
+
+    async def _apply(self, name: str, before: Snapshot | None, after: Snapshot | None) -> None:
+        worker = self._worker
+        if after is not None:
+            self._applied[name] = after
+        else:
+            self._applied.pop(name, None)
+        try:
+            if after is None:
+                if name in worker.models:
+                    await worker.unload_model(name)
+                return
+            entry = worker.models.get(name)
+            changed = {f for f in set(after) | set(before or {}) if after.get(f) != (before or {}).get(f)}
+            if changed == {MODEL_PY} and entry is not None and entry.ready and before and MODEL_PY in before:
+                await worker.reload_model_py(name)
+            else:
+                await worker.load_model(name)
+        except Exception as e:  # a bad bundle (or one XLA cannot compile) must not stop the watch
+            serving = name in worker.models and worker.models[name].ready
+            log.error(
+                "reload failed",
+                model=name,
+                reason=str(e),
+                serving="the old version" if serving else "nothing",
+            )
+            if name not in worker.models:
+                worker.record_failure(name, str(e))

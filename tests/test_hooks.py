@@ -1,0 +1,180 @@
+"""model.py hooks on a live server: pre- and post-processing, client specs, failing hooks."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from bundle_fixtures import PARAMS, affine, edit_manifest, write_affine
+from conftest import ServerThread, make_config
+from export_examples import reference
+from tritonclient.utils import InferenceServerException
+
+HOOKED_PY = """
+import time
+import numpy as np
+from hloserve import NamedTensor, register_model
+
+def preprocess(inputs):
+    values = inputs[0].data
+    if not np.isfinite(values).all():
+        raise ValueError("values must be finite")
+    if values.shape[1] == 7:
+        time.sleep(0.3)  # a slow hook, to show hooks overlap and never block the server
+    grid = np.linspace(0, 1, values.shape[1])
+    rows = [np.interp(np.linspace(0, 1, 4), grid, row) for row in values]
+    return [NamedTensor("INPUT", np.asarray(rows, dtype=np.float32))]
+
+def postprocess(outputs):
+    scores = outputs[0].data
+    label = scores.argmax(axis=1)[:, None]
+    if (np.abs(scores) > 1e6).any():
+        label = label.astype(np.float64)  # a buggy hook: the wrong dtype
+    above = scores[:, scores.max(axis=0) > 3.0]
+    return [NamedTensor("label", label), NamedTensor("above", above)]
+
+register_model("hooked", preprocess=preprocess, postprocess=postprocess)
+"""
+
+
+def _client_specs(manifest: dict[str, Any]) -> None:
+    manifest["client_inputs"] = [{"name": "values", "dtype": "f64", "shape": "vn", "dims": {"v": -1}}]
+    manifest["client_outputs"] = [
+        {"name": "label", "dtype": "i64", "shape": "yn", "dims": {"y": 1}},
+        {"name": "above", "dtype": "f32", "shape": "kn", "dims": {"k": -1}},
+    ]
+
+
+def write_hooked(directory: Path, source: str = HOOKED_PY) -> Path:
+    write_affine(directory, batch_sizes=(1, 2, 4))
+    edit_manifest(directory, _client_specs)
+    (directory / "model.py").write_text(source)
+    return directory
+
+
+def expected(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    grid = np.linspace(0, 1, values.shape[1])
+    x = np.asarray([np.interp(np.linspace(0, 1, 4), grid, row) for row in values], np.float32)
+    scores = affine(PARAMS, x)
+    return scores.argmax(axis=1)[:, None].astype(np.int64), scores[:, scores.max(axis=0) > 3.0]
+
+
+@pytest.fixture(scope="module", name="hooked")
+def _hooked(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    repository = tmp_path_factory.mktemp("hooks")
+    write_hooked(repository / "hooked")
+    write_affine(repository / "plain")
+    broken = write_affine(repository / "broken")
+    edit_manifest(broken, lambda m: m.update(client_outputs=m["executable_outputs"]))
+    (broken / "model.py").write_text("raise RuntimeError('cannot find the label map')\n")
+    misnamed = write_affine(repository / "misnamed")
+    (misnamed / "model.py").write_text("from hloserve import register_model\nregister_model('other')\n")
+    server = ServerThread(make_config(repository)).start()
+    client = grpcclient.InferenceServerClient(server.url)
+    yield client
+    client.close()
+    server.stop()
+
+
+def _infer(client: Any, values: np.ndarray, outputs: tuple[str, ...] = ()) -> Any:
+    tensor = grpcclient.InferInput("values", list(values.shape), "FP64")
+    tensor.set_data_from_numpy(values)
+    requested = [grpcclient.InferRequestedOutput(name) for name in outputs] or None
+    return client.infer("hooked", [tensor], outputs=requested)
+
+
+@pytest.mark.parametrize("shape", [(1, 3), (2, 9), (3, 5), (4, 4)])
+def test_hooks_transform_client_tensors_of_any_length(hooked: Any, shape: tuple[int, int]) -> None:
+    values = np.random.RandomState(sum(shape)).uniform(-3, 6, shape)
+    result = _infer(hooked, values)
+    label, above = expected(values)
+    np.testing.assert_array_equal(result.as_numpy("label"), label)
+    np.testing.assert_allclose(result.as_numpy("above"), above, rtol=1e-6)
+    assert result.as_numpy("label").dtype == np.int64
+
+
+def test_a_requested_subset_of_client_outputs(hooked: Any) -> None:
+    values = np.linspace(0, 5, 6).reshape(1, 6)
+    result = _infer(hooked, values, outputs=("above",))
+    assert [o.name for o in result.get_response().outputs] == ["above"]
+    np.testing.assert_allclose(result.as_numpy("above"), expected(values)[1], rtol=1e-6)
+
+
+def test_metadata_shows_the_client_facing_tensors(hooked: Any) -> None:
+    metadata = hooked.get_model_metadata("hooked")
+    assert [(t.name, t.datatype, list(t.shape)) for t in metadata.inputs] == [("values", "FP64", [-1, -1])]
+    assert [(t.name, t.datatype, list(t.shape)) for t in metadata.outputs] == [
+        ("label", "INT64", [-1, 1]),
+        ("above", "FP32", [-1, -1]),
+    ]
+
+
+def test_client_specs_are_enforced_before_the_hook(hooked: Any) -> None:
+    tensor = grpcclient.InferInput("values", [1, 3], "FP32")
+    tensor.set_data_from_numpy(np.ones((1, 3), np.float32))
+    with pytest.raises(InferenceServerException) as raised:
+        hooked.infer("hooked", [tensor])
+    assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "'values'" in raised.value.message() and "'FP64'" in raised.value.message()
+
+
+def test_a_raising_hook_is_internal_with_its_message_and_the_model_keeps_serving(hooked: Any) -> None:
+    with pytest.raises(InferenceServerException) as raised:
+        _infer(hooked, np.array([[1.0, np.nan, 2.0]]))
+    assert raised.value.status() == "StatusCode.INTERNAL"
+    assert "model 'hooked': preprocess failed: ValueError: values must be finite" in raised.value.message()
+    values = np.ones((1, 3))
+    np.testing.assert_array_equal(_infer(hooked, values).as_numpy("label"), expected(values)[0])
+
+
+def test_a_hook_returning_the_wrong_dtype_is_internal_and_names_the_tensor(hooked: Any) -> None:
+    with pytest.raises(InferenceServerException) as raised:
+        _infer(hooked, np.full((1, 3), 1e9))
+    assert raised.value.status() == "StatusCode.INTERNAL"
+    message = raised.value.message()
+    assert "postprocess" in message and "'label' is float64, expected int64" in message
+    assert _infer(hooked, np.ones((2, 3))).as_numpy("label").shape == (2, 1)
+
+
+def test_hooks_run_in_threads_beside_each_other_and_the_loop(hooked: Any, tmp_path: Path) -> None:
+    slow = np.ones((1, 7))  # the hook sleeps 0.3 s for rows of 7 values
+    plain = grpcclient.InferInput("INPUT", [1, 4], "FP32")
+    plain.set_data_from_numpy(np.ones((1, 4), np.float32))
+    with ThreadPoolExecutor(4) as pool:
+        started = time.perf_counter()
+        slow_calls = [pool.submit(_infer, hooked, slow) for _ in range(3)]
+        time.sleep(0.05)
+        answered = hooked.infer("plain", [plain])  # served while three hooks sleep
+        plain_s = time.perf_counter() - started
+        for call in slow_calls:
+            np.testing.assert_array_equal(call.result().as_numpy("label"), expected(slow)[0])
+        all_s = time.perf_counter() - started
+    np.testing.assert_allclose(answered.as_numpy("OUTPUT"), affine(PARAMS, np.ones((1, 4))), rtol=1e-6)
+    assert plain_s < 0.25, f"a plain model waited {plain_s:.2f} s behind sleeping hooks"
+    assert all_s < 0.8, f"three 0.3 s hooks took {all_s:.2f} s: they did not overlap"
+
+
+def test_a_model_py_that_fails_makes_only_its_bundle_unavailable(hooked: Any) -> None:
+    index = {m.name: m for m in hooked.get_model_repository_index().models}
+    assert index["hooked"].state == "READY" and index["plain"].state == "READY"
+    assert index["broken"].state == "UNAVAILABLE"
+    assert "model.py" in index["broken"].reason and "cannot find the label map" in index["broken"].reason
+    assert index["misnamed"].state == "UNAVAILABLE"
+    assert "register_model('other')" in index["misnamed"].reason and "bundle's" in index["misnamed"].reason
+    assert not hooked.is_model_ready("broken")
+
+
+def test_the_severity_grader_grades_as_the_reference(triton: Any) -> None:
+    images = np.random.RandomState(7).randint(0, 256, (8, 224, 224), dtype=np.uint8)  # 8 rows: 6 + 3
+    tensor = grpcclient.InferInput("INPUT__0", list(images.shape), "UINT8")
+    tensor.set_data_from_numpy(images)
+    grade = triton.infer("severity_grader", [tensor]).as_numpy("grade")
+    logits = reference("severity_grader", images)
+    want = np.array([[next((i for i, v in enumerate(row) if v <= 0), len(row))] for row in logits])
+    np.testing.assert_array_equal(grade, want)
+    assert grade.dtype == np.int64 and len(set(grade.ravel())) > 2  # the images reach several grades
