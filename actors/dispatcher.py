@@ -60,6 +60,8 @@ class _State:
     waiting: dict[str, QueueSummary] = field(default_factory=dict)  # models with queued requests
     for_weight_cache: list[Any] = field(default_factory=list)  # control messages to pass on
     removals: list[RemoveModel] = field(default_factory=list)  # models to stop serving
+    retiring: list[tuple[ModelQueueHandle, ModelQueueHandle | None]] = field(default_factory=list)
+    """Queues of replaced models, and the queue each hands its requests to (None: none)."""
 
 
 class Dispatcher:
@@ -102,6 +104,9 @@ class Dispatcher:
                     await self._weights.forward(self._state.for_weight_cache.pop(0))
                 while self._state.removals:
                     await self._remove(self._state.removals.pop(0))
+                while self._state.retiring:
+                    old, successor = self._state.retiring.pop(0)
+                    await old.retire(successor)
                 model = self._select()
                 if model is None:
                     await self._wait_for_work()
@@ -151,6 +156,8 @@ class Dispatcher:
                 log.info("policy changed", model=model, weight=policy.weight, discipline=policy.discipline)
             case Compact() | SetResidency():
                 self._state.for_weight_cache.append(message)
+            case AddModel() if message.name in self._queues:
+                self._replace(message)
             case AddModel():
                 self._models[message.name] = message.compiled
                 self._state.policies[message.name] = message.policy
@@ -164,6 +171,27 @@ class Dispatcher:
                 self._state.removals.append(message)
             case _:
                 raise TypeError(f"Dispatcher got an unknown message {message!r}")
+
+    def _replace(self, message: AddModel) -> None:
+        """A reloaded model: its new version takes the name at once (new requests queue there);
+        before the next selection the old queue hands over what it holds (or, when the tensors
+        changed, answers it NOT_FOUND) and the weight cache swaps the weights."""
+        name = message.name
+        old_queue, old_model = self._queues[name], self._models[name]
+        same_tensors = (
+            old_model.bundle.manifest.executable_inputs == message.compiled.bundle.manifest.executable_inputs
+            and old_model.bundle.manifest.executable_outputs
+            == message.compiled.bundle.manifest.executable_outputs
+        )
+        self._models[name] = message.compiled
+        self._queues[name] = message.queue
+        self._state.policies[name] = message.policy
+        self._statistics[name].weight = message.policy.weight
+        self._state.waiting.pop(name, None)  # the old queue's; the new one reports its own
+        self._state.retiring.append((old_queue, message.queue if same_tensors else None))
+        self._state.for_weight_cache.append(DropWeights(name))  # the cache keeps the order: drop, add
+        self._state.for_weight_cache.append(AddWeights(name, message.compiled.bundle, message.floor))
+        log.info("model replaced", model=name, queued_requests_kept=same_tensors)
 
     async def _remove(self, message: RemoveModel) -> None:
         """Stop serving a model: its queue answers what it holds with NOT_FOUND, weights go."""

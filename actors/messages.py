@@ -171,7 +171,8 @@ class SetResidency:
 
 @dataclass(frozen=True, slots=True)
 class AddModel:
-    """control → Dispatcher: start serving a newly compiled model from `queue`."""
+    """control → Dispatcher: start serving a newly compiled model from `queue`; a model of that
+    name already served is replaced (its queue retired into the new one, its weights swapped)."""
 
     name: str
     compiled: Any
@@ -191,7 +192,10 @@ class RemoveModel:
 
 @dataclass(frozen=True, slots=True)
 class Retire:
-    """Dispatcher → ModelQueue: answer everything queued with NOT_FOUND and stop."""
+    """Dispatcher → ModelQueue: answer everything queued with NOT_FOUND, or hand it in order to
+    `successor` (the queue of the model's new version, when its tensors are the same), and stop."""
+
+    successor: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +210,7 @@ class AddWeights:
 @dataclass(frozen=True, slots=True)
 class DropWeights:
     """Dispatcher → WeightCache: forget a model, freeing its device buffers; reply None on
-    `reply_to`."""
+    `reply_to` if given."""
 
     name: str
-    reply_to: trio.MemorySendChannel[Any]
+    reply_to: trio.MemorySendChannel[Any] | None = None

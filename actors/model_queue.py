@@ -55,9 +55,10 @@ class ModelQueueHandle:
     async def take(self, message: Take) -> None:
         await self._send.send(message)
 
-    async def retire(self) -> None:
-        """Answer everything queued with NOT_FOUND and stop the queue (the model is unloaded)."""
-        await self._send.send(Retire())
+    async def retire(self, successor: ModelQueueHandle | None = None) -> None:
+        """Stop the queue: what it holds goes to `successor` (the model was reloaded) or is
+        answered NOT_FOUND (it was unloaded)."""
+        await self._send.send(Retire(successor))
 
     def __repr__(self) -> str:
         return f"<ModelQueueHandle {self.model!r} inbox={self._send.statistics().current_buffer_used}>"
@@ -118,13 +119,34 @@ class ModelQueue:
                         self._on_take(message)
                     case Withdraw():
                         self._on_withdraw(message)
-                    case Retire():
+                    case Retire(successor=None):
                         self._fail_everything(ModelNotFound(self.model, "it was unloaded"))
+                        return
+                    case Retire(successor=successor):
+                        self._hand_over(successor)
                         return
                     case _:
                         raise TypeError(f"ModelQueue got an unknown message {message!r}")
         finally:
             self._fail_everything(ShuttingDown())  # after Retire: nothing left, a no-op
+
+    def _hand_over(self, successor: ModelQueueHandle) -> None:
+        """Pass every queued request, in order, to the queue of the model's new version."""
+        requests = list(self._state.pending)
+        self._state.pending.clear()
+        while True:
+            try:
+                message = self._receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+            if isinstance(message, Infer):
+                requests.append(message)
+        self._receive.close()
+        for request in requests:
+            try:
+                successor.submit_nowait(request)
+            except (QueueFull, ShuttingDown) as e:
+                request.fail(e)
 
     def _fail_everything(self, error: Exception) -> None:
         """Answer every queued request and everything still in the inbox, then close it."""

@@ -222,7 +222,8 @@ class WeightCache:
         shared = self._shared.pop(message.name, None)
         if shared is not None:
             shared.release()
-        message.reply_to.send_nowait(None)
+        if message.reply_to is not None:
+            message.reply_to.send_nowait(None)
 
     async def _on_set_residency(self, message: SetResidency) -> None:
         """Externally managed residency: `device` loads and pins; `system` and `unpinned` free the

@@ -177,7 +177,8 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         self._inflight += 1
         try:
             if meta_run is not None:
-                outputs = await _on_trio(self._metas.infer, entry, decoded.inputs, decoded.rows, deadline)
+                infer_meta = trio_asyncio.trio_as_aio(self._metas.infer)
+                outputs = await infer_meta(entry, decoded.inputs, decoded.rows, deadline)
             elif hooks is not None:
                 inputs, rows = await _in_thread(to_executable, entry.name, manifest, hooks, decoded.inputs)
                 if entry.max_rows is not None and rows > entry.max_rows:
@@ -432,8 +433,6 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         return kserve.RepositoryIndexResponse(models=index)
 
 
-_on_trio = trio_asyncio.trio_as_aio
-"""Await a trio function from a handler (grpclib runs them on asyncio)."""
 _in_thread = trio_asyncio.trio_as_aio(trio.to_thread.run_sync)
 """Run blocking Python (model.py hooks) in a worker thread from a handler."""
 

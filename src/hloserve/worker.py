@@ -118,10 +118,10 @@ class Worker:
         if bundle.manifest.is_meta:
             _check_meta(bundle, self.models)
         old = self.models.get(name)
-        if old is not None and old.queue is not None:
-            await self.unload_model(name)
         compiled = loaded.compiled
         if compiled is None:  # a meta model: nothing for the dispatcher
+            if old is not None and old.queue is not None:
+                await self.unload_model(name)
             self.models[name] = ModelEntry(name, bundle, registration=loaded.registration)
             log.info("model loaded", model=name, source="repository load", kind="meta")
             return
@@ -132,11 +132,17 @@ class Worker:
         )
         handle: ModelQueueHandle = await self._nursery.start(queue.run)
         floor = scheduler.models.get(name, ModelSettings()).floor
+        # A model served already is replaced in place: its requests keep flowing (no gap).
         self._dispatcher.send_nowait(
             AddModel(name, compiled, _policy(scheduler, name, loaded.costs), handle, floor)
         )
         self.models[name] = ModelEntry(name, bundle, compiled, handle, loaded.registration)
-        log.info("model loaded", model=name, source="repository load", batch_sizes=list(compiled.batch_sizes))
+        log.info(
+            "model loaded",
+            model=name,
+            source="reload" if old is not None and old.ready else "repository load",
+            batch_sizes=list(compiled.batch_sizes),
+        )
 
     def record_failure(self, name: str, reason: str) -> None:
         """List a bundle that could not be loaded, with why (RepositoryIndex shows it)."""

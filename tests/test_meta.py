@@ -1,0 +1,267 @@
+"""Meta models on a live server: chaining with a branch, load, deadlines, the gate, scratch."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+import tritonclient.grpc as grpcclient
+import yaml
+from bundle_fixtures import PARAMS, affine, write_affine
+from conftest import ServerThread, make_config
+from hloserve.actors.messages import Batch, Infer, Take
+from hloserve.actors.model_queue import ModelQueue, QueueSettings
+from tritonclient.utils import InferenceServerException
+
+from hloserve.statistics import Statistics
+
+CASCADE_PY = """
+import numpy as np
+from hloserve import NamedTensor, register_meta_model
+
+def run(inputs, call):
+    x = inputs[0].data
+    first = call("first", [NamedTensor("INPUT", x)])[0].data
+    if first.mean() > 5.0:  # a data-dependent branch: only then is the second model worth it
+        again = np.concatenate([first, first.sum(axis=1, keepdims=True)], axis=1)
+        score = call("second", [NamedTensor("INPUT", again)], requested_outputs=["OUTPUT"])[0].data
+        path = np.ones((x.shape[0], 1), np.int64)
+    else:
+        score, path = -first, np.zeros((x.shape[0], 1), np.int64)
+    return [NamedTensor("score", score), NamedTensor("path", path)]
+
+register_meta_model("cascade", run=run)
+"""
+
+SLOW_PY = """
+import time
+import numpy as np
+from hloserve import NamedTensor, register_meta_model
+
+def run(inputs, call):
+    x = inputs[0].data
+    time.sleep(float(x[0, 0]))
+    return [NamedTensor("score", call("first", [NamedTensor("INPUT", x)])[0].data)]
+
+register_meta_model("slow", run=run)
+"""
+
+SCRATCH_PY = """
+import numpy as np
+from hloserve import NamedTensor, register_meta_model
+
+def run(inputs, call):
+    x = inputs[0].data
+    staged, spare = call.scratch([(x.shape, np.float32), ((16,), np.int64)])
+    staged[...] = x * 2
+    if x[0, 0] < 0:
+        call.scratch((4,), np.float32)  # a second scratch in one request is refused
+    if x[0, 0] > 100:
+        call("second", [NamedTensor("INPUT", x)])  # not in meta.calls
+    return [NamedTensor("score", call("first", [NamedTensor("INPUT", staged)])[0].data)]
+
+register_meta_model("scratchy", run=run)
+"""
+
+NESTED_PY = """
+from hloserve import register_meta_model
+register_meta_model("nested", run=lambda inputs, call: call("cascade", inputs))
+"""
+
+
+def _meta(directory: Path, calls: list[str], source: str, outputs: dict[str, tuple[str, int]]) -> None:
+    directory.mkdir()
+    manifest = {
+        "format_version": "2.0",
+        "kind": "meta",
+        "meta": {"calls": calls},
+        "client_inputs": [{"name": "x", "dtype": "f32", "shape": "fn", "dims": {"f": 4}}],
+        "client_outputs": [
+            {"name": name, "dtype": dtype, "shape": "kn", "dims": {"k": size}}
+            for name, (dtype, size) in outputs.items()
+        ],
+    }
+    (directory / "manifest.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
+    (directory / "model.py").write_text(source)
+
+
+@pytest.fixture(scope="module", name="metas")
+def _metas(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    repository = tmp_path_factory.mktemp("metas")
+    write_affine(repository / "first", batch_sizes=(1, 2, 4))
+    write_affine(repository / "second", batch_sizes=(1, 2, 4))
+    write_affine(repository / "other")
+    _meta(repository / "cascade", ["first", "second"], CASCADE_PY, {"score": ("f32", 3), "path": ("i64", 1)})
+    _meta(repository / "slow", ["first"], SLOW_PY, {"score": ("f32", 3)})
+    _meta(repository / "scratchy", ["first"], SCRATCH_PY, {"score": ("f32", 3)})
+    _meta(repository / "nested", ["cascade"], NESTED_PY, {"score": ("f32", 3), "path": ("i64", 1)})
+    config = make_config(repository, meta_concurrency=1, meta_scratch_bytes=1 << 16, meta_scratch_slots=4)
+    server = ServerThread(config).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(name="client")
+def _client(metas: ServerThread) -> Any:
+    client = grpcclient.InferenceServerClient(metas.url)
+    yield client
+    client.close()
+
+
+def _infer(client: Any, model: str, x: np.ndarray, **kwargs: Any) -> Any:
+    tensor = grpcclient.InferInput("x", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x)
+    return client.infer(model, [tensor], **kwargs)
+
+
+def cascade(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    first = affine(PARAMS, x)
+    if first.mean() > 5.0:
+        second = affine(PARAMS, np.concatenate([first, first.sum(axis=1, keepdims=True)], axis=1))
+        return second, np.ones((len(x), 1), np.int64)
+    return -first, np.zeros((len(x), 1), np.int64)
+
+
+def test_a_meta_model_chains_two_models_with_a_branch(client: Any) -> None:
+    for x, path in ((np.full((2, 4), 3.0, np.float32), 1), (np.zeros((3, 4), np.float32), 0)):
+        result = _infer(client, "cascade", x)
+        score, want_path = cascade(x)
+        assert (result.as_numpy("path") == path).all()
+        np.testing.assert_array_equal(result.as_numpy("path"), want_path)
+        np.testing.assert_allclose(result.as_numpy("score"), score, rtol=1e-5)
+
+
+def test_under_concurrent_load_every_answer_is_right(client: Any, metas: ServerThread) -> None:
+    rng = np.random.RandomState(3)
+    inputs = [rng.uniform(-2, 5, (int(rng.randint(1, 5)), 4)).astype(np.float32) for _ in range(60)]
+    direct = grpcclient.InferInput("INPUT", [1, 4], "FP32")
+    direct.set_data_from_numpy(np.ones((1, 4), np.float32))
+    stop = threading.Event()
+    direct_calls = []
+
+    def hammer_first() -> None:  # the sub-models serve their own traffic meanwhile
+        own = grpcclient.InferenceServerClient(metas.url)
+        for _ in range(500):
+            if stop.is_set():
+                break
+            direct_calls.append(own.infer("first", [direct]).as_numpy("OUTPUT"))
+        own.close()
+
+    def one(x: np.ndarray) -> None:
+        own = grpcclient.InferenceServerClient(metas.url)
+        result = _infer(own, "cascade", x)
+        own.close()
+        score, path = cascade(x)
+        np.testing.assert_array_equal(result.as_numpy("path"), path)
+        np.testing.assert_allclose(result.as_numpy("score"), score, rtol=1e-5)
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        background = pool.submit(hammer_first)
+        for future in [pool.submit(one, x) for x in inputs]:
+            future.result()
+        stop.set()
+        background.result()
+    assert direct_calls and all(np.allclose(o, affine(PARAMS, np.ones((1, 4)))) for o in direct_calls)
+
+
+def test_a_deadline_propagates_into_the_sub_calls(client: Any) -> None:
+    x = np.full((1, 4), 0.4, np.float32)  # run sleeps 0.4 s, past the 0.2 s budget, then calls
+    with pytest.raises(InferenceServerException) as raised:
+        _infer(client, "slow", x, timeout=200_000)  # Triton's timeout parameter, microseconds
+    assert raised.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+    assert "deadline" in raised.value.message()
+    quick = np.full((1, 4), 0.0, np.float32)
+    np.testing.assert_allclose(
+        _infer(client, "slow", quick).as_numpy("score"), affine(PARAMS, quick), rtol=1e-6
+    )
+
+
+def test_the_gate_bounds_metas_in_flight_and_a_waiter_times_out(client: Any, metas: ServerThread) -> None:
+    holder = np.full((1, 4), 0.6, np.float32)  # holds the only gate slot for 0.6 s
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        held = pool.submit(_infer, grpcclient.InferenceServerClient(metas.url), "slow", holder)
+        time.sleep(0.15)
+        with pytest.raises(InferenceServerException) as raised:
+            _infer(client, "cascade", np.zeros((1, 4), np.float32), timeout=150_000)
+        assert raised.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+        assert "'cascade'" in raised.value.message()
+        np.testing.assert_allclose(held.result().as_numpy("score"), affine(PARAMS, holder), rtol=1e-6)
+    assert _infer(client, "cascade", np.zeros((1, 4), np.float32)).as_numpy("path")[0, 0] == 0
+
+
+def test_scratch_is_carved_once_per_request_from_the_pool(client: Any) -> None:
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    np.testing.assert_allclose(
+        _infer(client, "scratchy", x).as_numpy("score"), affine(PARAMS, x * 2), rtol=1e-6
+    )
+    with pytest.raises(InferenceServerException) as raised:
+        _infer(client, "scratchy", -np.ones((1, 4), np.float32))
+    assert raised.value.status() == "StatusCode.INTERNAL"
+    assert "once per request" in raised.value.message()
+    for _ in range(6):  # more requests than the pool's 4 slots: every slot came back
+        np.testing.assert_allclose(
+            _infer(client, "scratchy", x).as_numpy("score"), affine(PARAMS, x * 2), rtol=1e-6
+        )
+
+
+def test_an_undeclared_call_is_refused_with_the_fix(client: Any) -> None:
+    with pytest.raises(InferenceServerException) as raised:
+        _infer(client, "scratchy", np.full((1, 4), 200.0, np.float32))
+    assert raised.value.status() == "StatusCode.INTERNAL"
+    assert "called undeclared model 'second'; add it to meta.calls of 'scratchy'" in raised.value.message()
+
+
+def test_a_meta_may_not_call_a_meta_and_its_parts_are_not_listed(client: Any) -> None:
+    index = {m.name: m for m in client.get_model_repository_index().models}
+    assert index["nested"].state == "UNAVAILABLE"
+    assert "'cascade' is a meta model; a meta may not call a meta" in index["nested"].reason
+    assert {"cascade", "slow", "scratchy", "other"} <= set(index)
+    assert "first" not in index and "second" not in index  # parts of metas, as upstream
+    assert client.is_model_ready("first")  # still addressable by name
+    metadata = client.get_model_metadata("cascade")
+    assert [(t.name, t.datatype, list(t.shape)) for t in metadata.outputs] == [
+        ("score", "FP32", [-1, 3]),
+        ("path", "INT64", [-1, 1]),
+    ]
+    assert client.get_model_config("cascade").config.backend == "python"
+
+
+def test_meta_statistics_count_requests(client: Any) -> None:
+    before = client.get_inference_statistics("cascade").model_stats[0]
+    _infer(client, "cascade", np.zeros((2, 4), np.float32))
+    after = client.get_inference_statistics("cascade").model_stats[0]
+    assert after.inference_stats.success.count == before.inference_stats.success.count + 1
+    assert after.inference_count == before.inference_count + 2
+    assert after.inference_stats.compute_infer.ns > before.inference_stats.compute_infer.ns
+
+
+def test_sub_calls_go_ahead_of_waiting_requests_in_their_own_order() -> None:
+    async def main() -> list[str]:
+        dispatcher_send, dispatcher_receive = trio.open_memory_channel[object](100)
+        queue = ModelQueue("m", QueueSettings((1,), True, 16), dispatcher_send, Statistics())
+        batches_send, batches_receive = trio.open_memory_channel[Batch](1)
+        order = []
+        async with trio.open_nursery() as nursery:
+            handle = await nursery.start(queue.run)
+            for name, committed in (("a", False), ("b", False), ("c", True), ("d", True), ("e", False)):
+                request = Infer(
+                    "m", [np.zeros((1, 4))], 1, [0], concurrent.futures.Future(), time.monotonic()
+                )
+                request.committed = committed
+                request.model = name  # labels the request in this test
+                handle.submit_nowait(request)
+            for _ in range(5):
+                await handle.take(Take(batches_send))
+                batch = await batches_receive.receive()
+                order.extend(r.model for r in batch.requests)
+            nursery.cancel_scope.cancel()
+        dispatcher_receive.close()
+        return order
+
+    assert trio.run(main) == ["c", "d", "a", "b", "e"]

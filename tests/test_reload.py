@@ -1,0 +1,138 @@
+"""Hot reload (`server.reload`): model.py, weights, added and removed bundles, while serving."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from bundle_fixtures import PARAMS, affine, write_affine
+from conftest import ServerThread, make_config
+from safetensors.numpy import save_file
+from tritonclient.utils import InferenceServerException
+
+X = np.arange(4, dtype=np.float32).reshape(1, 4)
+SCALED_PY = """
+from hloserve import NamedTensor, register_model
+register_model("scaled", postprocess=lambda outputs: [NamedTensor("OUTPUT", outputs[0].data * {factor})])
+"""
+
+
+def _infer(client: Any, model: str) -> np.ndarray:
+    tensor = grpcclient.InferInput("INPUT", [1, 4], "FP32")
+    tensor.set_data_from_numpy(X)
+    return client.infer(model, [tensor]).as_numpy("OUTPUT")
+
+
+def _eventually(check: Callable[[], bool], within_s: float = 10.0) -> None:
+    give_up = time.monotonic() + within_s
+    while not check():
+        assert time.monotonic() < give_up, "the repository change was not applied in time"
+        time.sleep(0.05)
+
+
+@pytest.fixture(name="live")
+def _live(tmp_path: Path) -> Iterator[tuple[Path, Any]]:
+    """A watched repository (`scaled` with a model.py, `steady` hammered by a background client)."""
+    write_affine(tmp_path / "steady")
+    write_affine(tmp_path / "scaled")
+    (tmp_path / "scaled" / "model.py").write_text(SCALED_PY.format(factor=2))
+    config = make_config(tmp_path, reload=True, repository_poll_s=0.05, reload_debounce_s=0.2)
+    server = ServerThread(config).start()
+    client = grpcclient.InferenceServerClient(server.url)
+    stop, failures, served = threading.Event(), [], []
+
+    def hammer() -> None:
+        own = grpcclient.InferenceServerClient(server.url)
+        while not stop.is_set() and len(served) < 20_000:
+            try:
+                served.append(_infer(own, "steady"))
+            except InferenceServerException as e:
+                failures.append(e)
+        own.close()
+
+    background = threading.Thread(target=hammer)
+    background.start()
+    yield tmp_path, client
+    stop.set()
+    background.join(30)
+    client.close()
+    server.stop()
+    assert served and not failures, (
+        f"{len(failures)} failures on the model that was not reloaded: {failures[:1]}"
+    )
+    assert all(np.allclose(s, affine(PARAMS, X)) for s in served)
+
+
+def _is(value: np.ndarray, want: np.ndarray) -> bool:
+    return bool(np.allclose(value, want, rtol=1e-6))
+
+
+def test_an_edited_model_py_re_registers_its_hooks(live: Any) -> None:
+    path, client = live
+    assert _is(_infer(client, "scaled"), affine(PARAMS, X) * 2)
+    (path / "scaled" / "model.py").write_text(SCALED_PY.format(factor=3))
+    _eventually(lambda: _is(_infer(client, "scaled"), affine(PARAMS, X) * 3))
+
+
+def test_a_broken_model_py_keeps_the_old_hooks_until_it_is_fixed(live: Any) -> None:
+    path, client = live
+    (path / "scaled" / "model.py").write_text("raise SyntaxError('half an edit')\n")
+    time.sleep(1.0)  # 20 polls: long past the debounce
+    assert _is(_infer(client, "scaled"), affine(PARAMS, X) * 2)
+    assert client.is_model_ready("scaled")
+    (path / "scaled" / "model.py").write_text(SCALED_PY.format(factor=5))
+    _eventually(lambda: _is(_infer(client, "scaled"), affine(PARAMS, X) * 5))
+
+
+def test_changed_weights_reload_the_bundle(live: Any) -> None:
+    path, client = live
+    doubled = {"b": PARAMS["b"] * 2, "w": PARAMS["w"] * 2}
+    save_file(
+        doubled, str(path / "scaled" / "weights.safetensors"), metadata={"argument_order": '["b", "w"]'}
+    )
+    _eventually(lambda: _is(_infer(client, "scaled"), affine(doubled, X) * 2))
+
+
+def test_added_and_removed_bundles_load_and_unload(live: Any) -> None:
+    path, client = live
+    write_affine(path / "added")
+    _eventually(lambda: client.is_model_ready("added"))
+    assert _is(_infer(client, "added"), affine(PARAMS, X))
+    shutil.rmtree(path / "added")
+    _eventually(lambda: "added" not in [m.name for m in client.get_model_repository_index().models])
+    with pytest.raises(InferenceServerException, match="unknown model 'added'"):
+        _infer(client, "added")
+
+
+def test_a_half_written_bundle_is_not_loaded_before_it_settles(tmp_path: Path) -> None:
+    source = write_affine(tmp_path / "staging" / "arriving")
+    repository = tmp_path / "repository"
+    repository.mkdir()
+    config = make_config(repository, reload=True, repository_poll_s=0.05, reload_debounce_s=1.0)
+    server = ServerThread(config).start()
+    client = grpcclient.InferenceServerClient(server.url)
+    try:
+        target = repository / "arriving"
+        target.mkdir()
+        for name in ("manifest.yaml", "model.b1.mlir", "model.b2.mlir"):
+            shutil.copyfile(source / name, target / name)
+        weights = (source / "weights.safetensors").read_bytes()
+        (target / "weights.safetensors").write_bytes(weights[: len(weights) // 2])  # still copying
+        seen = []
+        for _ in range(12):  # 0.6 s of copying, shorter than the debounce
+            seen.extend(m.state for m in client.get_model_repository_index().models)
+            time.sleep(0.05)
+        (target / "weights.safetensors").write_bytes(weights)
+        _eventually(lambda: client.is_model_ready("arriving"))
+        assert seen == [], f"the half-written bundle was acted on: {seen}"
+        assert _is(_infer(client, "arriving"), affine(PARAMS, X))
+    finally:
+        client.close()
+        server.stop()
