@@ -37,6 +37,23 @@ def test_attach_fill_and_last_holder_unlinks(tmp_path: Path) -> None:
     Path(f"{region}.lock").unlink()  # kept by design (a lock must outlive its region); the test tidies
 
 
+def test_a_stale_version_nobody_holds_is_swept_and_a_held_one_kept(tmp_path: Path) -> None:
+    directory = write_affine(tmp_path / f"sweep{os.getpid()}")
+    crashed = SharedHostWeights.acquire(load_bundle(directory), 0o640)
+    os.close(crashed._lock_fd)  # the worker died holding it: its flock is gone, the region stays
+    stale = Path("/dev/shm") / crashed.name
+    os.utime(directory / "weights.safetensors", ns=(1, 1))  # a changed bundle: a new digest
+    current = SharedHostWeights.acquire(load_bundle(directory), 0o640)
+    assert current.name != crashed.name and not stale.exists()
+    os.utime(directory / "weights.safetensors", ns=(2, 2))
+    newest = SharedHostWeights.acquire(load_bundle(directory), 0o640)
+    assert (Path("/dev/shm") / current.name).exists()  # still held by `current`: never swept
+    current.release()
+    newest.release()
+    for region in {crashed.name, current.name, newest.name}:
+        Path(f"/dev/shm/{region}.lock").unlink()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -7,6 +7,8 @@ and every tensor's name, dtype and shape, so a changed bundle gets a new region.
 `flock` on a lock file beside the region: holders keep a shared lock while attached; a worker
 takes the exclusive lock only to fill; on release, a worker that can take the exclusive lock is
 the last holder and unlinks the region. Regions and lock files get `mode` (default 0o660).
+A region left behind by a worker that died (no holder: its lock is free) is swept when the
+model is next acquired under a new digest, so a changed bundle does not leak its old version.
 """
 
 from __future__ import annotations
@@ -67,6 +69,12 @@ class SharedHostWeights:
         """Attach to the model's region, filling it first if no worker has (blocking)."""
         sanitized = re.sub(r"[^A-Za-z0-9_.-]", "_", bundle.name)
         name = f"hloserve-w-{sanitized}-{_digest(bundle)}"
+        shared = cls._acquire(name, bundle, mode)
+        _sweep_siblings(sanitized, name)
+        return shared
+
+    @classmethod
+    def _acquire(cls, name: str, bundle: Bundle, mode: int) -> SharedHostWeights:
         path = os.path.join(SHM_DIR, name)
         lock_fd = os.open(path + ".lock", os.O_CREAT | os.O_RDWR, mode)
         os.fchmod(lock_fd, mode)
@@ -162,3 +170,22 @@ class SharedHostWeights:
         fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
         os.close(self._lock_fd)
         self._lock_fd = -1
+
+
+def _sweep_siblings(sanitized: str, keep: str) -> None:
+    """Unlink the model's other regions (older digests) that no worker holds."""
+    sibling = re.compile(rf"hloserve-w-{re.escape(sanitized)}-[0-9a-f]{{16}}")
+    for entry in os.scandir(SHM_DIR):
+        if entry.name == keep or not sibling.fullmatch(entry.name):
+            continue
+        try:
+            lock_fd = os.open(entry.path + ".lock", os.O_RDWR)
+        except FileNotFoundError:
+            continue  # not ours to judge: no lock says who holds it
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(entry.path)
+        except (BlockingIOError, FileNotFoundError):
+            pass  # held by a live worker, or swept by another meanwhile
+        finally:
+            os.close(lock_fd)  # closing drops the lock; the lock file is kept, as every lock file
