@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["WeightBudget", "weight_budget"]
+__all__ = ["WeightBudget", "scratch_of", "weight_budget"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,3 +31,14 @@ def weight_budget(
     scratch_ceiling = math.floor((1 - wiggle) * arena)
     pool = max(0, min(math.floor(fraction * arena), scratch_ceiling - max_scratch))
     return WeightBudget(pool, min(max(pool - pinned_bytes, 0), pool), pinned_bytes > pool)
+
+
+def scratch_of(peaks: list[tuple[int, int]]) -> int:
+    """The largest scratch of models warmed up one after another, from `(weight bytes, allocator
+    peak after its warm-up)` pairs in load order: the peak never falls, so each model's scratch is
+    its peak less the largest weights placed so far (the seeds' startup probe)."""
+    largest, scratch = 0, 0
+    for weight_bytes, peak in peaks:
+        largest = max(largest, weight_bytes)
+        scratch = max(scratch, peak - largest)
+    return scratch

@@ -119,7 +119,15 @@ class WeightsConfig:
     """The weight cache: how many bytes of weights may be on the device at once."""
 
     budget_bytes: int | None = None
-    """Byte budget for weights loaded on demand; None keeps every model resident."""
+    """Byte budget for weights loaded on demand. None sizes it from the arena (below) with the
+    seeds' formula; with no arena either, every model stays resident."""
+    arena_bytes: int | None = None
+    """Device memory the budget is carved from. None reads the allocator's limit (a GPU); set
+    it where the backend keeps none (CPU) to budget and evict exactly as on a GPU."""
+    fraction: float = 1.0
+    """At most this fraction of the arena holds weights (0 turns the on-demand cache off)."""
+    wiggle: float = 0.1
+    """This fraction of the arena stays free, for the allocator's fragmentation."""
     externally_managed: bool = False
     """No autonomous loads: a request for a model not on the device is FAILED_PRECONDITION."""
     shared_host_weights: bool = False
@@ -129,6 +137,9 @@ class WeightsConfig:
 
     def validate(self) -> None:
         _check(self.budget_bytes is None or self.budget_bytes >= 0, "weights.budget_bytes", "must be >= 0")
+        _check(self.arena_bytes is None or self.arena_bytes >= 0, "weights.arena_bytes", "must be >= 0")
+        _check(0 <= self.fraction <= 1, "weights.fraction", "must be in [0, 1]")
+        _check(0 <= self.wiggle < 1, "weights.wiggle", "must be in [0, 1)")
         _check(
             re.fullmatch(r"[0-7]{3}", self.shared_host_weights_mode) is not None,
             "weights.shared_host_weights_mode",

@@ -78,7 +78,7 @@ class ControlService(hc.ControlServiceBase):
         return hc.ModelControlStatusResponse(
             residency_mode="externally_managed" if config.weights.externally_managed else "self_managed",
             discipline=config.scheduler.discipline,
-            weight_cache_max_bytes=config.weights.budget_bytes or 0,
+            weight_cache_max_bytes=worker.weight_budget or 0,
             models=models,
             resident_bytes=sum(
                 s.weight_bytes
