@@ -132,6 +132,19 @@ class ModelQueue:
 
     def _hand_over(self, successor: ModelQueueHandle) -> None:
         """Pass every queued request, in order, to the queue of the model's new version."""
+        for request in self._close():
+            try:
+                successor.submit_nowait(request)
+            except (QueueFull, ShuttingDown) as e:
+                request.fail(e)
+
+    def _fail_everything(self, error: Exception) -> None:
+        """Answer every queued request and everything still in the inbox."""
+        for request in self._close():
+            request.fail(error)
+
+    def _close(self) -> list[Infer]:
+        """Close the inbox; every request queued or still in the inbox, oldest first."""
         requests = list(self._state.pending)
         self._state.pending.clear()
         while True:
@@ -142,25 +155,7 @@ class ModelQueue:
             if isinstance(message, Infer):
                 requests.append(message)
         self._receive.close()
-        for request in requests:
-            try:
-                successor.submit_nowait(request)
-            except (QueueFull, ShuttingDown) as e:
-                request.fail(e)
-
-    def _fail_everything(self, error: Exception) -> None:
-        """Answer every queued request and everything still in the inbox, then close it."""
-        for request in self._state.pending:
-            request.fail(error)
-        self._state.pending.clear()
-        while True:
-            try:
-                message = self._receive.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                break
-            if isinstance(message, Infer):
-                message.fail(error)
-        self._receive.close()
+        return requests
 
     # -- messages ------------------------------------------------------------------------------
 

@@ -30,8 +30,6 @@ jnp = __import__("jax.numpy", fromlist=["numpy"])
 lax = __import__("jax.lax", fromlist=["lax"])
 
 REPOSITORY = Path(__file__).resolve().parent / "repository"
-MODEL_PY = Path(__file__).resolve().parent / "model_py"
-"""The hand-written model.py of each example bundle that has one."""
 
 
 def _params(seed: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
@@ -141,12 +139,13 @@ def export_all(repository: Path = REPOSITORY) -> None:
             outputs=spec["outputs"],
             description=spec["description"],
         )
-        if "client_outputs" in spec:  # its model.py, from examples/model_py/, reshapes them
+        if "client_outputs" in spec:  # its hand-written model.py (kept in the repository) makes them
             manifest_path = repository / name / "manifest.yaml"
             manifest = yaml.safe_load(manifest_path.read_text())
             manifest["client_outputs"] = spec["client_outputs"]
             manifest_path.write_text(yaml.safe_dump(manifest, sort_keys=False))
-            shutil.copyfile(MODEL_PY / f"{name}.py", repository / name / "model.py")
+            if repository != REPOSITORY:
+                shutil.copyfile(REPOSITORY / name / "model.py", repository / name / "model.py")
 
 
 if __name__ == "__main__":

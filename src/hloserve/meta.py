@@ -25,8 +25,9 @@ import trio
 from hloserve.actors.messages import Infer
 from hloserve.buffer_pool import BufferPool, PoolAcquireTimeout, PoolSlot
 from hloserve.errors import DeadlineExceeded, HloserveError, HookFailed, ModelNotFound, ModelNotReady
+from hloserve.manifest import Manifest
 from hloserve.model_py import MetaRun, NamedTensor
-from hloserve.pipeline import arrange, named, to_client, to_executable
+from hloserve.pipeline import arrange, client_outputs, named, to_client, to_executable
 from hloserve.statistics import Statistics
 
 if TYPE_CHECKING:
@@ -205,7 +206,7 @@ class MetaModels:
 
 
 def _run(
-    meta: str, run: MetaRun, manifest: Any, call: Call, inputs: list[np.ndarray], rows: int
+    meta: str, run: MetaRun, manifest: Manifest, call: Call, inputs: list[np.ndarray], rows: int
 ) -> list[np.ndarray]:
     """`run` on the client's inputs, its answer checked against client_outputs (in a thread)."""
     try:
@@ -214,10 +215,4 @@ def _run(
         raise  # a sub-call's own status (deadline, not found, overload) is the request's
     except Exception as e:
         raise HookFailed(meta, "run", f"{type(e).__name__}: {e}") from e
-    try:
-        arrays, extent = arrange(returned, manifest.outputs)
-    except ValueError as e:
-        raise HookFailed(meta, "run", f"returned tensors that do not fit client_outputs: {e}") from None
-    if extent is not None and extent != rows:
-        raise HookFailed(meta, "run", f"returned {extent} rows for a request of {rows}")
-    return arrays
+    return client_outputs(meta, "run", manifest, returned, rows)

@@ -18,7 +18,7 @@ from hloserve.errors import HookFailed
 from hloserve.manifest import Manifest, TensorSpec
 from hloserve.model_py import Hook, ModelHooks, NamedTensor
 
-__all__ = ["arrange", "named", "to_client", "to_executable"]
+__all__ = ["arrange", "client_outputs", "named", "to_client", "to_executable"]
 
 
 def named(specs: Sequence[TensorSpec], arrays: Sequence[np.ndarray]) -> list[NamedTensor]:
@@ -90,11 +90,19 @@ def to_client(
     """Every executable output through `postprocess`: the client outputs, in manifest order,
     their batch axes holding the client's `rows`."""
     returned = _apply(model, "postprocess", hooks.postprocess, named(manifest.executable_outputs, outputs))
+    return client_outputs(model, "postprocess", manifest, returned, rows)
+
+
+def client_outputs(
+    model: str, stage: str, manifest: Manifest, returned: object, rows: int
+) -> list[np.ndarray]:
+    """What a hook (or a meta model's `run`) returned, checked against the client-facing outputs
+    and the request's `rows`: the arrays in manifest order."""
     where = "client_outputs" if manifest.client_outputs is not None else "executable_outputs"
     try:
         arrays, extent = arrange(returned, manifest.outputs)
     except ValueError as e:
-        raise HookFailed(model, "postprocess", f"returned tensors that do not fit {where}: {e}") from None
+        raise HookFailed(model, stage, f"returned tensors that do not fit {where}: {e}") from None
     if extent is not None and extent != rows:
-        raise HookFailed(model, "postprocess", f"returned {extent} rows for a request of {rows}")
+        raise HookFailed(model, stage, f"returned {extent} rows for a request of {rows}")
     return arrays
