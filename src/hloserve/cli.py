@@ -1,16 +1,23 @@
-"""The `hloserve` command: `hloserve serve` runs a worker until SIGINT or SIGTERM."""
+"""The `hloserve` command: `hloserve serve` runs a worker until SIGINT or SIGTERM; `hloserve export`
+writes a bundle from a JAX, Flax or PyTorch model described by a Python function."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
+import inspect
 import signal
 import sys
+import traceback
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import structlog
 import trio
 
-from hloserve.config import Config, load_config
+from hloserve.config import Config, LoggingConfig, load_config
 from hloserve.errors import ConfigError
 from hloserve.logs import configure_logging
 
@@ -41,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="accept Triton system shared-memory regions from clients (off by default)",
     )
+    _add_export_command(commands)
     return parser
 
 
@@ -71,8 +79,132 @@ async def _serve_until_signalled(config: Config) -> None:
     log.info("stopped")
 
 
+_EXPORT_HELP = """\
+Export a model as a bundle. SPEC is FILE.py:FUNCTION (or package.module:FUNCTION): a function
+taking no arguments that returns the exporter's keyword arguments as a dict, for example
+
+  JAX:      {"fn": apply, "params": params, "inputs": [InputSpec("X", (16,))]}
+  Flax:     {"fn": nnx_module, "params": None, "inputs": [InputSpec("X", (16,))]}
+  PyTorch:  {"module": torch_module, "example_inputs": (torch.randn(2, 3, 32, 32),)}
+
+(InputSpec and OutputSpec come from hloserve.export). A dict with "module" goes to
+hloserve.export_torch.export_torch_bundle, any other to hloserve.export.export_bundle; it may
+carry their other options (outputs, description, sample_inputs, rtol...), and the flags below
+override it. The bundle is reloaded in a fresh process and checked against the model unless
+--no-verify. Exit status: 0 written (and verified), 1 the model cannot be exported or does not
+verify, 2 a bad SPEC.
+"""
+
+
+class _BadSpec(Exception):
+    """The SPEC argument of `hloserve export` names nothing usable."""
+
+
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers like 1,4,8, got {text!r}"
+        ) from None
+
+
+def _add_export_command(commands: Any) -> None:
+    export = commands.add_parser(
+        "export",
+        help="export a JAX, Flax or PyTorch model as a bundle",
+        description=_EXPORT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    export.add_argument("spec", metavar="SPEC", help="FILE.py:FUNCTION returning the exporter's arguments")
+    export.add_argument("--out", type=Path, required=True, help="bundle directory; its name is the model's")
+    export.add_argument(
+        "--batch-sizes", type=_batch_sizes, help="compiled batch sizes, e.g. 1,4,8 (default 1)"
+    )
+    export.add_argument("--platform", choices=["cpu", "cuda"], help="platform to lower for (default cpu)")
+    export.add_argument(
+        "--bytecode", action="store_true", help="write StableHLO portable artifacts instead of text"
+    )
+    export.add_argument("--no-verify", action="store_true", help="skip the fresh-process check")
+
+
+def _load_spec(spec: str) -> dict[str, Any]:
+    """The exporter's keyword arguments, from the function SPEC names."""
+    target, colon, attribute = spec.rpartition(":")
+    if not colon or not target or not attribute:
+        raise _BadSpec(f"expected FILE.py:FUNCTION or package.module:FUNCTION, got {spec!r}")
+    try:
+        if target.endswith(".py"):
+            path = Path(target)
+            if not path.is_file():
+                raise _BadSpec(f"no file {target!r}")
+            sys.path.insert(0, str(path.resolve().parent))  # so the spec can import its neighbours
+            found = importlib.util.spec_from_file_location(path.stem, path)
+            assert found is not None and found.loader is not None  # a .py path always has a loader
+            module = importlib.util.module_from_spec(found)
+            found.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+        function = getattr(module, attribute, None)
+        if not callable(function):
+            raise _BadSpec(f"{target!r} has no function {attribute!r}")
+        options = function()
+    except _BadSpec:
+        raise
+    except Exception as e:
+        raise _BadSpec(f"{spec} failed: {traceback.format_exception_only(e)[-1].strip()}") from e
+    if not isinstance(options, Mapping):
+        raise _BadSpec(f"{spec} returned {type(options).__name__}, expected a dict of exporter arguments")
+    return dict(options)
+
+
+def _export(args: argparse.Namespace) -> int:
+    try:
+        options = _load_spec(args.spec)
+    except _BadSpec as e:
+        print(f"hloserve export: {e}", file=sys.stderr)
+        return 2
+    for option, value in (
+        ("batch_sizes", args.batch_sizes),
+        ("platform", args.platform),
+        ("module_format", "bytecode" if args.bytecode else None),
+        ("verify", False if args.no_verify else None),
+    ):
+        if value is not None:
+            options[option] = value
+    from hloserve.export import VerificationError, export_bundle  # imports JAX: not for --help
+
+    exporter: Callable[..., Path] = export_bundle
+    if "module" in options:
+        from hloserve.export_torch import export_torch_bundle
+
+        exporter = export_torch_bundle
+    # export_torch_bundle hands the options it does not name on to export_bundle.
+    known = {*inspect.signature(exporter).parameters, *inspect.signature(export_bundle).parameters}
+    try:
+        inspect.signature(exporter).bind(directory=args.out, **options)
+        if set(options) - known:
+            raise TypeError(f"unexpected keyword argument(s) {sorted(set(options) - known)}")
+    except TypeError as e:
+        print(
+            f"hloserve export: {args.spec} returned arguments {exporter.__name__} cannot take: {e}",
+            file=sys.stderr,
+        )
+        return 2
+    configure_logging(LoggingConfig())  # a progress line per batch size, on stderr
+    try:
+        directory = exporter(directory=args.out, **options)
+    except (ValueError, VerificationError) as e:
+        print(f"hloserve export: {e}", file=sys.stderr)
+        return 1
+    structlog.get_logger("hloserve").info("bundle written", directory=str(directory))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "export":
+        return _export(args)
     try:
         config = _apply_flags(load_config(args.config), args)
     except ConfigError as e:

@@ -1,36 +1,66 @@
-"""Write a server-loadable bundle from a JAX function and its parameters.
+"""Write a server-loadable bundle from a JAX function, a Flax model or a traced PyTorch module.
 
-`export_bundle(fn, params, inputs, directory)` traces `fn(params, *inputs)` once per batch
-size and writes the seeds' format: `model.b{N}.mlir` (StableHLO text) taking the inputs first
-and the weights last, one `weights.safetensors` with `argument_order`, and `manifest.yaml` with
+`export_bundle(fn, params, inputs, directory)` traces `fn(params, *inputs)` (or a `flax.nnx`
+module called on the inputs) once per batch size and writes the seeds' format:
+`model.b{N}.mlir` (StableHLO text, or a portable artifact) taking the inputs first and the
+weights last, one `weights.safetensors` with `argument_order`, and `manifest.yaml` with
 column-major letter shapes (batch letter `n` last). The traps measured in
 research/spike_jax.md are handled here: x64 on so int64 stays int64, `keep_unused=True` so no
-weight is pruned from the signature, no donation, and weights saved C-contiguous with mode 0644.
+weight is pruned from the signature, no donation, weights cast to the module's argument types
+and saved C-contiguous with mode 0644. A bundle is only as good as its last check, so it is then
+loaded in a fresh process by the server's own loader and compared with the model
+(`verify_bundle`). `hloserve.export_torch` feeds PyTorch modules through the same writer.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
+import re
+import shutil
 import string
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
+import structlog
 import yaml
 
+import hloserve
 from hloserve import _xla, dtypes
+from hloserve.bundle import MODEL_PY, WEIGHTS, load_bundle, read_weights
+from hloserve.compiled import compile_bundle
 
-__all__ = ["InputSpec", "OutputSpec", "export_bundle"]
+__all__ = ["InputSpec", "OutputSpec", "Traceable", "VerificationError", "export_bundle", "verify_bundle"]
 
 jax = _xla.jax
+jnp = jax.numpy
+log = structlog.get_logger("hloserve.export")
+
+DEFAULT_RTOL = 1e-4
+DEFAULT_ATOL = 1e-5
 _LETTERS = [c for c in string.ascii_lowercase if c not in "nb"]
+_OLD_FILES = re.compile(rf"^(model(\.b[0-9]+)?\.mlir|{re.escape(WEIGHTS)})$")
+_VALUE_DEPENDENT = (
+    jax.errors.ConcretizationTypeError,  # includes TracerBoolConversionError (`if x > 0:`)
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerIntegerConversionError,
+)
 
 
 @dataclass(frozen=True, slots=True)
 class InputSpec:
-    """One input: its name, its shape without the batch axis (row-major), its dtype."""
+    """One input: its name, its shape without the batch axis (row-major), its dtype.
+
+    Also describes `client_inputs` and `client_outputs`, where a size of -1 marks a variable axis.
+    """
 
     name: str
     shape: tuple[int, ...]
@@ -46,6 +76,30 @@ class OutputSpec:
 
     name: str
     letters: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Traceable:
+    """A model as the writer takes it, whatever framework it came from (`hloserve.export_torch`)."""
+
+    framework: str
+    """Provenance `source_framework`: `jax`, `flax.nnx`, `torch`."""
+    weight_names: Sequence[str]
+    weights: Sequence[np.ndarray]
+    function_for: Callable[[int], Callable[..., Any]]
+    """Batch size → a JAX-traceable function of (inputs..., weights...) returning an array or a tuple."""
+    reference: Callable[..., Any]
+    """The original model on host inputs (with their batch axis): what verification compares with."""
+    versions: Mapping[str, str] = field(default_factory=dict)
+    """Framework versions, for the provenance."""
+
+
+class VerificationError(Exception):
+    """A written bundle, run by the server's loader in a fresh process, does not reproduce its model.
+
+    Raised after the files are written (they stay, for inspection); a model that cannot be
+    exported at all raises ValueError before anything is written.
+    """
 
 
 def _letters(given: str | None, rank: int, where: str) -> str:
@@ -65,7 +119,11 @@ def _tensor(name: str, dtype: Any, shape: tuple[int, ...], letters: str) -> dict
     }
 
 
-def _weight_name(path: tuple[Any, ...]) -> str:
+def _spec_tensor(spec: InputSpec) -> dict[str, Any]:
+    return _tensor(spec.name, spec.dtype, spec.shape, _letters(spec.letters, len(spec.shape), spec.name))
+
+
+def _weight_name(path: Sequence[Any]) -> str:
     parts = []
     for key in path:
         part = getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))
@@ -73,8 +131,124 @@ def _weight_name(path: tuple[Any, ...]) -> str:
     return ".".join(parts)
 
 
+def _as_tuple(result: Any) -> tuple[Any, ...]:
+    return tuple(result) if isinstance(result, tuple | list) else (result,)
+
+
+# --- front ends ---------------------------------------------------------------------------------
+
+
+def _from_jax(fn: Callable[..., Any], params: Any, n_inputs: int) -> Traceable:
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+
+    def flat(*args: Any) -> Any:
+        return fn(jax.tree_util.tree_unflatten(treedef, args[n_inputs:]), *args[:n_inputs])
+
+    def reference(*arrays: np.ndarray) -> Any:
+        return fn(jax.tree_util.tree_map(jnp.asarray, params), *map(jnp.asarray, arrays))
+
+    names = [_weight_name(path) for path, _ in leaves]
+    weights = [np.require(np.asarray(leaf), requirements="C") for _, leaf in leaves]
+    return Traceable("jax", names, weights, lambda size: flat, reference)
+
+
+def _is_nnx_module(obj: Any) -> bool:
+    nnx = sys.modules.get("flax.nnx")  # an nnx module exists only once flax.nnx is imported
+    return nnx is not None and isinstance(obj, nnx.Module)
+
+
+def _from_nnx(model: Any, n_inputs: int) -> Traceable:
+    """A flax.nnx module in eval mode (a copy: the caller's keeps its mode).
+
+    Its RNG state (dropout keys and counters) is baked into the module as constants, not made
+    weights: a PRNG key has no safetensors dtype, and a served model draws no random numbers.
+    """
+    import flax
+    from flax import nnx
+
+    model = nnx.clone(model)
+    model.eval()
+    graphdef, *split = nnx.split(model, nnx.RngState, ...)
+    rng_state, state = split
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+
+    def flat(*args: Any) -> Any:
+        weights = jax.tree_util.tree_unflatten(treedef, args[n_inputs:])
+        return nnx.merge(graphdef, rng_state, weights)(*args[:n_inputs])
+
+    def reference(*arrays: np.ndarray) -> Any:
+        return model(*map(jnp.asarray, arrays))
+
+    # A path ends in the Variable's `.value`; the weight is `l1.kernel`, not `l1.kernel.value`.
+    names = [
+        _weight_name(path[:-1] if getattr(path[-1], "name", None) == "value" else path) for path, _ in leaves
+    ]
+    weights = [np.require(np.asarray(leaf), requirements="C") for _, leaf in leaves]
+    return Traceable(
+        "flax.nnx", names, weights, lambda size: flat, reference, {"flax_version": flax.__version__}
+    )
+
+
+# --- lowering -----------------------------------------------------------------------------------
+
+
+def _lower(function: Callable[..., Any], specs: Sequence[Any], platform: str) -> tuple[Any, Any]:
+    """The traced function's output shapes and its lowering for `platform`."""
+
+    def flat(*args: Any) -> tuple[Any, ...]:  # the name shows in the module: `module @jit_flat`
+        return _as_tuple(function(*args))
+
+    try:
+        traced = jax.jit(flat, keep_unused=True).trace(*specs)
+    except _VALUE_DEPENDENT as e:
+        first = str(e).strip().splitlines()[0]
+        raise ValueError(
+            "the model branches on (or converts to Python) the values of its inputs or weights, so it "
+            f"cannot be a static graph; use jnp.where or jax.lax.cond instead ({type(e).__name__}: {first})"
+        ) from e
+    return traced.out_info, traced.lower(lowering_platforms=(platform,))
+
+
+def _check_arity(lowered: Any, n_inputs: int, n_weights: int) -> None:
+    """Refuse a module whose `main` takes more than the server binds (inputs, then weights)."""
+    module = lowered.compiler_ir("stablehlo")
+    main = next(
+        op
+        for op in module.body.operations
+        if op.operation.name == "func.func" and op.sym_name.value == "main"
+    )
+    arguments = [str(t) for t in main.type.inputs]
+    if len(arguments) != n_inputs + n_weights:
+        raise ValueError(
+            f"the module's main takes {len(arguments)} arguments ({', '.join(arguments[:3])}, ...), but "
+            f"the bundle binds {n_inputs} inputs + {n_weights} weights = {n_inputs + n_weights}; an "
+            "ordered effect (jax.debug.print(ordered=True), io_callback) adds a token, lifted state more"
+        )
+
+
+def _portable_artifact(text: str) -> bytes:
+    """StableHLO text as portable-artifact bytecode, targeting a StableHLO version four weeks
+    old (as jax.export does) so that a server on a slightly older jaxlib can still read it."""
+    from jax.extend.mlir.dialects import stablehlo
+
+    target = stablehlo.get_version_from_compatibility_requirement(
+        stablehlo.StablehloCompatibilityRequirement.WEEK_4
+    )
+    return bytes(jax.extend.mlir.serialize_portable_artifact(text, target))
+
+
+def _check_batch_sizes(batch_sizes: Sequence[int]) -> list[int]:
+    sizes = sorted(batch_sizes)
+    if not sizes or sizes[0] < 1 or len(set(sizes)) != len(sizes):
+        raise ValueError(f"batch_sizes must be distinct positive integers, got {list(batch_sizes)}")
+    return sizes
+
+
+# --- the writer ---------------------------------------------------------------------------------
+
+
 def export_bundle(
-    fn: Callable[..., Any],
+    fn: Callable[..., Any] | Traceable,
     params: Any,
     inputs: Sequence[InputSpec],
     directory: Path,
@@ -82,75 +256,315 @@ def export_bundle(
     name: str | None = None,
     batch_sizes: Sequence[int] = (1,),
     outputs: Sequence[OutputSpec] | None = None,
-    platform: str = "cpu",
+    platform: Literal["cpu", "cuda"] = "cpu",
+    module_format: Literal["text", "bytecode"] = "text",
     description: str = "",
+    client_inputs: Sequence[InputSpec] | None = None,
+    client_outputs: Sequence[InputSpec] | None = None,
+    model_py: Path | None = None,
+    verify: bool = True,
+    sample_inputs: Sequence[np.ndarray] | None = None,
+    rtol: float = DEFAULT_RTOL,
+    atol: float = DEFAULT_ATOL,
 ) -> Path:
     """Export `fn(params, *inputs)` as the bundle `directory`; returns the directory.
 
-    Every input and output gets a leading batch axis; `platform` is `cpu` or `cuda` (modules
-    are lowered for it; no GPU is needed to lower for cuda, and a module lowered for one
-    platform may not run on the other). `name` defaults to the directory's name and must equal
-    it: the server names a bundle after its directory, so a different name could never load.
+    `fn` is a JAX function of a parameter pytree (a Flax linen `apply` is one), or a
+    `flax.nnx.Module` called on the inputs (then `params` is None; it is exported in eval mode).
+    Every input and output gets a leading batch axis. `platform` is `cpu` or `cuda` (no GPU is
+    needed to lower for cuda; a module lowered for one may not run on the other).
+    `module_format="bytecode"` writes StableHLO portable artifacts, which newer jaxlibs promise
+    to read. `client_inputs`/`client_outputs` describe what clients send and get when the
+    `model_py` file (copied in as `model.py`) transforms them; the server allows them only then.
+    `name` defaults to the directory's name and must equal it, since the server names a bundle
+    after its directory.
+
+    With `verify` (the default), the bundle is loaded in a fresh process by the server's own
+    loader, run at each batch size on `sample_inputs` (rows repeated to fill a batch; seeded
+    random data when None) and compared with `fn` within `rtol`/`atol`. Verification needs the
+    platform of this machine; for another it is skipped with a logged warning.
+
+    Raises:
+        ValueError: the arguments are inconsistent, or the model cannot be a bundle (it branches
+            on input values, an output has no batch axis, its module takes other arguments).
+        VerificationError: the written bundle does not reproduce the model.
     """
     directory = Path(directory)
     if name is not None and name != directory.name:
         raise ValueError(f"bundle name {name!r} must equal its directory's name {directory.name!r}")
-    sizes = sorted(batch_sizes)
-    if not sizes or sizes[0] < 1 or len(set(sizes)) != len(sizes):
-        raise ValueError(f"batch_sizes must be distinct positive integers, got {list(batch_sizes)}")
-    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    treedef = jax.tree_util.tree_structure(params)
-    names = [_weight_name(path) for path, _ in leaves]
-    weights = [np.require(np.asarray(leaf), requirements="C") for _, leaf in leaves]
-    n_inputs = len(inputs)
+    sizes = _check_batch_sizes(batch_sizes)
+    if platform not in ("cpu", "cuda"):
+        raise ValueError(f"platform must be 'cpu' or 'cuda', got {platform!r}")
+    if module_format not in ("text", "bytecode"):
+        raise ValueError(f"module_format must be 'text' or 'bytecode', got {module_format!r}")
+    if (client_inputs is not None or client_outputs is not None) and model_py is None:
+        raise ValueError("client_inputs and client_outputs need a model_py that produces them")
+    if model_py is not None and not Path(model_py).is_file():
+        raise ValueError(f"model_py {str(model_py)!r} is not a file")
+    if sample_inputs is not None:
+        if len(sample_inputs) != len(inputs):
+            raise ValueError(f"{len(sample_inputs)} sample inputs for {len(inputs)} inputs")
+        for spec, rows in zip(inputs, sample_inputs, strict=True):
+            if np.shape(rows)[1:] != tuple(spec.shape) or not len(rows):
+                raise ValueError(
+                    f"sample input {spec.name!r} has shape {np.shape(rows)}, "
+                    f"expected [rows, *{list(spec.shape)}]"
+                )
 
-    def flat(*args: Any) -> Any:
-        tree = jax.tree_util.tree_unflatten(treedef, args[n_inputs:])
-        result = fn(tree, *args[:n_inputs])
-        return tuple(result) if isinstance(result, tuple | list) else (result,)
-
+    if isinstance(fn, Traceable):
+        traceable = fn
+    elif _is_nnx_module(fn):
+        if params is not None:
+            raise ValueError("a flax.nnx module carries its own parameters: pass params=None")
+        traceable = _from_nnx(fn, len(inputs))
+    else:
+        traceable = _from_jax(fn, params, len(inputs))
+    weights = list(traceable.weights)
     weight_specs = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights]
-    directory.mkdir(parents=True, exist_ok=True)
-    jitted = jax.jit(flat, keep_unused=True)
-    out_shapes: list[Any] = []
-    for size in sizes:
+
+    modules: dict[int, str | bytes] = {}
+    traced_outputs: list[tuple[tuple[int, ...], np.dtype]] = []
+    for step, size in enumerate(sizes, 1):
+        started = time.perf_counter()
         in_specs = [jax.ShapeDtypeStruct((size, *i.shape), np.dtype(i.dtype)) for i in inputs]
-        out_shapes = list(jax.eval_shape(flat, *in_specs, *weight_specs))
-        for k, out in enumerate(out_shapes):
+        out_info, lowered = _lower(traceable.function_for(size), [*in_specs, *weight_specs], platform)
+        for k, out in enumerate(out_info):
             if not out.shape or out.shape[0] != size:
                 raise ValueError(
                     f"output {k} has shape {out.shape}; hloserve needs a leading batch axis of {size}"
                 )
-        text = jitted.trace(*in_specs, *weight_specs).lower(lowering_platforms=(platform,)).as_text()
-        (directory / f"model.b{size}.mlir").write_text(text)
+        outputs_here = [(tuple(out.shape[1:]), np.dtype(out.dtype)) for out in out_info]
+        if traced_outputs and outputs_here != traced_outputs:
+            raise ValueError(
+                f"outputs (shape after the batch axis, dtype) {outputs_here} at batch size {size} "
+                f"but {traced_outputs} at {sizes[0]}"
+            )
+        traced_outputs = outputs_here
+        _check_arity(lowered, len(inputs), len(weights))
+        text = lowered.as_text()
+        signature = _xla.main_signature(text)
+        modules[size] = _portable_artifact(text) if module_format == "bytecode" else text
+        log.info(
+            "exported batch size",
+            bundle=directory.name,
+            batch_size=size,
+            step=f"{step}/{len(sizes)}",
+            seconds=round(time.perf_counter() - started, 2),
+        )
     out_specs = (
-        list(outputs) if outputs is not None else [OutputSpec(f"output_{k}") for k in range(len(out_shapes))]
+        list(outputs)
+        if outputs is not None
+        else [OutputSpec(f"output_{k}") for k in range(len(traced_outputs))]
     )
-    if len(out_specs) != len(out_shapes):
-        raise ValueError(f"{len(out_specs)} output names for {len(out_shapes)} outputs")
-    manifest = {
+    if len(out_specs) != len(traced_outputs):
+        raise ValueError(f"{len(out_specs)} output names for {len(traced_outputs)} outputs")
+
+    # Everything is traced and checked: only now is the directory touched.
+    directory.mkdir(parents=True, exist_ok=True)
+    for path in directory.iterdir():
+        if _OLD_FILES.match(path.name):  # a module left from other batch sizes would be loaded too
+            path.unlink()
+    for size, source in modules.items():
+        module = directory / f"model.b{size}.mlir"
+        if isinstance(source, bytes):
+            module.write_bytes(source)
+        else:
+            module.write_text(source)
+    manifest: dict[str, Any] = {
         "format_version": "2.0",
         "name": directory.name,
         "description": description,
         "executable_inputs": [
-            _tensor(i.name, i.dtype, i.shape, _letters(i.letters, len(i.shape), i.name)) for i in inputs
+            _spec_tensor(InputSpec(i.name, i.shape, arg.dtype.numpy, i.letters))
+            for i, arg in zip(inputs, signature.inputs, strict=False)
         ],
         "executable_outputs": [
-            _tensor(o.name, s.dtype, s.shape[1:], _letters(o.letters, len(s.shape) - 1, o.name))
-            for o, s in zip(out_specs, out_shapes, strict=True)
+            _tensor(o.name, dtype, shape, _letters(o.letters, len(shape), o.name))
+            for o, (shape, dtype) in zip(out_specs, traced_outputs, strict=True)
         ],
-        "batching": {"compiled_batch_sizes": sizes},
-        "provenance": {"exporter": "hloserve.export", "jax_version": jax.__version__, "platform": platform},
+    }
+    if client_inputs is not None:
+        manifest["client_inputs"] = [_spec_tensor(t) for t in client_inputs]
+    if client_outputs is not None:
+        manifest["client_outputs"] = [_spec_tensor(t) for t in client_outputs]
+    manifest["batching"] = {"compiled_batch_sizes": sizes}
+    manifest["provenance"] = {
+        "exporter": f"hloserve {hloserve.__version__}",
+        "jax_version": jax.__version__,
+        "platform": platform,
+        "module_format": module_format,
+        "source_framework": traceable.framework,
+        **traceable.versions,
+        "batch_sizes": list(sizes),
+        "exported_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     (directory / "manifest.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
-    weights_path = directory / "weights.safetensors"
     if weights:
         from safetensors.numpy import save_file
 
+        # Cast to what the module takes: the loader checks each weight's dtype against it.
+        module_dtypes = [arg.dtype.numpy for arg in signature.inputs[len(inputs) :]]
         save_file(
-            dict(zip(names, weights, strict=True)),
-            str(weights_path),
-            metadata={"argument_order": json.dumps(names)},
+            {
+                n: np.require(w.astype(d, copy=False), requirements="C")
+                for n, w, d in zip(traceable.weight_names, weights, module_dtypes, strict=True)
+            },
+            str(directory / WEIGHTS),
+            metadata={"argument_order": json.dumps(list(traceable.weight_names))},
         )
-        weights_path.chmod(0o644)
+        (directory / WEIGHTS).chmod(0o644)
+    if model_py is not None:
+        shutil.copyfile(model_py, directory / MODEL_PY)
+    if verify:
+        _verify_export(directory, traceable, inputs, sizes, platform, sample_inputs, rtol, atol)
     return directory
+
+
+def _verify_export(
+    directory: Path,
+    traceable: Traceable,
+    inputs: Sequence[InputSpec],
+    sizes: Sequence[int],
+    platform: str,
+    sample_inputs: Sequence[np.ndarray] | None,
+    rtol: float,
+    atol: float,
+) -> None:
+    local = "cpu" if _xla.device().platform == "cpu" else "cuda"
+    if platform != local:
+        log.warning(
+            "bundle not verified: it is lowered for another platform than this machine's",
+            bundle=directory.name,
+            platform=platform,
+            local_platform=local,
+        )
+        return
+    rng = np.random.default_rng(0)
+    given = {size: _samples(inputs, sample_inputs, size, rng) for size in sizes}
+    expected = {
+        size: [np.asarray(o) for o in _as_tuple(traceable.reference(*a))] for size, a in given.items()
+    }
+    differences = verify_bundle(directory, given, expected, rtol=rtol, atol=atol)
+    log.info(
+        "bundle verified in a fresh process",
+        bundle=directory.name,
+        max_abs_difference=max(differences, default=0.0),
+    )
+
+
+def _samples(
+    inputs: Sequence[InputSpec], given: Sequence[np.ndarray] | None, size: int, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """One batch of `size` rows per input: the given rows repeated, else seeded random data
+    (small integers, so that ids and indices stay in range)."""
+    arrays = []
+    for k, spec in enumerate(inputs):
+        dtype, shape = np.dtype(spec.dtype), (size, *spec.shape)
+        if given is not None:
+            rows = np.asarray(given[k])
+            array = rows[np.arange(size) % len(rows)].astype(dtype)
+        elif dtype.kind in "biu":
+            array = rng.integers(0, 2, shape).astype(dtype)
+        else:
+            array = rng.standard_normal(shape).astype(dtype)
+        arrays.append(np.require(array, requirements="C"))
+    return arrays
+
+
+# --- verification -------------------------------------------------------------------------------
+
+
+def verify_bundle(
+    directory: Path,
+    inputs: Mapping[int, Sequence[np.ndarray]],
+    expected: Mapping[int, Sequence[np.ndarray]],
+    *,
+    rtol: float = DEFAULT_RTOL,
+    atol: float = DEFAULT_ATOL,
+) -> list[float]:
+    """Run a bundle as the server would, in a fresh process, and compare it with `expected`.
+
+    `inputs` and `expected` map a batch size to its input and output arrays. A fresh process
+    sees only the files, so nothing of the exporting process (a traced function, a cached
+    executable) can hide a fault in them. Returns the largest absolute difference per output.
+
+    Raises:
+        VerificationError: naming the output, the batch size and the largest absolute
+            difference; or saying why the bundle does not load and run.
+    """
+    directory = Path(directory)
+    with tempfile.TemporaryDirectory(prefix="hloserve-verify-") as scratch:
+        sent, received = Path(scratch) / "inputs.npz", Path(scratch) / "outputs.npz"
+        _save_arrays(sent, inputs)
+        env = dict(os.environ)
+        source = str(Path(hloserve.__file__).resolve().parents[1])  # importable whatever the cwd
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH")) if p)
+        child = subprocess.run(
+            [sys.executable, "-c", _CHILD, str(directory), str(sent), str(received)],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
+        )
+        if child.returncode != 0:
+            lines = child.stderr.strip().splitlines()
+            raise VerificationError(
+                f"bundle {directory.name!r} does not run with the server's loader: "
+                f"{lines[-1] if lines else f'exit status {child.returncode}'}"
+            )
+        got = _load_arrays(received)
+    names = [t.name for t in load_bundle(directory).manifest.executable_outputs]
+    worst = [0.0] * len(names)
+    for size, want in expected.items():
+        for k, (name, w, g) in enumerate(zip(names, want, got[size], strict=True)):
+            where = f"bundle {directory.name!r}, output {name!r}, batch size {size}"
+            if g.dtype != w.dtype or g.shape != w.shape:
+                raise VerificationError(
+                    f"{where}: the bundle gives {g.dtype}{list(g.shape)}, the model {w.dtype}{list(w.shape)}"
+                )
+            g64, w64 = g.astype(np.float64), w.astype(np.float64)
+            both_nan = np.isnan(g64) & np.isnan(w64)
+            difference = float(np.max(np.where(both_nan, 0.0, np.abs(g64 - w64)), initial=0.0))
+            worst[k] = max(worst[k], difference)
+            if not np.allclose(g64, w64, rtol=rtol, atol=atol, equal_nan=True):
+                raise VerificationError(
+                    f"{where}: differs from the model by up to {difference:.3g} (rtol={rtol}, atol={atol})"
+                )
+    return worst
+
+
+_CHILD = "import sys; from hloserve.export import _run_bundle; _run_bundle(*sys.argv[1:])"
+
+
+def _run_bundle(directory: str, inputs_path: str, outputs_path: str) -> None:
+    """The fresh process's half of `verify_bundle`: load, compile and run as the server does."""
+    _xla.warm_up()
+    bundle = load_bundle(Path(directory))
+    compiled = compile_bundle(bundle)
+    weights = [_xla.put(w) for w in read_weights(bundle)]
+    outputs = {
+        size: compiled.execute(size, arrays, weights).outputs
+        for size, arrays in _load_arrays(Path(inputs_path)).items()
+    }
+    _save_arrays(Path(outputs_path), outputs)
+
+
+def _save_arrays(path: Path, arrays: Mapping[int, Sequence[np.ndarray]]) -> None:
+    """Arrays per batch size as an .npz, with dtype tokens: npz reads bf16 and fp8 back as void."""
+    entries: dict[str, np.ndarray] = {}
+    for size, batch in arrays.items():
+        entries[f"b{size}_dtypes"] = np.array([dtypes.by_numpy(a.dtype).token for a in batch])
+        entries.update({f"b{size}_{k}": np.asarray(a) for k, a in enumerate(batch)})
+    np.savez(path, **entries)  # type: ignore[arg-type]  # numpy's stub types **kwds as one array-like
+
+
+def _load_arrays(path: Path) -> dict[int, list[np.ndarray]]:
+    with np.load(path) as saved:
+        sizes = sorted(int(key[1:].split("_")[0]) for key in saved.files if key.endswith("_dtypes"))
+        return {
+            size: [
+                saved[f"b{size}_{k}"].view(dtypes.by_token(str(token)).numpy)
+                for k, token in enumerate(saved[f"b{size}_dtypes"])
+            ]
+            for size in sizes
+        }

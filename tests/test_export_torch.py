@@ -1,0 +1,144 @@
+"""The PyTorch exporter: torch.export and torchax to a bundle that serves what the torch module computes.
+
+torch and torchax are test dependencies (the `torch` extra): without them this file fails to
+import, and so fails, instead of skipping.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+import yaml
+from conftest import ServerThread, make_config
+
+from hloserve.bundle import load_bundle
+from hloserve.cli import main
+from hloserve.export import InputSpec, OutputSpec
+from hloserve.export_torch import export_torch_bundle
+
+
+class SmallCNN(torch.nn.Module):
+    """conv, batch norm, relu, max pool and a linear head on NCHW images, and a float64 scalar
+    buffer that x64 JAX would let promote the whole head to f64 unless it is demoted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, kernel_size=3, padding=1)
+        self.norm = torch.nn.BatchNorm2d(4)
+        self.head = torch.nn.Linear(4 * 4 * 4, 5)
+        self.register_buffer("temperature", torch.tensor(0.5, dtype=torch.float64))
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        features = torch.nn.functional.max_pool2d(torch.relu(self.norm(self.conv(image))), 2)
+        return self.head(features.flatten(1)) * self.temperature
+
+
+def small_cnn() -> SmallCNN:
+    torch.manual_seed(0)
+    model = SmallCNN()
+    model.norm.running_mean.copy_(torch.linspace(-0.5, 0.5, 4))
+    model.norm.running_var.copy_(torch.linspace(0.5, 2.0, 4))
+    return model
+
+
+def test_torch_cnn_exported_and_served_matches_torch(tmp_path: Path) -> None:
+    model = small_cnn()
+    examples = (torch.randn(3, 3, 8, 8),)
+    export_torch_bundle(
+        model,
+        examples,
+        tmp_path / "cnn",
+        inputs=[InputSpec("IMAGE", (3, 8, 8), np.float32, letters="chw")],
+        outputs=[OutputSpec("LOGITS", letters="k")],
+        batch_sizes=(4, 1),
+    )
+    assert model.training, "the caller's module keeps its training mode"
+    bundle = load_bundle(tmp_path / "cnn")
+    assert [(w.name, w.dtype.token) for w in bundle.weights] == [
+        ("conv.weight", "f32"), ("conv.bias", "f32"), ("norm.weight", "f32"), ("norm.bias", "f32"),
+        ("head.weight", "f32"), ("head.bias", "f32"), ("temperature", "f32"), ("norm.running_mean", "f32"),
+        ("norm.running_var", "f32"), ("norm.num_batches_tracked", "i64"),
+    ]  # fmt: skip
+    manifest = yaml.safe_load((tmp_path / "cnn" / "manifest.yaml").read_text())
+    assert manifest["executable_inputs"] == [
+        {"name": "IMAGE", "dtype": "f32", "shape": "whcn", "dims": {"c": 3, "h": 8, "w": 8}}
+    ]
+    assert manifest["executable_outputs"] == [
+        {"name": "LOGITS", "dtype": "f32", "shape": "kn", "dims": {"k": 5}}
+    ]
+    assert {
+        k: manifest["provenance"][k] for k in ("source_framework", "torch_version", "torchax_version")
+    } == {
+        "source_framework": "torch",
+        "torch_version": str(torch.__version__),
+        "torchax_version": "0.0.13",
+    }
+
+    model.eval()
+    server = ServerThread(make_config(tmp_path)).start()
+    try:
+        client = grpcclient.InferenceServerClient(server.url)
+        for rows in (4, 1):
+            image = torch.randn(rows, 3, 8, 8)
+            tensor = grpcclient.InferInput("IMAGE", [rows, 3, 8, 8], "FP32")
+            tensor.set_data_from_numpy(image.numpy())
+            served = client.infer("cnn", [tensor]).as_numpy("LOGITS")
+            with torch.no_grad():
+                np.testing.assert_allclose(served, model(image).numpy(), rtol=1e-5, atol=1e-6)
+        client.close()
+    finally:
+        server.stop()
+
+
+def test_torch_bytecode_bundle_loads_and_verifies(tmp_path: Path) -> None:
+    """Verification (on by default) ran the portable artifact against torch in a fresh process."""
+    directory = export_torch_bundle(
+        small_cnn(),
+        (torch.randn(2, 3, 8, 8),),
+        tmp_path / "cnn_bc",
+        batch_sizes=(2,),
+        module_format="bytecode",
+    )
+    (module,) = load_bundle(directory).modules
+    assert isinstance(module.source, bytes) and module.source.startswith(b"ML\xefR")
+
+
+class SignDependent(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if x.sum() > 0 else -x
+
+
+def test_torch_export_refuses_a_branch_on_input_values(tmp_path: Path) -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"^torch.export cannot trace SignDependent at batch size 1: GuardOnDataDependentSymNode: "
+        r"Could not guard on data-dependent expression",
+    ):
+        export_torch_bundle(SignDependent(), (torch.ones(2, 3),), tmp_path / "branchy")
+    assert not (tmp_path / "branchy").exists()
+
+
+def test_torch_export_refuses_inputs_unlike_the_examples(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"^input 0 \('X'\) is float32\[4\] but its example is float32\[3\]"):
+        export_torch_bundle(
+            SignDependent(), (torch.ones(2, 3),), tmp_path / "x", inputs=[InputSpec("X", (4,))]
+        )
+
+
+def test_cli_refuses_a_torch_spec_with_an_option_neither_exporter_takes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "spec.py").write_text(
+        "import torch\n\n"
+        "def make():\n"
+        "    return {'module': torch.nn.Linear(3, 2), 'example_inputs': (torch.ones(1, 3),), 'rtool': 1e-3}\n"
+    )
+    assert main(["export", f"{tmp_path / 'spec.py'}:make", "--out", str(tmp_path / "linear")]) == 2
+    assert capsys.readouterr().err == (
+        f"hloserve export: {tmp_path / 'spec.py'}:make returned arguments export_torch_bundle cannot take: "
+        "unexpected keyword argument(s) ['rtool']\n"
+    )
