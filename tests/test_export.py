@@ -306,6 +306,11 @@ def test_export_writes_client_tensors_and_model_py_and_drops_old_modules(tmp_pat
     assert manifest["client_outputs"] == [{"name": "grade", "dtype": "i64", "shape": "yn", "dims": {"y": 1}}]
     loaded = load_bundle(directory).manifest  # the server accepts them beside a model.py
     assert [t.name for t in loaded.inputs] == ["IMAGE"] and [t.name for t in loaded.outputs] == ["grade"]
+    model_py.unlink()  # exported again beside the model.py it ships
+    export_bundle(
+        affine, AFFINE, [InputSpec("INPUT", (4,))], directory, model_py=directory / "model.py", verify=False
+    )
+    assert (directory / "model.py").read_text() == "# turns OUTPUT into grades\n"
 
 
 SPEC = """\

@@ -413,8 +413,8 @@ def export_bundle(
             metadata={"argument_order": json.dumps(list(traceable.weight_names))},
         )
         (directory / WEIGHTS).chmod(0o644)
-    if model_py is not None:
-        shutil.copyfile(model_py, directory / MODEL_PY)
+    if model_py is not None and Path(model_py).resolve() != (directory / MODEL_PY).resolve():
+        shutil.copyfile(model_py, directory / MODEL_PY)  # (re-exporting beside its own model.py)
     if verify:
         _verify_export(directory, traceable, inputs, sizes, platform, sample_inputs, rtol, atol)
     return directory
