@@ -46,6 +46,10 @@ def test_yaml_then_environment_then_flags(tmp_path: Path) -> None:
     shm = _apply_flags(config, _parser().parse_args(["serve", "--allow-client-shm"]))
     assert shm.server.allow_client_shm
     assert load_config(environ={"HLOSERVE_SERVER_ALLOW_CLIENT_SHM": "true"}).server.allow_client_shm
+    assert not flagged.server.reload
+    assert _apply_flags(config, _parser().parse_args(["serve", "--reload"])).server.reload
+    polled = _apply_flags(config, _parser().parse_args(["serve", "--repository-poll-secs", "0.5"])).server
+    assert polled.reload and polled.repository_poll_s == 0.5  # Triton's flag turns polling on
 
 
 @pytest.mark.parametrize(

@@ -48,6 +48,18 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="accept Triton system shared-memory regions from clients (off by default)",
     )
+    serve.add_argument(
+        "--reload",
+        action="store_true",
+        default=None,
+        help="watch the repository: reload a changed model.py or bundle, load added and unload removed "
+        "bundles (for development; a failed reload keeps the old version)",
+    )
+    serve.add_argument(
+        "--repository-poll-secs",
+        type=float,
+        help="how often --reload scans the repository (default 1; as Triton's flag, implies --reload)",
+    )
     _add_export_command(commands)
     return parser
 
@@ -61,6 +73,8 @@ def _apply_flags(config: Config, args: argparse.Namespace) -> Config:
             ("grpc_port", args.grpc_port),
             ("metrics_port", args.metrics_port),
             ("allow_client_shm", args.allow_client_shm),
+            ("reload", True if args.repository_poll_secs is not None else args.reload),
+            ("repository_poll_s", args.repository_poll_secs),
         )
         if value is not None
     }
