@@ -2,47 +2,41 @@
 
 The runnable Triton here is the `tritonserver` binary inside the `nvidia-pytriton==0.7.0` wheel,
 run standalone with its Python backend (research/peers_runnable.md §3.1). Installed once into
-`.tools/peers/triton` (a venv; numpy 1.26 comes with it). The model repository it serves is
-generated from hloserve's example bundles: the same weights, the same maths in numpy, dynamic
-batching up to the same largest batch size.
+`.tools/peers/triton` (a venv; numpy 1.26 comes with it, which the backend stub is built for).
+Each model is a Python-backend model running `models.compile_model` on the model's body and
+weights, with dynamic batching (100 µs queue delay) up to the model's largest batch size.
 """
 
 from __future__ import annotations
 
 import os
-import socket
+import shutil
 import subprocess
 import sys
 import sysconfig
-import textwrap
-import time
+from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
+from benches.peers import HOME, PeerUnavailable, free_port, launch, make_venv, site_packages
+from benches.peers.models import MLP, POOL, PeerModel
 
-ROOT = Path(__file__).resolve().parents[2]
-HOME = ROOT / ".tools" / "peers"
+NAME = "Triton 2.51.0"
 VENV = HOME / "triton"
 REPO = HOME / "triton_repo"
 BACKENDS = HOME / "triton_backends"
-PYTRITON = "nvidia-pytriton==0.7.0"
+REQUIREMENTS = ("nvidia-pytriton==0.7.0", "safetensors")
 
-__all__ = ["install", "start"]
-
-
-def _site_packages() -> Path:
-    return VENV / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+__all__ = ["NAME", "install", "start"]
 
 
 def _tritonserver() -> Path:
-    return _site_packages() / "pytriton" / "tritonserver"
+    return site_packages(VENV) / "pytriton" / "tritonserver"
 
 
 def install() -> None:
     """Create the venv with PyTriton and the standalone backend folder (idempotent)."""
-    if not (_tritonserver() / "bin" / "tritonserver").exists():
-        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-        subprocess.run([str(VENV / "bin" / "pip"), "install", "-q", PYTRITON], check=True)
+    make_venv(VENV, REQUIREMENTS)
     python_backend = BACKENDS / "python"
     python_backend.mkdir(parents=True, exist_ok=True)
     ts = _tritonserver()
@@ -53,128 +47,106 @@ def install() -> None:
         ts / "python_backend_stubs" / version / "triton_python_backend_stub",
     ):
         target = python_backend / source.name
+        if not source.exists():
+            raise PeerUnavailable(f"{source} is missing from {REQUIREMENTS[0]}")
         if not target.exists():
-            target.write_bytes(source.read_bytes())
+            shutil.copyfile(source, target)
             target.chmod(0o755)
 
 
 _MODEL_PY = """
+import importlib.util
 import sys
+
 sys.path.insert(0, {site!r})  # the stub ignores PYTHONPATH; numpy 1.26 is what it is built for
+spec = importlib.util.spec_from_file_location("peer_models", {models_py!r})
+models = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = models
+spec.loader.exec_module(models)
+
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-WEIGHTS = dict(np.load({weights!r})) if {weights!r} else {{}}
-
-
-def run(x):
-{body}
+MODEL = models.PeerModel(**{spec})
+run = models.compile_model(MODEL.body, MODEL.weights)
 
 
 class TritonPythonModel:
     def execute(self, requests):
-        xs = [pb_utils.get_input_tensor_by_name(r, {input!r}).as_numpy() for r in requests]
+        xs = [pb_utils.get_input_tensor_by_name(r, MODEL.input).as_numpy() for r in requests]
         y = run(np.concatenate(xs) if len(xs) > 1 else xs[0])
         out, i = [], 0
         for x in xs:
-            out.append(pb_utils.InferenceResponse([pb_utils.Tensor({output!r}, y[i:i + len(x)])]))
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor(MODEL.output, y[i:i + len(x)])]))
             i += len(x)
         return out
 """
 
-_MODELS = {
-    # the example mlp: 16 -> 32 relu -> 4
-    "mlp": (
-        "INPUT0",
-        "OUTPUT0",
-        (16,),
-        (4,),
-        16,
-        "h = np.maximum(x @ WEIGHTS['hidden.kernel'] + WEIGHTS['hidden.bias'], 0)\n"
-        "return (h @ WEIGHTS['out.kernel'] + WEIGHTS['out.bias']).astype(np.float32)",
-    ),
-    # the example pool: per-channel mean of 224x224x3 images
-    # (max batch 128 so one request can carry 104 images, as hloserve splits them)
-    "pool": ("IMAGE", "MEAN", (224, 224, 3), (3,), 128, "return x.mean(axis=(1, 2)).astype(np.float32)"),
-}
 
-
-def write_repository() -> Path:
-    """Triton's model repository for the example models, weights taken from the bundles."""
-    from safetensors.numpy import load_file
-
-    for name, (inp, out, in_dims, out_dims, max_batch, body) in _MODELS.items():
-        model = REPO / name
-        (model / "1").mkdir(parents=True, exist_ok=True)
-        weights_file = ROOT / "examples" / "repository" / name / "weights.safetensors"
-        weights = ""
-        if weights_file.exists():
-            weights = str(model / "weights.npz")
-            np.savez(weights, **load_file(str(weights_file)))  # type: ignore[arg-type]
-        (model / "config.pbtxt").write_text(
-            f'name: "{name}"\nbackend: "python"\nmax_batch_size: {max_batch}\n'
-            f'input [ {{ name: "{inp}", data_type: TYPE_FP32, dims: {list(in_dims)} }} ]\n'
-            f'output [ {{ name: "{out}", data_type: TYPE_FP32, dims: {list(out_dims)} }} ]\n'
+def write_repository(models: Sequence[PeerModel] = (MLP, POOL)) -> Path:
+    """Triton's model repository for `models` (rewritten from scratch: Triton serves all it finds)."""
+    shutil.rmtree(REPO, ignore_errors=True)
+    for m in models:
+        (REPO / m.name / "1").mkdir(parents=True)
+        (REPO / m.name / "config.pbtxt").write_text(
+            f'name: "{m.name}"\nbackend: "python"\nmax_batch_size: {m.max_batch}\n'
+            f'input [ {{ name: "{m.input}", data_type: TYPE_FP32, dims: {list(m.in_dims)} }} ]\n'
+            f'output [ {{ name: "{m.output}", data_type: TYPE_FP32, dims: {list(m.out_dims)} }} ]\n'
             "dynamic_batching { max_queue_delay_microseconds: 100 }\n"
             "instance_group [ { kind: KIND_CPU, count: 1 } ]\n"
         )
-        (model / "1" / "model.py").write_text(
+        (REPO / m.name / "1" / "model.py").write_text(
             _MODEL_PY.format(
-                site=str(_site_packages()),
-                weights=weights,
-                body=textwrap.indent(body, "    "),
-                input=inp,
-                output=out,
+                site=str(site_packages(VENV)),
+                models_py=str(Path(__file__).with_name("models.py")),
+                spec=repr(asdict(m)),
             )
         )
     return REPO
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def start(
+    pin: list[str] | None = None, models: Sequence[PeerModel] = (MLP, POOL), attempts: int = 3
+) -> tuple[subprocess.Popen[bytes], int]:
+    """Start Triton on free loopback ports; returns the process and its gRPC port once ready.
 
-
-def start(pin: list[str] | None = None) -> tuple[subprocess.Popen[bytes], int]:
-    """Start Triton on free loopback ports; returns the process and its gRPC port once ready."""
+    Up to `attempts` tries: pinned to one core, tritonserver 2.51 sometimes (about 1 start in 5
+    here) aborts at start with `boost::interprocess::lock_exception`, or its first request finds a
+    Python-backend stub "not healthy" (a timed-lock health check). The previous version of this
+    module failed the same way under the same pin. A failed try's log is kept as triton.failed.log.
+    """
     install()
-    write_repository()
-    grpc_port, http_port = _free_port(), _free_port()
-    libdir = sysconfig.get_config_var("LIBDIR")
-    env = {
-        **os.environ,
-        "LD_LIBRARY_PATH": f"{_site_packages() / 'nvidia_pytriton.libs'}:{libdir}",
-    }
+    write_repository(models)
+    for _ in range(attempts - 1):
+        try:
+            return _launch(pin, models)
+        except PeerUnavailable:
+            (HOME / "triton.log").replace(HOME / "triton.failed.log")
+    return _launch(pin, models)
+
+
+def _launch(pin: list[str] | None, models: Sequence[PeerModel]) -> tuple[subprocess.Popen[bytes], int]:
+    grpc_port = free_port()
+    return launch("triton", _command(pin, grpc_port), _env(), models, grpc_port), grpc_port
+
+
+def _env() -> dict[str, str]:
+    libdir = sysconfig.get_config_var("LIBDIR")  # the stub must load the libpython of our stdlib
+    return {**os.environ, "LD_LIBRARY_PATH": f"{site_packages(VENV) / 'nvidia_pytriton.libs'}:{libdir}"}
+
+
+def _command(pin: list[str] | None, grpc_port: int) -> list[str]:
     ts = _tritonserver()
-    command = [
+    return [
         *(pin or []),
         str(ts / "bin" / "tritonserver"),
         f"--model-repository={REPO}",
         f"--backend-directory={BACKENDS}",
         f"--cache-directory={ts / 'caches'}",
         "--http-address=127.0.0.1",
-        f"--http-port={http_port}",
+        f"--http-port={free_port()}",
         "--grpc-address=127.0.0.1",
         f"--grpc-port={grpc_port}",
         "--allow-metrics=false",
         "--log-verbose=0",
     ]
-    log = open(HOME / "triton.log", "wb")
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    import tritonclient.grpc as grpcclient
-
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"tritonserver exited; see {HOME / 'triton.log'}")
-        try:
-            if client.is_server_ready() and all(client.is_model_ready(m) for m in _MODELS):
-                client.close()
-                return process, grpc_port
-        except Exception:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    raise RuntimeError(f"tritonserver not ready in 180 s; see {HOME / 'triton.log'}")
