@@ -74,8 +74,10 @@ class Dispatcher:
         discipline: Discipline,
         policies: dict[str, ModelPolicy],
         params: PolicyParams,
+        gather_passes: int = 0,
     ) -> None:
         self._models = models
+        self._gather_passes = gather_passes
         self._weights: WeightCacheHandle | None = None
         self._statistics = statistics
         self._params = params
@@ -107,6 +109,7 @@ class Dispatcher:
                 while self._state.retiring:
                     old, successor = self._state.retiring.pop(0)
                     await old.retire(successor)
+                await self._gather_arrivals()
                 model = self._select()
                 if model is None:
                     await self._wait_for_work()
@@ -204,6 +207,18 @@ class Dispatcher:
         assert self._weights is not None
         await self._weights.forward(DropWeights(message.name, message.reply_to))
         log.info("model removed", model=message.name)
+
+    async def _gather_arrivals(self) -> None:
+        """Let the event loop run a few passes before choosing, so that requests whose bytes have
+        already arrived are parsed and queued, and join the batch instead of waiting for the next.
+
+        The front end shares this thread; without this the dispatcher takes each request the moment
+        it is queued (about 1.1 rows per execution at concurrency 16). Each pass is one poll of the
+        sockets: microseconds when nothing is there.
+        """
+        for _ in range(self._gather_passes):
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            self._drain_inbox()
 
     def _select(self) -> str | None:
         now = time.monotonic()

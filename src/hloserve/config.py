@@ -160,6 +160,9 @@ class SchedulerConfig:
     cost_ema_alpha: float = 0.2
     compaction_interval: int = 0
     """Compact the device's weights after this many loads (0: never)."""
+    gather_passes: int = 8
+    """Event-loop passes the dispatcher lets run before choosing a batch, so that requests already
+    received are queued and coalesced with it (0: choose at once)."""
     models: Mapping[str, ModelSettings] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -169,6 +172,7 @@ class SchedulerConfig:
         _check(0 <= self.coalescing_discount < 1, "scheduler.coalescing_discount", "must be in [0, 1)")
         _check(0 < self.cost_ema_alpha <= 1, "scheduler.cost_ema_alpha", "must be in (0, 1]")
         _check(self.compaction_interval >= 0, "scheduler.compaction_interval", "must be >= 0")
+        _check(0 <= self.gather_passes <= 1000, "scheduler.gather_passes", "must be in 0..1000")
         for name, policy in self.models.items():
             where = f"scheduler.models.{name}"
             _check(policy.weight > 0, f"{where}.weight", "must be > 0")

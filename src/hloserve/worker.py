@@ -431,6 +431,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
             scheduler.coalescing_discount,
             scheduler.cost_ema_alpha,
         ),
+        scheduler.gather_passes,
     )
     metas = MetaModels(
         entries,
