@@ -1,7 +1,9 @@
-"""Run benchmarks and print their tables: `python -m benches [serving]`.
+"""Run benchmarks and print their tables: `python -m benches [compare|serving|scheduler|...]`.
 
-Each run also writes `benches/results/<scenario>-<UTC time>.json` with the figures, the
-machine's load average and the command.
+With no suite named it runs `compare`, hloserve beside Triton, MLServer and KServe. Each run
+writes `benches/results/<suite>-<UTC time>.json` with the figures, the machine, its load and
+the command; `compare` also draws one PNG per scenario into `benches/results/<run>/` and puts
+its table in `benches/README.md`.
 """
 
 from __future__ import annotations
@@ -14,43 +16,78 @@ import sys
 import time
 from pathlib import Path
 
-from benches import scheduler, serving, shared_memory, weight_cache
+from benches import compare, scheduler, serving, shared_memory, weight_cache
+from benches.charts import write_charts
 
-RESULTS = Path(__file__).resolve().parent / "results"
+BENCHES = Path(__file__).resolve().parent
+RESULTS = BENCHES / "results"
 SUITES = {
+    "compare": compare,
     "serving": serving,
     "scheduler": scheduler,
     "shared_memory": shared_memory,
     "weight_cache": weight_cache,
 }
+_BEGIN, _END = "<!-- latest compare run: begin -->", "<!-- latest compare run: end -->"
+
+
+def _machine() -> str:
+    model = next(
+        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+         if line.startswith("model name")),
+        platform.processor(),
+    )  # fmt: skip
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{os.cpu_count()} cores ({model}), {memory_gib:.0f} GiB, {platform.system()} {platform.release()}"
+
+
+def _update_readme(table: str, stamp: str, command: str, charts: list[Path]) -> None:
+    readme = BENCHES / "README.md"
+    text = readme.read_text()
+    if _BEGIN not in text or _END not in text:
+        raise RuntimeError(f"{readme} lost its markers {_BEGIN!r} / {_END!r}")
+    images = "\n".join(f"![{p.stem}]({p.relative_to(BENCHES)})" for p in charts)
+    block = (
+        f"{_BEGIN}\nRun {stamp} on {_machine()}, with `{command}`:\n\n```\n{table}\n```\n\n{images}\n{_END}"
+    )
+    head, rest = text.split(_BEGIN, 1)
+    readme.write_text(head + block + rest.split(_END, 1)[1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benches", description=__doc__.splitlines()[0])
-    parser.add_argument("suites", nargs="*", default=list(SUITES), choices=list(SUITES))
+    parser.add_argument("suites", nargs="*", default=["compare"], choices=list(SUITES))
     parser.add_argument("--window-ms", type=int, default=3000, help="perf_analyzer measurement window")
     args = parser.parse_args()
+    command = " ".join(["python -m benches", *sys.argv[1:]])
     for name in args.suites:
         load_before = os.getloadavg()
         rows = SUITES[name].run(window_ms=args.window_ms)
-        print(f"== {name} ({platform.node()}, {os.cpu_count()} cores, load {load_before[0]:.2f} before)")
-        print(SUITES[name].table(rows))
+        table = SUITES[name].table(rows)
+        print(f"== {name} ({platform.node()}, {_machine()}, load {load_before[0]:.2f} before)")
+        print(table)
         RESULTS.mkdir(exist_ok=True)
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        figures = SUITES[name].as_json(rows)
         (RESULTS / f"{name}-{stamp}.json").write_text(
             json.dumps(
                 {
                     "suite": name,
                     "utc": stamp,
-                    "command": " ".join(["python -m benches", *sys.argv[1:]]),
+                    "command": command,
+                    "machine": _machine(),
                     "cpu_count": os.cpu_count(),
                     "loadavg_before": load_before,
                     "loadavg_after": os.getloadavg(),
-                    "rows": SUITES[name].as_json(rows),
+                    "rows": figures,
                 },
                 indent=2,
             )
         )
+        if name == "compare":
+            charts = write_charts(figures, RESULTS / f"{name}-{stamp}")
+            _update_readme(table, stamp, command, charts)
+            print(f"charts in {RESULTS / f'{name}-{stamp}'}; table in {BENCHES / 'README.md'}")
 
 
 if __name__ == "__main__":

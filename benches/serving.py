@@ -87,11 +87,15 @@ def _successes(url: str, model: str) -> int:
         client.close()
 
 
-def start_server(port: int, allow_client_shm: bool = False) -> subprocess.Popen[bytes]:
+def start_server(
+    port: int, allow_client_shm: bool = False, settings: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """`hloserve serve` on `port`, pinned to core 0; `settings` are HLOSERVE_* variables."""
     env = {
         **os.environ,
         "HLOSERVE_LOGGING_FORMAT": "json",
         "HLOSERVE_SERVER_ALLOW_CLIENT_SHM": str(allow_client_shm),
+        **(settings or {}),
     }
     command = [
         *_pin(0),

@@ -12,7 +12,6 @@ last column is the cold request's extra time over that raw put.
 
 from __future__ import annotations
 
-import os
 import tempfile
 import threading
 import time
@@ -23,6 +22,14 @@ from typing import Any
 import numpy as np
 
 from benches.serving import _free_port, install, start_server
+
+
+def platform() -> str:
+    """The platform to export for: this machine's (cuda on a GPU machine, else cpu)."""
+    from hloserve import _xla
+
+    return "cuda" if _xla.device().platform == "gpu" else "cpu"
+
 
 MODELS = 10
 WEIGHT_FLOATS = 2 << 20  # 8 MB of float32 per model
@@ -46,7 +53,15 @@ def _catalogue(directory: Path) -> None:
 
     for i in range(MODELS):
         params = {"big": np.full(WEIGHT_FLOATS, i, np.float32), "w": np.eye(16, 4, dtype=np.float32)}
-        export_bundle(model, params, [InputSpec("INPUT0", (16,))], directory / f"m{i}", batch_sizes=(1,))
+        export_bundle(
+            model,
+            params,
+            [InputSpec("INPUT0", (16,))],
+            directory / f"m{i}",
+            batch_sizes=(1,),
+            platform=platform(),
+            verify=False,  # a benchmark's synthetic catalogue
+        )
 
 
 def _load(url: str, seconds: float) -> tuple[int, int]:
@@ -96,21 +111,17 @@ def run_zipf() -> list[Row]:
             ("none (all resident)", None),
             ("1/10 of the catalogue", WEIGHT_FLOATS * 4 + 1024),
         ):
-            os.environ["HLOSERVE_SERVER_MODEL_REPOSITORY"] = str(repository)
-            if budget is None:
-                os.environ.pop("HLOSERVE_WEIGHTS_BUDGET_BYTES", None)
-            else:
-                os.environ["HLOSERVE_WEIGHTS_BUDGET_BYTES"] = str(budget)
+            settings = {"HLOSERVE_SERVER_MODEL_REPOSITORY": str(repository)}
+            if budget is not None:
+                settings["HLOSERVE_WEIGHTS_BUDGET_BYTES"] = str(budget)
             port = _free_port()
-            server = start_server(port)
+            server = start_server(port, settings=settings)
             try:
                 ok, errors = _load(f"127.0.0.1:{port}", SECONDS)
                 loads, evictions = _residency_counts(port)
             finally:
                 server.terminate()
                 server.wait(60)
-                os.environ.pop("HLOSERVE_SERVER_MODEL_REPOSITORY", None)
-                os.environ.pop("HLOSERVE_WEIGHTS_BUDGET_BYTES", None)
             rows.append(Row(label, ok / SECONDS, errors, loads, evictions))
     return rows
 
@@ -190,7 +201,13 @@ def run_cold(repeats: int = 5) -> list[ColdRow]:
                 "w": np.eye(16, 4, dtype=np.float32),
             }
             export_bundle(
-                model, params, [InputSpec("INPUT0", (16,))], repository / f"w{mb}", batch_sizes=(1,)
+                model,
+                params,
+                [InputSpec("INPUT0", (16,))],
+                repository / f"w{mb}",
+                batch_sizes=(1,),
+                platform=platform(),
+                verify=False,
             )
         raw = {}
         for mb in SIZES_MB:
@@ -204,10 +221,14 @@ def run_cold(repeats: int = 5) -> list[ColdRow]:
                 times.append(time.perf_counter() - started)
                 _xla.free(placed)
             raw[mb] = stats.median(times) * 1e3
-        os.environ["HLOSERVE_SERVER_MODEL_REPOSITORY"] = str(repository)
-        os.environ["HLOSERVE_WEIGHTS_BUDGET_BYTES"] = "1"  # every load evicts whatever else is there
         port = _free_port()
-        server = start_server(port)
+        server = start_server(  # a budget of 1 byte: every load evicts whatever else is there
+            port,
+            settings={
+                "HLOSERVE_SERVER_MODEL_REPOSITORY": str(repository),
+                "HLOSERVE_WEIGHTS_BUDGET_BYTES": "1",
+            },
+        )
         try:
             client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
             tensor = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
@@ -229,8 +250,6 @@ def run_cold(repeats: int = 5) -> list[ColdRow]:
         finally:
             server.terminate()
             server.wait(60)
-            os.environ.pop("HLOSERVE_SERVER_MODEL_REPOSITORY", None)
-            os.environ.pop("HLOSERVE_WEIGHTS_BUDGET_BYTES", None)
     return rows
 
 
