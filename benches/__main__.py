@@ -56,11 +56,16 @@ def _update_readme(table: str, stamp: str, command: str, charts: list[Path]) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benches", description=__doc__.splitlines()[0])
-    parser.add_argument("suites", nargs="*", default=["compare"], choices=list(SUITES))
+    parser.add_argument(
+        "suites", nargs="*", metavar="SUITE", help=f"any of {', '.join(SUITES)} (default: compare)"
+    )
     parser.add_argument("--window-ms", type=int, default=3000, help="perf_analyzer measurement window")
     args = parser.parse_args()
+    unknown = [name for name in args.suites if name not in SUITES]
+    if unknown:
+        parser.error(f"unknown suite(s) {unknown}; expected any of {list(SUITES)}")
     command = " ".join(["python -m benches", *sys.argv[1:]])
-    for name in args.suites:
+    for name in args.suites or ["compare"]:
         load_before = os.getloadavg()
         rows = SUITES[name].run(window_ms=args.window_ms)
         table = SUITES[name].table(rows)
