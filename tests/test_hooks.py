@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from bundle_fixtures import PARAMS, affine, edit_manifest, write_affine
-from conftest import ServerThread, make_config
+from conftest import EXAMPLES, ServerThread, make_config
 from export_examples import reference
 from tritonclient.utils import InferenceServerException
 
@@ -178,3 +178,4 @@ def test_the_severity_grader_grades_as_the_reference(triton: Any) -> None:
     want = np.array([[next((i for i, v in enumerate(row) if v <= 0), len(row))] for row in logits])
     np.testing.assert_array_equal(grade, want)
     assert grade.dtype == np.int64 and len(set(grade.ravel())) > 2  # the images reach several grades
+    assert not (EXAMPLES / "severity_grader" / "__pycache__").exists()  # nothing written into bundles

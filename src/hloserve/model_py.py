@@ -19,8 +19,8 @@ replaces what it registered.
 from __future__ import annotations
 
 import contextvars
-import importlib.util
 import sys
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,16 +116,17 @@ def load_model_py(bundle: str, path: Path) -> Registration:
     nothing. Blocking (imports may be slow): call it in a worker thread.
     """
     module_name = f"hloserve_bundles.{bundle}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise BundleError(bundle, FILE, None, "cannot be loaded as a Python module")
-    module = importlib.util.module_from_spec(spec)
+    module = types.ModuleType(module_name)
+    module.__file__ = str(path)
     loading = _Loading(bundle)
     token = _loading.set(loading)
     previous = sys.modules.get(module_name)
     sys.modules[module_name] = module  # dataclasses and pickling look their module up here
     try:
-        spec.loader.exec_module(module)
+        # Compiled from the source each time, never from a cached .pyc: an edit within the same
+        # second that keeps the size would otherwise be served stale, and no __pycache__ folder
+        # is left in the bundle.
+        exec(compile(path.read_bytes(), str(path), "exec"), module.__dict__)
     except Exception as e:
         if previous is not None:
             sys.modules[module_name] = previous
