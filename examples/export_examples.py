@@ -16,13 +16,11 @@ The functions and parameters are importable, so tests compare the server with JA
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 from hloserve.export import InputSpec, OutputSpec, export_bundle
 
@@ -53,7 +51,6 @@ SEVERITY_PARAMS = {
     "kernel": np.random.RandomState(5).standard_normal((784, 9)).astype(np.float32),
     "bias": np.linspace(2.5, -2.5, 9, dtype=np.float32),
 }
-SEVERITY_CLIENT_OUTPUTS = [{"name": "grade", "dtype": "i64", "shape": "yn", "dims": {"y": 1}}]
 
 
 def mlp(params: Any, x: Any) -> Any:
@@ -117,7 +114,7 @@ MODELS: dict[str, dict[str, Any]] = {
         "outputs": [OutputSpec("OUTPUT__0", letters="z")],
         "batch_sizes": [1, 3, 6],
         "description": "the seeds' severity grader: CORAL logits, graded by model.py",
-        "client_outputs": SEVERITY_CLIENT_OUTPUTS,
+        "client_outputs": [InputSpec("grade", (1,), np.int64, letters="y")],  # made by its model.py
     },
 }
 
@@ -138,14 +135,10 @@ def export_all(repository: Path = REPOSITORY) -> None:
             batch_sizes=spec["batch_sizes"],
             outputs=spec["outputs"],
             description=spec["description"],
+            client_outputs=spec.get("client_outputs"),
+            # the hand-written model.py kept in the shipped bundle
+            model_py=REPOSITORY / name / "model.py" if "client_outputs" in spec else None,
         )
-        if "client_outputs" in spec:  # its hand-written model.py (kept in the repository) makes them
-            manifest_path = repository / name / "manifest.yaml"
-            manifest = yaml.safe_load(manifest_path.read_text())
-            manifest["client_outputs"] = spec["client_outputs"]
-            manifest_path.write_text(yaml.safe_dump(manifest, sort_keys=False))
-            if repository != REPOSITORY:
-                shutil.copyfile(REPOSITORY / name / "model.py", repository / name / "model.py")
 
 
 if __name__ == "__main__":
