@@ -30,7 +30,7 @@ from hloserve.actors.dispatcher import Dispatcher
 from hloserve.actors.messages import AddModel, Compact, Compacted, RemoveModel, SetPolicy, SetResidency
 from hloserve.actors.model_queue import ModelQueue, ModelQueueHandle, QueueSettings
 from hloserve.actors.weight_cache import WeightCache
-from hloserve.budget import scratch_of, weight_budget
+from hloserve.budget import resolve_budget
 from hloserve.buffer_pool import BufferPool
 from hloserve.bundle import MODEL_PY, Bundle, discover, load_bundle, read_weights
 from hloserve.compiled import CompiledModel, compile_bundle
@@ -299,49 +299,6 @@ def _load(bundle: Bundle, cache: ExecutableCache | None) -> _Loaded:
     return _Loaded(compiled, costs, registration, None if stats is None else stats.get("peak_bytes_in_use"))
 
 
-def _resolve_budget(config: Config, loaded: dict[str, _Loaded]) -> int | None:
-    """The on-demand weight budget: configured, or sized from the arena by the seeds' formula
-    (scratch from the allocator's peaks on a GPU, from the executables' memory analysis where the
-    backend keeps no statistics); None when there is neither (every model stays resident)."""
-    weights = config.weights
-    if weights.budget_bytes is not None:
-        return weights.budget_bytes
-    limit = (_xla.memory_stats() or {}).get("bytes_limit")
-    arena = weights.arena_bytes if weights.arena_bytes is not None else limit
-    if arena is None or weights.fraction == 0:
-        log.info("weight cache off: every model stays resident", arena_bytes=arena, fraction=weights.fraction)
-        return None
-    models = [(m.compiled, m.peak_bytes) for m in loaded.values() if m.compiled is not None]
-    compiled = [c for c, _ in models]
-    peaks = [(c.bundle.weight_nbytes, peak) for c, peak in models if peak is not None]
-    measured = bool(models) and len(peaks) == len(models)
-    if measured:
-        max_scratch = scratch_of(peaks)
-    else:
-        max_scratch = max((c.scratch_bytes for c in compiled), default=0)
-    floors = config.scheduler.models
-    pinned = sum(
-        c.bundle.weight_nbytes for c in compiled if floors.get(c.name, ModelSettings()).floor == "device"
-    )
-    budget = weight_budget(arena, weights.fraction, weights.wiggle, max_scratch, pinned)
-    report = {
-        "arena_bytes": arena,
-        "arena_from": "configured" if weights.arena_bytes is not None else "allocator limit",
-        "max_scratch_bytes": max_scratch,
-        "scratch_from": "allocator peaks" if measured else "executables' memory analysis",
-        "pinned_bytes": pinned,
-        "weight_pool_bytes": budget.weight_pool,
-        "on_demand_bytes": budget.on_demand,
-    }
-    if budget.pinned_over_commit:
-        log.warning("pinned weights exceed the weight pool: nothing loads on demand", **report)
-    elif budget.on_demand == 0:
-        log.warning("no room for weights on demand: scratch and pinned weights fill the arena", **report)
-    else:
-        log.info("weight budget resolved", **report)
-    return budget.on_demand
-
-
 async def _load_repository(
     repository: Path, cache: ExecutableCache | None
 ) -> tuple[dict[str, ModelEntry], dict[str, _Loaded]]:
@@ -410,7 +367,9 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
     statistics = Statistics()
     scheduler = config.scheduler
     compiled_models = {n: m.compiled for n, m in loaded.items() if m.compiled is not None}
-    budget_bytes = _resolve_budget(config, loaded)
+    budget_bytes = resolve_budget(
+        config, [(m.compiled, m.peak_bytes) for m in loaded.values() if m.compiled is not None]
+    )
     weight_cache = WeightCache(
         {n: m.bundle for n, m in compiled_models.items()},
         {n: scheduler.models.get(n, ModelSettings()).floor for n in loaded},
