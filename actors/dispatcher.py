@@ -100,6 +100,7 @@ class Dispatcher:
         task_status.started()
         async with self._inbox:
             while True:
+                await self._gather_arrivals()
                 self._drain_inbox()
                 while self._state.for_weight_cache:  # control first: between executions, never during one
                     assert self._weights is not None
@@ -109,7 +110,6 @@ class Dispatcher:
                 while self._state.retiring:
                     old, successor = self._state.retiring.pop(0)
                     await old.retire(successor)
-                await self._gather_arrivals()
                 model = self._select()
                 if model is None:
                     await self._wait_for_work()
@@ -209,8 +209,9 @@ class Dispatcher:
         log.info("model removed", model=message.name)
 
     async def _gather_arrivals(self) -> None:
-        """Let the event loop run a few passes before choosing, so that requests whose bytes have
-        already arrived are parsed and queued, and join the batch instead of waiting for the next.
+        """Let the event loop run a few passes before each turn, so that requests whose bytes have
+        already arrived are parsed and queued, and join the batch instead of waiting for the next
+        (the turn then drains the inbox, applies control, and chooses).
 
         The front end shares this thread; without this the dispatcher takes each request the moment
         it is queued (about 1.1 rows per execution at concurrency 16). Each pass is one poll of the
@@ -218,7 +219,6 @@ class Dispatcher:
         """
         for _ in range(self._gather_passes):
             await trio.lowlevel.cancel_shielded_checkpoint()
-            self._drain_inbox()
 
     def _select(self) -> str | None:
         now = time.monotonic()

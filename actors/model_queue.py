@@ -30,27 +30,38 @@ __all__ = ["ModelQueue", "ModelQueueHandle", "QueueSettings"]
 class ModelQueueHandle:
     """The only way to reach a ModelQueue; made by the actor, not by callers."""
 
-    __slots__ = ("_send", "model")
+    __slots__ = ("_send", "_successor", "model")
 
     def __init__(self, model: str, send: trio.MemorySendChannel[Infer | Take | Withdraw]) -> None:
         self.model = model
         self._send = send
+        self._successor: ModelQueueHandle | None = None
 
     def submit_nowait(self, request: Infer) -> None:
-        """Queue a request without waiting; QueueFull when the inbox itself is full."""
+        """Queue a request without waiting; QueueFull when the inbox itself is full. A request
+        for a queue that handed over to a reloaded model's queue goes there."""
         try:
             self._send.send_nowait(request)
         except trio.WouldBlock:
             raise QueueFull(self.model, self._send.statistics().current_buffer_used) from None
         except (trio.ClosedResourceError, trio.BrokenResourceError):
-            raise ShuttingDown() from None
+            if self._successor is None:
+                raise ShuttingDown() from None
+            self._successor.submit_nowait(request)
 
     def withdraw_nowait(self, request: Infer) -> None:
         """Forget a request whose client went away (best effort: a full inbox skips it)."""
         try:
             self._send.send_nowait(Withdraw(request))
-        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+        except trio.WouldBlock:
             pass  # it will be skipped when it reaches the front
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            if self._successor is not None:
+                self._successor.withdraw_nowait(request)
+
+    def forward_to(self, successor: ModelQueueHandle) -> None:
+        """From now on, send what arrives to `successor` (the queue of a reloaded model)."""
+        self._successor = successor
 
     async def take(self, message: Take) -> None:
         await self._send.send(message)
@@ -107,9 +118,10 @@ class ModelQueue:
         self._send, self._receive = trio.open_memory_channel[Infer | Take | Withdraw](
             max(64, settings.max_depth)
         )
+        self._handle = ModelQueueHandle(model, self._send.clone())
 
     async def run(self, *, task_status: trio.TaskStatus[ModelQueueHandle] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started(ModelQueueHandle(self.model, self._send.clone()))
+        task_status.started(self._handle)
         try:
             async for message in self._receive:
                 match message:
@@ -131,7 +143,9 @@ class ModelQueue:
             self._fail_everything(ShuttingDown())  # after Retire: nothing left, a no-op
 
     def _hand_over(self, successor: ModelQueueHandle) -> None:
-        """Pass every queued request, in order, to the queue of the model's new version."""
+        """Pass every queued request, in order, to the queue of the model's new version, and
+        have this queue's handle send there what still arrives (a request that was in a hook)."""
+        self._handle.forward_to(successor)
         for request in self._close():
             try:
                 successor.submit_nowait(request)

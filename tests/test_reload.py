@@ -19,8 +19,16 @@ from tritonclient.utils import InferenceServerException
 
 X = np.arange(4, dtype=np.float32).reshape(1, 4)
 SCALED_PY = """
+import time
 from hloserve import NamedTensor, register_model
-register_model("scaled", postprocess=lambda outputs: [NamedTensor("OUTPUT", outputs[0].data * {factor})])
+
+def preprocess(inputs):
+    time.sleep(0.02)  # requests spend their time here, so a reload finds some of them inside
+    return inputs
+
+register_model(
+    "scaled", preprocess=preprocess, postprocess=lambda outputs: [NamedTensor("OUTPUT", outputs[0].data * {factor})]
+)
 """
 
 
@@ -38,7 +46,7 @@ def _eventually(check: Callable[[], bool], within_s: float = 10.0) -> None:
 
 
 @pytest.fixture(name="live")
-def _live(tmp_path: Path) -> Iterator[tuple[Path, Any]]:
+def _live(tmp_path: Path) -> Iterator[tuple[Path, Any, str]]:
     """A watched repository (`scaled` with a model.py, `steady` hammered by a background client)."""
     write_affine(tmp_path / "steady")
     write_affine(tmp_path / "scaled")
@@ -59,7 +67,7 @@ def _live(tmp_path: Path) -> Iterator[tuple[Path, Any]]:
 
     background = threading.Thread(target=hammer)
     background.start()
-    yield tmp_path, client
+    yield tmp_path, client, server.url
     stop.set()
     background.join(30)
     client.close()
@@ -75,14 +83,14 @@ def _is(value: np.ndarray, want: np.ndarray) -> bool:
 
 
 def test_an_edited_model_py_re_registers_its_hooks(live: Any) -> None:
-    path, client = live
+    path, client, _ = live
     assert _is(_infer(client, "scaled"), affine(PARAMS, X) * 2)
     (path / "scaled" / "model.py").write_text(SCALED_PY.format(factor=3))
     _eventually(lambda: _is(_infer(client, "scaled"), affine(PARAMS, X) * 3))
 
 
 def test_a_broken_model_py_keeps_the_old_hooks_until_it_is_fixed(live: Any) -> None:
-    path, client = live
+    path, client, _ = live
     (path / "scaled" / "model.py").write_text("raise SyntaxError('half an edit')\n")
     time.sleep(1.0)  # 20 polls: long past the debounce
     assert _is(_infer(client, "scaled"), affine(PARAMS, X) * 2)
@@ -91,17 +99,40 @@ def test_a_broken_model_py_keeps_the_old_hooks_until_it_is_fixed(live: Any) -> N
     _eventually(lambda: _is(_infer(client, "scaled"), affine(PARAMS, X) * 5))
 
 
-def test_changed_weights_reload_the_bundle(live: Any) -> None:
-    path, client = live
+def test_changed_weights_reload_the_bundle_while_its_own_clients_keep_going(live: Any) -> None:
+    path, client, url = live
     doubled = {"b": PARAMS["b"] * 2, "w": PARAMS["w"] * 2}
+    old, new = affine(PARAMS, X) * 2, affine(doubled, X) * 2
+    stop, answers, failures = threading.Event(), [], []
+
+    def hammer() -> None:  # requests in flight (some inside the hook) as the model is swapped
+        own = grpcclient.InferenceServerClient(url)
+        while not stop.is_set() and len(answers) < 20_000:
+            try:
+                answers.append(_infer(own, "scaled"))
+            except InferenceServerException as e:
+                failures.append(e)
+        own.close()
+
+    threads = [threading.Thread(target=hammer) for _ in range(3)]
+    for thread in threads:
+        thread.start()
     save_file(
         doubled, str(path / "scaled" / "weights.safetensors"), metadata={"argument_order": '["b", "w"]'}
     )
-    _eventually(lambda: _is(_infer(client, "scaled"), affine(doubled, X) * 2))
+    try:
+        _eventually(lambda: _is(_infer(client, "scaled"), new))
+        time.sleep(0.2)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+    assert not failures, f"{len(failures)} requests to the reloaded model failed: {failures[:1]}"
+    assert all(_is(a, old) or _is(a, new) for a in answers) and any(_is(a, new) for a in answers)
 
 
 def test_added_and_removed_bundles_load_and_unload(live: Any) -> None:
-    path, client = live
+    path, client, _ = live
     write_affine(path / "added")
     _eventually(lambda: client.is_model_ready("added"))
     assert _is(_infer(client, "added"), affine(PARAMS, X))
