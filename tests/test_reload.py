@@ -26,9 +26,10 @@ def preprocess(inputs):
     time.sleep(0.02)  # requests spend their time here, so a reload finds some of them inside
     return inputs
 
-register_model(
-    "scaled", preprocess=preprocess, postprocess=lambda outputs: [NamedTensor("OUTPUT", outputs[0].data * {factor})]
-)
+def postprocess(outputs):
+    return [NamedTensor("OUTPUT", outputs[0].data * {factor})]
+
+register_model("scaled", preprocess=preprocess, postprocess=postprocess)
 """
 
 
