@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 import trio_asyncio
@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from hloserve.worker import ModelEntry, Worker
 
 __all__ = ["EXTENSIONS", "InferenceService"]
+
+T = TypeVar("T")
 
 EXTENSIONS = ("model_configuration", "statistics", "system_shared_memory")
 """Triton protocol extensions hloserve implements, reported by ServerMetadata."""
@@ -180,7 +182,9 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
                 infer_meta = trio_asyncio.trio_as_aio(self._metas.infer)
                 outputs = await infer_meta(entry, decoded.inputs, decoded.rows, deadline)
             elif hooks is not None:
-                inputs, rows = await _in_thread(to_executable, entry.name, manifest, hooks, decoded.inputs)
+                inputs, rows = await _run_hook(
+                    hooks.preprocess, to_executable, entry.name, manifest, hooks, decoded.inputs
+                )
                 if entry.max_rows is not None and rows > entry.max_rows:
                     raise InvalidInput(
                         entry.name,
@@ -188,7 +192,9 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
                     )
                 every = list(range(len(manifest.executable_outputs)))
                 outputs = await self._execute(entry, inputs, rows, every, deadline, now)
-                outputs = await _in_thread(to_client, entry.name, manifest, hooks, outputs, decoded.rows)
+                outputs = await _run_hook(
+                    hooks.postprocess, to_client, entry.name, manifest, hooks, outputs, decoded.rows
+                )
             else:
                 outputs = await self._execute(
                     entry, decoded.inputs, decoded.rows, decoded.outputs, deadline, now
@@ -434,7 +440,12 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
 
 
 _in_thread = trio_asyncio.trio_as_aio(trio.to_thread.run_sync)
-"""Run blocking Python (model.py hooks) in a worker thread from a handler."""
+
+
+async def _run_hook(hook: object, step: Callable[..., T], *args: Any) -> T:
+    """A pipeline step: in a worker thread when it runs a hook (arbitrary, blocking Python),
+    inline when the hook is omitted and the step only checks tensors."""
+    return await _in_thread(step, *args) if hook is not None else step(*args)
 
 
 def _platform() -> str:
