@@ -160,9 +160,9 @@ class SchedulerConfig:
     cost_ema_alpha: float = 0.2
     compaction_interval: int = 0
     """Compact the device's weights after this many loads (0: never)."""
-    gather_passes: int = 8
-    """Event-loop passes the dispatcher lets run before choosing a batch, so that requests already
-    received are queued and coalesced with it (0: choose at once)."""
+    gather_passes: int = 32
+    """At most this many event-loop passes before the dispatcher chooses a batch, while requests
+    keep arriving, so that those already received are coalesced with it (0: choose at once)."""
     models: Mapping[str, ModelSettings] = field(default_factory=dict)
 
     def validate(self) -> None:
