@@ -39,6 +39,17 @@ def _infer(client: Any, model: str) -> np.ndarray:
     return client.infer(model, [tensor]).as_numpy("OUTPUT")
 
 
+def _hammer(url: str, model: str, stop: threading.Event, answers: list[Any], failures: list[Any]) -> None:
+    """Send requests to `model` until `stop` (at most 20000), recording answers and failures."""
+    client = grpcclient.InferenceServerClient(url)
+    while not stop.is_set() and len(answers) < 20_000:
+        try:
+            answers.append(_infer(client, model))
+        except InferenceServerException as e:
+            failures.append(e)
+    client.close()
+
+
 def _eventually(check: Callable[[], bool], within_s: float = 10.0) -> None:
     give_up = time.monotonic() + within_s
     while not check():
@@ -56,17 +67,7 @@ def _live(tmp_path: Path) -> Iterator[tuple[Path, Any, str]]:
     server = ServerThread(config).start()
     client = grpcclient.InferenceServerClient(server.url)
     stop, failures, served = threading.Event(), [], []
-
-    def hammer() -> None:
-        own = grpcclient.InferenceServerClient(server.url)
-        while not stop.is_set() and len(served) < 20_000:
-            try:
-                served.append(_infer(own, "steady"))
-            except InferenceServerException as e:
-                failures.append(e)
-        own.close()
-
-    background = threading.Thread(target=hammer)
+    background = threading.Thread(target=_hammer, args=(server.url, "steady", stop, served, failures))
     background.start()
     yield tmp_path, client, server.url
     stop.set()
@@ -105,17 +106,10 @@ def test_changed_weights_reload_the_bundle_while_its_own_clients_keep_going(live
     doubled = {"b": PARAMS["b"] * 2, "w": PARAMS["w"] * 2}
     old, new = affine(PARAMS, X) * 2, affine(doubled, X) * 2
     stop, answers, failures = threading.Event(), [], []
-
-    def hammer() -> None:  # requests in flight (some inside the hook) as the model is swapped
-        own = grpcclient.InferenceServerClient(url)
-        while not stop.is_set() and len(answers) < 20_000:
-            try:
-                answers.append(_infer(own, "scaled"))
-            except InferenceServerException as e:
-                failures.append(e)
-        own.close()
-
-    threads = [threading.Thread(target=hammer) for _ in range(3)]
+    # requests in flight (some inside the slow hook) as the model is swapped
+    threads = [
+        threading.Thread(target=_hammer, args=(url, "scaled", stop, answers, failures)) for _ in range(3)
+    ]
     for thread in threads:
         thread.start()
     save_file(
