@@ -33,6 +33,25 @@ def write_affine(directory: Path, batch_sizes: tuple[int, ...] = (1, 2)) -> Path
     )
 
 
+def write_total(directory: Path) -> Path:
+    """A bundle whose output has no batch axis, `TOTAL = X.sum(axis=0)`: X [n, 4] → TOTAL [4],
+    compiled for 1 and 2 rows; its outputs cannot be joined, so 2 rows is the most it runs."""
+    import jax
+
+    directory.mkdir(parents=True)
+    for size in (1, 2):
+        spec = jax.ShapeDtypeStruct((size, 4), np.float32)
+        (directory / f"model.b{size}.mlir").write_text(jax.jit(lambda x: x.sum(axis=0)).lower(spec).as_text())
+    manifest = {
+        "format_version": "2.0",
+        "executable_inputs": [{"name": "X", "dtype": "f32", "shape": "fn", "dims": {"f": 4}}],
+        "executable_outputs": [{"name": "TOTAL", "dtype": "f32", "shape": "f", "dims": {"f": 4}}],
+        "batching": {"compiled_batch_sizes": [1, 2]},
+    }
+    (directory / "manifest.yaml").write_text(yaml.safe_dump(manifest))
+    return directory
+
+
 def edit_manifest(directory: Path, change: Callable[[dict[str, Any]], None]) -> None:
     path = directory / "manifest.yaml"
     manifest = yaml.safe_load(path.read_text())

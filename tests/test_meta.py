@@ -13,7 +13,7 @@ import pytest
 import trio
 import tritonclient.grpc as grpcclient
 import yaml
-from bundle_fixtures import PARAMS, affine, write_affine
+from bundle_fixtures import PARAMS, affine, write_affine, write_total
 from conftest import ServerThread, make_config
 from hloserve.actors.messages import Batch, Infer, Take
 from hloserve.actors.model_queue import ModelQueue, QueueSettings
@@ -69,6 +69,18 @@ def run(inputs, call):
 register_meta_model("scratchy", run=run)
 """
 
+TOTALS_PY = """
+import numpy as np
+from hloserve import NamedTensor, register_meta_model
+
+def run(inputs, call):
+    x = inputs[0].data
+    total = call("total", [NamedTensor("X", x)])[0].data  # no batch axis: at most 2 rows per call
+    return [NamedTensor("score", np.tile(total, (len(x), 1)))]
+
+register_meta_model("totals", run=run)
+"""
+
 NESTED_PY = """
 from hloserve import register_meta_model
 register_meta_model("nested", run=lambda inputs, call: call("cascade", inputs))
@@ -101,6 +113,8 @@ def _metas(tmp_path_factory: pytest.TempPathFactory) -> Any:
     _meta(repository / "slow", ["first"], SLOW_PY, {"score": ("f32", 3)})
     _meta(repository / "scratchy", ["first"], SCRATCH_PY, {"score": ("f32", 3)})
     _meta(repository / "nested", ["cascade"], NESTED_PY, {"score": ("f32", 3), "path": ("i64", 1)})
+    write_total(repository / "total")
+    _meta(repository / "totals", ["total"], TOTALS_PY, {"score": ("f32", 4)})
     config = make_config(repository, meta_concurrency=1, meta_scratch_bytes=1 << 16, meta_scratch_slots=4)
     server = ServerThread(config).start()
     yield server
@@ -230,6 +244,19 @@ def test_a_meta_may_not_call_a_meta_and_its_parts_are_not_listed(client: Any) ->
         ("path", "INT64", [-1, 1]),
     ]
     assert client.get_model_config("cascade").config.backend == "python"
+
+
+def test_a_call_with_more_rows_than_the_model_can_run_is_refused_and_serving_goes_on(client: Any) -> None:
+    with pytest.raises(InferenceServerException) as raised:
+        _infer(client, "totals", np.ones((3, 4), np.float32))
+    assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
+    message = raised.value.message()
+    assert "'total'" in message and "meta model 'totals' made 3 rows" in message
+    assert "largest compiled batch size is 2" in message
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    np.testing.assert_array_equal(
+        _infer(client, "totals", x).as_numpy("score"), np.tile(x.sum(axis=0), (2, 1))
+    )
 
 
 def test_meta_statistics_count_requests(client: Any) -> None:

@@ -10,6 +10,7 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from bundle_fixtures import write_total
 from conftest import ServerThread, make_config
 from export_examples import reference
 from tritonclient.grpc import service_pb2, service_pb2_grpc
@@ -292,21 +293,7 @@ class TestBadInput:
 
 def test_a_model_whose_outputs_cannot_be_joined_refuses_a_batch_larger_than_its_sizes(tmp_path: Path) -> None:
     """A batch total (no batch axis on the output) cannot be split: too many rows is INVALID_ARGUMENT."""
-    import jax
-    import yaml
-
-    directory = tmp_path / "total"
-    directory.mkdir()
-    for size in (1, 2):
-        spec = jax.ShapeDtypeStruct((size, 4), np.float32)
-        (directory / f"model.b{size}.mlir").write_text(jax.jit(lambda x: x.sum(axis=0)).lower(spec).as_text())
-    manifest = {
-        "format_version": "2.0",
-        "executable_inputs": [{"name": "X", "dtype": "f32", "shape": "fn", "dims": {"f": 4}}],
-        "executable_outputs": [{"name": "TOTAL", "dtype": "f32", "shape": "f", "dims": {"f": 4}}],
-        "batching": {"compiled_batch_sizes": [1, 2]},
-    }
-    (directory / "manifest.yaml").write_text(yaml.safe_dump(manifest))
+    write_total(tmp_path / "total")
     server = ServerThread(make_config(tmp_path)).start()
     try:
         client = grpcclient.InferenceServerClient(server.url)

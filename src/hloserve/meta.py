@@ -110,6 +110,7 @@ class Call:
             arrays, executable_rows = to_executable(model, manifest, hooks, arrays)
         else:
             executable_rows = rows
+        entry.check_rows(executable_rows, f"a call from meta model {self._meta!r}")
         reply: concurrent.futures.Future[list[np.ndarray]] = concurrent.futures.Future()
         request = Infer(
             model,
@@ -128,7 +129,8 @@ class Call:
             trio.from_thread.run_sync(entry.queue.withdraw_nowait, request, trio_token=self._token)
             raise DeadlineExceeded(model, 0.0) from None
         if hooks is not None:
-            result = [to_client(model, manifest, hooks, result, rows)[i] for i in selected]
+            client = to_client(model, manifest, hooks, result, rows)  # postprocess runs once
+            result = [client[i] for i in selected]
         return named([manifest.outputs[i] for i in selected], result)
 
     def scratch(self, shape: Any, dtype: Any = None) -> Any:

@@ -29,7 +29,7 @@ from hloserve._status import to_grpc_error
 from hloserve.actors.messages import Infer
 from hloserve.codec import decode_request, encode_response, request_deadline
 from hloserve.config import Config
-from hloserve.errors import InvalidInput, ModelNotFound, ModelNotReady, Overloaded, ShmDisabled, Unimplemented
+from hloserve.errors import ModelNotFound, ModelNotReady, Overloaded, ShmDisabled, Unimplemented
 from hloserve.manifest import TensorSpec
 from hloserve.meta import MetaModels
 from hloserve.metrics import Metrics
@@ -185,11 +185,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
                 inputs, rows = await _run_hook(
                     hooks.preprocess, to_executable, entry.name, manifest, hooks, decoded.inputs
                 )
-                if entry.max_rows is not None and rows > entry.max_rows:
-                    raise InvalidInput(
-                        entry.name,
-                        f"preprocess made {rows} rows; the largest compiled batch size is {entry.max_rows}",
-                    )
+                entry.check_rows(rows, "preprocess")
                 every = list(range(len(manifest.executable_outputs)))
                 outputs = await self._execute(entry, inputs, rows, every, deadline, now)
                 outputs = await _run_hook(

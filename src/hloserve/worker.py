@@ -93,6 +93,16 @@ class ModelEntry:
             return None
         return compiled.batch_sizes[-1]
 
+    def check_rows(self, rows: int, source: str) -> None:
+        """InvalidInput unless one request of `rows` executable rows (made by `source`: a hook,
+        a meta model's call) can be queued; the request decoder checks the client's own."""
+        if rows == 0:
+            raise InvalidInput(self.name, f"{source} made a batch of 0 rows")
+        if self.max_rows is not None and rows > self.max_rows:
+            raise InvalidInput(
+                self.name, f"{source} made {rows} rows; the largest compiled batch size is {self.max_rows}"
+            )
+
 
 @dataclass(slots=True)
 class Worker:
@@ -361,15 +371,13 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
     if server_config.cache_executables:
         cache = ExecutableCache(server_config.executable_cache or default_directory())
     entries, found = await _load_repository(server_config.model_repository, cache)
-    loaded = {n: m for n, m in found.items() if m.compiled is not None and entries[n].error is None}
+    loaded = {n: m for n, m in found.items() if m.compiled is not None}
     if cache is not None:
         log.info("executable cache", directory=str(cache.directory), hits=cache.hits, compiled=cache.misses)
     statistics = Statistics()
     scheduler = config.scheduler
     compiled_models = {n: m.compiled for n, m in loaded.items() if m.compiled is not None}
-    budget_bytes = resolve_budget(
-        config, [(m.compiled, m.peak_bytes) for m in loaded.values() if m.compiled is not None]
-    )
+    budget_bytes = resolve_budget(config, [(compiled_models[n], m.peak_bytes) for n, m in loaded.items()])
     weight_cache = WeightCache(
         {n: m.bundle for n, m in compiled_models.items()},
         {n: scheduler.models.get(n, ModelSettings()).floor for n in loaded},
