@@ -127,3 +127,18 @@ def test_scratch_arrays_alias_the_shared_memory() -> None:
         assert not os.path.exists(f"/dev/shm{key}")
 
     trio.run(main)
+
+
+def test_span_for_is_enough_slots_for_scratch_to_carve() -> None:
+    async def main() -> None:
+        with BufferPool(1024, n_slots=8, use_shm=False) as pool:  # 128-byte slots
+            assert pool.span_for([((10,), np.float32)]) == 1  # 40 bytes + alignment
+            specs = [((100,), np.float32), ((3, 5), np.int64)]  # 400 + 120 bytes, each aligned
+            span = pool.span_for(specs)
+            assert span == 6  # (400 + 64 + 120 + 64) / 128, rounded up: each array's pad counted
+            slot = await pool.acquire_slot(span)
+            a, b = pool.scratch(slot, specs)
+            assert a.shape == (100,) and b.shape == (3, 5)
+            assert pool.array_offset(b) + b.nbytes <= slot.offset + slot.nbytes
+
+    trio.run(main)

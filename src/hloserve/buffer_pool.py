@@ -192,6 +192,15 @@ class BufferPool:
         slot.cursor = cursor
         return arrays
 
+    def span_for(self, specs: Sequence[tuple[Sequence[int] | int, Any]]) -> int:
+        """Enough contiguous slots for `scratch` to carve `specs` ((shape, dtype) pairs): each
+        array is counted with a whole alignment pad, so this is a bound, not the exact fit."""
+        nbytes = sum(
+            int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize + _ALIGNMENT
+            for shape, dtype in specs
+        )
+        return max(1, -(-nbytes // self.slot_bytes))
+
     def array_offset(self, array: np.ndarray) -> int:
         """The byte offset in the pool of an array carved by `scratch`."""
         return int(array.ctypes.data - self._memory.ctypes.data)

@@ -35,8 +35,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Call", "MetaModels"]
 
-_ALIGNMENT = 64
-
 
 def _trio_time(deadline: float | None) -> float:
     """A `time.monotonic()` deadline on trio's clock."""
@@ -146,10 +144,7 @@ class Call:
             arrays = [np.empty(s, dtype=np.dtype(d)) for s, d in specs]
         else:
             pool = self._pool
-            nbytes = sum(
-                int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize + _ALIGNMENT for s, d in specs
-            )
-            span = max(1, -(-nbytes // pool.slot_bytes))
+            span = pool.span_for(specs)
             try:
                 self.slot = trio.from_thread.run(
                     pool.acquire_slot, span, _trio_time(self._deadline), trio_token=self._token
