@@ -104,8 +104,9 @@ class RepositoryWatcher:
                     await worker.unload_model(name)
                 return
             entry = worker.models.get(name)
-            changed = {f for f in set(after) | set(before or {}) if after.get(f) != (before or {}).get(f)}
-            if changed == {MODEL_PY} and entry is not None and entry.ready and before and MODEL_PY in before:
+            previous = before or {}
+            changed = {f for f in set(after) | set(previous) if after.get(f) != previous.get(f)}
+            if changed == {MODEL_PY} and MODEL_PY in previous and entry is not None and entry.ready:
                 await worker.reload_model_py(name)
             else:
                 await worker.load_model(name)
