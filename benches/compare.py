@@ -20,7 +20,6 @@ from __future__ import annotations
 import importlib
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ from benches.loadgen import python_loop
 from benches.machine import quiet_wait
 from benches.serving import _cpu_seconds, _free_port, _pin, install, start_server
 from benches.weight_cache import MODELS as CATALOGUE_SIZE
-from benches.weight_cache import WEIGHT_FLOATS, _catalogue
+from benches.weight_cache import WEIGHT_FLOATS, _catalogue, cold_and_warm
 
 SERVERS = ("hloserve", "triton", "mlserver", "kserve")
 PEERS = {
@@ -140,8 +139,6 @@ def _measure_loop(
 
 def _cold_load(seconds_between: float = 0.2, repeats: int = 7) -> list[Figure]:
     """hloserve alone: the request to a model just evicted against the same request warm."""
-    import tritonclient.grpc as grpcclient
-
     with tempfile.TemporaryDirectory() as tmp:
         repository = Path(tmp) / "catalogue"
         _catalogue(repository)
@@ -154,25 +151,10 @@ def _cold_load(seconds_between: float = 0.2, repeats: int = 7) -> list[Figure]:
                 "HLOSERVE_WEIGHTS_BUDGET_BYTES": budget,
             },
         )
-        client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
-        tensor = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
-        tensor.set_data_from_numpy(np.ones((1, 16), np.float32))
-
-        def timed(model: str) -> float:
-            started = time.perf_counter()
-            client.infer(model, [tensor])
-            return (time.perf_counter() - started) * 1e3
-
         quiet = quiet_wait()
-        cold, warm = [], []
         try:
-            for _ in range(repeats):
-                timed("m0")  # evicts m1
-                cold.append(timed("m1"))
-                warm.append(timed("m1"))
-                time.sleep(seconds_between)
+            cold, warm = cold_and_warm(f"127.0.0.1:{port}", "m0", "m1", repeats, seconds_between)
         finally:
-            client.close()
             server.terminate()
             server.wait(60)
     note = f"warm p50 {statistics.median(warm):.2f} ms; cold = first request after eviction (8 MB)"

@@ -183,8 +183,6 @@ def run_cold(repeats: int = 5) -> list[ColdRow]:
     """Cold (weights evicted) against warm latency per model size, beside a raw device_put."""
     import statistics as stats
 
-    import tritonclient.grpc as grpcclient
-
     from hloserve import _xla
     from hloserve.bundle import load_bundle, read_weights
     from hloserve.export import InputSpec, export_bundle
@@ -230,27 +228,41 @@ def run_cold(repeats: int = 5) -> list[ColdRow]:
             },
         )
         try:
-            client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
-            tensor = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
-            tensor.set_data_from_numpy(np.ones((1, 16), np.float32))
-
-            def timed(name: str) -> float:
-                started = time.perf_counter()
-                client.infer(name, [tensor])
-                return (time.perf_counter() - started) * 1e3
-
             for mb in SIZES_MB:
-                cold, warm = [], []
-                for _ in range(repeats):
-                    timed("w0")  # evicts the big one
-                    cold.append(timed(f"w{mb}"))
-                    warm.append(timed(f"w{mb}"))
+                cold, warm = cold_and_warm(f"127.0.0.1:{port}", "w0", f"w{mb}", repeats)
                 rows.append(ColdRow(mb, stats.median(warm), stats.median(cold), raw[mb]))
-            client.close()
         finally:
             server.terminate()
             server.wait(60)
     return rows
+
+
+def cold_and_warm(
+    url: str, evictor: str, model: str, repeats: int, pause_s: float = 0.0
+) -> tuple[list[float], list[float]]:
+    """Milliseconds of `repeats` requests to `model` right after a request to `evictor` evicted
+    its weights (cold), each followed by the same request again (warm)."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    tensor = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
+    tensor.set_data_from_numpy(np.ones((1, 16), np.float32))
+
+    def timed(name: str) -> float:
+        started = time.perf_counter()
+        client.infer(name, [tensor])
+        return (time.perf_counter() - started) * 1e3
+
+    cold, warm = [], []
+    try:
+        for _ in range(repeats):
+            timed(evictor)
+            cold.append(timed(model))
+            warm.append(timed(model))
+            time.sleep(pause_s)
+    finally:
+        client.close()
+    return cold, warm
 
 
 def cold_table(rows: list[ColdRow]) -> str:
