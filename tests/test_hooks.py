@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from bundle_fixtures import PARAMS, affine, edit_manifest, write_affine
+from bundle_fixtures import PARAMS, affine, edit_manifest, write_affine, write_total
 from conftest import EXAMPLES, ServerThread, make_config
 from export_examples import reference
 from tritonclient.utils import InferenceServerException
@@ -39,6 +39,14 @@ def postprocess(outputs):
     return [NamedTensor("label", label), NamedTensor("above", above)]
 
 register_model("hooked", preprocess=preprocess, postprocess=postprocess)
+"""
+
+
+DOUBLED_PY = """
+import numpy as np
+from hloserve import NamedTensor, register_model
+
+register_model("doubled", preprocess=lambda inputs: [NamedTensor("X", np.concatenate([inputs[0].data] * 2))])
 """
 
 
@@ -72,6 +80,8 @@ def _hooked(tmp_path_factory: pytest.TempPathFactory) -> Any:
     broken = write_affine(repository / "broken")
     edit_manifest(broken, lambda m: m.update(client_outputs=m["executable_outputs"]))
     (broken / "model.py").write_text("raise RuntimeError('cannot find the label map')\n")
+    doubled = write_total(repository / "doubled")
+    (doubled / "model.py").write_text(DOUBLED_PY)
     misnamed = write_affine(repository / "misnamed")
     (misnamed / "model.py").write_text("from hloserve import register_model\nregister_model('other')\n")
     server = ServerThread(make_config(repository)).start()
@@ -121,6 +131,21 @@ def test_client_specs_are_enforced_before_the_hook(hooked: Any) -> None:
         hooked.infer("hooked", [tensor])
     assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
     assert "'values'" in raised.value.message() and "'FP64'" in raised.value.message()
+    values = np.ones((1, 3))
+    np.testing.assert_array_equal(_infer(hooked, values).as_numpy("label"), expected(values)[0])
+
+
+def test_a_preprocess_making_more_rows_than_the_model_runs_is_refused(hooked: Any) -> None:
+    def send(rows: int) -> Any:
+        tensor = grpcclient.InferInput("X", [rows, 4], "FP32")
+        tensor.set_data_from_numpy(np.ones((rows, 4), np.float32))
+        return hooked.infer("doubled", [tensor])
+
+    with pytest.raises(InferenceServerException) as raised:
+        send(2)  # doubled to 4 rows; the model's outputs have no batch axis, so 2 is its most
+    assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "preprocess made 4 rows; the largest compiled batch size is 2" in raised.value.message()
+    np.testing.assert_array_equal(send(1).as_numpy("TOTAL"), np.full(4, 2.0, np.float32))
 
 
 def test_a_raising_hook_is_internal_with_its_message_and_the_model_keeps_serving(hooked: Any) -> None:

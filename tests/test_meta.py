@@ -19,6 +19,7 @@ from hloserve.actors.messages import Batch, Infer, Take
 from hloserve.actors.model_queue import ModelQueue, QueueSettings
 from tritonclient.utils import InferenceServerException
 
+from hloserve.errors import InvalidInput
 from hloserve.statistics import Statistics
 
 CASCADE_PY = """
@@ -257,6 +258,13 @@ def test_a_call_with_more_rows_than_the_model_can_run_is_refused_and_serving_goe
     np.testing.assert_array_equal(
         _infer(client, "totals", x).as_numpy("score"), np.tile(x.sum(axis=0), (2, 1))
     )
+
+
+def test_policy_and_residency_name_the_called_models_not_the_meta(metas: ServerThread, client: Any) -> None:
+    with pytest.raises(InvalidInput, match="'cascade': it is a meta model; set the policy or residency"):
+        metas.call(metas.worker.set_policy, "cascade", weight=2.0)
+    metas.call(metas.worker.set_policy, "first", weight=2.0)  # its parts take a policy
+    assert _infer(client, "cascade", np.zeros((1, 4), np.float32)).as_numpy("path")[0, 0] == 0
 
 
 def test_meta_statistics_count_requests(client: Any) -> None:
