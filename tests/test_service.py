@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -11,10 +13,12 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from bundle_fixtures import write_total
-from conftest import ServerThread, make_config
+from conftest import EXAMPLES, ServerThread, make_config
 from export_examples import reference
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
+
+from hloserve.export import InputSpec, export_bundle
 
 MLP_SIZES = (1, 2, 3, 4, 8, 13, 16, 17, 37, 100)  # compiled sizes, rows padded up to one, and split
 
@@ -129,8 +133,6 @@ class TestInference:
         assert result.as_numpy("OUTPUT0").shape == (1, 4)
 
     def test_concurrent_requests_all_answered_correctly(self, server: ServerThread) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
         rng = np.random.default_rng(3)
         inputs = [rng.random((1 + i % 4, 16), dtype=np.float32) for i in range(24)]
         clients = [grpcclient.InferenceServerClient(server.url) for _ in range(8)]
@@ -332,6 +334,39 @@ def test_a_bad_bundle_is_listed_not_ready_with_its_reason(tmp_path: Path) -> Non
             [[0.1 * 18 + 1, 0.1 * 22 + 1, 0.1 * 26 + 1]],
             rtol=1e-6,
         )
+        client.close()
+    finally:
+        server.stop()
+
+
+def test_large_and_small_replies_interleave_on_one_connection(tmp_path: Path) -> None:
+    """A reply that fits the flow-control window goes out in one write, a larger one frame by
+    frame as the window allows. On one connection, with both kinds in flight at once, every
+    reply arrives whole: held-back small replies never wait on a window they would have earned."""
+    export_bundle(
+        lambda params, x: x * params["scale"],
+        {"scale": np.float32(2)},
+        [InputSpec("X", (65536,))],
+        tmp_path / "double",
+        batch_sizes=(1, 4),
+        verify=False,
+    )
+    shutil.copytree(EXAMPLES / "mlp", tmp_path / "mlp")
+    server = ServerThread(make_config(tmp_path)).start()
+    try:
+        client = grpcclient.InferenceServerClient(server.url)  # one channel: one HTTP/2 connection
+        rng = np.random.default_rng(5)
+        big = [rng.random((4, 65536), dtype=np.float32) for _ in range(12)]  # 1 MiB replies
+        small = [rng.random((1, 16), dtype=np.float32) for _ in range(48)]
+        with ThreadPoolExecutor(8) as pool:
+            big_results = [pool.submit(infer, client, "double", x, name="X") for x in big]
+            small_results = [pool.submit(infer, client, "mlp", x) for x in small]
+            for x, future in zip(big, big_results, strict=True):
+                np.testing.assert_array_equal(future.result(timeout=60).as_numpy("output_0"), x * 2)
+            for x, future in zip(small, small_results, strict=True):
+                np.testing.assert_allclose(
+                    future.result(timeout=60).as_numpy("OUTPUT0"), reference("mlp", x), rtol=1e-5, atol=1e-6
+                )
         client.close()
     finally:
         server.stop()

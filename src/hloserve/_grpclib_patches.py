@@ -6,7 +6,9 @@ Measured in research/spike_grpc.md, each piece pinned to those versions by pypro
   hexlifies the whole payload to do it (~42 us per 16 KiB frame, a few % of a tiny request);
 * grpclib advertises 16 KiB frames, so a 4.8 MB tensor arrives in ~300 frames; 1 MiB cuts that;
 * grpclib has no receive size limit: it buffers whatever length the client announces;
-* grpclib's close() never sends GOAWAY, so clients with calls in flight hang: `GracefulServer`.
+* grpclib's close() never sends GOAWAY, so clients with calls in flight hang: `GracefulServer`;
+* grpclib writes a unary reply's headers, message and trailers to the socket one by one: three
+  system calls where one does (`send_reply`).
 
 `install()` is idempotent and process-wide; the receive limit is the largest any worker set.
 """
@@ -26,7 +28,7 @@ from grpclib.const import Status
 from grpclib.events import RecvRequest, listen
 from grpclib.exceptions import GRPCError
 
-__all__ = ["GracefulServer", "install"]
+__all__ = ["GracefulServer", "install", "send_reply"]
 
 _MAX_FRAME_SIZE = 1 << 20
 _receive_limit = 0
@@ -57,6 +59,38 @@ async def _recv_message_limited(stream: Any, codec: Any, message_type: Any) -> A
             "send large tensors through system shared memory or raise the limit",
         )
     return codec.decode(await stream.recv_data(length), message_type)
+
+
+class _Cork:
+    """Stands in for a stream's transport while a reply is framed, keeping what it is given."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.parts.append(data)
+
+
+async def send_reply(stream: Any, message: Any) -> None:
+    """A unary call's reply and its OK trailers; in one socket write when the message fits the
+    flow-control window and one frame (a larger one would wait for a window update that the
+    held-back bytes themselves must earn, so it goes out frame by frame as grpclib sends it)."""
+    h2_stream = stream._stream
+    room = min(
+        h2_stream._h2_connection.local_flow_control_window(h2_stream.id),
+        h2_stream._h2_connection.max_outbound_frame_size,
+    )
+    if message.ByteSize() + 5 > room:
+        await stream.send_message(message)
+        return
+    transport, cork = h2_stream._transport, _Cork()
+    h2_stream._transport = cork
+    try:
+        await stream.send_message(message)
+        await stream.send_trailing_metadata()
+    finally:
+        h2_stream._transport = transport
+        transport.write(b"".join(cork.parts))
 
 
 def install(max_receive_bytes: int) -> None:

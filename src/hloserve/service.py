@@ -21,7 +21,7 @@ from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError
 
 import hloserve
-from hloserve import _xla
+from hloserve import _grpclib_patches, _xla
 from hloserve._proto import inference as kserve
 from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve._status import grpc_errors as _rpc
@@ -147,7 +147,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
             self._count(label, error.status.name, started, failed=True)
             raise error from None
         self._count(label, "OK", started, failed=False)
-        await stream.send_message(response)
+        await _grpclib_patches.send_reply(stream, response)
 
     def _count(self, model: str, status: str, started: float, failed: bool) -> None:
         elapsed = time.perf_counter() - started
