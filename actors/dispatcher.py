@@ -38,7 +38,7 @@ from hloserve.actors.model_queue import ModelQueueHandle
 from hloserve.actors.weight_cache import WeightCacheHandle
 
 from hloserve.batching import assemble, join_outputs, slice_rows, split_outputs
-from hloserve.compiled import CompiledModel, ExecutionResult, Launched
+from hloserve.compiled import CompiledModel, ExecutionResult
 from hloserve.errors import ExecutionFailed, NotResident
 from hloserve.policy import Candidate, Discipline, ModelPolicy, PolicyParams, record_execution, select
 from hloserve.statistics import Statistics
@@ -48,12 +48,12 @@ __all__ = ["Dispatcher"]
 log = structlog.get_logger("hloserve.dispatcher")
 
 INLINE_INPUT_BYTES = 256 << 10
-"""Batches with at most this many input bytes are launched on the loop (see `_run`)."""
+INLINE_COST_S = 0.5e-3
+"""Batches with at most this many input bytes and this expected cost run on the loop's thread
+(see `_run`)."""
 QUIET_PASSES = 8
 """Event-loop passes without a new message after which the dispatcher stops gathering arrivals
 (fewer stop while a burst is still being parsed: measured, 2 gave half the gain of 8)."""
-POLL_S = 100e-6
-"""How long to poll a launched execution before waiting for it in a thread (see `_collect`)."""
 
 
 @dataclass(slots=True)
@@ -278,21 +278,25 @@ class Dispatcher:
         assert self._weights is not None, "use_weights before run"
         weights = await self._weights.acquire(model.name)
         specs = model.bundle.manifest.executable_inputs
-        if sum(a.nbytes for request in inputs for a in request) <= INLINE_INPUT_BYTES:
-            # Joining and placing small inputs costs less than a thread hop, and launching does
-            # not wait: only a slow wait for the results goes to a thread.
-            result = await _collect(model.launch(batch_size, assemble(specs, inputs, batch_size), weights))
+        policy = self._state.policies[model.name]
+
+        def execute() -> ExecutionResult:
+            return model.execute(batch_size, assemble(specs, inputs, batch_size), weights)
+
+        if (
+            sum(a.nbytes for request in inputs for a in request) <= INLINE_INPUT_BYTES
+            and policy.expected_cost(batch_size, self._params) <= INLINE_COST_S
+        ):
+            # A thread hop costs ~0.1 ms of CPU, more than a small batch's whole execution; the
+            # loop waits for it, as it would wait for the one execution in flight anyway.
+            result = execute()
         else:
-            result = await trio.to_thread.run_sync(
-                lambda: model.execute(batch_size, assemble(specs, inputs, batch_size), weights)
-            )
+            result = await trio.to_thread.run_sync(execute)
         seconds = result.input_s + result.infer_s
-        record_execution(
-            self._state.policies[model.name], batch_size, seconds, time.monotonic(), self._params
-        )
+        record_execution(policy, batch_size, seconds, time.monotonic(), self._params)
         stats = self._statistics[model.name]
         stats.record_execution(batch_size, rows, result.input_s, result.infer_s, 0.0)
-        stats.cost = dict(self._state.policies[model.name].cost)
+        stats.cost = dict(policy.cost)
         return result
 
     async def _run_split(
@@ -307,17 +311,3 @@ class Dispatcher:
             parts.append(split_outputs(manifest.executable_outputs, result.outputs, [rows])[0])
             start += rows
         return join_outputs(manifest.executable_outputs, parts)
-
-
-async def _collect(launched: Launched) -> ExecutionResult:
-    """The results of a launched execution, waiting in a worker thread only if they are slow.
-
-    A small model finishes within microseconds of its launch; polling at loop checkpoints for up
-    to `POLL_S` costs far less than handing the wait to a thread (about 0.13 ms of CPU a request).
-    """
-    give_up = time.perf_counter() + POLL_S
-    while not launched.ready():
-        if time.perf_counter() > give_up:
-            return await trio.to_thread.run_sync(launched.collect)
-        await trio.sleep(0)
-    return launched.collect()

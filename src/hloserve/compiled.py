@@ -1,9 +1,8 @@
 """A bundle compiled for the device: one executable per batch size, and how to run one batch.
 
 Compiling blocks (and releases the GIL), so `compile_bundle` is called from a worker thread.
-An execution is launched (placing inputs, starting the executable: no waiting) and then
-collected (waiting for the results): the dispatcher collects on a worker thread unless the
-results are already there, which for small models they usually are.
+An execution blocks for its whole length (on CPU it runs in the calling thread): the
+dispatcher runs a cheap one inline and hands an expensive one to a worker thread.
 Weights are passed in, not owned: where they live (host, device, evicted) is the concern of
 whoever holds them.
 """
@@ -22,7 +21,7 @@ from hloserve.bundle import Bundle
 from hloserve.errors import ExecutionFailed
 from hloserve.executable_cache import ExecutableCache
 
-__all__ = ["CompiledModel", "ExecutionResult", "Launched", "compile_bundle"]
+__all__ = ["CompiledModel", "ExecutionResult", "compile_bundle"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,13 +73,13 @@ class CompiledModel:
             costs[size] = result.input_s + result.infer_s
         return costs
 
-    def launch(
+    def execute(
         self, batch_size: int, inputs: Sequence[np.ndarray], weights: Sequence[_xla.DeviceArray]
-    ) -> Launched:
-        """Place the inputs and start the `batch_size` executable; returns without waiting.
+    ) -> ExecutionResult:
+        """Place the inputs, run the `batch_size` executable and read its outputs to host memory.
 
-        PJRT checks only byte sizes, so the inputs are checked against the signature here, last,
-        whatever the caller validated before.
+        Blocks for the whole execution. PJRT checks only byte sizes, so the inputs are checked
+        against the signature here, last, whatever the caller validated before.
         """
         module = self.bundle.module_for(batch_size)
         for i, (array, expected) in enumerate(zip(inputs, module.signature.inputs, strict=False)):
@@ -92,33 +91,8 @@ class CompiledModel:
         with _execution_errors(self.name):
             args = [_xla.put(np.ascontiguousarray(a)) for a in inputs]
             placed = time.perf_counter()
-            outputs = _xla.run(self.executables[batch_size], [*args, *weights])
-        return Launched(self.name, outputs, placed - started, placed)
-
-    def execute(
-        self, batch_size: int, inputs: Sequence[np.ndarray], weights: Sequence[_xla.DeviceArray]
-    ) -> ExecutionResult:
-        """Launch and wait: blocks, so callers run it in a worker thread."""
-        return self.launch(batch_size, inputs, weights).collect()
-
-
-@dataclass(frozen=True, slots=True)
-class Launched:
-    """An execution in flight: its results are readable once `ready()`."""
-
-    model: str
-    outputs: list[_xla.DeviceArray]
-    input_s: float
-    launched_at: float
-
-    def ready(self) -> bool:
-        return _xla.ready(self.outputs)
-
-    def collect(self) -> ExecutionResult:
-        """Wait for the results and read them to host memory (blocks unless `ready()`)."""
-        with _execution_errors(self.model):
-            outputs = _xla.to_numpy(self.outputs)
-        return ExecutionResult(outputs, self.input_s, time.perf_counter() - self.launched_at)
+            outputs = _xla.to_numpy(_xla.run(self.executables[batch_size], [*args, *weights]))
+        return ExecutionResult(outputs, placed - started, time.perf_counter() - placed)
 
 
 @contextlib.contextmanager
