@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from conftest import EXAMPLES, ROOT, ServerThread, make_config
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
+from hloserve.cli import settle_heap
 from hloserve.client import Client
 from hloserve.worker import serve
 
@@ -210,3 +213,20 @@ def test_device_memory_gauges_from_allocator_statistics(monkeypatch: pytest.Monk
     assert value("hloserve_device_memory_peak_in_use_bytes") == 700
     assert value("hloserve_device_memory_free_bytes") == 700
     assert value("hloserve_device_memory_pool_bytes") is None
+
+
+def test_settle_heap_freezes_startup_objects_and_new_cycles_are_still_collected() -> None:
+    class Node:
+        peer: Any = None
+
+    try:
+        settle_heap()
+        assert gc.get_freeze_count() > 0
+        made_later = Node()
+        made_later.peer = made_later
+        alive = weakref.ref(made_later)
+        del made_later
+        gc.collect()
+        assert alive() is None
+    finally:
+        gc.unfreeze()
