@@ -39,7 +39,7 @@ from hloserve.actors.weight_cache import WeightCacheHandle
 
 from hloserve.batching import assemble, join_outputs, slice_rows, split_outputs
 from hloserve.compiled import CompiledModel, ExecutionResult
-from hloserve.errors import ExecutionFailed, NotResident
+from hloserve.errors import ExecutionFailed, ModelNotFound, ModelNotReady, NotResident
 from hloserve.policy import Candidate, Discipline, ModelPolicy, PolicyParams, record_execution, select
 from hloserve.statistics import Statistics
 
@@ -63,7 +63,7 @@ class _State:
     waiting: dict[str, QueueSummary] = field(default_factory=dict)  # models with queued requests
     for_weight_cache: list[Any] = field(default_factory=list)  # control messages to pass on
     removals: list[RemoveModel] = field(default_factory=list)  # models to stop serving
-    retiring: list[tuple[ModelQueueHandle, ModelQueueHandle | None]] = field(default_factory=list)
+    retiring: list[tuple[ModelQueueHandle, ModelQueueHandle | Exception]] = field(default_factory=list)
     """Queues of replaced models, and the queue each hands its requests to (None: none)."""
 
 
@@ -111,8 +111,8 @@ class Dispatcher:
                 while self._state.removals:
                     await self._remove(self._state.removals.pop(0))
                 while self._state.retiring:
-                    old, successor = self._state.retiring.pop(0)
-                    await old.retire(successor)
+                    old, then = self._state.retiring.pop(0)
+                    await old.retire(then)
                 model = self._select()
                 if model is None:
                     await self._wait_for_work()
@@ -184,7 +184,8 @@ class Dispatcher:
     def _replace(self, message: AddModel) -> None:
         """A reloaded model: its new version takes the name at once (new requests queue there);
         before the next selection the old queue hands over what it holds (or, when the tensors
-        changed, answers it NOT_FOUND) and the weight cache swaps the weights."""
+        changed, answers it UNAVAILABLE: retry against the new version) and the weight cache
+        swaps the weights."""
         name = message.name
         old_queue, old_model = self._queues[name], self._models[name]
         same_tensors = (
@@ -197,7 +198,10 @@ class Dispatcher:
         self._state.policies[name] = message.policy
         self._statistics[name].weight = message.policy.weight
         self._state.waiting.pop(name, None)  # the old queue's; the new one reports its own
-        self._state.retiring.append((old_queue, message.queue if same_tensors else None))
+        changed = ModelNotReady(
+            name, "it was reloaded with other tensors while this request was queued; send it again"
+        )
+        self._state.retiring.append((old_queue, message.queue if same_tensors else changed))
         self._state.for_weight_cache.append(DropWeights(name))  # the cache keeps the order: drop, add
         self._state.for_weight_cache.append(AddWeights(name, message.compiled.bundle, message.floor))
         log.info("model replaced", model=name, queued_requests_kept=same_tensors)
@@ -209,7 +213,7 @@ class Dispatcher:
         self._state.policies.pop(message.name, None)
         self._models.pop(message.name, None)
         if queue is not None:
-            await queue.retire()
+            await queue.retire(ModelNotFound(message.name, "it was unloaded"))
         assert self._weights is not None
         await self._weights.forward(DropWeights(message.name, message.reply_to))
         log.info("model removed", model=message.name)

@@ -192,10 +192,11 @@ class RemoveModel:
 
 @dataclass(frozen=True, slots=True)
 class Retire:
-    """Dispatcher → ModelQueue: answer everything queued with NOT_FOUND, or hand it in order to
-    `successor` (the queue of the model's new version, when its tensors are the same), and stop."""
+    """Dispatcher → ModelQueue: stop; what is queued goes, in order, to `then` when it is a queue
+    (the model's new version, with the same tensors), or is answered with `then`, an error
+    (the model was unloaded, or reloaded with other tensors)."""
 
-    successor: Any = None
+    then: Any
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from typing import final
 import trio
 from hloserve.actors.messages import Batch, Infer, QueueSummary, Retire, Take, Withdraw
 
-from hloserve.errors import DeadlineExceeded, ModelNotFound, QueueFull, ShuttingDown
+from hloserve.errors import DeadlineExceeded, QueueFull, ShuttingDown
 from hloserve.policy import BatchPlan, Pending, drop_reason, plan_batch, queue_delay
 from hloserve.statistics import Statistics
 
@@ -66,10 +66,10 @@ class ModelQueueHandle:
     async def take(self, message: Take) -> None:
         await self._send.send(message)
 
-    async def retire(self, successor: ModelQueueHandle | None = None) -> None:
-        """Stop the queue: what it holds goes to `successor` (the model was reloaded) or is
-        answered NOT_FOUND (it was unloaded)."""
-        await self._send.send(Retire(successor))
+    async def retire(self, then: ModelQueueHandle | Exception) -> None:
+        """Stop the queue: what it holds goes to `then`, the queue of the model's new version,
+        or is answered with `then`, an error (see `Retire`)."""
+        await self._send.send(Retire(then))
 
     def __repr__(self) -> str:
         return f"<ModelQueueHandle {self.model!r} inbox={self._send.statistics().current_buffer_used}>"
@@ -131,10 +131,10 @@ class ModelQueue:
                         self._on_take(message)
                     case Withdraw():
                         self._on_withdraw(message)
-                    case Retire(successor=None):
-                        self._fail_everything(ModelNotFound(self.model, "it was unloaded"))
+                    case Retire(then=Exception() as error):
+                        self._fail_everything(error)
                         return
-                    case Retire(successor=successor):
+                    case Retire(then=successor):
                         self._hand_over(successor)
                         return
                     case _:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from safetensors.numpy import save_file
 from tritonclient.utils import InferenceServerException
 
 from hloserve.config import ModelSettings
+from hloserve.export import InputSpec, OutputSpec, export_bundle
 
 X = np.arange(4, dtype=np.float32).reshape(1, 4)
 
@@ -64,16 +66,15 @@ def test_a_failed_reload_keeps_the_old_version_serving(repo: Any) -> None:
     np.testing.assert_allclose(_infer(client, "late"), affine(PARAMS, X), rtol=1e-6)
 
 
-def test_unload_answers_queued_requests_not_found(repo: Any) -> None:
-    path, server, client = repo
-    write_affine(path / "late")
-    client.load_model("late")
+def _queue_one(server: ServerThread, model: str) -> tuple[threading.Thread, list[str]]:
+    """A request for `model` from another thread, returned once it waits in the model's queue
+    (the `late` model holds a lone row for half a second); the list gets its outcome."""
     outcome: list[str] = []
 
     def queued() -> None:
         c = grpcclient.InferenceServerClient(server.url)
         try:
-            _infer(c, "late")
+            _infer(c, model)
             outcome.append("OK")
         except InferenceServerException as e:
             outcome.append(f"{e.status()} {e.message()}")
@@ -82,9 +83,17 @@ def test_unload_answers_queued_requests_not_found(repo: Any) -> None:
     thread = threading.Thread(target=queued)
     thread.start()
     deadline = time.monotonic() + 10
-    while server.call(lambda: server.worker.statistics["late"].queue_depth) == 0:
+    while server.call(lambda: server.worker.statistics[model].queue_depth) == 0:
         assert time.monotonic() < deadline
         time.sleep(0.01)
+    return thread, outcome
+
+
+def test_unload_answers_queued_requests_not_found(repo: Any) -> None:
+    path, server, client = repo
+    write_affine(path / "late")
+    client.load_model("late")
+    thread, outcome = _queue_one(server, "late")
     client.unload_model("late")
     thread.join(10)
     assert outcome == ["StatusCode.NOT_FOUND unknown model 'late': it was unloaded"]
@@ -96,6 +105,31 @@ def test_unload_answers_queued_requests_not_found(repo: Any) -> None:
     assert raised.value.status() == "StatusCode.NOT_FOUND"
     with pytest.raises(InferenceServerException, match="no bundle 'nothing'"):
         client.load_model("nothing")
+
+
+def test_a_reload_with_other_tensors_answers_queued_requests_unavailable(repo: Any) -> None:
+    """Requests checked against the old tensors cannot run on the new ones: they are answered
+    with a retryable status saying why, and the new version serves what comes next."""
+    path, server, client = repo
+    write_affine(path / "late")
+    client.load_model("late")
+    thread, outcome = _queue_one(server, "late")
+    shutil.rmtree(path / "late")
+    export_bundle(
+        lambda params, x: x * params["scale"],
+        {"scale": np.float32(3)},
+        [InputSpec("INPUT", (4,), letters="f")],
+        path / "late",
+        outputs=[OutputSpec("OUTPUT", letters="f")],  # [n, 4] where the old version gave [n, 3]
+        verify=False,
+    )
+    client.load_model("late")
+    thread.join(10)
+    assert outcome == [
+        "StatusCode.UNAVAILABLE model 'late' is not ready: it was reloaded with other tensors "
+        "while this request was queued; send it again"
+    ]
+    np.testing.assert_allclose(_infer(client, "late"), X * 3)
 
 
 def test_load_and_unload_while_another_model_is_under_load(repo: Any) -> None:
