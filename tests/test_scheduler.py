@@ -140,6 +140,19 @@ def _held() -> Any:
     server.stop()
 
 
+def _executing_slow(server: ServerThread, pool: ThreadPoolExecutor) -> Any:
+    """A request to the `slow` model, from `pool`, returned once it has left its queue (it is
+    executing)."""
+    slow = pool.submit(
+        infer, grpcclient.InferenceServerClient(server.url), "slow", np.ones((1, 256), np.float32)
+    )
+    deadline = time.monotonic() + 10
+    while server.call(lambda: server.worker.statistics["slow"].queue.count) == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    return slow
+
+
 def test_a_deadline_that_expires_in_the_queue(tmp_path: Path) -> None:
     """While a slow execution holds the dispatcher, a queued request's deadline passes: dropped."""
     write_heavy(tmp_path / "slow", 150)
@@ -149,13 +162,7 @@ def test_a_deadline_that_expires_in_the_queue(tmp_path: Path) -> None:
         client = grpcclient.InferenceServerClient(server.url)
         before = _stats(client, "mlp")
         with ThreadPoolExecutor(1) as pool:
-            slow = pool.submit(
-                infer, grpcclient.InferenceServerClient(server.url), "slow", np.ones((1, 256), np.float32)
-            )
-            deadline = time.monotonic() + 10
-            while server.call(lambda: server.worker.statistics["slow"].queue.count) == 0:  # it is executing
-                assert time.monotonic() < deadline
-                time.sleep(0.005)
+            slow = _executing_slow(server, pool)
             x = np.ones((1, 16), np.float32)
             with pytest.raises(InferenceServerException) as raised:
                 infer(client, "mlp", x, timeout=5_000)  # Triton's `timeout` parameter, microseconds
@@ -185,13 +192,7 @@ def test_an_expensive_execution_runs_off_the_event_loop(tmp_path: Path) -> None:
     try:
         client = grpcclient.InferenceServerClient(server.url)
         with ThreadPoolExecutor(1) as pool:
-            slow = pool.submit(
-                infer, grpcclient.InferenceServerClient(server.url), "slow", np.ones((1, 256), np.float32)
-            )
-            deadline = time.monotonic() + 10
-            while server.call(lambda: server.worker.statistics["slow"].queue.count) == 0:  # it is executing
-                assert time.monotonic() < deadline
-                time.sleep(0.005)
+            slow = _executing_slow(server, pool)
             assert client.is_server_live()
             assert client.get_model_metadata("slow").name == "slow"
             assert not slow.done(), "the front end waited for the execution"
