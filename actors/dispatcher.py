@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import structlog
 import trio
+from hloserve.actors import INLINE_WORK_S
 from hloserve.actors.messages import (
     AddModel,
     AddWeights,
@@ -48,9 +49,8 @@ __all__ = ["Dispatcher"]
 log = structlog.get_logger("hloserve.dispatcher")
 
 INLINE_INPUT_BYTES = 256 << 10
-INLINE_COST_S = 0.5e-3
-"""Batches with at most this many input bytes and this expected cost run on the loop's thread
-(see `_run`)."""
+"""Batches with at most this many input bytes and an expected cost within `INLINE_WORK_S` run
+on the loop's thread (see `_run`)."""
 QUIET_PASSES = 8
 """Event-loop passes without a new message after which the dispatcher stops gathering arrivals
 (fewer stop while a burst is still being parsed: measured, 2 gave half the gain of 8)."""
@@ -289,7 +289,7 @@ class Dispatcher:
 
         if (
             sum(a.nbytes for request in inputs for a in request) <= INLINE_INPUT_BYTES
-            and policy.expected_cost(batch_size, self._params) <= INLINE_COST_S
+            and policy.expected_cost(batch_size, self._params) <= INLINE_WORK_S
         ):
             # A thread hop costs ~0.1 ms of CPU, more than a small batch's whole execution; the
             # loop waits for it, as it would wait for the one execution in flight anyway.

@@ -12,6 +12,7 @@ defragment the device allocator.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -21,6 +22,7 @@ from typing import Literal, final
 import numpy as np
 import structlog
 import trio
+from hloserve.actors import INLINE_WORK_S
 from hloserve.actors.messages import Acquire, AddWeights, Compact, Compacted, DropWeights, SetResidency
 
 from hloserve import _xla
@@ -92,6 +94,7 @@ class WeightCache:
         self._share_mode = share_mode  # permissions of shared host floors; None: private floors
         self._shared: dict[str, SharedHostWeights] = {}  # shared host floors held, by model
         self._loads_since_compaction = 0
+        self._put_seconds_per_byte = math.inf  # of the last load from a host floor; none yet
         self._send, self._receive = trio.open_memory_channel[
             Acquire | Compact | SetResidency | AddWeights | DropWeights
         ](0)
@@ -177,12 +180,18 @@ class WeightCache:
 
         def copy() -> list[_xla.DeviceArray]:
             arrays = host if host is not None else read_weights(model.bundle)
+            copying = time.perf_counter()
             device = [_xla.put(a) for a in arrays]
             for array in device:
                 array.block_until_ready()
+            if host is not None and model.nbytes:
+                self._put_seconds_per_byte = (time.perf_counter() - copying) / model.nbytes
             return device
 
-        model.device = await trio.to_thread.run_sync(copy)
+        # A host floor whose copy is known to be quick (on CPU the device aliases it: microseconds)
+        # loads on the loop's thread; a file read, or a copy not yet timed or too long, in a worker.
+        quick = host is not None and self._put_seconds_per_byte * model.nbytes <= INLINE_WORK_S
+        model.device = copy() if quick else await trio.to_thread.run_sync(copy)
         self.resident_bytes += model.nbytes
         self._lru[name] = None
         self._loads_since_compaction += 1
