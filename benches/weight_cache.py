@@ -153,7 +153,8 @@ def table(all_rows: list[Row | ColdRow]) -> str:
         lines.append(
             f"throughput with the budget / all resident: {rows[1].throughput / rows[0].throughput:.2f}"
         )
-    return "\n".join(lines)
+    cold = [r for r in all_rows if isinstance(r, ColdRow)]
+    return "\n".join(lines) + ("\n\n" + cold_table(cold) if cold else "")
 
 
 def as_json(rows: list[Row | ColdRow]) -> list[dict[str, Any]]:
