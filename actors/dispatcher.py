@@ -64,7 +64,8 @@ class _State:
     for_weight_cache: list[Any] = field(default_factory=list)  # control messages to pass on
     removals: list[RemoveModel] = field(default_factory=list)  # models to stop serving
     retiring: list[tuple[ModelQueueHandle, ModelQueueHandle | Exception]] = field(default_factory=list)
-    """Queues of replaced models, and the queue each hands its requests to (None: none)."""
+    """Queues of replaced models, each with the queue it hands its requests to or the error it
+    answers them with."""
 
 
 class Dispatcher:
@@ -198,10 +199,14 @@ class Dispatcher:
         self._state.policies[name] = message.policy
         self._statistics[name].weight = message.policy.weight
         self._state.waiting.pop(name, None)  # the old queue's; the new one reports its own
-        changed = ModelNotReady(
-            name, "it was reloaded with other tensors while this request was queued; send it again"
+        then = (
+            message.queue
+            if same_tensors
+            else ModelNotReady(
+                name, "it was reloaded with other tensors while this request was queued; send it again"
+            )
         )
-        self._state.retiring.append((old_queue, message.queue if same_tensors else changed))
+        self._state.retiring.append((old_queue, then))
         self._state.for_weight_cache.append(DropWeights(name))  # the cache keeps the order: drop, add
         self._state.for_weight_cache.append(AddWeights(name, message.compiled.bundle, message.floor))
         log.info("model replaced", model=name, queued_requests_kept=same_tensors)
