@@ -267,13 +267,15 @@ def test_policy_and_residency_name_the_called_models_not_the_meta(metas: ServerT
     assert _infer(client, "cascade", np.zeros((1, 4), np.float32)).as_numpy("path")[0, 0] == 0
 
 
-def test_meta_statistics_count_requests(client: Any) -> None:
+def test_meta_statistics_count_requests_and_learn_its_cost(client: Any, metas: ServerThread) -> None:
     before = client.get_inference_statistics("cascade").model_stats[0]
     _infer(client, "cascade", np.zeros((2, 4), np.float32))
     after = client.get_inference_statistics("cascade").model_stats[0]
     assert after.inference_stats.success.count == before.inference_stats.success.count + 1
     assert after.inference_count == before.inference_count + 2
     assert after.inference_stats.compute_infer.ns > before.inference_stats.compute_infer.ns
+    cost = metas.call(lambda: dict(metas.worker.statistics["cascade"].cost))
+    assert set(cost) == {0} and 0 < cost[0] < 10, cost  # upstream keeps a meta's cost at size 0
 
 
 def test_sub_calls_go_ahead_of_waiting_requests_in_their_own_order() -> None:

@@ -128,7 +128,7 @@ class TestFairShare:
         record_execution(policy, 4, 0.5, now=30.0)
         assert policy.ema == pytest.approx(1.5) and policy.ema_at == 30.0
         assert policy.cost == {4: 0.5}  # the first measurement seeds it
-        learn_cost(policy, 4, 1.0)
+        learn_cost(policy.cost, 4, 1.0)
         assert policy.cost[4] == pytest.approx(0.2 * 1.0 + 0.8 * 0.5)
         assert policy.expected_cost(8) == PolicyParams().default_cost_s
 

@@ -28,6 +28,7 @@ from hloserve.errors import DeadlineExceeded, HloserveError, HookFailed, ModelNo
 from hloserve.manifest import Manifest
 from hloserve.model_py import MetaRun, NamedTensor
 from hloserve.pipeline import arrange, client_outputs, named, to_client, to_executable
+from hloserve.policy import PolicyParams, learn_cost
 from hloserve.statistics import Statistics
 
 if TYPE_CHECKING:
@@ -164,11 +165,13 @@ class MetaModels:
         concurrency: int,
         pool: BufferPool | None,
         statistics: Statistics,
+        params: PolicyParams,
     ) -> None:
         self._models = models
         self._gate = trio.CapacityLimiter(concurrency)
         self._pool = pool
         self._statistics = statistics
+        self._params = params
 
     async def infer(
         self, entry: ModelEntry, inputs: list[np.ndarray], rows: int, deadline: float | None
@@ -194,7 +197,9 @@ class MetaModels:
                 self._pool.release(call.slot)
             if gated:
                 self._gate.release()
-        self._statistics[entry.name].record_execution(1, rows, 0.0, call.seconds, 0.0)
+        stats = self._statistics[entry.name]
+        stats.record_execution(1, rows, 0.0, call.seconds, 0.0)
+        learn_cost(stats.cost, 0, call.seconds, self._params)  # as upstream: a meta's cost is size 0
         return outputs
 
     def close(self) -> None:

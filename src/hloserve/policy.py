@@ -169,11 +169,11 @@ class ModelPolicy:
 
 
 def learn_cost(
-    policy: ModelPolicy, batch_size: int, seconds: float, params: PolicyParams = PolicyParams()
+    cost: dict[int, float], batch_size: int, seconds: float, params: PolicyParams = PolicyParams()
 ) -> None:
-    """Blend a measured execution into the batch size's cost (the first one seeds it)."""
-    old = policy.cost.get(batch_size, seconds)
-    policy.cost[batch_size] = params.cost_ema_alpha * seconds + (1 - params.cost_ema_alpha) * old
+    """Blend a measured execution into the batch size's entry of `cost` (the first one seeds it)."""
+    old = cost.get(batch_size, seconds)
+    cost[batch_size] = params.cost_ema_alpha * seconds + (1 - params.cost_ema_alpha) * old
 
 
 def record_execution(
@@ -182,7 +182,7 @@ def record_execution(
     """After an execution: recent compute decays to now and grows by it; the cost is learned."""
     policy.ema = decay(policy.ema, now - policy.ema_at, params.ema_halflife_s) + seconds
     policy.ema_at = now
-    learn_cost(policy, batch_size, seconds, params)
+    learn_cost(policy.cost, batch_size, seconds, params)
 
 
 @dataclass(frozen=True, slots=True)

@@ -388,17 +388,18 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         scheduler.compaction_interval,
         int(config.weights.shared_host_weights_mode, 8) if config.weights.shared_host_weights else None,
     )
+    params = PolicyParams(
+        scheduler.ema_halflife_s,
+        scheduler.recency_penalty_cap,
+        scheduler.coalescing_discount,
+        scheduler.cost_ema_alpha,
+    )
     dispatcher = Dispatcher(
         dict(compiled_models),
         statistics,
         scheduler.discipline,
         {n: _policy(scheduler, n, m.costs) for n, m in loaded.items()},
-        PolicyParams(
-            scheduler.ema_halflife_s,
-            scheduler.recency_penalty_cap,
-            scheduler.coalescing_discount,
-            scheduler.cost_ema_alpha,
-        ),
+        params,
         scheduler.gather_passes,
     )
     metas = MetaModels(
@@ -408,6 +409,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         if server_config.meta_scratch_bytes
         else None,
         statistics,
+        params,
     )
     async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
         dispatcher.use_weights(await nursery.start(weight_cache.run))
