@@ -30,6 +30,15 @@ from benches.peers.models import PeerModel, reference, sample
 
 ROOT = Path(__file__).resolve().parents[2]
 HOME = ROOT / ".tools" / "peers"
+MODELS_PY = Path(__file__).with_name("models.py")
+IMPORT_MODELS = f"""spec = importlib.util.spec_from_file_location("peer_models", {str(MODELS_PY)!r})
+models = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = models
+spec.loader.exec_module(models)
+"""
+"""The lines with which every generated peer script, once it has imported `importlib.util` and
+`sys`, imports `models.py` by its path as `models` (a peer runs in a venv of its own, where
+`benches` is not importable)."""
 READY_SECONDS = 180.0
 
 

@@ -19,9 +19,8 @@ import os
 import subprocess
 from collections.abc import Sequence
 from dataclasses import asdict
-from pathlib import Path
 
-from benches.peers import HOME, free_port, launch, make_venv
+from benches.peers import HOME, IMPORT_MODELS, free_port, launch, make_venv
 from benches.peers.models import MLP, POOL, PeerModel
 
 NAME = "KServe 0.21.0"
@@ -44,11 +43,7 @@ from grpc import aio
 import kserve.protocol.grpc.server as kserve_grpc
 from kserve import InferOutput, InferRequest, InferResponse, Model, ModelServer
 
-spec = importlib.util.spec_from_file_location("peer_models", {models_py!r})
-models = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = models
-spec.loader.exec_module(models)
-
+{import_models}
 
 class _LoopbackAio:
     # KServe binds gRPC to [::]:port; keep the port, bind loopback only
@@ -100,7 +95,7 @@ def start(
 ) -> tuple[subprocess.Popen[bytes], int]:
     """Start KServe on free loopback ports; returns the process and its gRPC port once ready."""
     install()
-    SERVE_PY.write_text(_SERVE_PY.format(models_py=str(Path(__file__).with_name("models.py"))))
+    SERVE_PY.write_text(_SERVE_PY.format(import_models=IMPORT_MODELS))
     SPECS.write_text(json.dumps([asdict(m) for m in models]))
     grpc_port, http_port = free_port(), free_port()
     env = {**os.environ, "KSERVE_LOGLEVEL": "WARNING", "PEER_MODELS": str(SPECS)}

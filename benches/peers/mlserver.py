@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from benches.peers import HOME, free_port, launch, make_venv
+from benches.peers import HOME, IMPORT_MODELS, free_port, launch, make_venv
 from benches.peers.models import MLP, POOL, PeerModel
 
 NAME = "MLServer 1.7.1"
@@ -41,11 +41,7 @@ from mlserver import MLModel
 from mlserver.codecs import NumpyCodec
 from mlserver.types import InferenceRequest, InferenceResponse
 
-spec = importlib.util.spec_from_file_location("peer_models", {models_py!r})
-models = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = models
-spec.loader.exec_module(models)
-
+{import_models}
 
 class PeerRuntime(MLModel):
     async def load(self) -> bool:
@@ -80,9 +76,7 @@ def write_repository(models: Sequence[PeerModel], http_port: int, grpc_port: int
         "load_models_at_startup": True,
     }
     (REPO / "settings.json").write_text(json.dumps(settings, indent=1))
-    (REPO / "peer_runtime.py").write_text(
-        _RUNTIME_PY.format(models_py=str(Path(__file__).with_name("models.py")))
-    )
+    (REPO / "peer_runtime.py").write_text(_RUNTIME_PY.format(import_models=IMPORT_MODELS))
     for m in models:
         tensor = {"datatype": "FP32"}
         model_settings = {

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from benches.peers import HOME, PeerUnavailable, free_port, launch, make_venv, site_packages
+from benches.peers import HOME, IMPORT_MODELS, PeerUnavailable, free_port, launch, make_venv, site_packages
 from benches.peers.models import MLP, POOL, PeerModel
 
 NAME = "Triton 2.51.0"
@@ -59,11 +59,7 @@ import importlib.util
 import sys
 
 sys.path.insert(0, {site!r})  # the stub ignores PYTHONPATH; numpy 1.26 is what it is built for
-spec = importlib.util.spec_from_file_location("peer_models", {models_py!r})
-models = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = models
-spec.loader.exec_module(models)
-
+{import_models}
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
@@ -98,7 +94,7 @@ def write_repository(models: Sequence[PeerModel] = (MLP, POOL)) -> Path:
         (REPO / m.name / "1" / "model.py").write_text(
             _MODEL_PY.format(
                 site=str(site_packages(VENV)),
-                models_py=str(Path(__file__).with_name("models.py")),
+                import_models=IMPORT_MODELS,
                 spec=repr(asdict(m)),
             )
         )
