@@ -30,7 +30,7 @@ class ExecutionResult:
     input_s: float
     """Seconds spent placing inputs on the device."""
     infer_s: float
-    """Seconds from launch until the results were readable on the host."""
+    """Seconds from starting the executable until its results were read to the host."""
 
 
 @dataclass(frozen=True, slots=True)
