@@ -7,8 +7,8 @@ next model among the queues with a batch ready (meta models' sub-calls first, th
 `hloserve.policy.select`: fair, fifo or edf, latency budgets first), asks that queue for a
 `Batch`, asks the weight cache for the model's weights, executes the batch, answers every
 request, and learns the model's cost. It owns the per-model policy state; only it runs
-executables. The loop never waits on the device: waiting for results (and all the work of
-large batches) happens in a worker thread.
+executables. A batch with small inputs expected to take under `INLINE_WORK_S` runs on the
+loop's own thread; any other runs in a worker thread, so the loop never waits long on the device.
 """
 
 from __future__ import annotations

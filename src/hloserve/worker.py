@@ -372,16 +372,15 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
     if server_config.cache_executables:
         cache = ExecutableCache(server_config.executable_cache or default_directory())
     entries, found = await _load_repository(server_config.model_repository, cache)
-    loaded = {n: m for n, m in found.items() if m.compiled is not None}
     if cache is not None:
         log.info("executable cache", directory=str(cache.directory), hits=cache.hits, compiled=cache.misses)
     statistics = Statistics()
     scheduler = config.scheduler
-    compiled_models = {n: m.compiled for n, m in loaded.items() if m.compiled is not None}
-    budget_bytes = resolve_budget(config, [(compiled_models[n], m.peak_bytes) for n, m in loaded.items()])
+    compiled_models = {n: m.compiled for n, m in found.items() if m.compiled is not None}  # not metas
+    budget_bytes = resolve_budget(config, [(c, found[n].peak_bytes) for n, c in compiled_models.items()])
     weight_cache = WeightCache(
         {n: m.bundle for n, m in compiled_models.items()},
-        {n: scheduler.models.get(n, ModelSettings()).floor for n in loaded},
+        {n: scheduler.models.get(n, ModelSettings()).floor for n in compiled_models},
         budget_bytes,
         config.weights.externally_managed,
         statistics,
@@ -398,7 +397,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         dict(compiled_models),
         statistics,
         scheduler.discipline,
-        {n: _policy(scheduler, n, m.costs) for n, m in loaded.items()},
+        {n: _policy(scheduler, n, found[n].costs) for n in compiled_models},
         params,
         scheduler.gather_passes,
     )
