@@ -45,23 +45,29 @@ class Row:
     evictions: int
 
 
-def _catalogue(directory: Path) -> None:
+def _weighty(params: Any, x: Any) -> Any:
+    return x @ params["w"] + params["big"][:4]
+
+
+def _export_weighty(directory: Path, big: np.ndarray) -> None:
+    """A model whose weights are what moves: it carries `big` and barely reads it (the maths is
+    cheap). INPUT0 [n, 16] f32, compiled for batch size 1."""
     from hloserve.export import InputSpec, export_bundle
 
-    def model(params: Any, x: Any) -> Any:
-        return x @ params["w"] + params["big"][:4]
+    export_bundle(
+        _weighty,
+        {"big": big, "w": np.eye(16, 4, dtype=np.float32)},
+        [InputSpec("INPUT0", (16,))],
+        directory,
+        batch_sizes=(1,),
+        platform=platform(),
+        verify=False,  # a benchmark's synthetic model
+    )
 
+
+def _catalogue(directory: Path) -> None:
     for i in range(MODELS):
-        params = {"big": np.full(WEIGHT_FLOATS, i, np.float32), "w": np.eye(16, 4, dtype=np.float32)}
-        export_bundle(
-            model,
-            params,
-            [InputSpec("INPUT0", (16,))],
-            directory / f"m{i}",
-            batch_sizes=(1,),
-            platform=platform(),
-            verify=False,  # a benchmark's synthetic catalogue
-        )
+        _export_weighty(directory / f"m{i}", np.full(WEIGHT_FLOATS, i, np.float32))
 
 
 def _load(url: str, seconds: float) -> tuple[int, int]:
@@ -186,28 +192,12 @@ def run_cold(repeats: int = 5) -> list[ColdRow]:
 
     from hloserve import _xla
     from hloserve.bundle import load_bundle, read_weights
-    from hloserve.export import InputSpec, export_bundle
-
-    def model(params: Any, x: Any) -> Any:
-        return x @ params["w"] + params["big"][:4]
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         repository = Path(tmp) / "sizes"
         for mb in (*SIZES_MB, 0):
-            params = {
-                "big": np.ones(max(4, mb * (1 << 18)), np.float32),
-                "w": np.eye(16, 4, dtype=np.float32),
-            }
-            export_bundle(
-                model,
-                params,
-                [InputSpec("INPUT0", (16,))],
-                repository / f"w{mb}",
-                batch_sizes=(1,),
-                platform=platform(),
-                verify=False,
-            )
+            _export_weighty(repository / f"w{mb}", np.ones(max(4, mb * (1 << 18)), np.float32))
         raw = {}
         for mb in SIZES_MB:
             host = read_weights(load_bundle(repository / f"w{mb}"))
