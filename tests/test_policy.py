@@ -7,6 +7,7 @@ import math
 import pytest
 
 from hloserve.policy import (
+    MIN_COST_S,
     BatchPlan,
     Candidate,
     ModelPolicy,
@@ -131,6 +132,13 @@ class TestFairShare:
         learn_cost(policy.cost, 4, 1.0)
         assert policy.cost[4] == pytest.approx(0.2 * 1.0 + 0.8 * 0.5)
         assert policy.expected_cost(8) == PolicyParams().default_cost_s
+
+    def test_a_zero_measured_cost_keeps_priorities_finite(self) -> None:
+        # A clock can read the same time before and after a tiny execution.
+        policies = {"instant": ModelPolicy(cost={1: 0.0}), "other": ModelPolicy(ema=1.0, cost={1: 0.001})}
+        assert policies["instant"].expected_cost(1) == MIN_COST_S
+        candidates = [Candidate("other", 1, 0.0, None), Candidate("instant", 1, 1.0, None)]
+        assert select("fair", candidates, policies, now=0.0) == "instant"
 
 
 class TestFifoAndEdf:

@@ -22,6 +22,7 @@ from typing import Literal
 __all__ = [
     "BatchPlan",
     "Candidate",
+    "MIN_COST_S",
     "Discipline",
     "ModelPolicy",
     "Pending",
@@ -38,6 +39,9 @@ __all__ = [
 ]
 
 Discipline = Literal["fair", "fifo", "edf"]
+
+MIN_COST_S = 1e-9
+"""The least a batch is taken to cost, whatever was measured."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +169,9 @@ class ModelPolicy:
     latency_budget_s: float | None = None
 
     def expected_cost(self, batch_size: int, params: PolicyParams = PolicyParams()) -> float:
-        return self.cost.get(batch_size, params.default_cost_s)
+        """The learned seconds of a batch; never zero (a clock can read two equal times), so
+        that priorities stay finite, as upstream seeds `max(elapsed, eps)`."""
+        return max(self.cost.get(batch_size, params.default_cost_s), MIN_COST_S)
 
 
 def learn_cost(
