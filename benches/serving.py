@@ -88,9 +88,13 @@ def _successes(url: str, model: str) -> int:
 
 
 def start_server(
-    port: int, allow_client_shm: bool = False, settings: dict[str, str] | None = None
+    port: int,
+    allow_client_shm: bool = False,
+    settings: dict[str, str] | None = None,
+    module: tuple[str, ...] | None = None,
 ) -> subprocess.Popen[bytes]:
-    """`hloserve serve` on `port`, pinned to core 0; `settings` are HLOSERVE_* variables."""
+    """`hloserve serve` on `port`, pinned to core 0; `settings` are HLOSERVE_* variables;
+    `module` runs `python -m MODULE ARGS... serve` instead of `hloserve.cli` (a patched server)."""
     env = {
         **os.environ,
         "HLOSERVE_LOGGING_FORMAT": "json",
@@ -101,7 +105,7 @@ def start_server(
         *_pin(0),
         sys.executable,
         "-m",
-        "hloserve.cli",
+        *(module or ("hloserve.cli",)),
         "serve",
         "--grpc-port",
         str(port),
