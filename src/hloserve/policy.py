@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 __all__ = [
+    "MIN_COST_S",
     "BatchPlan",
     "Candidate",
-    "MIN_COST_S",
     "Discipline",
     "ModelPolicy",
     "Pending",
