@@ -11,7 +11,7 @@ import tritonclient.grpc as grpcclient
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))  # benches/ is not installed; pytest run by tox does not see it
-from benches.serving import _free_port, start_server  # noqa: E402
+from benches.serving import _free_port, start_server
 
 
 @pytest.mark.slow
