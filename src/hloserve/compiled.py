@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -41,21 +41,22 @@ class CompiledModel:
     compile_s: float
     scratch_bytes: int
     """The largest temporary buffer XLA planned for any of the executables."""
+    batch_sizes: tuple[int, ...] = field(init=False)
+    """The compiled sizes, ascending."""
+    coalescable: bool = field(init=False)
+    """Requests can be joined: every executable input and output has a batch axis."""
+
+    def __post_init__(self) -> None:  # both are read per request
+        manifest = self.bundle.manifest
+        tensors = (*manifest.executable_inputs, *manifest.executable_outputs)
+        object.__setattr__(self, "batch_sizes", tuple(sorted(self.executables)))
+        object.__setattr__(
+            self, "coalescable", 0 not in self.executables and all(t.batch_axis is not None for t in tensors)
+        )
 
     @property
     def name(self) -> str:
         return self.bundle.name
-
-    @property
-    def batch_sizes(self) -> tuple[int, ...]:
-        return tuple(sorted(self.executables))
-
-    @property
-    def coalescable(self) -> bool:
-        """Requests can be joined: every executable input and output has a batch axis."""
-        manifest = self.bundle.manifest
-        tensors = (*manifest.executable_inputs, *manifest.executable_outputs)
-        return 0 not in self.executables and all(t.batch_axis is not None for t in tensors)
 
     def warm_up(self, weights: Sequence[_xla.DeviceArray]) -> dict[int, float]:
         """Run every compiled size once on zeros; returns the seconds each took (blocking).

@@ -68,16 +68,18 @@ class TensorSpec:
     name: str
     dtype: DType
     axes: tuple[Axis, ...]
+    batch_axis: int | None = field(init=False, compare=False, repr=False)
+    """Index of the batch axis in wire order, or None for an unbatched tensor (read per
+    request, so found once)."""
+
+    def __post_init__(self) -> None:
+        batch_axis = next((i for i, a in enumerate(self.wire_axes) if a.is_batch), None)
+        object.__setattr__(self, "batch_axis", batch_axis)
 
     @property
     def wire_axes(self) -> tuple[Axis, ...]:
         """Axes in wire (row-major, numpy, XLA) order: the manifest's reversed."""
         return self.axes[::-1]
-
-    @property
-    def batch_axis(self) -> int | None:
-        """Index of the batch axis in wire order, or None for an unbatched tensor."""
-        return next((i for i, a in enumerate(self.wire_axes) if a.is_batch), None)
 
     @property
     def metadata_shape(self) -> list[int]:
