@@ -141,7 +141,10 @@ class Dispatcher:
     async def _wait_for_work(self) -> None:
         """Sleep until a message arrives, or until a held partial batch is due."""
         due = min((s.ready_at for s in self._state.waiting.values()), default=math.inf)
-        with trio.move_on_after(max(0.0, due - time.monotonic()) if due < math.inf else math.inf):
+        if due == math.inf:  # nothing held: no timer to set up (the common idle case)
+            self._on_message(await self._inbox.receive())
+            return
+        with trio.move_on_after(max(0.0, due - time.monotonic())):
             self._on_message(await self._inbox.receive())
 
     def _on_message(self, message: object) -> None:
