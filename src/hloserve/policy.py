@@ -227,8 +227,8 @@ def select(
     every model, idle ones included. Ties go to the older front request, then the smaller name.
     """
     ready = list(candidates)
-    if not ready:
-        return None
+    if len(ready) <= 1:  # every discipline picks a lone candidate (the common case): skip the maths
+        return ready[0].model if ready else None
     urgent = [(u, c) for c in ready if (u := _urgent_at(c, policies[c.model], params)) <= now]
     if urgent:
         return min(urgent, key=lambda uc: (uc[0], uc[1].front_enqueued_at, uc[1].model))[1].model
