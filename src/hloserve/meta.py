@@ -27,7 +27,7 @@ from hloserve.buffer_pool import BufferPool, PoolAcquireTimeout, PoolSlot
 from hloserve.errors import DeadlineExceeded, HloserveError, HookFailed, ModelNotFound, ModelNotReady
 from hloserve.manifest import Manifest
 from hloserve.model_py import MetaRun, NamedTensor
-from hloserve.pipeline import arrange, client_outputs, named, to_client, to_executable
+from hloserve.pipeline import Route, arrange, client_outputs, named
 from hloserve.policy import PolicyParams, learn_cost
 from hloserve.statistics import Statistics
 
@@ -104,18 +104,15 @@ class Call:
         except ValueError as e:
             raise ValueError(f"call({model!r}): {e}") from None
         rows = 1 if extent is None else extent
-        hooks = entry.hooks
-        if hooks is not None:
-            arrays, executable_rows = to_executable(model, manifest, hooks, arrays)
-        else:
-            executable_rows = rows
+        route = Route(model, manifest, entry.hooks, selected)
+        arrays, executable_rows = route.inward(arrays, rows)
         entry.check_rows(executable_rows, f"a call from meta model {self._meta!r}")
         reply: concurrent.futures.Future[list[np.ndarray]] = concurrent.futures.Future()
         request = Infer(
             model,
             arrays,
             executable_rows,
-            list(range(len(manifest.executable_outputs))) if hooks is not None else selected,
+            route.executable_outputs,
             reply,
             time.monotonic(),
             self._deadline,
@@ -127,10 +124,7 @@ class Call:
         except concurrent.futures.TimeoutError:
             trio.from_thread.run_sync(entry.queue.withdraw_nowait, request, trio_token=self._token)
             raise DeadlineExceeded(model, 0.0) from None
-        if hooks is not None:
-            client = to_client(model, manifest, hooks, result, rows)  # postprocess runs once
-            result = [client[i] for i in selected]
-        return named([manifest.outputs[i] for i in selected], result)
+        return named([manifest.outputs[i] for i in selected], route.outward(result, rows))
 
     def scratch(self, shape: Any, dtype: Any = None) -> Any:
         """Buffers for this request, carved at once from the staging pool and released when

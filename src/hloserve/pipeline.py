@@ -5,12 +5,14 @@ With one, `preprocess` turns the client's inputs into the executable's and `post
 all of the executable's outputs into the client's; whatever a hook returns is checked against
 the manifest (names, dtypes, shapes, variable axes, agreeing batch axes) before it goes on, so a
 buggy hook fails its own request with INTERNAL and the hook's words, never the executable or
-another request. These functions block (hooks are arbitrary Python): run them in worker threads.
+another request. A `Route` holds both ways for one request; they block (hooks are arbitrary
+Python): run them in worker threads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -18,7 +20,7 @@ from hloserve.errors import HookFailed
 from hloserve.manifest import Manifest, TensorSpec
 from hloserve.model_py import Hook, ModelHooks, NamedTensor
 
-__all__ = ["arrange", "client_outputs", "named", "to_client", "to_executable"]
+__all__ = ["Route", "arrange", "client_outputs", "named"]
 
 
 def named(specs: Sequence[TensorSpec], arrays: Sequence[np.ndarray]) -> list[NamedTensor]:
@@ -68,29 +70,54 @@ def _apply(model: str, stage: str, hook: Hook | None, tensors: list[NamedTensor]
         raise HookFailed(model, stage, f"{type(e).__name__}: {e}") from e
 
 
-def to_executable(
-    model: str, manifest: Manifest, hooks: ModelHooks, inputs: Sequence[np.ndarray]
-) -> tuple[list[np.ndarray], int]:
-    """Client inputs (in manifest order) through `preprocess`: the executable's inputs and rows."""
-    returned = _apply(model, "preprocess", hooks.preprocess, named(manifest.inputs, inputs))
-    try:
-        arrays, rows = arrange(returned, manifest.executable_inputs)
-    except ValueError as e:
-        raise HookFailed(
-            model, "preprocess", f"returned tensors that do not fit executable_inputs: {e}"
-        ) from None
-    if rows == 0:
-        raise HookFailed(model, "preprocess", "returned a batch of 0 rows")
-    return [np.ascontiguousarray(a) for a in arrays], 1 if rows is None else rows
+@dataclass(frozen=True, slots=True)
+class Route:
+    """How one request crosses a model's hooks, the same for a client's request and a meta
+    model's call: which executable outputs to ask for, the way in and the way out. Without hooks
+    both ways are the identity and only the `selected` outputs are computed."""
 
+    model: str
+    manifest: Manifest
+    hooks: ModelHooks | None
+    selected: Sequence[int]
+    """The client outputs asked for, as indices into the manifest's outputs."""
 
-def to_client(
-    model: str, manifest: Manifest, hooks: ModelHooks, outputs: Sequence[np.ndarray], rows: int
-) -> list[np.ndarray]:
-    """Every executable output through `postprocess`: the client outputs, in manifest order,
-    their batch axes holding the client's `rows`."""
-    returned = _apply(model, "postprocess", hooks.postprocess, named(manifest.executable_outputs, outputs))
-    return client_outputs(model, "postprocess", manifest, returned, rows)
+    @property
+    def executable_outputs(self) -> list[int]:
+        """All of them when a postprocess makes the client's outputs from them, else `selected`."""
+        every = range(len(self.manifest.executable_outputs))
+        return list(every if self.hooks is not None else self.selected)
+
+    def inward(self, inputs: list[np.ndarray], rows: int) -> tuple[list[np.ndarray], int]:
+        """Client inputs (in manifest order) through `preprocess`: the executable's inputs and rows."""
+        if self.hooks is None:
+            return inputs, rows
+        returned = _apply(
+            self.model, "preprocess", self.hooks.preprocess, named(self.manifest.inputs, inputs)
+        )
+        try:
+            arrays, extent = arrange(returned, self.manifest.executable_inputs)
+        except ValueError as e:
+            raise HookFailed(
+                self.model, "preprocess", f"returned tensors that do not fit executable_inputs: {e}"
+            ) from None
+        if extent == 0:
+            raise HookFailed(self.model, "preprocess", "returned a batch of 0 rows")
+        return [np.ascontiguousarray(a) for a in arrays], 1 if extent is None else extent
+
+    def outward(self, outputs: list[np.ndarray], rows: int) -> list[np.ndarray]:
+        """The executable's answer as the client's `selected` outputs: through `postprocess`
+        (which gets every executable output), their batch axes holding the client's `rows`."""
+        if self.hooks is None:
+            return outputs
+        returned = _apply(
+            self.model,
+            "postprocess",
+            self.hooks.postprocess,
+            named(self.manifest.executable_outputs, outputs),
+        )
+        client = client_outputs(self.model, "postprocess", self.manifest, returned, rows)
+        return [client[i] for i in self.selected]
 
 
 def client_outputs(

@@ -33,7 +33,7 @@ from hloserve.errors import ModelNotFound, ModelNotReady, Overloaded, ShmDisable
 from hloserve.manifest import TensorSpec
 from hloserve.meta import MetaModels
 from hloserve.metrics import Metrics
-from hloserve.pipeline import to_client, to_executable
+from hloserve.pipeline import Route
 from hloserve.shm_registry import ShmRegistry
 from hloserve.statistics import Duration, ExecutionTimes, Statistics
 
@@ -181,24 +181,19 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
             if meta_run is not None:
                 infer_meta = trio_asyncio.trio_as_aio(self._metas.infer)
                 outputs = await infer_meta(entry, decoded.inputs, decoded.rows, deadline)
+                outputs = [outputs[i] for i in decoded.outputs]
             elif hooks is not None:
-                inputs, rows = await _run_hook(
-                    hooks.preprocess, to_executable, entry.name, manifest, hooks, decoded.inputs
-                )
+                route = Route(entry.name, manifest, hooks, decoded.outputs)
+                inputs, rows = await _run_hook(hooks.preprocess, route.inward, decoded.inputs, decoded.rows)
                 entry.check_rows(rows, "preprocess")
-                every = list(range(len(manifest.executable_outputs)))
-                outputs = await self._execute(entry, inputs, rows, every, deadline, now)
-                outputs = await _run_hook(
-                    hooks.postprocess, to_client, entry.name, manifest, hooks, outputs, decoded.rows
-                )
+                outputs = await self._execute(entry, inputs, rows, route.executable_outputs, deadline, now)
+                outputs = await _run_hook(hooks.postprocess, route.outward, outputs, decoded.rows)
             else:
                 outputs = await self._execute(
                     entry, decoded.inputs, decoded.rows, decoded.outputs, deadline, now
                 )
         finally:
             self._inflight -= 1
-        if transformed:
-            outputs = [outputs[i] for i in decoded.outputs]
         return encode_response(request, entry.name, manifest.outputs, decoded, outputs)
 
     async def _execute(
