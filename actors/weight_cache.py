@@ -190,7 +190,10 @@ class WeightCache:
 
         # A host floor whose copy is known to be quick (on CPU the device aliases it: microseconds)
         # loads on the loop's thread; a file read, or a copy not yet timed or too long, in a worker.
-        quick = host is not None and self._put_seconds_per_byte * model.nbytes <= INLINE_WORK_S
+        # (No weights at all is quick too: inf seconds per byte times 0 bytes would be NaN.)
+        quick = host is not None and (
+            model.nbytes == 0 or self._put_seconds_per_byte * model.nbytes <= INLINE_WORK_S
+        )
         model.device = copy() if quick else await trio.to_thread.run_sync(copy)
         self.resident_bytes += model.nbytes
         self._lru[name] = None
