@@ -1,6 +1,6 @@
 """The machine while benchmarking: how busy it is, and waiting until it is quiet.
 
-Two shared cores make every figure noisy (research/peers_runnable.md §1): before each
+Two shared cores make every figure noisy: before each
 measurement the suite waits, bounded, until the whole machine's busy time (from /proc/stat,
 steal included) falls below a threshold, and records what it saw beside the figure.
 """

@@ -5,8 +5,7 @@ glibc 2.38. The one in the `tritonclient==2.51.0` manylinux1 wheel runs on Debia
 two libraries: `libb64.so.0d` (Debian's libb64-0d, downloaded and unpacked, not installed) and
 `libcudart.so.12` (PyPI's nvidia-cuda-runtime-cu12; it loads without a GPU). Everything goes
 under `.tools/perf_analyzer/` in the repository (git-ignored). Installing twice does nothing.
-2.51.0 rather than 2.50.0 (both work) because it matches PyTriton's server, our peer in benches
-(research/peers_runnable.md §4.1).
+2.51.0 rather than 2.50.0 (both work) because it matches PyTriton's server, our peer in benches.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Two small models with fixed weights, exported with hloserve's own JAX exporter:
   mean `MEAN` FP32 [batch, 3]; sizes 1, 8 (8 images are a 4.8 MB request).
 * `cnn`: vision, `IMAGE` FP32 [batch, 16, 16, 3] (NHWC) → 3x3 conv, 8 channels, relu → global
   average pool → dense → `LOGITS` FP32 [batch, 10]; sizes 1, 4.
-* `severity_grader`: the seeds' example. `INPUT__0` UINT8 [batch, 224, 224] → 8x8 mean pool →
+* `severity_grader`: ReactantServer.jl's example. `INPUT__0` UINT8 [batch, 224, 224] → 8x8 mean pool →
   dense → CORAL ordinal logits `OUTPUT__0` FP32 [batch, 9]; its hand-written `model.py` turns
   them into `grade` INT64 [batch, 1] with an early-break loop; sizes 1, 3, 6.
 
@@ -113,7 +113,7 @@ MODELS: dict[str, dict[str, Any]] = {
         "inputs": [InputSpec("INPUT__0", (224, 224), np.uint8, letters="hw")],
         "outputs": [OutputSpec("OUTPUT__0", letters="z")],
         "batch_sizes": [1, 3, 6],
-        "description": "the seeds' severity grader: CORAL logits, graded by model.py",
+        "description": "ReactantServer.jl's severity grader: CORAL logits, graded by model.py",
         "client_outputs": [InputSpec("grade", (1,), np.int64, letters="y")],  # made by its model.py
     },
 }

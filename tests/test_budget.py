@@ -1,4 +1,4 @@
-"""The weight budget: the formula against upstream's vectors (upstream.md §3.3), and sized at start."""
+"""The weight budget: the formula against ReactantServer.jl's published vectors, and sized at start."""
 
 from __future__ import annotations
 

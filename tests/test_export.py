@@ -1,4 +1,4 @@
-"""The JAX and Flax exporter writes the seeds' bundle format, verifies it in a fresh process,
+"""The JAX and Flax exporter writes ReactantServer.jl's bundle format, verifies it in a fresh process,
 refuses what cannot be a bundle, and the shipped example repository is current."""
 
 from __future__ import annotations
@@ -391,7 +391,7 @@ def test_cli_export_refuses_a_bad_spec_with_status_2(
 def test_shipped_example_repository_is_what_the_script_exports(tmp_path: Path) -> None:
     """Byte for byte, except the provenance, which records when and with what it was exported."""
     export_examples.export_all(tmp_path)
-    assert sorted(p.name for p in EXAMPLES.iterdir()) == sorted(export_examples.MODELS)
+    assert sorted(p.name for p in EXAMPLES.iterdir() if p.is_dir()) == sorted(export_examples.MODELS)
     for model in export_examples.MODELS:
         fresh, shipped = tmp_path / model, EXAMPLES / model
         assert sorted(p.name for p in fresh.iterdir()) == sorted(p.name for p in shipped.iterdir())

@@ -1,4 +1,4 @@
-"""The scheduler's pure decisions, checked against upstream's worked examples (upstream.md §2.3, §2.4)."""
+"""The scheduler's pure decisions, checked against ReactantServer.jl's worked examples."""
 
 from __future__ import annotations
 

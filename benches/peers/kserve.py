@@ -4,7 +4,7 @@ Installed into `.tools/peers/kserve`. KServe's `ModelServer` has no batching (th
 separate Go agent), so each request runs alone; gRPC is grpc.aio with 4 threads, as shipped.
 
 Loopback only: KServe 0.21 hard-codes `[::]:<port>` for gRPC and `0.0.0.0` for REST, with no
-host option (research/peers_runnable.md §3.5). The generated server script therefore patches both
+host option. The generated server script therefore patches both
 before starting: the `aio.server` KServe's gRPC module calls returns a server whose
 `add_insecure_port` binds 127.0.0.1 on the same port, and `uvicorn.Config` is forced to host
 127.0.0.1. The REST listener cannot be turned off, so it gets a free loopback port too. Per-request

@@ -1,11 +1,11 @@
 """MLServer 1.7.1 as a benchmark peer: a custom runtime per model, V2 gRPC on loopback.
 
 Installed into `.tools/peers/mlserver` with `uvloop<0.22` (uvloop 0.22+ kills MLServer 1.7.1's
-inference worker at start: research/peers_runnable.md §3.4). Every model gets MLServer's adaptive
+inference worker at start). Every model gets MLServer's adaptive
 batching up to its largest batch size with `max_batch_time` 0.5 ms, as Triton gets 100 µs of
 dynamic batching.
 
-`parallel_workers: 0`, i.e. inference in the server process: in the research runs it was the
+`parallel_workers: 0`, i.e. inference in the server process: in trial runs on this machine it was the
 faster configuration by far (quiet-window medians 421 vs 183 infer/s at concurrency 1, 741 vs 372
 at 4; 1.9 vs 4.4 ms of server CPU per request), because the default (`1`) adds a hop through
 multiprocessing queues to a worker process. The HTTP listener cannot be turned off, so it gets a

@@ -1,7 +1,7 @@
 """Triton Inference Server 2.51.0 as a benchmark peer, serving the same models as hloserve.
 
 The runnable Triton here is the `tritonserver` binary inside the `nvidia-pytriton==0.7.0` wheel,
-run standalone with its Python backend (research/peers_runnable.md §3.1). Installed once into
+run standalone with its Python backend. Installed once into
 `.tools/peers/triton` (a venv; numpy 1.26 comes with it, which the backend stub is built for).
 Each model is a Python-backend model running `models.compile_model` on the model's body and
 weights, with dynamic batching (100 µs queue delay) up to the model's largest batch size.

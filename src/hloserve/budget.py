@@ -1,4 +1,4 @@
-"""How many bytes of weights may be on the device at once: the seeds' `weight_budget`, and
+"""How many bytes of weights may be on the device at once: ReactantServer.jl's `weight_budget`, and
 `resolve_budget`, which sizes it when a worker starts.
 
 Of the allocator's arena, a `wiggle` fraction stays free for fragmentation; the largest scratch
@@ -49,7 +49,7 @@ def weight_budget(
 def scratch_of(peaks: list[tuple[int, int]]) -> int:
     """The largest scratch of models warmed up one after another, from `(weight bytes, allocator
     peak after its warm-up)` pairs in load order: the peak never falls, so each model's scratch is
-    its peak less the largest weights placed so far (the seeds' startup probe)."""
+    its peak less the largest weights placed so far (ReactantServer.jl's startup probe)."""
     largest, scratch = 0, 0
     for weight_bytes, peak in peaks:
         largest = max(largest, weight_bytes)

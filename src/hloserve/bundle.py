@@ -1,6 +1,6 @@
 """A bundle on disk: manifest, StableHLO modules and weights, checked against each other.
 
-Layout (the seeds' format): `manifest.yaml`; `model.mlir` (one module) or `model.b{N}.mlir`
+Layout (ReactantServer.jl's format): `manifest.yaml`; `model.mlir` (one module) or `model.b{N}.mlir`
 (one per compiled batch size), StableHLO text or portable-artifact bytecode; an optional
 `weights.safetensors` whose `__metadata__.argument_order` lists the weights in argument order;
 an optional `model.py` (a meta bundle has only the manifest and that). Every module's `main`

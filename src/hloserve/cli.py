@@ -22,7 +22,7 @@ from hloserve.config import Config, LoggingConfig, load_config
 from hloserve.errors import ConfigError
 from hloserve.logs import configure_logging
 
-__all__ = ["main", "settle_heap"]
+__all__ = ["SERVER_FLAGS", "main", "settle_heap"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -65,20 +65,23 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+SERVER_FLAGS = {
+    "model_repository": "--model-repository",
+    "host": "--host",
+    "grpc_port": "--grpc-port",
+    "metrics_port": "--metrics-port",
+    "allow_client_shm": "--allow-client-shm",
+    "reload": "--reload",
+    "repository_poll_s": "--repository-poll-secs",
+}
+"""The `server` fields `hloserve serve` takes as flags (the configuration reference lists them)."""
+
+
 def _apply_flags(config: Config, args: argparse.Namespace) -> Config:
-    changes = {
-        field: value
-        for field, value in (
-            ("model_repository", args.model_repository),
-            ("host", args.host),
-            ("grpc_port", args.grpc_port),
-            ("metrics_port", args.metrics_port),
-            ("allow_client_shm", args.allow_client_shm),
-            ("reload", True if args.repository_poll_secs is not None else args.reload),
-            ("repository_poll_s", args.repository_poll_secs),
-        )
-        if value is not None
-    }
+    given = {field: getattr(args, flag[2:].replace("-", "_")) for field, flag in SERVER_FLAGS.items()}
+    if given["repository_poll_s"] is not None:  # as Triton's flag: polling implies reloading
+        given["reload"] = True
+    changes = {field: value for field, value in given.items() if value is not None}
     return config.replace("server", **changes) if changes else config
 
 

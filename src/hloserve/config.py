@@ -9,6 +9,7 @@ field and what it accepts, raised before anything starts.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import re
 import types
@@ -33,7 +34,18 @@ __all__ = [
 ]
 
 ENV_PREFIX = "HLOSERVE_"
-EXAMPLE_REPOSITORY = Path(__file__).resolve().parents[2] / "examples" / "repository"
+
+
+def _example_repository() -> Path:
+    """Where the example repository is: the package `hloserve.example_repository` (mapped from
+    examples/repository, its bundles package data), so a wheel serves it as a checkout does.
+    Found without importing it: `find_spec` only locates."""
+    spec = importlib.util.find_spec("hloserve.example_repository")
+    assert spec is not None and spec.origin is not None, "hloserve is installed without its examples"
+    return Path(spec.origin).parent
+
+
+EXAMPLE_REPOSITORY = _example_repository()
 Discipline = Literal["fair", "fifo", "edf"]
 
 
@@ -42,6 +54,8 @@ class ServerConfig:
     """Where the worker listens and what it serves."""
 
     model_repository: Path = EXAMPLE_REPOSITORY
+    """Directory of bundles, one subdirectory each; the default is the example repository that
+    ships inside the package."""
     host: str = "127.0.0.1"
     """Listen address; `0.0.0.0` (or `::`) listens on every interface."""
     grpc_port: int = 8001
@@ -67,6 +81,7 @@ class ServerConfig:
     meta_scratch_bytes: int = 0
     """Staging pool carved by a meta model's `call.scratch`; 0 gives plain arrays instead."""
     meta_scratch_slots: int = 8
+    """How many buffers that pool is carved into."""
     reload: bool = False
     """Watch the repository (development): a changed model.py re-registers its hooks, a changed
     bundle reloads, added and removed bundles load and unload; a failed reload keeps the old one."""
@@ -98,11 +113,19 @@ class ModelSettings:
     """Scheduling settings of one model (`scheduler.models.<name>`)."""
 
     weight: float = 1.0
+    """Its share of the device under the `fair` discipline, relative to the other models'."""
     latency_budget_ms: float | None = None
+    """When its oldest request would otherwise wait longer than this, it goes ahead of the
+    discipline."""
     max_queue_delay_us: int = 0
+    """Hold a partial batch up to this long for more rows (as Triton's dynamic batcher)."""
     max_queue_depth: int | None = None
+    """This model's queue limit (None: `scheduler.max_queue_depth`)."""
     discipline: Discipline | None = None
+    """This model's discipline (None: the global one); `edf` drops its requests that cannot
+    finish within their deadline."""
     max_batch_size: int | None = None
+    """At most this many rows joined into one execution (None: the largest compiled size)."""
     residency: Literal["unpinned", "system", "device"] | None = None
     """Residency floor: `system` (default) keeps weights in host RAM, `device` pins them on the
     device, `unpinned` re-reads the file at each load."""
@@ -120,7 +143,7 @@ class WeightsConfig:
 
     budget_bytes: int | None = None
     """Byte budget for weights loaded on demand. None sizes it from the arena (below) with the
-    seeds' formula; with no arena either, every model stays resident."""
+    ReactantServer.jl's formula; with no arena either, every model stays resident."""
     arena_bytes: int | None = None
     """Device memory the budget is carved from. None reads the allocator's limit (a GPU); set
     it where the backend keeps none (CPU) to budget and evict exactly as on a GPU."""
@@ -152,12 +175,18 @@ class SchedulerConfig:
     """The dispatch loop's policy."""
 
     discipline: Discipline = "fair"
+    """Which model runs next: `fair` (weighted fair share), `fifo` (oldest request) or `edf`
+    (earliest deadline, dropping requests that cannot make it)."""
     max_queue_depth: int = 1024
-    """Per-model queue limit; past it, UNAVAILABLE."""
+    """Requests queued per model; past it, UNAVAILABLE."""
     ema_halflife_s: float = 30.0
+    """Half-life of the recent compute that `fair` weighs against each model's share."""
     recency_penalty_cap: float = 0.25
+    """The most a model's recent compute can lower its priority under `fair`."""
     coalescing_discount: float = 0.10
+    """How much a fuller batch is preferred (its cost per row is discounted by this fraction)."""
     cost_ema_alpha: float = 0.2
+    """Weight of each new measurement in a model's learned cost per batch size."""
     compaction_interval: int = 0
     """Compact the device's weights after this many loads (0: never)."""
     gather_passes: int = 32
@@ -190,6 +219,7 @@ class SchedulerConfig:
 @dataclass(frozen=True, slots=True)
 class LoggingConfig:
     level: Literal["debug", "info", "warning", "error"] = "info"
+    """The least severe log lines written."""
     format: Literal["auto", "console", "json"] = "auto"
     """`auto`: console when stderr is a terminal, JSON lines otherwise."""
 

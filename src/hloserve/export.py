@@ -1,11 +1,11 @@
 """Write a server-loadable bundle from a JAX function, a Flax model or a traced PyTorch module.
 
 `export_bundle(fn, params, inputs, directory)` traces `fn(params, *inputs)` (or a `flax.nnx`
-module called on the inputs) once per batch size and writes the seeds' format:
+module called on the inputs) once per batch size and writes ReactantServer.jl's format:
 `model.b{N}.mlir` (StableHLO text, or a portable artifact) taking the inputs first and the
 weights last, one `weights.safetensors` with `argument_order`, and `manifest.yaml` with
-column-major letter shapes (batch letter `n` last). The traps measured in
-research/spike_jax.md are handled here: x64 on so int64 stays int64, `keep_unused=True` so no
+column-major letter shapes (batch letter `n` last). The traps of exporting through JAX
+are handled here: x64 on so int64 stays int64, `keep_unused=True` so no
 weight is pruned from the signature, no donation, weights cast to the module's argument types
 and saved C-contiguous with mode 0644. A bundle is only as good as its last check, so it is then
 loaded in a fresh process by the server's own loader and compared with the model

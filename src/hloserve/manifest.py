@@ -1,6 +1,6 @@
 """The bundle manifest (`manifest.yaml`): tensors, letter shapes, compiled batch sizes.
 
-Shapes are written the seeds' way: one ASCII letter per axis in column-major order with the
+Shapes are written ReactantServer.jl's way: one ASCII letter per axis in column-major order with the
 batch axis last (`"fn"` with `dims: {f: 16}` is a wire tensor of shape `[batch, 16]`). `n` or
 `b` marks the batch axis; every other letter needs a size in `dims`; `-1` marks a variable axis,
 allowed only on client-facing tensors (a `model.py` consumes or produces them). A bundle of

@@ -1,4 +1,4 @@
-"""Post-processing of the seeds' severity grader: CORAL ordinal logits to a grade.
+"""Post-processing of ReactantServer.jl's severity grader: CORAL ordinal logits to a grade.
 
 The grade is the number of consecutive leading logits above zero, stopping at the first that is
 not. That early break is awkward as a static XLA graph and a plain loop here.
