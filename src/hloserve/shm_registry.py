@@ -187,7 +187,7 @@ class ShmRegistry:
     def _open(self, name: str, key: str) -> int:
         """A descriptor of the regular file `key` names, owned by an allowed uid; else why not."""
         object_name = key.removeprefix("/")
-        if "/" in object_name or object_name in (".", "..") or "\0" in object_name:
+        if "/" in object_name or object_name in ("", ".", "..") or "\0" in object_name:
             raise ShmRegionError(
                 name, f"key {key!r} must name an object directly under {SHM_DIR} (no '/', '.', '..' or NUL)"
             )

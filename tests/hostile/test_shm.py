@@ -205,6 +205,7 @@ def test_an_object_of_another_uid_is_refused(client: Any, server: ServerProcess,
         ("r", "/../etc/passwd", "directly under /dev/shm"),
         ("r", "..", "directly under /dev/shm"),
         ("r", "//etc", "directly under /dev/shm"),
+        ("r", "/", "directly under /dev/shm"),
         ("r", "/a\0b", "directly under /dev/shm"),
     ],
 )
