@@ -21,6 +21,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
+from hloserve.config import load_config
+from hloserve.errors import ConfigError
 from hloserve.shm_registry import ShmRegistry
 from hostile.support import ServerProcess, assert_serves, server_process
 
@@ -370,3 +372,11 @@ def test_descriptors_return_to_baseline_after_unregister_all(
         client.unregister_system_shared_memory()
     assert eventually(lambda: fds(server) == baseline), (fds(server), baseline)
     assert_serves(server.url)
+
+
+def test_allowed_uids_are_checked_when_the_config_loads() -> None:
+    config = load_config(environ={"HLOSERVE_SERVER_SHM_ALLOWED_UIDS": "0, 12345"})
+    assert config.server.shm_owner_uids == {0, 12345}
+    assert load_config(environ={}).server.shm_owner_uids == {os.geteuid()}
+    with pytest.raises(ConfigError, match=r"server\.shm_allowed_uids: got 'root'; expected comma-separated"):
+        load_config(environ={"HLOSERVE_SERVER_SHM_ALLOWED_UIDS": "root"})
