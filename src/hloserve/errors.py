@@ -158,9 +158,9 @@ class ShmRegionExists(ShmRegionError):
 class ShmLimit(ShmRegionError):
     """Registering would pass a cap on regions or their bytes (RESOURCE_EXHAUSTED)."""
 
-    def __init__(self, region: str, problem: str, key: str) -> None:
-        self.key = key
-        super().__init__(region, f"{problem} ({key}); unregister a region first")
+    def __init__(self, region: str, problem: str, config_key: str) -> None:
+        self.config_key = config_key
+        super().__init__(region, f"{problem} ({config_key}); unregister a region first")
 
 
 class ShmDisabled(HloserveError):
