@@ -89,8 +89,12 @@ def test_status_unregister_and_re_register(client: Any, regions: Any) -> None:
         "out": (regions["out_key"], 0, OUT_BYTES),
     }
     assert list(client.get_system_shared_memory_status("out").regions) == ["out"]
-    client.register_system_shared_memory("in", regions["in_key"], IN_BYTES)  # re-register replaces
-    assert client.get_system_shared_memory_status("in").regions["in"].offset == 0
+    _expect(  # as Triton: a registered name stays until unregistered
+        lambda: client.register_system_shared_memory("in", regions["in_key"], IN_BYTES),
+        "ALREADY_EXISTS",
+        "region 'in': is already registered",
+    )
+    assert client.get_system_shared_memory_status("in").regions["in"].offset == 16
     client.unregister_system_shared_memory("in")
     assert list(client.get_system_shared_memory_status().regions) == ["out"]
     client.unregister_system_shared_memory("never-registered")  # unknown: fine, as Triton

@@ -27,6 +27,8 @@ STATUS_BY_ERROR: dict[type[Exception], Status] = {
     errors.ModelNotReady: Status.UNAVAILABLE,
     errors.InvalidInput: Status.INVALID_ARGUMENT,
     errors.ShmRegionError: Status.INVALID_ARGUMENT,
+    errors.ShmRegionExists: Status.ALREADY_EXISTS,
+    errors.ShmLimit: Status.RESOURCE_EXHAUSTED,
     errors.ShmDisabled: Status.FAILED_PRECONDITION,
     errors.QueueFull: Status.UNAVAILABLE,
     errors.Overloaded: Status.UNAVAILABLE,

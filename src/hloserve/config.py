@@ -74,7 +74,17 @@ class ServerConfig:
     """Where; None means $XDG_CACHE_HOME/hloserve/executables (~/.cache/...)."""
     allow_client_shm: bool = False
     """Accept Triton system shared-memory regions; off by default, since a registered region
-    makes the server map memory a client names (as Triton since 2026)."""
+    makes the server read and write memory a client names (as Triton since 2026)."""
+    shm_allowed_uids: str = ""
+    """Comma-separated uids (`"1000,1001"`) whose shared-memory objects may be registered;
+    empty: the server's own effective uid only, so a client cannot make the server read or write
+    another user's objects on its behalf."""
+    shm_max_regions: int = 256
+    """Regions registered at once; each holds a file descriptor, and 256 leave most of a common
+    1024-descriptor limit to connections and model files."""
+    shm_max_bytes: int = 8 << 30
+    """Bytes of all registered regions together; the server copies a tensor out of (and into)
+    them, so this bounds what clients can make it copy (8 GiB: 8 times the largest message)."""
     meta_concurrency: int = 2
     """Meta-model requests running at once (each holds a thread while its model.py runs);
     metas that call no model are not counted."""
@@ -91,6 +101,12 @@ class ServerConfig:
     """A changed bundle is reloaded once its files have stayed unchanged this long (a half-written
     file is never loaded)."""
 
+    @property
+    def shm_owner_uids(self) -> frozenset[int]:
+        """`shm_allowed_uids` as uids (the server's effective uid when empty)."""
+        uids = [int(u) for u in self.shm_allowed_uids.split(",") if u.strip()]
+        return frozenset(uids) if uids else frozenset({os.geteuid()})
+
     def validate(self) -> None:
         _check(0 <= self.grpc_port <= 65535, "server.grpc_port", "must be a port number 0..65535")
         _check(-1 <= self.metrics_port <= 65535, "server.metrics_port", "must be -1 (off) or 0..65535")
@@ -104,6 +120,13 @@ class ServerConfig:
             "server.meta_scratch_slots",
             "must be between 1 and server.meta_scratch_bytes",
         )
+        _check(
+            re.fullmatch(r"\s*(\d+\s*(,\s*\d+\s*)*)?", self.shm_allowed_uids) is not None,
+            "server.shm_allowed_uids",
+            f"got {self.shm_allowed_uids!r}; expected comma-separated uids such as 1000,1001",
+        )
+        _check(self.shm_max_regions >= 0, "server.shm_max_regions", "must be >= 0")
+        _check(self.shm_max_bytes >= 0, "server.shm_max_bytes", "must be >= 0")
         _check(self.repository_poll_s > 0, "server.repository_poll_s", "must be > 0")
         _check(self.reload_debounce_s >= 0, "server.reload_debounce_s", "must be >= 0")
 

@@ -22,7 +22,9 @@ __all__ = [
     "QueueFull",
     "ResidencyRefused",
     "ShmDisabled",
+    "ShmLimit",
     "ShmRegionError",
+    "ShmRegionExists",
     "ShuttingDown",
     "Unimplemented",
 ]
@@ -144,6 +146,21 @@ class ShmRegionError(HloserveError):
     def __init__(self, region: str, problem: str) -> None:
         self.region, self.problem = region, problem
         super().__init__(f"shared memory region {region!r}: {problem}")
+
+
+class ShmRegionExists(ShmRegionError):
+    """The name is registered already; unregister it first (as Triton: ALREADY_EXISTS)."""
+
+    def __init__(self, region: str) -> None:
+        super().__init__(region, "is already registered; unregister it first to register it again")
+
+
+class ShmLimit(ShmRegionError):
+    """Registering would pass a cap on regions or their bytes (RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, region: str, problem: str, config_key: str) -> None:
+        self.config_key = config_key
+        super().__init__(region, f"{problem} ({config_key}); unregister a region first")
 
 
 class ShmDisabled(HloserveError):

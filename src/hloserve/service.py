@@ -85,10 +85,15 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         self._inflight = 0
         self._worker = worker
         self._metas = metas
-        self._shm = ShmRegistry() if config.server.allow_client_shm else None
+        server = config.server
+        self._shm = (
+            ShmRegistry(server.shm_max_regions, server.shm_max_bytes, server.shm_owner_uids)
+            if server.allow_client_shm
+            else None
+        )
 
     def close(self) -> None:
-        """Unmap every registered shared-memory region."""
+        """Close every registered shared-memory region."""
         if self._shm is not None:
             self._shm.close()
 
