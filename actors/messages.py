@@ -126,11 +126,12 @@ class Batch:
 @dataclass(frozen=True, slots=True)
 class SetPolicy:
     """control → Dispatcher: change a model's weight or discipline, or (model None) the global
-    discipline; None leaves a field as it is."""
+    discipline; None leaves a field as it is. Replies None, or ModelNotFound, on `reply_to`."""
 
     model: str | None
     weight: float | None = None
     discipline: Discipline | None = None
+    reply_to: trio.MemorySendChannel[Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
