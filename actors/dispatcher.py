@@ -168,8 +168,8 @@ class Dispatcher:
 
     def _apply(self, message: object) -> None:
         match message:
-            case QueueSummary() if message.model not in self._queues:
-                pass  # the last words of a queue retired meanwhile
+            case QueueSummary() if self._queues.get(message.model) is not message.queue:
+                pass  # the last words of a queue retired meanwhile (its successor speaks for itself)
             case QueueSummary():
                 if message.depth:
                     self._state.waiting[message.model] = message

@@ -282,7 +282,9 @@ class ModelQueue:
         pending = state.pending
         self._statistics[self.model].queue_depth = len(pending)
         if not pending:
-            self._tell_dispatcher(QueueSummary(self.model, 0, 0, 0, math.inf, None, math.inf))
+            self._tell_dispatcher(
+                QueueSummary(self.model, 0, 0, 0, math.inf, None, math.inf, queue=self._handle)
+            )
             return
         settings = self._settings
         plan = plan_batch(
@@ -313,5 +315,6 @@ class ModelQueue:
             earliest,
             ready_at,
             front.committed,
+            self._handle,
         )
         self._tell_dispatcher(summary)

@@ -8,6 +8,7 @@ answers), answer control calls for a gone model NOT_FOUND, and never die or half
 
 from __future__ import annotations
 
+import math
 import shutil
 import socket
 import threading
@@ -24,11 +25,12 @@ import tritonclient.grpc as grpcclient
 from conftest import EXAMPLES, ServerThread, make_config
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
-from hloserve.actors.messages import Compact, SetPolicy, SetResidency
+from hloserve.actors.messages import Compact, QueueSummary, SetPolicy, SetResidency
 from test_control import control
 from tritonclient.utils import InferenceServerException
 
 from hloserve._proto import hloserve_control as hc
+from hloserve.config import ModelSettings
 from hloserve.errors import ModelNotFound
 
 from .support import assert_serves
@@ -175,6 +177,33 @@ def test_the_actors_answer_control_that_raced_past_the_check(busy: ServerThread)
         assert isinstance(reply, ModelNotFound), reply
         assert str(reply) == "unknown model 'gone': it was unloaded"
     assert_serves(busy.url)
+
+
+def test_the_last_words_of_a_replaced_queue_do_not_strand_its_successor(tmp_path: Path) -> None:
+    """After a reload the old queue may still report (a client of one of its requests went
+    away before it was retired): its 'I am empty' must not make the dispatcher forget the
+    request waiting in the new queue, which would then wait for its deadline. The old queue's
+    report is put straight into the dispatcher's inbox, as the race would deliver it."""
+    settings = {"mlp": ModelSettings(max_queue_delay_us=100_000)}  # holds a partial batch 0.1 s
+    server = ServerThread(make_config(_repository(tmp_path), scheduler={"models": settings})).start()
+    try:
+        client = grpcclient.InferenceServerClient(server.url)
+        old = server.call(lambda: server.worker.models["mlp"].queue)
+        client.load_model("mlp")  # a new queue takes the name
+        results: list[str] = []
+        waiting = threading.Thread(target=lambda: results.append(_mlp(client)))
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while server.call(lambda: server.worker.statistics["mlp"].queue_depth) == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        empty = QueueSummary("mlp", 0, 0, 0, math.inf, None, math.inf, queue=old)
+        server.call(server.worker._dispatcher.send_nowait, empty)
+        waiting.join(3)
+        assert results == ["OK"]
+        client.close()
+    finally:
+        server.stop()
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the point
