@@ -259,7 +259,9 @@ class Worker:
 
     async def compact(self, reload: Sequence[str] = ()) -> Compacted:
         """Free every resident unpinned model's weights, then load `reload`; between executions."""
-        async with self._turn(*(check_model_name(model) for model in reload)):
+        for model in reload:  # at once: a long list of unknown names waits on nothing
+            self._executable(model)
+        async with self._turn(*reload):
             for model in reload:
                 self._executable(model)
             result: Compacted = await self._ask(lambda reply: Compact(tuple(reload), reply))

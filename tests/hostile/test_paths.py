@@ -66,10 +66,10 @@ def _site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     server.stop()
 
 
-def _refused(status: str, says: str, call: Any, *args: Any) -> str:
-    """`call(*args)` fails with `status` and a message containing `says`; the message."""
+def _refused(status: str, says: str, call: Any, *args: Any, **kwargs: Any) -> str:
+    """`call(*args, **kwargs)` fails with `status` and a message containing `says`; the message."""
     with pytest.raises(InferenceServerException) as raised:
-        call(*args)
+        call(*args, **kwargs)
     message = raised.value.message() or ""
     assert raised.value.status() == f"StatusCode.{status}", message
     assert says in message, message
@@ -114,6 +114,18 @@ def test_a_bundle_linked_from_outside_is_refused(site: Any) -> None:
     assert_serves(server.url)
 
 
+def test_load_refuses_config_and_file_overrides(site: Any) -> None:
+    """Triton's load may carry a config and files to write into the bundle; hloserve loads a
+    bundle only as it is in the repository and says so rather than ignore them."""
+    server, client, repository, _, marker = site
+    model_py = f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n".encode()
+    says = "are not supported: a bundle loads as it is in the repository"
+    _refused("INVALID_ARGUMENT", says, client.load_model, "mlp", files={"file:1/model.py": model_py})
+    _refused("INVALID_ARGUMENT", says, client.load_model, "mlp", config='{"max_batch_size": 1}')
+    assert not marker.exists() and not (repository / "mlp" / "1").exists()
+    assert_serves(server.url)
+
+
 def test_a_link_inside_the_repository_loads(site: Any) -> None:
     server, client, _, _, _ = site
     assert client.is_model_ready("kept")
@@ -138,6 +150,7 @@ def test_unload_and_control_names_are_checked(site: Any) -> None:
         assert NOT_A_PATH in raised.value.message
     assert client.is_model_ready("mlp")
     assert not marker.exists()
+    assert server.call(lambda: dict(server.worker._turns)) == {}  # no lock outlives its call
     assert_serves(server.url)
 
 
