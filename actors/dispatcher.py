@@ -49,6 +49,14 @@ __all__ = ["Dispatcher"]
 
 log = structlog.get_logger("hloserve.dispatcher")
 
+
+def _answer(reply_to: trio.MemorySendChannel[Any] | None, reply: object) -> None:
+    """Answer a control message on its reply channel, if it has one whose reader still waits."""
+    if reply_to is not None:
+        with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            reply_to.send_nowait(reply)
+
+
 INLINE_INPUT_BYTES = 256 << 10
 """Batches with at most this many input bytes and an expected cost within `INLINE_WORK_S` run
 on the loop's thread (see `_run`)."""
@@ -346,10 +354,3 @@ class Dispatcher:
             parts.append(split_outputs(manifest.executable_outputs, result.outputs, [rows])[0])
             start += rows
         return join_outputs(manifest.executable_outputs, parts)
-
-
-def _answer(reply_to: trio.MemorySendChannel[Any] | None, reply: object) -> None:
-    """Answer a control message on its reply channel, if it has one whose reader still waits."""
-    if reply_to is not None:
-        with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-            reply_to.send_nowait(reply)
