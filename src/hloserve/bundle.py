@@ -123,8 +123,14 @@ def check_model_name(name: str) -> str:
 def check_inside(path: Path, repository: Path, bundle: str) -> None:
     """BundleError unless `path`, links followed, lies inside `repository` (links followed):
     bundles, and the files they are read from, load only from inside the repository."""
-    if not path.resolve().is_relative_to(repository.resolve()):
-        file = f"{path.name}/" if path.is_dir() else path.name
+    file = f"{path.name}/" if path.is_dir() else path.name
+    try:
+        inside = path.resolve().is_relative_to(repository.resolve())
+    except (OSError, RuntimeError):  # a loop of links raises RuntimeError
+        raise BundleError(
+            bundle, file, None, "is a link that cannot be followed (a loop of links?)"
+        ) from None
+    if not inside:
         raise BundleError(
             bundle,
             file,

@@ -54,6 +54,11 @@ def _site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     shutil.copytree(EXAMPLES / "mlp", hooked)
     edit_manifest(hooked, lambda m: m.update(name="hooked"))
     (hooked / "model.py").symlink_to(_planted(outside / "hooked", marker) / "model.py")
+    looped = repository / "looped"  # a module file that is a link to itself
+    shutil.copytree(EXAMPLES / "mlp", looped)
+    edit_manifest(looped, lambda m: m.update(name="looped"))
+    (looped / "model.b1.mlir").unlink()
+    (looped / "model.b1.mlir").symlink_to("model.b1.mlir")
     # A link that stays inside (a Kubernetes volume is made of these) is a bundle like any other.
     shutil.copytree(EXAMPLES / "cnn", repository / "..data" / "kept")
     edit_manifest(repository / "..data" / "kept", lambda m: m.update(name="kept"))
@@ -102,7 +107,8 @@ def test_load_refuses_paths_and_runs_nothing_from_outside(site: Any) -> None:
 
 def test_a_bundle_linked_from_outside_is_refused(site: Any) -> None:
     """A bundle directory that is a link leading out of the repository, or a bundle whose
-    model.py is one, is refused at startup and on load; its model.py never runs."""
+    model.py is one, is refused at startup and on load; its model.py never runs. A loop of
+    links is one bad bundle, not a failed startup."""
     server, client, _, _, marker = site
     index = {m.name: m for m in client.get_model_repository_index().models}
     for name, file in (("linked", "linked/"), ("hooked", "model.py")):
@@ -110,6 +116,7 @@ def test_a_bundle_linked_from_outside_is_refused(site: Any) -> None:
         assert f"file '{file}': is a link leading outside the model repository" in index[name].reason
         says = f"bundle '{name}', file '{file}': is a link leading outside the model repository"
         _refused("INVALID_ARGUMENT", says, client.load_model, name)
+    assert "file 'model.b1.mlir': is a link that cannot be followed" in index["looped"].reason
     assert not marker.exists()
     assert_serves(server.url)
 
