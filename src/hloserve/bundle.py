@@ -236,7 +236,10 @@ def _modules(directory: Path, bundle: str, manifest: Manifest) -> tuple[ModuleFi
         )
     modules = []
     for size, path in sorted(found.items()):
-        raw = path.read_bytes()
+        try:
+            raw = path.read_bytes()
+        except OSError as e:
+            raise BundleError(bundle, path.name, None, f"cannot be read: {e.strerror}") from None
         source: str | bytes = (
             raw if raw.startswith(_BYTECODE_MAGIC) else raw.decode("utf-8", errors="replace")
         )
