@@ -519,7 +519,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
                 server_config.repository_poll_s,
                 server_config.reload_debounce_s,
             )
-            await nursery.start(watcher.run)
+            await nursery.start(_supervised, "repository watcher", watcher.run)
         log.info(
             "listening",
             grpc=f"{server_config.host}:{worker.grpc_port}",
