@@ -13,6 +13,7 @@ loop's own thread; any other runs in a worker thread, so the loop never waits lo
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -47,6 +48,14 @@ from hloserve.statistics import Statistics
 __all__ = ["Dispatcher"]
 
 log = structlog.get_logger("hloserve.dispatcher")
+
+
+def _answer(reply_to: trio.MemorySendChannel[Any] | None, reply: object) -> None:
+    """Answer a control message on its reply channel, if it has one whose reader still waits."""
+    if reply_to is not None:
+        with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            reply_to.send_nowait(reply)
+
 
 INLINE_INPUT_BYTES = 256 << 10
 """Batches with at most this many input bytes and an expected cost within `INLINE_WORK_S` run
@@ -123,7 +132,12 @@ class Dispatcher:
                 await self._queues[model].take(Take(self._batches_send, edf, dict(policy.cost)))
                 batch = await self._batches.receive()
                 if batch.requests:
-                    await self._execute(batch)
+                    try:
+                        await self._execute(batch)
+                    except Exception as e:  # a bug fails this batch (INTERNAL), not the loop
+                        log.exception("batch failed", model=batch.model, batch_size=batch.batch_size)
+                        for request in batch.requests:
+                            request.fail(e)
 
     # -- inbox ---------------------------------------------------------------------------------
 
@@ -148,9 +162,22 @@ class Dispatcher:
             self._on_message(await self._inbox.receive())
 
     def _on_message(self, message: object) -> None:
+        """Apply one message; one that fails is answered with the error (INTERNAL) and logged,
+        and the loop carries on.
+
+        A model's AddModel and RemoveModel come one at a time (`Worker` serializes them per
+        model, and waits for a RemoveModel's reply), so they never overtake one another here.
+        """
+        try:
+            self._apply(message)
+        except Exception as e:
+            log.exception("dispatcher message failed", message=type(message).__name__)
+            _answer(getattr(message, "reply_to", None), e)
+
+    def _apply(self, message: object) -> None:
         match message:
-            case QueueSummary() if message.model not in self._queues:
-                pass  # the last words of a queue retired meanwhile
+            case QueueSummary() if self._queues.get(message.model) is not message.queue:
+                pass  # the last words of a queue retired meanwhile (its successor speaks for itself)
             case QueueSummary():
                 if message.depth:
                     self._state.waiting[message.model] = message
@@ -159,6 +186,9 @@ class Dispatcher:
             case SetPolicy(model=None, discipline=discipline):
                 if discipline is not None:
                     self._state.discipline = discipline
+                _answer(message.reply_to, None)
+            case SetPolicy(model=str() as model) if model not in self._state.policies:
+                _answer(message.reply_to, ModelNotFound(model, "it was unloaded"))
             case SetPolicy(model=str() as model, weight=weight, discipline=discipline):
                 policy = self._state.policies[model]
                 if weight is not None:
@@ -167,6 +197,7 @@ class Dispatcher:
                 if discipline is not None:
                     policy.discipline = discipline
                 log.info("policy changed", model=model, weight=policy.weight, discipline=policy.discipline)
+                _answer(message.reply_to, None)
             case Compact() | SetResidency():
                 self._state.for_weight_cache.append(message)
             case AddModel() if message.name in self._queues:

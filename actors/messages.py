@@ -95,6 +95,9 @@ class QueueSummary:
     """When the next batch should go (later than now while max_queue_delay waits for rows)."""
     committed: bool = False
     """The front request is a meta model's sub-call: the dispatcher takes it first."""
+    queue: Any = None
+    """The sender's `ModelQueueHandle`: the last words of a queue replaced by a reload (or of
+    an unloaded model's, loaded again since) are told from its successor's by it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,11 +129,12 @@ class Batch:
 @dataclass(frozen=True, slots=True)
 class SetPolicy:
     """control → Dispatcher: change a model's weight or discipline, or (model None) the global
-    discipline; None leaves a field as it is."""
+    discipline; None leaves a field as it is. Replies None, or ModelNotFound, on `reply_to`."""
 
     model: str | None
     weight: float | None = None
     discipline: Discipline | None = None
+    reply_to: trio.MemorySendChannel[Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)

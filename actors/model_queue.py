@@ -35,11 +35,12 @@ class ModelQueueHandle:
     def __init__(self, model: str, send: trio.MemorySendChannel[Infer | Take | Withdraw]) -> None:
         self.model = model
         self._send = send
-        self._successor: ModelQueueHandle | None = None
+        self._successor: ModelQueueHandle | Exception | None = None
 
     def submit_nowait(self, request: Infer) -> None:
         """Queue a request without waiting; QueueFull when the inbox itself is full. A request
-        for a queue that handed over to a reloaded model's queue goes there."""
+        for a queue that handed over to a reloaded model's queue goes there; one for a queue
+        retired with an error (its model was unloaded) raises that error."""
         try:
             self._send.send_nowait(request)
         except trio.WouldBlock:
@@ -47,6 +48,8 @@ class ModelQueueHandle:
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             if self._successor is None:
                 raise ShuttingDown() from None
+            if isinstance(self._successor, Exception):
+                raise self._successor.with_traceback(None) from None
             self._successor.submit_nowait(request)
 
     def withdraw_nowait(self, request: Infer) -> None:
@@ -56,11 +59,13 @@ class ModelQueueHandle:
         except trio.WouldBlock:
             pass  # it will be skipped when it reaches the front
         except (trio.ClosedResourceError, trio.BrokenResourceError):
-            if self._successor is not None:
+            if isinstance(self._successor, ModelQueueHandle):
                 self._successor.withdraw_nowait(request)
 
-    def forward_to(self, successor: ModelQueueHandle) -> None:
-        """From now on, send what arrives to `successor` (the queue of a reloaded model)."""
+    def forward_to(self, successor: ModelQueueHandle | Exception) -> None:
+        """From now on, send what arrives to `successor` (the queue of a reloaded model), or
+        answer it with `successor`, an error (the model was unloaded, or reloaded with other
+        tensors), rather than as if the server were shutting down."""
         self._successor = successor
 
     async def take(self, message: Take) -> None:
@@ -153,7 +158,10 @@ class ModelQueue:
                 request.fail(e)
 
     def _fail_everything(self, error: Exception) -> None:
-        """Answer every queued request and everything still in the inbox."""
+        """Answer every queued request, everything still in the inbox and (unless the server
+        is shutting down) what still arrives, with `error`."""
+        if not isinstance(error, ShuttingDown):
+            self._handle.forward_to(error)
         for request in self._close():
             request.fail(error)
 
@@ -274,7 +282,9 @@ class ModelQueue:
         pending = state.pending
         self._statistics[self.model].queue_depth = len(pending)
         if not pending:
-            self._tell_dispatcher(QueueSummary(self.model, 0, 0, 0, math.inf, None, math.inf))
+            self._tell_dispatcher(
+                QueueSummary(self.model, 0, 0, 0, math.inf, None, math.inf, queue=self._handle)
+            )
             return
         settings = self._settings
         plan = plan_batch(
@@ -305,5 +315,6 @@ class ModelQueue:
             earliest,
             ready_at,
             front.committed,
+            self._handle,
         )
         self._tell_dispatcher(summary)

@@ -12,6 +12,7 @@ defragment the device allocator.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import OrderedDict
@@ -27,7 +28,7 @@ from hloserve.actors.messages import Acquire, AddWeights, Compact, Compacted, Dr
 
 from hloserve import _xla
 from hloserve.bundle import Bundle, read_weights
-from hloserve.errors import ExecutionFailed, NotResident, ResidencyRefused
+from hloserve.errors import ExecutionFailed, ModelNotFound, NotResident, ResidencyRefused
 from hloserve.shared_weights import SharedHostWeights
 from hloserve.statistics import Statistics
 
@@ -115,19 +116,35 @@ class WeightCache:
         task_status.started(WeightCacheHandle(self._send))
         async with self._receive:
             async for message in self._receive:
-                match message:
-                    case Acquire():
-                        await self._on_acquire(message)
-                    case Compact():
-                        message.reply_to.send_nowait(await self._compact(message.reload))
-                    case SetResidency():
-                        await self._on_set_residency(message)
-                    case AddWeights():
-                        await self._on_add(message)
-                    case DropWeights():
-                        self._on_drop(message)
-                    case _:
-                        raise TypeError(f"WeightCache got an unknown message {message!r}")
+                try:
+                    await self._on_message(message)
+                except Exception as e:  # a bug answers its asker (INTERNAL), the cache carries on
+                    log.exception("weight cache message failed", message=type(message).__name__)
+                    reply_to = getattr(message, "reply_to", None)
+                    if reply_to is not None:
+                        with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError):
+                            reply_to.send_nowait(e)
+
+    async def _on_message(self, message: Acquire | Compact | SetResidency | AddWeights | DropWeights) -> None:
+        """Apply one message. One naming a model the cache no longer holds (it was unloaded
+        meanwhile) is answered NOT_FOUND."""
+        match message:
+            case Acquire() | SetResidency() if message.model not in self._models:
+                message.reply_to.send_nowait(ModelNotFound(message.model, "it was unloaded"))
+            case Compact() if unknown := [n for n in message.reload if n not in self._models]:
+                message.reply_to.send_nowait(ModelNotFound(unknown[0], "it was unloaded"))
+            case Acquire():
+                await self._on_acquire(message)
+            case Compact():
+                message.reply_to.send_nowait(await self._compact(message.reload))
+            case SetResidency():
+                await self._on_set_residency(message)
+            case AddWeights():
+                await self._on_add(message)
+            case DropWeights():
+                self._on_drop(message)
+            case _:
+                raise TypeError(f"WeightCache got an unknown message {message!r}")
 
     def _fill_floors(self) -> None:
         """Read `system` floors into host memory and load `device` models (blocking)."""

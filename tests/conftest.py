@@ -6,6 +6,7 @@ The worker runs its own `trio.run` in a background thread so that blocking clien
 
 from __future__ import annotations
 
+import inspect
 import queue
 import threading
 from collections.abc import Iterator
@@ -54,7 +55,10 @@ class ServerThread:
         return self
 
     def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """Run `fn` on the worker's own thread (the event loop's), and return its result."""
+        """Run `fn` on the worker's own thread (the event loop's), and return its result (an
+        async `fn` is awaited there)."""
+        if inspect.iscoroutinefunction(fn):
+            return trio.from_thread.run(lambda: fn(*args, **kwargs), trio_token=self._token)
         return trio.from_thread.run_sync(lambda: fn(*args, **kwargs), trio_token=self._token)
 
     @property

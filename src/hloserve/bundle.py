@@ -22,11 +22,25 @@ import numpy as np
 
 from hloserve import _xla, dtypes
 from hloserve.dtypes import DType
-from hloserve.errors import BundleError
+from hloserve.errors import BundleError, InvalidInput
 from hloserve.manifest import FILE as MANIFEST
 from hloserve.manifest import Manifest, TensorSpec, load_manifest
 
-__all__ = ["Bundle", "ModuleFile", "WeightSpec", "discover", "load_bundle", "read_weights"]
+__all__ = [
+    "MAX_NAME_BYTES",
+    "Bundle",
+    "ModuleFile",
+    "WeightSpec",
+    "bundle_directory",
+    "check_inside",
+    "check_model_name",
+    "discover",
+    "load_bundle",
+    "read_weights",
+]
+
+MAX_NAME_BYTES = 255
+"""The longest model name, in UTF-8 bytes: a directory name (NAME_MAX on Linux)."""
 
 WEIGHTS = "weights.safetensors"
 MODEL_PY = "model.py"
@@ -83,6 +97,56 @@ class Bundle:
         raise KeyError(f"bundle {self.name!r} has no module for batch size {batch_size}")
 
 
+def check_model_name(name: str) -> str:
+    """`name` if it is a plain model name, else InvalidInput naming the rule it breaks.
+
+    A model name is the name of a directory inside the repository, never a path: a client that
+    could name `/elsewhere` or `../x` would have the server execute any `model.py` it can reach.
+    """
+    shown = name if len(name) <= 64 else name[:64] + "..."  # the name is the client's: bounded
+    size = len(name.encode("utf-8", errors="surrogatepass"))
+    if not name:
+        problem = "a model name must not be empty"
+    elif size > MAX_NAME_BYTES:
+        problem = f"a model name is at most {MAX_NAME_BYTES} bytes, this one is {size}"
+    elif "/" in name or "\\" in name:
+        problem = "a model name is a plain name, not a path: it may not contain '/' or '\\'"
+    elif name in (".", ".."):
+        problem = "a model name may not be '.' or '..'"
+    elif not name.isprintable():
+        problem = "a model name may hold only printable characters (no NUL or control characters)"
+    else:
+        return name
+    raise InvalidInput(shown, problem)
+
+
+def check_inside(path: Path, repository: Path, bundle: str) -> None:
+    """BundleError unless `path`, links followed, lies inside `repository` (links followed):
+    bundles, and the files they are read from, load only from inside the repository."""
+    file = f"{path.name}/" if path.is_dir() else path.name
+    try:
+        inside = path.resolve().is_relative_to(repository.resolve())
+    except (OSError, RuntimeError):  # a loop of links raises RuntimeError
+        raise BundleError(
+            bundle, file, None, "is a link that cannot be followed (a loop of links?)"
+        ) from None
+    if not inside:
+        raise BundleError(
+            bundle,
+            file,
+            None,
+            "is a link leading outside the model repository; bundles load only from inside it",
+        )
+
+
+def bundle_directory(repository: Path, name: str) -> Path:
+    """The directory of bundle `name` in `repository`: InvalidInput for a name that is not a
+    plain name, BundleError for a directory that is a link leading outside the repository."""
+    directory = repository / check_model_name(name)
+    check_inside(directory, repository, name)
+    return directory
+
+
 def _read_safetensors_header(path: Path, bundle: str) -> tuple[list[WeightSpec], list[str] | None]:
     """The tensors of a safetensors file (absolute offsets) and its argument_order, if any."""
 
@@ -130,6 +194,7 @@ def _weights(directory: Path, bundle: str) -> tuple[tuple[WeightSpec, ...], Path
     path = directory / WEIGHTS
     if not path.exists():
         return (), None
+    check_inside(path, directory.parent, bundle)
     specs, order = _read_safetensors_header(path, bundle)
     if not specs:
         return (), path
@@ -156,6 +221,7 @@ def _modules(directory: Path, bundle: str, manifest: Manifest) -> tuple[ModuleFi
     for path in directory.iterdir():
         match = _MODULE_NAME.match(path.name)
         if match:
+            check_inside(path, directory.parent, bundle)
             found[int(match.group(1) or 0)] = path
     if not found:
         raise BundleError(bundle, "model.mlir", None, "no module: expected model.mlir or model.b{N}.mlir")
@@ -170,7 +236,10 @@ def _modules(directory: Path, bundle: str, manifest: Manifest) -> tuple[ModuleFi
         )
     modules = []
     for size, path in sorted(found.items()):
-        raw = path.read_bytes()
+        try:
+            raw = path.read_bytes()
+        except OSError as e:
+            raise BundleError(bundle, path.name, None, f"cannot be read: {e.strerror}") from None
         source: str | bytes = (
             raw if raw.startswith(_BYTECODE_MAGIC) else raw.decode("utf-8", errors="replace")
         )
@@ -239,10 +308,17 @@ def _check_signature(
 
 
 def load_bundle(directory: Path) -> Bundle:
-    """Read and check one bundle; raises BundleError naming the file and field at fault."""
+    """Read and check one bundle of the repository `directory.parent`; raises BundleError
+    naming the file and field at fault. Every file read must lie inside the repository once
+    links are followed (links within it are fine: a Kubernetes volume is made of them)."""
     name = directory.name
+    repository = directory.parent
+    check_inside(directory, repository, name)
     model_py = directory / MODEL_PY
     has_model_py = model_py.is_file()
+    for path in (directory / MANIFEST, model_py):
+        if path.exists():
+            check_inside(path, repository, name)
     manifest = load_manifest(directory / MANIFEST, name, has_model_py=has_model_py)
     if manifest.is_meta:
         return Bundle(name, directory, manifest, (), (), None, model_py)
@@ -265,9 +341,12 @@ def discover(repository: Path) -> list[tuple[str, Bundle | BundleError]]:
     found: list[tuple[str, Bundle | BundleError]] = []
     for directory in sorted(p for p in repository.iterdir() if (p / MANIFEST).is_file()):
         try:
+            check_model_name(directory.name)
             found.append((directory.name, load_bundle(directory)))
         except BundleError as e:
             found.append((directory.name, e))
+        except InvalidInput as e:
+            found.append((directory.name, BundleError(directory.name, MANIFEST, None, e.problem)))
     return found
 
 

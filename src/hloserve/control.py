@@ -13,7 +13,7 @@ import trio_asyncio
 
 from hloserve._proto import hloserve_control as hc
 from hloserve._status import grpc_errors
-from hloserve.errors import InvalidInput, ModelNotFound
+from hloserve.errors import InvalidInput
 
 if TYPE_CHECKING:
     from hloserve.worker import Worker
@@ -106,12 +106,10 @@ class ControlService(hc.ControlServiceBase):
             raise InvalidInput(message.name, f"weight must be > 0, got {message.weight}")
         if message.discipline not in ("", "fair", "fifo", "edf"):
             raise InvalidInput(message.name, f"discipline {message.discipline!r}; expected fair, fifo or edf")
-        if message.name not in self._worker.models:
-            raise ModelNotFound(message.name)
-        self._worker.set_policy(
+        await trio_asyncio.trio_as_aio(self._worker.set_policy)(
             message.name,
             weight=message.weight if message.has_weight else None,
-            discipline=message.discipline or None,  # type: ignore[arg-type]
+            discipline=message.discipline or None,
         )
         return hc.SetModelPolicyResponse()
 

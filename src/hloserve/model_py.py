@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from hloserve.bundle import check_inside
 from hloserve.errors import BundleError
 
 __all__ = [
@@ -109,12 +110,15 @@ def register_meta_model(name: str, *, run: MetaRun) -> None:
     _register(name, Registration(meta_run=run), "register_meta_model")
 
 
-def load_model_py(bundle: str, path: Path) -> Registration:
+def load_model_py(bundle: str, path: Path, repository: Path) -> Registration:
     """Execute `path` as a new module and return what it registered.
 
-    Raises BundleError naming the bundle and the file when the file fails to run or registers
-    nothing. Blocking (imports may be slow): call it in a worker thread.
+    `path` must lie inside `repository` once links are followed, checked again at every
+    execution (a hot reload runs it anew). Raises BundleError naming the bundle and the file
+    when the file lies elsewhere, fails to run or registers nothing. Blocking (imports may be
+    slow): call it in a worker thread.
     """
+    check_inside(path, repository, bundle)
     module_name = f"hloserve_bundles.{bundle}"
     module = types.ModuleType(module_name)
     module.__file__ = str(path)

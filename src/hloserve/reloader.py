@@ -9,12 +9,15 @@ for `server.reload_debounce_s`, so a file still being written is never loaded:
 - anything else changed: the bundle is reloaded (`Worker.load_model`), the others serving on;
 - a new bundle is loaded, a removed one unloaded.
 
-A reload that fails leaves the old version serving and logs why. Polling, not inotify: it works
-the same on every filesystem (bind mounts, NFS, container volumes) and costs a few `stat` calls.
+A reload that fails leaves the old version serving and logs why. A directory whose name is not
+a plain model name (`hloserve.bundle.check_model_name`) is ignored, with one log line. Polling,
+not inotify: it works the same on every filesystem (bind mounts, NFS, container volumes) and
+costs a few `stat` calls.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,7 +25,8 @@ from typing import TYPE_CHECKING
 import structlog
 import trio
 
-from hloserve.bundle import MODEL_PY
+from hloserve.bundle import MODEL_PY, check_model_name
+from hloserve.errors import InvalidInput, ModelNotFound
 from hloserve.manifest import FILE as MANIFEST
 
 if TYPE_CHECKING:
@@ -67,9 +71,10 @@ class RepositoryWatcher:
         self._debounce_s = debounce_s
         self._applied: dict[str, Snapshot] = {}
         self._changing: dict[str, tuple[Snapshot | None, float]] = {}  # snapshot, changed since
+        self._ignored: set[str] = set()  # directories whose names are not model names
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        self._applied = await trio.to_thread.run_sync(scan, self._repository)
+        self._applied = self._plain(await trio.to_thread.run_sync(scan, self._repository))
         task_status.started()
         log.info("watching the repository", repository=str(self._repository), poll_s=self._interval_s)
         while True:
@@ -78,7 +83,7 @@ class RepositoryWatcher:
 
     async def poll(self) -> None:
         """One scan: note what changed, apply what has held still long enough."""
-        current = await trio.to_thread.run_sync(scan, self._repository)
+        current = self._plain(await trio.to_thread.run_sync(scan, self._repository))
         now = trio.current_time()
         for name in sorted(set(current) | set(self._applied) | set(self._changing)):
             files = current.get(name)
@@ -92,6 +97,18 @@ class RepositoryWatcher:
                 del self._changing[name]
                 await self._apply(name, self._applied.get(name), files)
 
+    def _plain(self, bundles: dict[str, Snapshot]) -> dict[str, Snapshot]:
+        """The bundles whose directory names are model names; the others logged once."""
+        plain = {}
+        for name, files in bundles.items():
+            try:
+                plain[check_model_name(name)] = files
+            except InvalidInput as e:
+                if name not in self._ignored:
+                    self._ignored.add(name)
+                    log.warning("directory ignored", directory=name[:64], reason=e.problem)
+        return plain
+
     async def _apply(self, name: str, before: Snapshot | None, after: Snapshot | None) -> None:
         worker = self._worker
         if after is not None:
@@ -100,7 +117,7 @@ class RepositoryWatcher:
             self._applied.pop(name, None)
         try:
             if after is None:
-                if name in worker.models:
+                with contextlib.suppress(ModelNotFound):  # a client unloaded it already
                     await worker.unload_model(name)
                 return
             entry = worker.models.get(name)

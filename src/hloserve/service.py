@@ -27,9 +27,10 @@ from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve._status import grpc_errors as _rpc
 from hloserve._status import to_grpc_error
 from hloserve.actors.messages import Infer
+from hloserve.bundle import check_model_name
 from hloserve.codec import decode_request, encode_response, request_deadline
 from hloserve.config import Config
-from hloserve.errors import ModelNotFound, ModelNotReady, Overloaded, ShmDisabled, Unimplemented
+from hloserve.errors import InvalidInput, ModelNotFound, ModelNotReady, Overloaded, ShmDisabled, Unimplemented
 from hloserve.manifest import TensorSpec
 from hloserve.meta import MetaModels
 from hloserve.metrics import Metrics
@@ -401,7 +402,15 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
     async def repository_model_load(
         self, message: kserve.RepositoryModelLoadRequest
     ) -> kserve.RepositoryModelLoadResponse:
-        await trio_asyncio.trio_as_aio(self._worker.load_model)(message.model_name)
+        name = check_model_name(message.model_name)
+        if message.parameters:  # Triton's config and file: overrides would write the bundle
+            first = min(message.parameters)[:64]
+            raise InvalidInput(
+                name,
+                f"load parameters ({len(message.parameters)}, first {first!r}) are not supported: "
+                "a bundle loads as it is in the repository, with no config or file overrides",
+            )
+        await trio_asyncio.trio_as_aio(self._worker.load_model)(name)
         return kserve.RepositoryModelLoadResponse()
 
     @_rpc("RepositoryModelUnload")

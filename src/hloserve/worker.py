@@ -14,8 +14,8 @@ cancelling the surrounding scope stops at once, failing queued calls with UNAVAI
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,15 @@ from hloserve.actors.model_queue import ModelQueue, ModelQueueHandle, QueueSetti
 from hloserve.actors.weight_cache import WeightCache
 from hloserve.budget import resolve_budget
 from hloserve.buffer_pool import BufferPool
-from hloserve.bundle import MODEL_PY, Bundle, discover, load_bundle, read_weights
+from hloserve.bundle import (
+    MODEL_PY,
+    Bundle,
+    bundle_directory,
+    check_model_name,
+    discover,
+    load_bundle,
+    read_weights,
+)
 from hloserve.compiled import CompiledModel, compile_bundle
 from hloserve.config import Config, ModelSettings, SchedulerConfig
 from hloserve.control import ControlService
@@ -118,12 +126,36 @@ class Worker:
     _dispatcher: trio.MemorySendChannel[object] | None = None
     _nursery: trio.Nursery | None = None
     _cache: ExecutableCache | None = None
+    _turns: dict[str, trio.Lock] = field(default_factory=dict)
+    """Per model name while a load, unload, reload or control call for it is under way."""
+
+    @asynccontextmanager
+    async def _turn(self, *names: str) -> AsyncIterator[None]:
+        """Hold the models `names` until the block ends: loads, unloads, reloads and control
+        calls naming one model apply one after another, in the order they were asked for
+        (trio's locks are fair), whatever the dispatcher is doing meanwhile. A lock lives only
+        while someone holds or awaits it, so a client naming many models leaves nothing."""
+        async with AsyncExitStack() as stack:
+            for name in sorted(set(names)):  # one order for every caller: no deadlock
+                lock = self._turns.setdefault(name, trio.Lock())
+                stack.callback(self._forget_turn, name, lock)  # runs after the release below
+                await stack.enter_async_context(lock)
+            yield
+
+    def _forget_turn(self, name: str, lock: trio.Lock) -> None:
+        if not lock.locked() and self._turns.get(name) is lock:  # released, nobody waiting
+            del self._turns[name]
 
     async def load_model(self, name: str) -> None:
         """Load the bundle `name` from the repository, or reload it: it is read and compiled
         outside the dispatch loop (other models keep serving), and only then replaces the old
-        version, which keeps serving if the new one fails."""
-        directory = self.config.server.model_repository / name
+        version, which keeps serving if the new one fails. `name` is a plain name (no path) and
+        the bundle must lie inside the repository."""
+        directory = bundle_directory(self.config.server.model_repository, name)
+        async with self._turn(name):
+            await self._load(name, directory)
+
+    async def _load(self, name: str, directory: Path) -> None:
         if not (directory / "manifest.yaml").is_file():
             raise ModelNotFound(name, f"the repository has no bundle {name!r}")
         bundle = await trio.to_thread.run_sync(load_bundle, directory)
@@ -134,7 +166,7 @@ class Worker:
         compiled = loaded.compiled
         if compiled is None:  # a meta model: nothing for the dispatcher
             if old is not None and old.queue is not None:
-                await self.unload_model(name)
+                await self._unload(name)
             self.models[name] = ModelEntry(name, bundle, registration=loaded.registration)
             log.info("model loaded", model=name, source="repository load", kind="meta")
             return
@@ -143,7 +175,7 @@ class Worker:
         queue = ModelQueue(
             name, _queue_settings(scheduler, compiled), self._dispatcher.clone(), self.statistics
         )
-        handle: ModelQueueHandle = await self._nursery.start(queue.run)
+        handle: ModelQueueHandle = await self._nursery.start(_supervised, f"model queue {name!r}", queue.run)
         floor = scheduler.models.get(name, ModelSettings()).floor
         # A model served already is replaced in place: its requests keep flowing (no gap).
         self._dispatcher.send_nowait(
@@ -164,15 +196,20 @@ class Worker:
     async def reload_model_py(self, name: str) -> None:
         """Execute `name`'s model.py again and swap in what it registers; requests already past
         a hook finish with the old one. A model.py that fails leaves the old hooks in place."""
-        entry = self.models.get(name)
-        if entry is None or not entry.ready or entry.bundle is None or entry.bundle.model_py is None:
-            raise ModelNotFound(name, "no serving bundle with a model.py by that name")
-        entry.registration = await trio.to_thread.run_sync(_registration, entry.bundle)
+        async with self._turn(check_model_name(name)):
+            entry = self.models.get(name)
+            if entry is None or not entry.ready or entry.bundle is None or entry.bundle.model_py is None:
+                raise ModelNotFound(name, "no serving bundle with a model.py by that name")
+            entry.registration = await trio.to_thread.run_sync(_registration, entry.bundle)
         log.info("model.py reloaded", model=name)
 
     async def unload_model(self, name: str) -> None:
         """Stop serving `name`: new requests get NOT_FOUND at once, queued ones too; its
         weights leave the device."""
+        async with self._turn(check_model_name(name)):
+            await self._unload(name)
+
+    async def _unload(self, name: str) -> None:
         entry = self.models.get(name)
         if entry is None:
             raise ModelNotFound(name)
@@ -186,7 +223,7 @@ class Worker:
 
     def _executable(self, model: str) -> ModelEntry:
         """The serving model `model` that has an executable (policy and residency apply)."""
-        entry = self.models.get(model)
+        entry = self.models.get(check_model_name(model))
         if entry is None or not entry.ready:
             raise ModelNotFound(model)
         if entry.queue is None:
@@ -195,43 +232,69 @@ class Worker:
             )
         return entry
 
-    def set_policy(
+    async def set_policy(
         self, model: str | None, *, weight: float | None = None, discipline: Discipline | None = None
     ) -> None:
         """Change a model's scheduling weight or discipline (model None: the global discipline).
 
         Applied by the dispatcher before its next selection.
         """
-        if model is not None:
-            self._executable(model)
         if weight is not None and not weight > 0:
             raise ValueError(f"weight must be > 0, got {weight}")
-        assert self._dispatcher is not None
-        self._dispatcher.send_nowait(SetPolicy(model, weight, discipline))
+        async with self._turn(*() if model is None else (check_model_name(model),)):
+            if model is not None:
+                self._executable(model)
+            await self._ask(lambda reply: SetPolicy(model, weight, discipline, reply))
 
     async def set_residency(self, model: str, floor: str) -> tuple[str, bool]:
         """Externally managed residency: pin `model` on the device (`device`), or free it from
         the device keeping (`system`) or dropping (`unpinned`) its host copy. Returns the floor
         and whether it is on the device; ResidencyRefused in self-managed mode."""
-        self._executable(model)
         if floor not in ("unpinned", "system", "device"):
             raise ValueError(f"residency must be unpinned, system or device, got {floor!r}")
+        async with self._turn(check_model_name(model)):
+            self._executable(model)
+            result: tuple[str, bool] = await self._ask(lambda reply: SetResidency(model, floor, reply))
+            return result
+
+    async def compact(self, reload: Sequence[str] = ()) -> Compacted:
+        """Free every resident unpinned model's weights, then load `reload`; between executions."""
+        for model in reload:  # at once: a long list of unknown names waits on nothing
+            self._executable(model)
+        async with self._turn(*reload):
+            for model in reload:
+                self._executable(model)
+            result: Compacted = await self._ask(lambda reply: Compact(tuple(reload), reply))
+            return result
+
+    async def _ask(self, message: Callable[[trio.MemorySendChannel[Any]], object]) -> Any:
+        """Send the dispatcher `message(reply_to)` and return its answer (raised if an error)."""
         assert self._dispatcher is not None
         send, receive = trio.open_memory_channel[Any](1)
-        await self._dispatcher.send(SetResidency(model, floor, send))
+        await self._dispatcher.send(message(send))
         reply = await receive.receive()
         if isinstance(reply, Exception):
             raise reply
         return reply
 
-    async def compact(self, reload: Sequence[str] = ()) -> Compacted:
-        """Free every resident unpinned model's weights, then load `reload`; between executions."""
-        for model in reload:
-            self._executable(model)
-        assert self._dispatcher is not None
-        send, receive = trio.open_memory_channel[Compacted](1)
-        await self._dispatcher.send(Compact(tuple(reload), send))
-        return await receive.receive()
+
+async def _supervised(
+    actor: str,
+    run: Callable[..., Awaitable[None]],
+    *,
+    task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run an actor; if it fails, say so and let the failure end the worker.
+
+    The actors answer a bad message and carry on; what escapes one is a bug that leaves state
+    nobody can trust, so the worker stops (its nursery cancels the rest, `serve` raises, and
+    `hloserve serve` exits non-zero) rather than serve on half alive with a dead dispatcher.
+    """
+    try:
+        await run(task_status=task_status)
+    except Exception:
+        log.critical("actor failed; the worker stops", actor=actor, exc_info=True)
+        raise
 
 
 def _policy(scheduler: SchedulerConfig, model: str, costs: dict[int, float]) -> ModelPolicy:
@@ -269,7 +332,7 @@ def _registration(bundle: Bundle) -> Registration | None:
     """Execute the bundle's model.py, if any, and check it registered the bundle's kind."""
     if bundle.model_py is None:
         return None
-    registration = load_model_py(bundle.name, bundle.model_py)
+    registration = load_model_py(bundle.name, bundle.model_py, bundle.path.parent)
     if bundle.manifest.is_meta and registration.meta_run is None:
         raise BundleError(bundle.name, MODEL_PY, None, "a bundle of kind: meta must call register_meta_model")
     if not bundle.manifest.is_meta and registration.hooks is None:
@@ -411,14 +474,14 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         params,
     )
     async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
-        dispatcher.use_weights(await nursery.start(weight_cache.run))
+        dispatcher.use_weights(await nursery.start(_supervised, "weight cache", weight_cache.run))
         for name, compiled in compiled_models.items():
             queue = ModelQueue(
                 name, _queue_settings(scheduler, compiled), dispatcher.inbox.clone(), statistics
             )
-            entries[name].queue = await nursery.start(queue.run)
+            entries[name].queue = await nursery.start(_supervised, f"model queue {name!r}", queue.run)
             dispatcher.attach(entries[name].queue)
-        await nursery.start(dispatcher.run)
+        await nursery.start(_supervised, "dispatcher", dispatcher.run)
 
         metrics = Metrics(statistics)
         ready = sorted(n for n, e in entries.items() if e.ready)
@@ -456,7 +519,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
                 server_config.repository_poll_s,
                 server_config.reload_debounce_s,
             )
-            await nursery.start(watcher.run)
+            await nursery.start(_supervised, "repository watcher", watcher.run)
         log.info(
             "listening",
             grpc=f"{server_config.host}:{worker.grpc_port}",
