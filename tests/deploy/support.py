@@ -1,6 +1,6 @@
 """Rendering the chart and validating what it renders, offline: Helm's SDK as a library
-(helm-python-sdk, no helm binary), Kubernetes' own schemas (kubernetes-validate), and KServe's
-CRD schemas kept in schemas/ (jsonschema)."""
+(helm-python-sdk, no helm binary), Kubernetes' own schemas (kubernetes-validate), and the CRD
+schemas of KServe and the Prometheus Operator kept in schemas/ (jsonschema)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The Helm chart (deploy/helm/hloserve), rendered for each mode with no cluster: it lints,
-every object it renders passes Kubernetes 1.32's schemas strictly, the pods are what each mode
+every object it renders passes Kubernetes 1.32's schemas strictly (a ServiceMonitor, the
+Prometheus Operator's CRD schema), the pods are what each mode
 promises (GPUs, command, ports, gRPC probes, security, repository source), the configuration
 and the environment it hands hloserve are ones hloserve accepts, and bad values fail rendering
 with a message naming the value."""
@@ -18,7 +19,7 @@ from helm_python.errors import HelmRenderError, HelmValuesError
 from hloserve.cli import SERVER_FLAGS
 from hloserve.config import load_config
 
-from .support import CHART, KUBERNETES, named, of_kind, render, validate_kubernetes
+from .support import CHART, KUBERNETES, crd_validator, named, of_kind, render, validate_kubernetes
 
 PVC = {"pvc": {"claimName": "hloserve-models"}}
 VALUE_SETS: dict[str, dict[str, Any]] = {
@@ -83,9 +84,10 @@ def test_every_object_passes_kubernetes_strict_validation(
 ) -> None:
     objects = rendered[name]
     for obj in objects:
-        if obj["apiVersion"] == "monitoring.coreos.com/v1":
-            continue  # the Prometheus Operator's kind: checked below
-        validate_kubernetes(obj)
+        if obj["apiVersion"] == "monitoring.coreos.com/v1":  # the Prometheus Operator's CRD
+            crd_validator("servicemonitor.v1.json").validate(obj)
+        else:
+            validate_kubernetes(obj)
     kinds = sorted(o["kind"] for o in objects)
     expected = {
         "worker-cpu": ["ConfigMap", "Deployment", "Service"],
