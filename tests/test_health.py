@@ -29,15 +29,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
-SLOW_PY = """
-import time
+HELD_PY = """
+import os, time
 from hloserve import register_model
 
-def preprocess(inputs):
-    time.sleep(1.5)  # a call in flight that a drain waits for
+def preprocess(inputs):  # a call in flight that a drain waits for, until the test releases it
+    open({entered!r}, "w").close()
+    deadline = time.monotonic() + 20
+    while not os.path.exists({release!r}) and time.monotonic() < deadline:
+        time.sleep(0.01)
     return inputs
 
-register_model("slow", preprocess=preprocess)
+register_model("held", preprocess=preprocess)
 """
 GRPCLIB_CLIENT = """
 import asyncio, json, sys
@@ -158,36 +161,42 @@ def test_watch_follows_a_model_loaded_later(tmp_path: Path) -> None:
 def test_draining_answers_not_serving_and_ends_watches(tmp_path: Path) -> None:
     """SIGTERM's drain, for real: a call is in flight and the listener is closed; on a
     connection still open Check answers NOT_SERVING (not UNAVAILABLE), and Watch says so and
-    ends at once, so it does not hold the shutdown; the call in flight still finishes."""
-    (write_affine(tmp_path / "slow") / "model.py").write_text(SLOW_PY)
-    server = ServerThread(make_config(tmp_path, shutdown_grace_s=10.0)).start()
+    ends while the drain still waits for that call, so it does not hold the shutdown."""
+    entered, release = tmp_path / "entered", tmp_path / "release"
+    held = HELD_PY.format(entered=str(entered), release=str(release))
+    (write_affine(tmp_path / "repository" / "held") / "model.py").write_text(held)
+    server = ServerThread(make_config(tmp_path / "repository", shutdown_grace_s=30.0)).start()
     tensor = grpcclient.InferInput("INPUT", [1, 4], "FP32")
     tensor.set_data_from_numpy(np.ones((1, 4), np.float32))
     client = grpcclient.InferenceServerClient(server.url)
     inflight: list[Any] = []
-    caller = threading.Thread(target=lambda: inflight.append(client.infer("slow", [tensor])))
+    caller = threading.Thread(target=lambda: inflight.append(client.infer("held", [tensor])))
     stopper = threading.Thread(target=server.stop)
-    with grpc.insecure_channel(server.url) as channel:
-        stream = watch(channel, "")
-        watched = [next(stream).status]
-        caller.start()
-        time.sleep(0.3)  # the call is inside its hook
-        stopper.start()
-        started = time.monotonic()
-        checked = [check(channel, "slow")]
-        while checked[-1] == SERVING:
-            assert time.monotonic() - started < 1.0, "the drain did not start"
-            time.sleep(0.02)
-            checked.append(check(channel, "slow"))
-        checked.append(check(channel, ""))
-        watched += [message.status for message in stream]  # it ends: no hang
-        ended = time.monotonic() - started
-    stopper.join(30)
-    caller.join(30)
-    client.close()
+    try:
+        with grpc.insecure_channel(server.url) as channel:
+            stream = watch(channel, "")
+            watched = [next(stream).status]
+            caller.start()
+            deadline = time.monotonic() + 10
+            while not entered.exists():  # the call is in its hook
+                assert time.monotonic() < deadline, "the call did not arrive"
+                time.sleep(0.01)
+            stopper.start()
+            checked = [check(channel, "held")]
+            while checked[-1] == SERVING:
+                assert time.monotonic() < deadline, "the drain did not start"
+                time.sleep(0.02)
+                checked.append(check(channel, "held"))
+            checked.append(check(channel, ""))
+            watched += [message.status for message in stream]  # it ends: no hang
+            assert caller.is_alive() and stopper.is_alive()  # ...while the drain goes on
+    finally:
+        release.touch()
+        caller.join(30)
+        stopper.join(30)
+        client.close()
     assert checked[-2:] == [NOT_SERVING, NOT_SERVING]
     assert watched == [SERVING, NOT_SERVING]
-    assert ended < 1.0  # the Watch ended at once, not at the end of the drain
     assert inflight and inflight[0].as_numpy("OUTPUT").shape == (1, 3)  # the call in flight finished
 
 
