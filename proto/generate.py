@@ -5,6 +5,9 @@
   stubs, in `src/hloserve/_proto/inference/` and `src/hloserve/_proto/hloserve_control/`;
 * `hloserve_hot` (hot_infer.proto) → google.protobuf classes in `src/hloserve/_proto/hot/`.
 
+* `grpc.health.v1` (health.proto) → betterproto2 as above, in `src/hloserve/_proto/grpc/health/v1/`:
+  outside protobuf's global descriptor pool, where grpclib's and grpcio's health modules collide.
+
 The output is committed; tests/test_proto.py regenerates into a temporary folder and fails
 when the committed files differ.
 """
@@ -40,6 +43,7 @@ def generate(out: Path) -> list[Path]:
             f"--plugin=protoc-gen-python_betterproto2={plugin}",
             f"--python_betterproto2_out={staging}",
             "--python_betterproto2_opt=client_generation=async,server_generation=async",
+            "health.proto",
             "grpc_service.proto",
             "model_config.proto",
             "hloserve_control.proto",

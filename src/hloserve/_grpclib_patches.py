@@ -116,8 +116,9 @@ class GracefulServer(grpclib.server.Server):
         self._protocols: weakref.WeakSet[Any] = weakref.WeakSet()
         self.draining = False
 
-        async def refuse_while_draining(_: RecvRequest) -> None:
-            if self.draining:
+        async def refuse_while_draining(event: RecvRequest) -> None:
+            # Health calls are answered (NOT_SERVING) on the connections a drain leaves open.
+            if self.draining and not event.method_name.startswith("/grpc.health.v1.Health/"):
                 raise GRPCError(Status.UNAVAILABLE, "server is shutting down")
 
         listen(self, RecvRequest, refuse_while_draining)

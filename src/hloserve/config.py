@@ -100,6 +100,9 @@ class ServerConfig:
     reload_debounce_s: float = 0.5
     """A changed bundle is reloaded once its files have stayed unchanged this long (a half-written
     file is never loaded)."""
+    max_health_watches: int = 256
+    """`grpc.health.v1.Health/Watch` streams held open at once (a gRPC client's health checking
+    holds one per connection); past it, RESOURCE_EXHAUSTED. Check is not counted."""
 
     @property
     def shm_owner_uids(self) -> frozenset[int]:
@@ -129,6 +132,7 @@ class ServerConfig:
         _check(self.shm_max_bytes >= 0, "server.shm_max_bytes", "must be >= 0")
         _check(self.repository_poll_s > 0, "server.repository_poll_s", "must be > 0")
         _check(self.reload_debounce_s >= 0, "server.reload_debounce_s", "must be >= 0")
+        _check(self.max_health_watches >= 0, "server.max_health_watches", "must be >= 0 (0: Check only)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,6 +46,7 @@ from hloserve.config import Config, ModelSettings, SchedulerConfig
 from hloserve.control import ControlService
 from hloserve.errors import BundleError, ConfigError, InvalidInput, ModelNotFound
 from hloserve.executable_cache import ExecutableCache, default_directory
+from hloserve.health import worker_health
 from hloserve.meta import MetaModels
 from hloserve.metrics import Metrics
 from hloserve.model_py import MetaRun, ModelHooks, Registration, load_model_py
@@ -499,6 +500,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
             [
                 service := InferenceService(config, entries, statistics, metrics, worker, metas),
                 ControlService(worker),
+                worker_health(worker, service, draining=lambda: server.draining),
             ],
             config=Configuration(
                 http2_connection_window_size=_WINDOW_BYTES, http2_stream_window_size=_WINDOW_BYTES

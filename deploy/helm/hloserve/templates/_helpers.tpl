@@ -1,0 +1,125 @@
+{{/* Names and labels. */}}
+{{- define "hloserve.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "hloserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "hloserve.labels" -}}
+{{ include "hloserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "hloserve.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{/* The Service the workers are found through, in fleet mode (headless). */}}
+{{- define "hloserve.workersService" -}}
+{{ include "hloserve.fullname" . | trunc 55 | trimSuffix "-" }}-workers
+{{- end -}}
+
+{{/* What values.schema.json cannot say; each failure names the value and what to set. */}}
+{{- define "hloserve.validate" -}}
+{{- $repo := .Values.modelRepository -}}
+{{- $sources := 0 -}}
+{{- if $repo.pvc.claimName }}{{ $sources = add1 $sources }}{{ end -}}
+{{- if $repo.hostPath.path }}{{ $sources = add1 $sources }}{{ end -}}
+{{- if $repo.initContainer.image }}{{ $sources = add1 $sources }}{{ end -}}
+{{- if ne $sources 1 -}}
+{{- fail (printf "modelRepository: set exactly one of modelRepository.pvc.claimName, modelRepository.hostPath.path or modelRepository.initContainer.image (where the bundles come from); %d are set" $sources) -}}
+{{- end -}}
+{{- if and (ne .Values.mode "node") (gt (int .Values.gpus) 1) -}}
+{{- fail (printf "gpus: a %s pod runs one worker on at most one GPU, not %v; for several GPUs in one pod use mode: node, or more replicas" .Values.mode .Values.gpus) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Pod annotations: Prometheus' scrape annotations, a checksum of the config, the user's. */}}
+{{- define "hloserve.podAnnotations" -}}
+{{- $annotations := dict "checksum/config" (include (print .Template.BasePath "/configmap.yaml") . | sha256sum) -}}
+{{- if .Values.metrics.podAnnotations -}}
+{{- $_ := set $annotations "prometheus.io/scrape" "true" -}}
+{{- $_ := set $annotations "prometheus.io/port" (toString .Values.ports.metrics) -}}
+{{- $_ := set $annotations "prometheus.io/path" "/metrics" -}}
+{{- end -}}
+{{- toYaml (merge (deepCopy .Values.podAnnotations) $annotations) -}}
+{{- end -}}
+
+{{/* Container ports, named as KServe and Knative read them (grpc: HTTP/2 cleartext). */}}
+{{- define "hloserve.ports" -}}
+- name: grpc
+  containerPort: {{ .Values.ports.grpc }}
+  protocol: TCP
+- name: metrics
+  containerPort: {{ .Values.ports.metrics }}
+  protocol: TCP
+{{- if .Values.http.enabled }}
+- name: http
+  containerPort: {{ .Values.ports.http }}
+  protocol: TCP
+{{- end }}
+{{- end -}}
+
+{{/*
+gRPC probes (grpc.health.v1): the port opens once the repository is compiled, so the startup
+probe waits for compilation; liveness asks the inference service, which a bundle that failed
+to load does not fail; readiness asks the whole server (every bundle ready), as ServerReady.
+*/}}
+{{- define "hloserve.probes" -}}
+{{- $p := .Values.probes -}}
+startupProbe:
+  grpc:
+    port: {{ .Values.ports.grpc }}
+    service: inference.GRPCInferenceService
+  periodSeconds: {{ $p.startup.periodSeconds }}
+  failureThreshold: {{ $p.startup.failureThreshold }}
+livenessProbe:
+  grpc:
+    port: {{ .Values.ports.grpc }}
+    service: inference.GRPCInferenceService
+  periodSeconds: {{ $p.liveness.periodSeconds }}
+  failureThreshold: {{ $p.liveness.failureThreshold }}
+  timeoutSeconds: {{ $p.liveness.timeoutSeconds }}
+readinessProbe:
+  grpc:
+    port: {{ .Values.ports.grpc }}
+  periodSeconds: {{ $p.readiness.periodSeconds }}
+  failureThreshold: {{ $p.readiness.failureThreshold }}
+  timeoutSeconds: {{ $p.readiness.timeoutSeconds }}
+{{- end -}}
+
+{{/* What every hloserve pod shares: pull secrets, security, the drain's grace. */}}
+{{- define "hloserve.podCommon" -}}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml .Values.podSecurityContext | nindent 2 }}
+terminationGracePeriodSeconds: {{ .Values.terminationGracePeriodSeconds }}
+{{- end -}}
+
+{{/* Where the workers and nodes run (routers run anywhere). */}}
+{{- define "hloserve.placement" -}}
+{{- with .Values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}

@@ -1,0 +1,234 @@
+"""The Helm chart (deploy/helm/hloserve), rendered for each mode with no cluster: it lints,
+every object it renders passes Kubernetes 1.32's schemas strictly (a ServiceMonitor, the
+Prometheus Operator's CRD schema), the pods are what each mode
+promises (GPUs, command, ports, gRPC probes, security, repository source), the configuration
+and the environment it hands hloserve are ones hloserve accepts, and bad values fail rendering
+with a message naming the value."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from helm_python.chart import lint
+from helm_python.errors import HelmRenderError, HelmValuesError
+
+from hloserve.cli import SERVER_FLAGS
+from hloserve.config import load_config
+
+from .support import CHART, KUBERNETES, crd_validator, named, of_kind, render, validate_kubernetes
+
+PVC = {"pvc": {"claimName": "hloserve-models"}}
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "worker-cpu": {"modelRepository": PVC, "config": {"scheduler": {"discipline": "fifo"}}},
+    "worker-gpu": {
+        "gpus": 1,
+        "replicas": 2,
+        "modelRepository": {"hostPath": {"path": "/srv/hloserve/models"}},
+        "resources": {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": "16Gi"}},
+        "nodeSelector": {"nvidia.com/gpu.present": "true"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
+        "sharedMemorySize": "1Gi",
+    },
+    "node-4-gpus": {
+        "mode": "node",
+        "gpus": 4,
+        "modelRepository": {
+            "initContainer": {
+                "image": "amazon/aws-cli:2.17.0",
+                "args": ["s3", "sync", "s3://my-bucket/repository", "/mnt/models"],
+            },
+            "sizeLimit": "20Gi",
+        },
+        "http": {"enabled": True},
+    },
+    "fleet": {
+        "mode": "fleet",
+        "gpus": 1,
+        "replicas": 4,
+        "modelRepository": {"pvc": {"claimName": "hloserve-models", "subPath": "repository"}},
+        "fleet": {"router": {"replicas": 2, "resources": {"requests": {"cpu": "2"}}}},
+    },
+}
+
+
+def _pod(deployment: dict[str, Any]) -> dict[str, Any]:
+    spec: dict[str, Any] = deployment["spec"]["template"]["spec"]
+    return spec
+
+
+def _selects(service: dict[str, Any], deployment: dict[str, Any]) -> bool:
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    return all(labels.get(k) == v for k, v in service["spec"]["selector"].items())
+
+
+@pytest.fixture(scope="module", name="rendered")
+def _rendered() -> dict[str, list[dict[str, Any]]]:
+    return {name: render(values) for name, values in VALUE_SETS.items()}
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_the_chart_lints_strictly(name: str) -> None:
+    report = lint(CHART, VALUE_SETS[name], strict=True, kube_version=f"v{KUBERNETES}")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert not report["errors"] and not problems, report
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_every_object_passes_kubernetes_strict_validation(
+    name: str, rendered: dict[str, list[dict[str, Any]]]
+) -> None:
+    objects = rendered[name]
+    for obj in objects:
+        if obj["apiVersion"] == "monitoring.coreos.com/v1":  # the Prometheus Operator's CRD
+            crd_validator("servicemonitor.v1.json").validate(obj)
+        else:
+            validate_kubernetes(obj)
+    kinds = sorted(o["kind"] for o in objects)
+    expected = {
+        "worker-cpu": ["ConfigMap", "Deployment", "Service"],
+        "worker-gpu": ["ConfigMap", "Deployment", "Service", "ServiceMonitor"],
+        "node-4-gpus": ["ConfigMap", "Deployment", "Service"],
+        "fleet": ["ConfigMap", "Deployment", "Deployment", "Service", "Service"],
+    }
+    assert kinds == expected[name]
+
+
+def test_the_validation_would_catch_a_malformed_pod(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """The strict check can fail: an unknown field, and a gRPC probe's port given by name (a
+    gRPC probe takes a number only), are both refused."""
+    deployment = named(rendered["worker-cpu"], "Deployment", "hloserve")
+    for mistake in (
+        {"readinesProbe": {"grpc": {"port": 8001}}},
+        {"readinessProbe": {"grpc": {"port": "grpc"}}},
+    ):
+        broken = yaml.safe_load(yaml.safe_dump(deployment))
+        _pod(broken)["containers"][0].update(mistake)
+        with pytest.raises(kubernetes_validate.ValidationError):
+            validate_kubernetes(broken)
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_pods_are_what_the_mode_promises(name: str, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    values, objects = VALUE_SETS[name], rendered[name]
+    gpus, mode = values.get("gpus", 0), values.get("mode", "worker")
+    deployment = named(objects, "Deployment", "hloserve")
+    assert deployment["spec"]["replicas"] == values.get("replicas", 1)
+    pod = _pod(deployment)
+    (container,) = pod["containers"]
+    assert container["args"][0] == ("node" if mode == "node" else "serve")
+    assert container.get("resources", {}).get("limits", {}).get("nvidia.com/gpu") == (gpus or None)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"grpc": 8001, "metrics": 8002, **({"http": 8000} if values.get("http") else {})}
+    startup, liveness, readiness = (container[p] for p in ("startupProbe", "livenessProbe", "readinessProbe"))
+    for probe in (startup, liveness, readiness):
+        assert probe["grpc"]["port"] == 8001
+    assert readiness["grpc"].get("service", "") == ""  # the whole server: every bundle ready
+    assert liveness["grpc"]["service"] == startup["grpc"]["service"] == "inference.GRPCInferenceService"
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # XLA compilation
+    assert pod["securityContext"]["runAsUser"] == 1000 and pod["securityContext"]["runAsNonRoot"]
+    assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert not container["securityContext"]["allowPrivilegeEscalation"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    repository = values["modelRepository"]
+    source = next(k for k in ("pvc", "hostPath", "initContainer") if k in repository)
+    assert {"pvc": "persistentVolumeClaim", "hostPath": "hostPath", "initContainer": "emptyDir"}[source] in (
+        volumes["models"]
+    )
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "models")
+    assert mount["mountPath"] == "/mnt/models" and mount["readOnly"]
+    if source == "initContainer":
+        (init,) = pod["initContainers"]
+        assert init["args"] == repository["initContainer"]["args"]
+        assert volumes["models"]["emptyDir"] == {"sizeLimit": "20Gi"}
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/port"] == "8002"
+    for key in ("nodeSelector", "tolerations"):
+        assert pod.get(key) == values.get(key)
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_the_service_reaches_the_front_pods(name: str, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    objects = rendered[name]
+    service = named(objects, "Service", "hloserve")
+    front = named(objects, "Deployment", "hloserve-router" if name == "fleet" else "hloserve")
+    assert _selects(service, front)
+    assert [d for d in of_kind(objects, "Deployment") if _selects(service, d)] == [front]
+    grpc = next(p for p in service["spec"]["ports"] if p["name"] == "grpc")
+    assert grpc["appProtocol"] == "kubernetes.io/h2c" and grpc["targetPort"] == "grpc"
+
+
+def test_the_fleet_finds_its_workers_through_a_headless_service(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    objects = rendered["fleet"]
+    headless = named(objects, "Service", "hloserve-workers")
+    workers = named(objects, "Deployment", "hloserve")
+    router = named(objects, "Deployment", "hloserve-router")
+    assert headless["spec"]["clusterIP"] == "None" and _selects(headless, workers)
+    assert not _selects(headless, router)
+    (container,) = _pod(router)["containers"]
+    assert container["args"][0] == "node"
+    environ = {e["name"]: e["value"] for e in container["env"]}
+    assert environ["HLOSERVE_NODE_WORKERS_DNS"] == "hloserve-workers.ml.svc:8001"
+    assert "nvidia.com/gpu" not in str(container.get("resources")) and router["spec"]["replicas"] == 2
+    assert _pod(router).get("nodeSelector") is None  # routers need no GPU node
+
+
+def test_the_service_monitor_scrapes_the_metrics_port(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    objects = rendered["worker-gpu"]
+    (monitor,) = of_kind(objects, "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    service = named(objects, "Service", "hloserve")
+    labels = service["metadata"]["labels"]
+    assert all(labels[k] == v for k, v in monitor["spec"]["selector"]["matchLabels"].items())
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics"]
+    assert "metrics" in [p["name"] for p in service["spec"]["ports"]]
+
+
+@pytest.mark.parametrize("name", ["worker-cpu", "worker-gpu", "fleet"])
+def test_hloserve_accepts_the_configuration_and_environment_it_is_given(
+    name: str, rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """The ConfigMap is an hloserve configuration, the environment's HLOSERVE_ variables name
+    real fields, and the flags are `hloserve serve`'s (the REST port, a later feature, is left
+    out of these value sets)."""
+    objects = rendered[name]
+    (configmap,) = of_kind(objects, "ConfigMap")
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(configmap["data"]["config.yaml"])
+    (container,) = _pod(named(objects, "Deployment", "hloserve"))["containers"]
+    environ = {e["name"]: e["value"] for e in container["env"]}
+    config = load_config(config_file, environ=environ)
+    assert config.server.host == "0.0.0.0" and config.server.grpc_port == 8001
+    assert str(config.server.model_repository) == "/mnt/models"
+    assert yaml.safe_load(configmap["data"]["config.yaml"]) == VALUE_SETS[name].get("config", {})
+    flags = [a for a in container["args"][1:] if a.startswith("--")]
+    assert set(flags) <= {"--config", *SERVER_FLAGS.values()}
+
+
+@pytest.mark.parametrize(
+    ("values", "error", "message"),
+    [
+        ({"gpus": -1, "modelRepository": PVC}, HelmValuesError, "at '/gpus': minimum: got -1, want 0"),
+        ({}, HelmRenderError, "modelRepository: set exactly one of modelRepository.pvc.claimName"),
+        (
+            {"modelRepository": {**PVC, "hostPath": {"path": "/srv/models"}}},
+            HelmRenderError,
+            "(where the bundles come from); 2 are set",
+        ),
+        ({"gpus": 2, "modelRepository": PVC}, HelmRenderError, "use mode: node"),
+        ({"gpu": 1, "modelRepository": PVC}, HelmValuesError, "additional properties 'gpu' not allowed"),
+        ({"mode": "cluster", "modelRepository": PVC}, HelmValuesError, "at '/mode'"),
+    ],
+)
+def test_bad_values_fail_rendering_with_a_message_naming_them(
+    values: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error) as failed:
+        render(values)
+    assert message in str(failed.value)
