@@ -25,11 +25,12 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from hloserve._proto import hloserve_control as hc
 
 from .support import assert_serves
+from .test_strings import _settle
 
 
 @pytest.fixture(name="stub")
 def _stub(server: ServerThread) -> Iterator[Any]:
-    channel = grpc.insecure_channel(server.url)
+    channel = _settle(grpc.insecure_channel(server.url))  # a typed image is a 200 KB message
     yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
     channel.close()
 
