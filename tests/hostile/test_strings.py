@@ -213,9 +213,7 @@ def _control(server: ServerThread, call: Callable[[hc.ControlServiceStub], Any])
     async def main() -> Any:
         channel = Channel("127.0.0.1", server.worker.grpc_port)
         try:
-            stub = hc.ControlServiceStub(channel)
-            await stub.model_control_status(hc.ModelControlStatusRequest())  # as _settle does
-            return await call(stub)
+            return await call(hc.ControlServiceStub(channel))
         finally:
             channel.close()
 
