@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+import structlog
 from conftest import ServerThread, make_config
 from grpclib.client import Channel
 from grpclib.const import Status
@@ -29,7 +30,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from hloserve import _hpack_patches
 from hloserve._proto import hloserve_control as hc
-from hloserve._status import MAX_STATUS_MESSAGE_CHARS
+from hloserve._status import MAX_STATUS_MESSAGE_CHARS, to_grpc_error
 
 from .support import assert_serves
 
@@ -339,3 +340,24 @@ def test_huffman_encoding_is_linear_and_exact() -> None:
     started = time.perf_counter()
     coder.encode(os.urandom(1 << 20))
     assert time.perf_counter() - started < 1.0
+
+
+# -- what gets logged -----------------------------------------------------------------------------
+
+
+def test_an_unexpected_error_quoting_a_megabyte_is_logged_and_answered_short() -> None:
+    """The log line carries the error's head and the frames, never the client's megabyte (a
+    console log rendered the locals of every frame: 30 s for a 50,000-value request)."""
+    try:
+        raise OSError(36, "File name too long", LONG)
+    except OSError as e:
+        error = e
+    with structlog.testing.capture_logs() as logs:
+        grpc_error = to_grpc_error(error, "RepositoryModelLoad")
+    assert grpc_error.status == Status.INTERNAL
+    assert len(grpc_error.message or "") <= MAX_STATUS_MESSAGE_CHARS
+    assert "RepositoryModelLoad failed: OSError: [Errno 36] File name too long" in (grpc_error.message or "")
+    (entry,) = logs
+    assert entry["event"] == "unexpected error" and "exc_info" not in entry
+    assert len(entry["error"]) <= MAX_STATUS_MESSAGE_CHARS and "test_strings.py" in entry["traceback"]
+    assert len(entry["traceback"]) < 10_000
