@@ -2,12 +2,15 @@
 
 Handlers raise hloserve errors and let them go; `to_grpc_error` walks the exception's classes
 through `STATUS_BY_ERROR`. Anything unexpected becomes INTERNAL with the cause's type and text,
-logged once with its traceback; BaseException (cancellation) is never caught here.
+logged once with its traceback; BaseException (cancellation) is never caught here. Every status
+message is cut to `MAX_STATUS_MESSAGE_CHARS`: it travels in a header, which clients cap (grpcio
+at 8 KiB of metadata by default) and which costs the server time to encode.
 """
 
 from __future__ import annotations
 
 import functools
+import traceback
 from collections.abc import Callable, Coroutine
 from typing import Any, ParamSpec, TypeVar
 
@@ -17,9 +20,12 @@ from grpclib.exceptions import GRPCError
 
 from hloserve import errors
 
-__all__ = ["STATUS_BY_ERROR", "grpc_errors", "to_grpc_error"]
+__all__ = ["MAX_STATUS_MESSAGE_CHARS", "STATUS_BY_ERROR", "grpc_errors", "to_grpc_error"]
 
 log = structlog.get_logger("hloserve.grpc")
+
+MAX_STATUS_MESSAGE_CHARS = 1024
+"""Longest status message sent; a longer one keeps its head and says how long it was."""
 
 STATUS_BY_ERROR: dict[type[Exception], Status] = {
     errors.ModelNotFound: Status.NOT_FOUND,
@@ -45,13 +51,23 @@ STATUS_BY_ERROR: dict[type[Exception], Status] = {
 def to_grpc_error(error: Exception, rpc: str) -> GRPCError:
     """The GRPCError a client should see for `error` raised while serving `rpc`."""
     if isinstance(error, GRPCError):
-        return error
+        return GRPCError(error.status, error.message and _bounded(error.message), error.details)
     for cls in type(error).__mro__:
         status = STATUS_BY_ERROR.get(cls)
         if status is not None:
-            return GRPCError(status, str(error))
-    log.error("unexpected error", rpc=rpc, exc_info=error)
-    return GRPCError(Status.INTERNAL, f"{rpc} failed: {type(error).__name__}: {error}")
+            return GRPCError(status, _bounded(str(error)))
+    cause = _bounded(f"{type(error).__name__}: {error}")
+    # The frames without the exception's own text, which may quote a client's megabyte.
+    frames = "".join(traceback.format_tb(error.__traceback__))
+    log.error("unexpected error", rpc=rpc, error=cause, traceback=frames)
+    return GRPCError(Status.INTERNAL, _bounded(f"{rpc} failed: {cause}"))
+
+
+def _bounded(message: str) -> str:
+    if len(message) <= MAX_STATUS_MESSAGE_CHARS:
+        return message
+    note = f"… ({len(message)} characters in all)"
+    return message[: MAX_STATUS_MESSAGE_CHARS - len(note)] + note
 
 
 P = ParamSpec("P")

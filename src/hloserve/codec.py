@@ -17,7 +17,7 @@ import numpy as np
 
 from hloserve import dtypes
 from hloserve._proto.hot import hot_infer_pb2 as pb
-from hloserve.errors import InvalidInput, ShmDisabled, ShmRegionError
+from hloserve.errors import InvalidInput, ShmDisabled, ShmRegionError, clip
 from hloserve.manifest import TensorSpec
 from hloserve.shm_registry import Region, ShmRegistry
 
@@ -38,7 +38,8 @@ Relative so each hop turns it into its own deadline without comparing clocks acr
 """
 TRITON_TIMEOUT_PARAM = "timeout"
 """Triton's request parameter: timeout in microseconds."""
-_TIMEOUT_NS_ALIASES = (TIMEOUT_NS_PARAM, "reactant_timeout_ns")
+_TIMEOUT_PARAMS = ((TRITON_TIMEOUT_PARAM, 1e-6), (TIMEOUT_NS_PARAM, 1e-9), ("reactant_timeout_ns", 1e-9))
+"""Each timeout parameter and its unit in seconds; 0 (the default) means no timeout."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +52,8 @@ class DecodedRequest:
     """Indices of the declared outputs to return, in the order requested."""
     shm_outputs: dict[int, ShmTarget]
     """Outputs to write into shared memory instead of the response, by output index."""
+    timeout_s: float | None
+    """The soonest budget the request's timeout parameters set (None: they set none)."""
 
 
 def _int_param(param: Any) -> int | None:
@@ -60,18 +63,28 @@ def _int_param(param: Any) -> int | None:
     return None
 
 
-def request_deadline(parameters: Any, grpc_remaining_s: float | None, now: float) -> float | None:
-    """The soonest of the gRPC timeout, Triton's `timeout` (us) and the ns budget parameter."""
-    budgets = [] if grpc_remaining_s is None else [grpc_remaining_s]
-    if TRITON_TIMEOUT_PARAM in parameters:
-        us = _int_param(parameters[TRITON_TIMEOUT_PARAM])
-        if us:
-            budgets.append(us / 1e6)
-    for name in _TIMEOUT_NS_ALIASES:
-        if name in parameters:
-            ns = _int_param(parameters[name])
-            if ns:
-                budgets.append(ns / 1e9)
+def _timeout_s(model: str, parameters: Any) -> float | None:
+    """The soonest of Triton's `timeout` (us) and the ns budget parameters, each checked."""
+    budgets = []
+    for name, unit_s in _TIMEOUT_PARAMS:
+        if name not in parameters:
+            continue
+        value = _int_param(parameters[name])
+        if value is None or value < 0:
+            got = parameters[name].WhichOneof("parameter_choice") or "no value"
+            raise InvalidInput(
+                model,
+                f"request parameter {name!r} must be a non-negative integer (int64_param or "
+                f"uint64_param), got {got if value is None else value}",
+            )
+        if value:
+            budgets.append(value * unit_s)
+    return min(budgets, default=None)
+
+
+def request_deadline(timeout_s: float | None, grpc_remaining_s: float | None, now: float) -> float | None:
+    """The soonest of the gRPC timeout and the request's timeout parameters, as a deadline."""
+    budgets = [b for b in (timeout_s, grpc_remaining_s) if b is not None]
     return now + min(budgets) if budgets else None
 
 
@@ -97,7 +110,12 @@ def _array_from_contents(model: str, tensor: Any, dtype: dtypes.DType, shape: tu
             f"contents.{dtype.contents_field} holds {len(values)} values, shape {list(shape)} needs {count}",
             tensor.name,
         )
-    return np.asarray(values, dtype=dtype.numpy).reshape(shape)
+    try:
+        return np.asarray(values, dtype=dtype.numpy).reshape(shape)
+    except OverflowError:  # e.g. 300 in int_contents for INT8: the field is wider than the type
+        raise InvalidInput(
+            model, f"contents.{dtype.contents_field} holds a value out of range for {dtype.wire}", tensor.name
+        ) from None
 
 
 def _array_from_raw(
@@ -163,6 +181,7 @@ def decode_request(
     from shared memory when they name a region, else from `raw_input_contents` (one entry per
     input not in shared memory, in order), else from typed `contents`.
     """
+    timeout_s = _timeout_s(model, request.parameters)
     by_name = {spec.name: i for i, spec in enumerate(inputs)}
     in_shm = [_shm_target(model, t, registry) for t in request.inputs]
     raw = list(request.raw_input_contents)
@@ -185,7 +204,7 @@ def decode_request(
         spec = inputs[index]
         if tensor.datatype != spec.dtype.wire:
             raise InvalidInput(
-                model, f"datatype {tensor.datatype!r}, expected {spec.dtype.wire!r}", tensor.name
+                model, f"datatype {clip(tensor.datatype)}, expected {spec.dtype.wire!r}", tensor.name
             )
         shape = _wire_shape(model, tensor)
         problem = spec.shape_problem(shape)
@@ -232,6 +251,8 @@ def decode_request(
                 model, f"requested output does not exist; expected one of {sorted(out_names)}", requested.name
             )
         index = out_names[requested.name]
+        if index in selected:
+            raise InvalidInput(model, "output requested more than once", requested.name)
         selected.append(index)
         target = _shm_target(model, requested, registry)
         if target is not None:
@@ -247,7 +268,7 @@ def decode_request(
             targets[index] = target
     if not selected:
         selected = list(range(len(outputs)))
-    return DecodedRequest([a for a in arrays if a is not None], rows, selected, targets)
+    return DecodedRequest([a for a in arrays if a is not None], rows, selected, targets, timeout_s)
 
 
 def encode_response(

@@ -7,13 +7,14 @@ asyncio (grpclib); they reach the trio side with `trio_asyncio.trio_as_aio`.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import trio_asyncio
 
 from hloserve._proto import hloserve_control as hc
 from hloserve._status import grpc_errors
-from hloserve.errors import InvalidInput
+from hloserve.errors import InvalidInput, clip
 
 if TYPE_CHECKING:
     from hloserve.worker import Worker
@@ -102,10 +103,12 @@ class ControlService(hc.ControlServiceBase):
 
     @grpc_errors("SetModelPolicy")
     async def set_model_policy(self, message: hc.SetModelPolicyRequest) -> hc.SetModelPolicyResponse:
-        if message.has_weight and not message.weight > 0:
-            raise InvalidInput(message.name, f"weight must be > 0, got {message.weight}")
+        if message.has_weight and not (message.weight > 0 and math.isfinite(message.weight)):
+            raise InvalidInput(message.name, f"weight must be > 0 and finite, got {message.weight}")
         if message.discipline not in ("", "fair", "fifo", "edf"):
-            raise InvalidInput(message.name, f"discipline {message.discipline!r}; expected fair, fifo or edf")
+            raise InvalidInput(
+                message.name, f"discipline {clip(message.discipline)}; expected fair, fifo or edf"
+            )
         await trio_asyncio.trio_as_aio(self._worker.set_policy)(
             message.name,
             weight=message.weight if message.has_weight else None,

@@ -2,12 +2,14 @@
 
 Raise sites stay one line; the front end maps each class to a gRPC status in one table
 (`hloserve._status`). Messages name the model, the tensor and what was expected, because the
-person reading them is a client author with only the message to go on.
+person reading them is a client author with only the message to go on. Whatever a client sent
+is quoted through `clip`, so a message stays short however long the client's strings are.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "CLIP_CHARS",
     "BundleError",
     "ConfigError",
     "DeadlineExceeded",
@@ -27,7 +29,23 @@ __all__ = [
     "ShmRegionExists",
     "ShuttingDown",
     "Unimplemented",
+    "clip",
 ]
+
+CLIP_CHARS = 200
+"""How many characters of a client's string a message or log line quotes."""
+
+
+def clip(text: str, limit: int = CLIP_CHARS) -> str:
+    """`text` quoted as `{text!r}` would, or, when longer than `limit`, its quoted prefix, an
+    ellipsis and its length.
+
+    A client's name can be a megabyte; every message quoting one ends up in a gRPC header (and
+    in logs), so client text goes through here and never verbatim.
+    """
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}… ({len(text)} characters)"
 
 
 class HloserveError(Exception):
@@ -43,9 +61,9 @@ class BundleError(HloserveError):
 
     def __init__(self, bundle: str, file: str, field: str | None, problem: str) -> None:
         self.bundle, self.file, self.field, self.problem = bundle, file, field, problem
-        where = f"bundle {bundle!r}, file {file!r}"
+        where = f"bundle {clip(bundle)}, file {clip(file)}"
         if field:
-            where += f", field {field!r}"
+            where += f", field {clip(field)}"
         super().__init__(f"{where}: {problem}")
 
 
@@ -62,7 +80,7 @@ class ModelNotFound(HloserveError):
 
     def __init__(self, model: str, detail: str = "") -> None:
         self.model = model
-        super().__init__(f"unknown model {model!r}" + (f": {detail}" if detail else ""))
+        super().__init__(f"unknown model {clip(model)}" + (f": {detail}" if detail else ""))
 
 
 class ModelNotReady(HloserveError):
@@ -70,7 +88,7 @@ class ModelNotReady(HloserveError):
 
     def __init__(self, model: str, reason: str) -> None:
         self.model, self.reason = model, reason
-        super().__init__(f"model {model!r} is not ready: {reason}")
+        super().__init__(f"model {clip(model)} is not ready: {reason}")
 
 
 class InvalidInput(HloserveError):
@@ -81,7 +99,7 @@ class InvalidInput(HloserveError):
 
     def __init__(self, model: str, problem: str, tensor: str | None = None) -> None:
         self.model, self.tensor, self.problem = model, tensor, problem
-        where = f"model {model!r}" + (f", tensor {tensor!r}" if tensor else "")
+        where = f"model {clip(model)}" + (f", tensor {clip(tensor)}" if tensor else "")
         super().__init__(f"{where}: {problem}")
 
 
@@ -91,7 +109,7 @@ class QueueFull(HloserveError):
     def __init__(self, model: str, depth: int) -> None:
         self.model, self.depth = model, depth
         super().__init__(
-            f"model {model!r}: queue is full ({depth} requests, scheduler max_queue_depth); retry later"
+            f"model {clip(model)}: queue is full ({depth} requests, scheduler max_queue_depth); retry later"
         )
 
 
@@ -118,7 +136,7 @@ class DeadlineExceeded(HloserveError):
     def __init__(self, model: str, late_by_s: float) -> None:
         self.model, self.late_by_s = model, late_by_s
         super().__init__(
-            f"model {model!r}: deadline passed {late_by_s * 1e3:.3f} ms before execution; request dropped"
+            f"model {clip(model)}: deadline passed {late_by_s * 1e3:.3f} ms before execution; request dropped"
         )
 
 
@@ -128,7 +146,7 @@ class NotResident(HloserveError):
     def __init__(self, model: str) -> None:
         self.model = model
         super().__init__(
-            f"model {model!r} is not resident and residency is externally managed; "
+            f"model {clip(model)} is not resident and residency is externally managed; "
             "load it with SetModelResidency first"
         )
 
@@ -145,7 +163,7 @@ class ShmRegionError(HloserveError):
 
     def __init__(self, region: str, problem: str) -> None:
         self.region, self.problem = region, problem
-        super().__init__(f"shared memory region {region!r}: {problem}")
+        super().__init__(f"shared memory region {clip(region)}: {problem}")
 
 
 class ShmRegionExists(ShmRegionError):
@@ -178,7 +196,7 @@ class ExecutionFailed(HloserveError):
 
     def __init__(self, model: str, cause: str) -> None:
         self.model, self.cause = model, cause
-        super().__init__(f"model {model!r}: execution failed: {cause}")
+        super().__init__(f"model {clip(model)}: execution failed: {cause}")
 
 
 class HookFailed(HloserveError):
@@ -187,7 +205,7 @@ class HookFailed(HloserveError):
 
     def __init__(self, model: str, hook: str, cause: str) -> None:
         self.model, self.hook, self.cause = model, hook, cause
-        super().__init__(f"model {model!r}: {hook} failed: {cause}")
+        super().__init__(f"model {clip(model)}: {hook} failed: {cause}")
 
 
 class Unimplemented(HloserveError):

@@ -154,7 +154,7 @@ class _Reader:
             raise self.fail(where, f"expected a mapping with name, dtype, shape and dims, got {data!r}")
         unknown = set(data) - _TENSOR_KEYS
         if unknown:
-            raise self.fail(f"{where}.{sorted(unknown)[0]}", f"unknown key; expected {sorted(_TENSOR_KEYS)}")
+            raise self.fail(f"{where}.{_first(unknown)}", f"unknown key; expected {sorted(_TENSOR_KEYS)}")
         name = data.get("name")
         if not isinstance(name, str) or not name:
             raise self.fail(f"{where}.name", f"expected a non-empty string, got {name!r}")
@@ -236,7 +236,7 @@ def parse_manifest(data: object, bundle: str, *, has_model_py: bool) -> Manifest
         raise read.fail(None, f"expected a mapping at the top level, got {type(data).__name__}")
     unknown = set(data) - _KEYS
     if unknown:
-        raise read.fail(sorted(unknown)[0], f"unknown key; expected one of {sorted(_KEYS)}")
+        raise read.fail(_first(unknown), f"unknown key; expected one of {sorted(_KEYS)}")
     version = data.get("format_version")
     if str(version) not in ("2", "2.0"):
         raise read.fail("format_version", f'expected "2.0", got {version!r}')
@@ -354,12 +354,21 @@ def _batch_sizes(read: _Reader, batching: Any) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
+def _first(keys: set[Any]) -> str:
+    """The first of some mapping keys, which YAML may make of any types, as text."""
+    return min(map(str, keys))
+
+
 def load_manifest(path: Path, bundle: str, *, has_model_py: bool) -> Manifest:
     """Read and validate `manifest.yaml`."""
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise BundleError(bundle, FILE, None, f"not valid YAML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise BundleError(bundle, FILE, None, f"not UTF-8 text: {e}") from None
+    except RecursionError:
+        raise BundleError(bundle, FILE, None, "not valid YAML: nested too deeply") from None
     except OSError as e:
         raise BundleError(bundle, FILE, None, f"cannot read: {e.strerror}") from None
     return parse_manifest(data, bundle, has_model_py=has_model_py)

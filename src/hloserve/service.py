@@ -30,7 +30,15 @@ from hloserve.actors.messages import Infer
 from hloserve.bundle import check_model_name
 from hloserve.codec import decode_request, encode_response, request_deadline
 from hloserve.config import Config
-from hloserve.errors import InvalidInput, ModelNotFound, ModelNotReady, Overloaded, ShmDisabled, Unimplemented
+from hloserve.errors import (
+    InvalidInput,
+    ModelNotFound,
+    ModelNotReady,
+    Overloaded,
+    ShmDisabled,
+    Unimplemented,
+    clip,
+)
 from hloserve.manifest import TensorSpec
 from hloserve.meta import MetaModels
 from hloserve.metrics import Metrics
@@ -130,7 +138,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         if entry is None:
             raise ModelNotFound(name, f"serving {sorted(self._models)}")
         if version not in _VERSIONS:
-            raise ModelNotFound(name, f"version {version!r} does not exist; the only version is '1'")
+            raise ModelNotFound(name, f"version {clip(version)} does not exist; the only version is '1'")
         return entry
 
     def _ready_entry(self, name: str, version: str = "") -> ModelEntry:
@@ -181,7 +189,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
             raise Overloaded(self._config.server.max_inflight_requests)
         now = time.monotonic()
         remaining = None if grpc_deadline is None else grpc_deadline.time_remaining()
-        deadline = request_deadline(request.parameters, remaining, now)
+        deadline = request_deadline(decoded.timeout_s, remaining, now)
         self._inflight += 1
         try:
             if meta_run is not None:

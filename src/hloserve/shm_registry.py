@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hloserve._xla import host_buffer
-from hloserve.errors import ShmLimit, ShmRegionError, ShmRegionExists
+from hloserve.errors import ShmLimit, ShmRegionError, ShmRegionExists, clip
 
 __all__ = ["NAME_MAX", "Region", "ShmRegistry"]
 
@@ -70,7 +70,7 @@ class Region:
     def _truncated(self, fd: int, needed: int) -> ShmRegionError:
         return ShmRegionError(
             self.name,
-            f"object {self.key!r} was truncated to {os.fstat(fd).st_size} bytes after registration; "
+            f"object {clip(self.key)} was truncated to {os.fstat(fd).st_size} bytes after registration; "
             f"the access needs {needed}",
         )
 
@@ -94,7 +94,7 @@ class Region:
                         raise self._truncated(fd, start + size)
                     done += n
             except OSError as e:
-                raise ShmRegionError(self.name, f"cannot read object {self.key!r}: {e.strerror}") from None
+                raise ShmRegionError(self.name, f"cannot read object {clip(self.key)}: {e.strerror}") from None
         return copy
 
     def write(self, offset: int, data: np.ndarray) -> None:
@@ -116,7 +116,7 @@ class Region:
                 while done < view.nbytes:
                     done += os.pwrite(fd, view[done:], start + done)
             except OSError as e:
-                raise ShmRegionError(self.name, f"cannot write object {self.key!r}: {e.strerror}") from None
+                raise ShmRegionError(self.name, f"cannot write object {clip(self.key)}: {e.strerror}") from None
 
     def close(self) -> None:
         """Close the descriptor now (after a copy in flight, which holds the lock)."""
@@ -126,17 +126,12 @@ class Region:
                 self._fd = None
 
 
-def _shown(name: str) -> str:
-    """A name fit for an error message: long ones are cut (the message says how long)."""
-    return name if len(name) <= 64 else name[:64] + "..."
-
-
 def _check_name(name: str, what: str, region: str) -> None:
     if not name:
         raise ShmRegionError(region, f"a region needs a non-empty {what}")
     length = len(name.encode("utf-8", "surrogatepass"))
     if length > NAME_MAX:
-        raise ShmRegionError(_shown(region), f"{what} has {length} bytes; at most {NAME_MAX} are allowed")
+        raise ShmRegionError(region, f"{what} has {length} bytes; at most {NAME_MAX} are allowed")
 
 
 class ShmRegistry:
@@ -189,13 +184,13 @@ class ShmRegistry:
         object_name = key.removeprefix("/")
         if "/" in object_name or object_name in ("", ".", "..") or "\0" in object_name:
             raise ShmRegionError(
-                name, f"key {key!r} must name an object directly under {SHM_DIR} (no '/', '.', '..' or NUL)"
+                name, f"key {clip(key)} must name an object directly under {SHM_DIR} (no '/', '.', '..' or NUL)"
             )
         try:
             fd = os.open(os.path.join(SHM_DIR, object_name), _OPEN_FLAGS)
         except OSError as e:
             why = "it is a symbolic link, which is never followed" if e.errno == errno.ELOOP else e.strerror
-            raise ShmRegionError(name, f"cannot open shared-memory object {key!r}: {why}") from None
+            raise ShmRegionError(name, f"cannot open shared-memory object {clip(key)}: {why}") from None
         info = os.fstat(fd)
         problem = None
         if not stat.S_ISREG(info.st_mode):
@@ -207,7 +202,7 @@ class ShmRegistry:
             )
         if problem is not None:
             os.close(fd)
-            raise ShmRegionError(name, f"shared-memory object {key!r} {problem}")
+            raise ShmRegionError(name, f"shared-memory object {clip(key)} {problem}")
         return fd
 
     def get(self, name: str) -> Region:

@@ -25,7 +25,8 @@ import trio
 import trio_asyncio
 from grpclib.config import Configuration
 
-from hloserve import _grpclib_patches, _trio_asyncio_patches, _xla
+from hloserve import _grpclib_patches, _hpack_patches, _trio_asyncio_patches, _xla
+from hloserve._proto_codec import KnownFieldsCodec
 from hloserve.actors.dispatcher import Dispatcher
 from hloserve.actors.messages import AddModel, Compact, Compacted, RemoveModel, SetPolicy, SetResidency
 from hloserve.actors.model_queue import ModelQueue, ModelQueueHandle, QueueSettings
@@ -431,6 +432,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
     server_config = config.server
     _grpclib_patches.install(server_config.max_message_bytes)
     _trio_asyncio_patches.install()
+    _hpack_patches.install()
     await trio.to_thread.run_sync(_xla.warm_up)
     cache = None
     if server_config.cache_executables:
@@ -505,6 +507,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
             config=Configuration(
                 http2_connection_window_size=_WINDOW_BYTES, http2_stream_window_size=_WINDOW_BYTES
             ),
+            codec=KnownFieldsCodec(),
         )
         try:
             await trio_asyncio.aio_as_trio(server.start)(server_config.host, server_config.grpc_port)
