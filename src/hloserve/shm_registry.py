@@ -94,7 +94,8 @@ class Region:
                         raise self._truncated(fd, start + size)
                     done += n
             except OSError as e:
-                raise ShmRegionError(self.name, f"cannot read object {clip(self.key)}: {e.strerror}") from None
+                problem = f"cannot read object {clip(self.key)}: {e.strerror}"
+                raise ShmRegionError(self.name, problem) from None
         return copy
 
     def write(self, offset: int, data: np.ndarray) -> None:
@@ -116,7 +117,8 @@ class Region:
                 while done < view.nbytes:
                     done += os.pwrite(fd, view[done:], start + done)
             except OSError as e:
-                raise ShmRegionError(self.name, f"cannot write object {clip(self.key)}: {e.strerror}") from None
+                problem = f"cannot write object {clip(self.key)}: {e.strerror}"
+                raise ShmRegionError(self.name, problem) from None
 
     def close(self) -> None:
         """Close the descriptor now (after a copy in flight, which holds the lock)."""
@@ -184,7 +186,8 @@ class ShmRegistry:
         object_name = key.removeprefix("/")
         if "/" in object_name or object_name in ("", ".", "..") or "\0" in object_name:
             raise ShmRegionError(
-                name, f"key {clip(key)} must name an object directly under {SHM_DIR} (no '/', '.', '..' or NUL)"
+                name,
+                f"key {clip(key)} must name an object directly under {SHM_DIR} (no '/', '.', '..' or NUL)",
             )
         try:
             fd = os.open(os.path.join(SHM_DIR, object_name), _OPEN_FLAGS)
