@@ -19,6 +19,7 @@ import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote
 
 import hpack
 
@@ -101,6 +102,7 @@ def generate(
         conns.append(conn)
     outcomes: defaultdict[str, int] = defaultdict(int)
     latencies: defaultdict[str, list[float]] = defaultdict(list)
+    messages: defaultdict[str, list[str]] = defaultdict(list)  # the first few of each refusal
     due: deque[tuple[float, _Connection, int]] = deque()  # open streams, oldest first
     backing_off: deque[float] = deque()  # when each refused caller sends again
     sent = 0
@@ -151,7 +153,10 @@ def generate(
                 conn.block.clear()
                 status = headers.get("grpc-status")
                 if status is not None:
-                    finish(conn, stream, _STATUS.get(int(status), f"status {status}"), now)
+                    outcome = _STATUS.get(int(status), f"status {status}")
+                    if outcome != "OK" and len(messages[outcome]) < 3:
+                        messages[outcome].append(unquote(headers.get("grpc-message", "")))
+                    finish(conn, stream, outcome, now)
         elif kind == _DATA:
             conn.received += len(payload)
             if conn.received > 1 << 20:
@@ -241,4 +246,5 @@ def generate(
         "unanswered": inflight,
         "outcomes": dict(outcomes),
         "latencies": dict(latencies),
+        "messages": dict(messages),
     }

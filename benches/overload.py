@@ -43,6 +43,8 @@ class Row:
     refusal_p50_ms: float
     refusal_p99_ms: float
     """Latency of UNAVAILABLE answers (nan when there were none)."""
+    messages: dict[str, list[str]]
+    """The first few error messages of each kind."""
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -94,6 +96,7 @@ def _row(phase: str, load: dict[str, Any], sustainable: float) -> Row:
         _percentile(latencies.get("OK", []), 0.99),
         _percentile(latencies.get("UNAVAILABLE", []), 0.5),
         _percentile(latencies.get("UNAVAILABLE", []), 0.99),
+        load.get("messages", {}),
     )
 
 
