@@ -7,7 +7,8 @@ connection per tick, and only the answers' frame headers and header blocks (for 
 decoded. Open loop sends at a fixed rate whatever comes back; closed loop keeps a number of
 requests in flight. As a gRPC client, it keeps to the server's limit of streams per connection
 (a request due while every connection is full waits, its clock running), and cancels a request
-unanswered `deadline_s` after it was due (RST_STREAM), counted as `timeout`.
+unanswered `deadline_s` after it was due (RST_STREAM), counted as `timeout` (`UNSENT` when
+it never got a stream).
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ from urllib.parse import unquote
 
 import hpack
 
-__all__ = ["generate"]
+__all__ = ["UNSENT", "generate"]
+
+UNSENT = "timeout, never sent"
+"""The outcome of a request whose deadline passed while it waited for a stream."""
 
 _PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _HEADERS, _DATA, _RST, _SETTINGS, _PING, _GOAWAY, _WINDOW, _CONTINUATION = 1, 0, 3, 4, 6, 7, 8, 9
@@ -128,8 +132,8 @@ def generate(
         if deadline_s is not None:
             left = deadline_s - (now - started)
             if left <= 0:  # expired while waiting for a stream, as a gRPC client fails it locally
-                outcomes["timeout"] += 1
-                latencies["timeout"].append(now - started)
+                outcomes[UNSENT] += 1
+                latencies[UNSENT].append(now - started)
                 return True
             headers = block + _timeout_field(left)
         stream = conn.next_stream

@@ -4,10 +4,11 @@ First the sustainable rate: closed loop, `SATURATE` requests in flight, no deadl
 request; answers per second. Then open loop: requests sent at `FACTOR` times that rate for
 `SECONDS`, each with a 1 s gRPC timeout (the client gives up, and the server knows the
 deadline). Reported: goodput (answers within the deadline per second) over the sustainable
-rate, what the generator managed to offer, and how fast each kind of refusal came back (p50,
-p99). The server runs in its own process on core 0, the generator (`benches.openloop`: raw
-HTTP/2, a few microseconds per request, so that it offers what it is asked to) in another on
-core 1.
+rate, what the generator managed to offer, how fast refusals came back (p50, p99), and the
+server's CPU time per request that reached it (what a refusal costs bounds how much excess load
+one process can turn away). The server runs in its own process on core 0, the generator
+(`benches.openloop`: raw HTTP/2, a few microseconds per request, so that it offers what it is
+asked to) in another on core 1.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from benches.serving import ROOT, _free_port, _pin, start_server
+from benches.openloop import UNSENT
+from benches.serving import ROOT, _cpu_seconds, _free_port, _pin, start_server
 
 SATURATE = 64
 """Requests in flight while measuring the sustainable rate."""
@@ -43,6 +45,8 @@ class Row:
     refusal_p50_ms: float
     refusal_p99_ms: float
     """Latency of UNAVAILABLE answers (nan when there were none)."""
+    server_cpu_ms_per_request: float
+    """The server's CPU time over the requests that reached it (answered, refused or abandoned)."""
     messages: dict[str, list[str]]
     """The first few error messages of each kind."""
 
@@ -82,7 +86,7 @@ def _load(url: str, **settings: Any) -> dict[str, Any]:
     return dict(json.loads(result.stdout.splitlines()[-1]))
 
 
-def _row(phase: str, load: dict[str, Any], sustainable: float) -> Row:
+def _row(phase: str, load: dict[str, Any], sustainable: float, cpu_s: float) -> Row:
     elapsed = load["elapsed"]
     outcomes, latencies = load["outcomes"], load["latencies"]
     answered = outcomes.get("OK", 0) / elapsed
@@ -96,6 +100,7 @@ def _row(phase: str, load: dict[str, Any], sustainable: float) -> Row:
         _percentile(latencies.get("OK", []), 0.99),
         _percentile(latencies.get("UNAVAILABLE", []), 0.5),
         _percentile(latencies.get("UNAVAILABLE", []), 0.99),
+        round(cpu_s / max(1, load["sent"] - outcomes.get(UNSENT, 0)) * 1e3, 3),
         load.get("messages", {}),
     )
 
@@ -106,24 +111,37 @@ def run(window_ms: int = 3000) -> list[Row]:
     url = f"127.0.0.1:{port}"
     try:
         _load(url, seconds=2.0, concurrency=SATURATE)  # warm up
+        cpu = _cpu_seconds(server.pid)
         closed = _load(url, seconds=5.0, concurrency=SATURATE)
+        closed_cpu, cpu = _cpu_seconds(server.pid) - cpu, _cpu_seconds(server.pid)
         sustainable = closed["outcomes"].get("OK", 0) / closed["elapsed"]
-        saturated = _row(f"closed loop, {SATURATE} in flight", closed, sustainable)
         overload = _load(url, seconds=SECONDS, rate=FACTOR * sustainable, deadline_s=DEADLINE_S)
-        return [saturated, _row(f"open loop, {FACTOR}x, {DEADLINE_S:g} s deadline", overload, sustainable)]
+        overload_cpu = _cpu_seconds(server.pid) - cpu
+        return [
+            _row(f"closed loop, {SATURATE} in flight", closed, sustainable, closed_cpu),
+            _row(f"open loop, {FACTOR}x, {DEADLINE_S:g} s deadline", overload, sustainable, overload_cpu),
+        ]
     finally:
         server.terminate()
         server.wait(30)
 
 
 def table(rows: list[Row]) -> str:
-    header = ("phase", "offered/s", "answers/s", "goodput", "ok p50/p99 ms", "refusal p50/p99 ms")
-    lines = ["{:<32} {:>10} {:>10} {:>8} {:>16} {:>19}".format(*header)]
+    header = (
+        "phase",
+        "offered/s",
+        "answers/s",
+        "goodput",
+        "ok p50/p99 ms",
+        "refusal p50/p99 ms",
+        "CPU ms/req",
+    )
+    lines = ["{:<32} {:>10} {:>10} {:>8} {:>14} {:>19} {:>11}".format(*header)]
     for r in rows:
         lines.append(
             f"{r.phase:<32} {r.offered_per_s:10.1f} {r.answered_per_s:10.1f} {r.goodput_fraction:8.0%} "
-            f"{f'{r.answer_p50_ms:.1f}/{r.answer_p99_ms:.1f}':>16} "
-            f"{f'{r.refusal_p50_ms:.1f}/{r.refusal_p99_ms:.1f}':>19}"
+            f"{f'{r.answer_p50_ms:.1f}/{r.answer_p99_ms:.1f}':>14} "
+            f"{f'{r.refusal_p50_ms:.1f}/{r.refusal_p99_ms:.1f}':>19} {r.server_cpu_ms_per_request:11.3f}"
         )
         lines.append(f"{'':<32} outcomes {json.dumps(r.outcomes)}")
     return "\n".join(lines)
