@@ -5,10 +5,10 @@ request; answers per second. Then open loop: requests sent at `FACTOR` times tha
 `SECONDS`, each with a 1 s gRPC timeout (the client gives up, and the server knows the
 deadline). Reported: goodput (answers within the deadline per second) over the sustainable
 rate, what the generator managed to offer, how fast refusals came back (p50, p99), and the
-server's CPU time per request that reached it (what a refusal costs bounds how much excess load
-one process can turn away). The server runs in its own process on core 0, the generator
-(`benches.openloop`: raw HTTP/2, a few microseconds per request, so that it offers what it is
-asked to) in another on core 1.
+server's CPU time per request sent to it (written to its connections: under overload many are
+never read, and are cancelled in its socket buffers). The server runs in its own process on
+core 0, the generator (`benches.openloop`: raw HTTP/2, a few microseconds per request, so that
+it offers what it is asked to) in another on core 1.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ class Row:
     refusal_p99_ms: float
     """Latency of UNAVAILABLE answers (nan when there were none)."""
     server_cpu_ms_per_request: float
-    """The server's CPU time over the requests that reached it (answered, refused or abandoned)."""
+    """The server's CPU time over the requests written to its connections (not those that
+    expired waiting for a stream)."""
     messages: dict[str, list[str]]
     """The first few error messages of each kind."""
 
