@@ -395,9 +395,9 @@ class Dispatcher:
         self._statistics[name].requests_served += 1
 
     def _split_is_dead(self, split: _Split, size: int) -> bool:
-        """Whether a split request must stop (answered and counted if so), as the queue drops
-        a request before its execution: its client went away, or its deadline passed (under
-        edf, it cannot finish its next chunk in time)."""
+        """Whether a split request must stop (counted, and answered unless its client is gone),
+        as the queue drops a request before its execution: its client went away, or its
+        deadline passed (under edf, it cannot finish its next chunk in time)."""
         request = split.request
         stats = self._statistics[request.model]
         if request.reply.cancelled():
