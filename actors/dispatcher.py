@@ -9,6 +9,11 @@ next model among the queues with a batch ready (meta models' sub-calls first, th
 request, and learns the model's cost. It owns the per-model policy state; only it runs
 executables. A batch with small inputs expected to take under `INLINE_WORK_S` runs on the
 loop's own thread; any other runs in a worker thread, so the loop never waits long on the device.
+
+A request larger than every compiled size runs one chunk per turn (`_Split`), ahead of its
+model's queue: other models' batches interleave by the normal selection, and its client going
+away or its deadline passing stops it before the next chunk, so no request holds the loop
+for longer than one execution.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,8 +48,17 @@ from hloserve.actors.weight_cache import WeightCacheHandle
 
 from hloserve.batching import assemble, join_outputs, slice_rows, split_outputs
 from hloserve.compiled import CompiledModel, ExecutionResult
-from hloserve.errors import ExecutionFailed, ModelNotFound, ModelNotReady, NotResident
-from hloserve.policy import Candidate, Discipline, ModelPolicy, PolicyParams, record_execution, select
+from hloserve.errors import DeadlineExceeded, ExecutionFailed, ModelNotFound, ModelNotReady, NotResident
+from hloserve.policy import (
+    Candidate,
+    Discipline,
+    ModelPolicy,
+    Pending,
+    PolicyParams,
+    drop_reason,
+    record_execution,
+    select,
+)
 from hloserve.statistics import Statistics
 
 __all__ = ["Dispatcher"]
@@ -65,6 +81,34 @@ QUIET_PASSES = 8
 (fewer stop while a burst is still being parsed: measured, 2 gave half the gain of 8)."""
 
 
+@dataclass(slots=True, eq=False)
+class _Split:
+    """A request larger than every compiled size, part-way through its executions."""
+
+    model: CompiledModel
+    request: Infer
+    chunks: deque[tuple[int, int]]
+    """(rows, compiled size) of each execution still to run, in order."""
+    done: int = 0
+    """Rows already run."""
+    parts: list[list[np.ndarray]] = field(default_factory=list)
+    """Outputs of the executions run so far."""
+
+    def summary(self, now: float) -> QueueSummary:
+        """How the split stands for selection: always ready, ahead of its model's queue."""
+        request = self.request
+        return QueueSummary(
+            request.model,
+            1,
+            request.rows - self.done,
+            self.chunks[0][1],
+            request.enqueued_at,
+            request.deadline,
+            now,
+            request.committed,
+        )
+
+
 @dataclass(slots=True)
 class _State:
     discipline: Discipline
@@ -75,6 +119,8 @@ class _State:
     retiring: list[tuple[ModelQueueHandle, ModelQueueHandle | Exception]] = field(default_factory=list)
     """Queues of replaced models, each with the queue it hands its requests to or the error it
     answers them with."""
+    splits: dict[str, _Split] = field(default_factory=dict)
+    """Per model, its split request in progress; the model's queue waits behind it."""
 
 
 class Dispatcher:
@@ -126,6 +172,10 @@ class Dispatcher:
                 model = self._select()
                 if model is None:
                     await self._wait_for_work()
+                    continue
+                split = self._state.splits.get(model)
+                if split is not None:
+                    await self._run_chunk(split)
                     continue
                 policy = self._state.policies[model]
                 edf = (policy.discipline or self._state.discipline) == "edf"
@@ -276,12 +326,20 @@ class Dispatcher:
 
     def _select(self) -> str | None:
         now = time.monotonic()
-        committed = [s for s in self._state.waiting.values() if s.committed]
+        summaries: Iterable[QueueSummary] = self._state.waiting.values()
+        if self._state.splits:  # a model's split in progress stands for it, ahead of its queue
+            self._end_orphaned_splits()
+            splits = self._state.splits
+            summaries = [
+                *(s for s in summaries if s.model not in splits),
+                *(split.summary(now) for split in splits.values()),
+            ]
+        committed = [s for s in summaries if s.committed]
         if committed:  # meta sub-calls go ahead of the discipline, oldest first
             return min(committed, key=lambda s: s.front_enqueued_at).model
         ready = [
             Candidate(s.model, s.batch_size, s.front_enqueued_at, s.earliest_deadline)
-            for s in self._state.waiting.values()
+            for s in summaries
             if s.ready_at <= now
         ]
         return select(self._state.discipline, ready, self._state.policies, now, self._params)
@@ -291,22 +349,19 @@ class Dispatcher:
     async def _execute(self, batch: Batch) -> None:
         model = self._models[batch.model]
         requests = batch.requests
-        try:
-            if batch.chunks:
-                outputs = await self._run_split(model, requests[0], batch.chunks)
-                per_request = [outputs]
-            else:
-                inputs = [r.inputs for r in requests]
-                result = await self._run(model, batch.batch_size, inputs, sum(r.rows for r in requests))
-                per_request = split_outputs(
-                    model.bundle.manifest.executable_outputs, result.outputs, [r.rows for r in requests]
-                )
-        except ExecutionFailed as e:
-            log.error("execution failed", model=batch.model, batch_size=batch.batch_size, cause=e.cause)
-            for request in requests:
-                request.fail(e)
+        if batch.chunks:  # runs one chunk per turn from now on
+            split = _Split(model, requests[0], deque(batch.chunks))
+            self._state.splits[batch.model] = split
+            await self._run_chunk(split)
             return
-        except NotResident as e:
+        try:
+            inputs = [r.inputs for r in requests]
+            result = await self._run(model, batch.batch_size, inputs, sum(r.rows for r in requests))
+            per_request = split_outputs(
+                model.bundle.manifest.executable_outputs, result.outputs, [r.rows for r in requests]
+            )
+        except (ExecutionFailed, NotResident) as e:
+            _log_failure(batch.model, batch.batch_size, e)
             for request in requests:
                 request.fail(e)
             return
@@ -342,15 +397,68 @@ class Dispatcher:
         stats.cost = dict(policy.cost)
         return result
 
-    async def _run_split(
-        self, model: CompiledModel, request: Infer, chunks: tuple[tuple[int, int], ...]
-    ) -> list[np.ndarray]:
-        """A request larger than every compiled size: one execution per chunk, joined back."""
-        manifest = model.bundle.manifest
-        parts, start = [], 0
-        for rows, size in chunks:
-            inputs = slice_rows(manifest.executable_inputs, request.inputs, start, rows)
-            result = await self._run(model, size, [inputs], rows)
-            parts.append(split_outputs(manifest.executable_outputs, result.outputs, [rows])[0])
-            start += rows
-        return join_outputs(manifest.executable_outputs, parts)
+    async def _run_chunk(self, split: _Split) -> None:
+        """The next execution of a split request, unless its client went away or its deadline
+        passed; the last one answers it."""
+        request = split.request
+        name = request.model
+        rows, size = split.chunks[0]
+        if self._split_is_dead(split, size):
+            del self._state.splits[name]
+            return
+        manifest = split.model.bundle.manifest
+        inputs = slice_rows(manifest.executable_inputs, request.inputs, split.done, rows)
+        try:
+            result = await self._run(split.model, size, [inputs], rows)
+        except (ExecutionFailed, NotResident) as e:
+            _log_failure(name, size, e)
+            del self._state.splits[name]
+            request.fail(e)
+            return
+        split.chunks.popleft()
+        split.parts.append(split_outputs(manifest.executable_outputs, result.outputs, [rows])[0])
+        split.done += rows
+        if split.chunks:
+            return
+        del self._state.splits[name]
+        outputs = join_outputs(manifest.executable_outputs, split.parts)
+        request.answer([outputs[i] for i in request.outputs])
+        self._statistics[name].requests_served += 1
+
+    def _split_is_dead(self, split: _Split, size: int) -> bool:
+        """Whether a split request must stop (counted, and answered unless its client is gone),
+        as the queue drops a request before its execution: its client went away, or its
+        deadline passed (under edf, it cannot finish its next chunk in time)."""
+        request = split.request
+        stats = self._statistics[request.model]
+        if request.reply.cancelled():
+            stats.drops["cancelled"] += 1
+            return True
+        policy = self._state.policies[request.model]
+        edf = (policy.discipline or self._state.discipline) == "edf" and not request.committed
+        now = time.monotonic()
+        pending = Pending(request.rows, request.enqueued_at, request.deadline)
+        if drop_reason(pending, now, edf=edf, expected_cost_s=policy.cost.get(size, 0.0)):
+            assert request.deadline is not None
+            stats.drops["deadline"] += 1
+            request.fail(DeadlineExceeded(request.model, now - request.deadline))
+            return True
+        return False
+
+    def _end_orphaned_splits(self) -> None:
+        """Answer split requests whose model was unloaded or reloaded since they started."""
+        for name, split in list(self._state.splits.items()):
+            current = self._models.get(name)
+            if current is split.model:
+                continue
+            del self._state.splits[name]
+            split.request.fail(
+                ModelNotFound(name, "it was unloaded")
+                if current is None
+                else ModelNotReady(name, "it was reloaded while this request ran; send it again")
+            )
+
+
+def _log_failure(model: str, batch_size: int, error: Exception) -> None:
+    if isinstance(error, ExecutionFailed):
+        log.error("execution failed", model=model, batch_size=batch_size, cause=error.cause)

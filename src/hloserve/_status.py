@@ -38,6 +38,7 @@ STATUS_BY_ERROR: dict[type[Exception], Status] = {
     errors.ShmDisabled: Status.FAILED_PRECONDITION,
     errors.QueueFull: Status.UNAVAILABLE,
     errors.Overloaded: Status.UNAVAILABLE,
+    errors.CannotMeetDeadline: Status.UNAVAILABLE,
     errors.ShuttingDown: Status.UNAVAILABLE,
     errors.DeadlineExceeded: Status.DEADLINE_EXCEEDED,
     errors.NotResident: Status.FAILED_PRECONDITION,

@@ -66,6 +66,12 @@ class ServerConfig:
     """Largest gRPC message accepted or sent (Triton clients allow up to 2 GiB)."""
     max_inflight_requests: int = 4096
     """Global cap on ModelInfer calls in flight; past it, UNAVAILABLE."""
+    max_request_rows: int = 65536
+    """Most rows (batch-axis extent) one request may carry; past it, INVALID_ARGUMENT. A request
+    above the largest compiled size runs as one execution per chunk, so this bounds how long one
+    request occupies its model (65536 MLP rows: about 4096 executions, half a second here).
+    Triton refuses anything above a model's max_batch_size (at most a few hundred), so ordinary
+    clients are far below it; only a request's byte size (`max_message_bytes`) bounds it otherwise."""
     shutdown_grace_s: float = 10.0
     """On SIGTERM, how long in-flight requests get to finish before they are failed."""
     cache_executables: bool = True
@@ -115,6 +121,7 @@ class ServerConfig:
         _check(-1 <= self.metrics_port <= 65535, "server.metrics_port", "must be -1 (off) or 0..65535")
         _check(self.max_message_bytes >= 1 << 20, "server.max_message_bytes", "must be >= 1048576")
         _check(self.max_inflight_requests >= 1, "server.max_inflight_requests", "must be >= 1")
+        _check(self.max_request_rows >= 1, "server.max_request_rows", "must be >= 1")
         _check(self.shutdown_grace_s >= 0, "server.shutdown_grace_s", "must be >= 0")
         _check(self.meta_concurrency >= 1, "server.meta_concurrency", "must be >= 1")
         _check(self.meta_scratch_bytes >= 0, "server.meta_scratch_bytes", "must be >= 0 (0: no pool)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "CLIP_CHARS",
     "BundleError",
+    "CannotMeetDeadline",
     "ConfigError",
     "DeadlineExceeded",
     "ExecutionFailed",
@@ -110,6 +111,30 @@ class QueueFull(HloserveError):
         self.model, self.depth = model, depth
         super().__init__(
             f"model {clip(model)}: queue is full ({depth} requests, scheduler max_queue_depth); retry later"
+        )
+
+
+class CannotMeetDeadline(HloserveError):
+    """Admission: the work queued ahead of a request outlasts its deadline; refused on arrival
+    (UNAVAILABLE) so that a retry, later or with a longer deadline, can succeed."""
+
+    def __init__(
+        self,
+        model: str,
+        expected_s: float,
+        remaining_s: float,
+        ahead: int,
+        rows: int,
+        s_per_row: float,
+        loop_lag_s: float,
+    ) -> None:
+        self.model, self.expected_s, self.remaining_s = model, expected_s, remaining_s
+        super().__init__(
+            f"model {model!r}: refused on arrival, it cannot meet its deadline: it would be "
+            f"answered in about {expected_s * 1e3:.1f} ms ({ahead} rows ahead of its {rows} at "
+            f"{s_per_row * 1e3:.3f} ms per row, the server {loop_lag_s * 1e3:.1f} ms behind) and "
+            f"{max(remaining_s, 0.0) * 1e3:.1f} ms are left; retryable: retry later or with a "
+            "longer deadline"
         )
 
 

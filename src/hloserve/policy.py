@@ -7,9 +7,10 @@ Coalescing (`plan_batch`): the leading run of requests with the same shape varia
 largest compiled size not above the queued rows (the smallest when there are fewer rows than
 that); grown to fit the front request; then requests taken in order while they fit. Beyond
 upstream, a front request larger than the largest compiled size is split across executions
-(`split_rows`), never refused. Fair share (`fair_priority`): a model's share of the weights
-minus its share of recent compute (an exponentially decayed sum, `decay`), clamped, divided by
-the cost of the batch it would run, learned per batch size (`learn_cost`).
+(`split_rows`), one per turn of the dispatcher, instead of refused. Fair share
+(`fair_priority`): a model's share of the weights minus its share of recent compute (an
+exponentially decayed sum, `decay`), clamped, divided by the cost of the batch it would run,
+learned per batch size (`learn_cost`).
 """
 
 from __future__ import annotations

@@ -27,10 +27,12 @@ from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve._status import grpc_errors as _rpc
 from hloserve._status import to_grpc_error
 from hloserve.actors.messages import Infer
+from hloserve.admission import Admission
 from hloserve.bundle import check_model_name
 from hloserve.codec import decode_request, encode_response, request_deadline
 from hloserve.config import Config
 from hloserve.errors import (
+    CannotMeetDeadline,
     InvalidInput,
     ModelNotFound,
     ModelNotReady,
@@ -92,6 +94,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         self._statistics = statistics
         self._metrics = metrics
         self._inflight = 0
+        self._admission = Admission(lambda callback, arg: asyncio.get_running_loop().call_soon(callback, arg))
         self._worker = worker
         self._metas = metas
         server = config.server
@@ -185,11 +188,33 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
             None if transformed else entry.max_rows,
             self._shm,
         )
-        if self._inflight >= self._config.server.max_inflight_requests:
-            raise Overloaded(self._config.server.max_inflight_requests)
+        server = self._config.server
+        if decoded.rows > server.max_request_rows:
+            raise InvalidInput(
+                entry.name,
+                f"batch of {decoded.rows} rows exceeds the server's limit of {server.max_request_rows} "
+                "rows per request (server.max_request_rows); send it in smaller requests",
+            )
+        if self._inflight >= server.max_inflight_requests:
+            raise Overloaded(server.max_inflight_requests)
         now = time.monotonic()
         remaining = None if grpc_deadline is None else grpc_deadline.time_remaining()
         deadline = request_deadline(decoded.timeout_s, remaining, now)
+        stats = self._statistics[entry.name]
+        compiled = entry.compiled
+        try:
+            ticket = self._admission.admit(
+                entry.name,
+                decoded.rows,
+                now,
+                deadline,
+                executed=stats.inference_count,
+                costs=stats.cost,
+                backlog_rows=1 if compiled is None else max(compiled.batch_sizes[-1], 1),
+            )
+        except CannotMeetDeadline:
+            stats.drops["cannot_meet_deadline"] += 1
+            raise
         self._inflight += 1
         try:
             if meta_run is not None:
@@ -208,6 +233,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
                 )
         finally:
             self._inflight -= 1
+            self._admission.release(ticket)
         return encode_response(request, entry.name, manifest.outputs, decoded, outputs)
 
     async def _execute(

@@ -1,0 +1,152 @@
+"""Overload: goodput of the MLP under ten times the load it sustains, each request with a 1 s deadline.
+
+First the sustainable rate: closed loop, `SATURATE` requests in flight, no deadline, one row per
+request; answers per second. Then open loop: requests sent at `FACTOR` times that rate for
+`SECONDS`, each with a 1 s gRPC timeout (the client gives up, and the server knows the
+deadline). Reported: goodput (answers within the deadline per second) over the sustainable
+rate, what the generator managed to offer, how fast refusals came back (p50, p99), and the
+server's CPU time per request sent to it (written to its connections: under overload many are
+never read, and are cancelled in its socket buffers). The server runs in its own process on
+core 0, the generator (`benches.openloop`: raw HTTP/2, a few microseconds per request, so that
+it offers what it is asked to) in another on core 1.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from benches.openloop import UNSENT
+from benches.serving import ROOT, _cpu_seconds, _free_port, _pin, start_server
+
+SATURATE = 64
+"""Requests in flight while measuring the sustainable rate."""
+FACTOR = 10
+SECONDS = 10.0
+DEADLINE_S = 1.0
+CONNECTIONS = 64
+"""Clients, each on its own HTTP/2 connection (the server allows 100 streams on each)."""
+
+
+@dataclass(frozen=True)
+class Row:
+    phase: str
+    offered_per_s: float
+    answered_per_s: float
+    goodput_fraction: float
+    """Answers per second over the sustainable rate."""
+    outcomes: dict[str, int]
+    """Requests by final status."""
+    answer_p50_ms: float
+    answer_p99_ms: float
+    refusal_p50_ms: float
+    refusal_p99_ms: float
+    """Latency of UNAVAILABLE answers (nan when there were none)."""
+    server_cpu_ms_per_request: float
+    """The server's CPU time over the requests written to its connections (not those that
+    expired waiting for a stream)."""
+    messages: dict[str, list[str]]
+    """The first few error messages of each kind."""
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3, 3)
+
+
+def _mlp_request() -> bytes:
+    """One row of ones for the MLP, serialized."""
+    import numpy as np
+    from tritonclient.grpc import service_pb2
+
+    request = service_pb2.ModelInferRequest(model_name="mlp")
+    request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
+    request.raw_input_contents.append(np.ones((1, 16), np.float32).tobytes())
+    return bytes(request.SerializeToString())
+
+
+def _load(url: str, **settings: Any) -> dict[str, Any]:
+    """`openloop.generate` in its own process on core 1 (this one's GIL and core stay out of it)."""
+    code = (
+        "import json, sys; from benches.openloop import generate; from benches.overload import _mlp_request; "
+        "url, settings = json.loads(sys.argv[1]); "
+        "print(json.dumps(generate(url, _mlp_request(), **settings)))"
+    )
+    arguments = json.dumps([url, {"connections": CONNECTIONS, **settings}])
+    command = [*_pin(1), sys.executable, "-c", code, arguments]
+    result = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=settings["seconds"] + 120, check=False
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"load generator failed: {result.stderr[-2000:]}")
+    return dict(json.loads(result.stdout.splitlines()[-1]))
+
+
+def _row(phase: str, load: dict[str, Any], sustainable: float, cpu_s: float) -> Row:
+    elapsed = load["elapsed"]
+    outcomes, latencies = load["outcomes"], load["latencies"]
+    answered = outcomes.get("OK", 0) / elapsed
+    return Row(
+        phase,
+        round(load["sent"] / elapsed, 1),
+        round(answered, 1),
+        round(answered / sustainable, 3) if sustainable else 1.0,
+        dict(sorted(outcomes.items())),
+        _percentile(latencies.get("OK", []), 0.5),
+        _percentile(latencies.get("OK", []), 0.99),
+        _percentile(latencies.get("UNAVAILABLE", []), 0.5),
+        _percentile(latencies.get("UNAVAILABLE", []), 0.99),
+        round(cpu_s / max(1, load["sent"] - outcomes.get(UNSENT, 0)) * 1e3, 3),
+        load.get("messages", {}),
+    )
+
+
+def run(window_ms: int = 3000) -> list[Row]:
+    port = _free_port()
+    server = start_server(port)
+    url = f"127.0.0.1:{port}"
+    try:
+        _load(url, seconds=2.0, concurrency=SATURATE)  # warm up
+        cpu = _cpu_seconds(server.pid)
+        closed = _load(url, seconds=5.0, concurrency=SATURATE)
+        closed_cpu, cpu = _cpu_seconds(server.pid) - cpu, _cpu_seconds(server.pid)
+        sustainable = closed["outcomes"].get("OK", 0) / closed["elapsed"]
+        overload = _load(url, seconds=SECONDS, rate=FACTOR * sustainable, deadline_s=DEADLINE_S)
+        overload_cpu = _cpu_seconds(server.pid) - cpu
+        return [
+            _row(f"closed loop, {SATURATE} in flight", closed, sustainable, closed_cpu),
+            _row(f"open loop, {FACTOR}x, {DEADLINE_S:g} s deadline", overload, sustainable, overload_cpu),
+        ]
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def table(rows: list[Row]) -> str:
+    header = (
+        "phase",
+        "offered/s",
+        "answers/s",
+        "goodput",
+        "ok p50/p99 ms",
+        "refusal p50/p99 ms",
+        "CPU ms/req",
+    )
+    lines = ["{:<32} {:>10} {:>10} {:>8} {:>14} {:>19} {:>11}".format(*header)]
+    for r in rows:
+        lines.append(
+            f"{r.phase:<32} {r.offered_per_s:10.1f} {r.answered_per_s:10.1f} {r.goodput_fraction:8.0%} "
+            f"{f'{r.answer_p50_ms:.1f}/{r.answer_p99_ms:.1f}':>14} "
+            f"{f'{r.refusal_p50_ms:.1f}/{r.refusal_p99_ms:.1f}':>19} {r.server_cpu_ms_per_request:11.3f}"
+        )
+        lines.append(f"{'':<32} outcomes {json.dumps(r.outcomes)}")
+    return "\n".join(lines)
+
+
+def as_json(rows: list[Row]) -> list[dict[str, Any]]:
+    return [asdict(r) for r in rows]

@@ -1,0 +1,210 @@
+"""A hostile client against the scheduler: a request far larger than every compiled batch, one
+with more rows than the server takes, and requests that cannot meet their deadlines.
+
+The repository holds the example `mlp` and `pool` and `slow`, a model made here that takes
+about 15-40 ms per execution of 8 rows (compiled sizes 1 and 8, like `pool`), so that one request
+of a few hundred rows keeps the dispatcher busy for seconds, split into one execution per 8 rows.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import export_examples
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from conftest import EXAMPLES, ServerThread, make_config
+from tritonclient.utils import InferenceServerException
+
+from hloserve.export import InputSpec, export_bundle
+from hostile.support import assert_serves
+
+ROW_CAP = 512
+"""The server's `max_request_rows` in these tests."""
+SLOW_ROWS = 480
+"""Rows of the request that keeps the dispatcher busy: 60 executions of 8."""
+_W = (np.random.default_rng(0).standard_normal((256, 256)) / 16).astype(np.float32)
+
+
+def _slow(params: Any, x: Any) -> Any:
+    """Two thousand 256x256 products per row: work on purpose, in a loop so it compiles quickly."""
+    m = jax.lax.fori_loop(0, 2000, lambda _, m: jnp.tanh(m @ params["w"]), x)
+    return m[:, :4]
+
+
+@pytest.fixture(scope="module", name="server")
+def _server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    repository = tmp_path_factory.mktemp("repository")
+    for name in ("mlp", "pool"):
+        shutil.copytree(EXAMPLES / name, repository / name)
+    export_bundle(
+        _slow, {"w": _W}, [InputSpec("INPUT0", (256,))], repository / "slow", batch_sizes=(1, 8), verify=False
+    )
+    server = ServerThread(make_config(repository, max_request_rows=ROW_CAP)).start()
+    yield server
+    server.stop()
+
+
+def _client(url: str) -> Any:
+    """A connected client. Its first call is a small one: the first message of some 32-70 KB on
+    a fresh connection is sometimes refused "Socket closed" (seen on the base code as well)."""
+    client = grpcclient.InferenceServerClient(url)
+    assert client.is_server_ready()
+    return client
+
+
+def _infer(url: str, model: str, array: np.ndarray, name: str = "INPUT0", **kwargs: Any) -> Any:
+    client = _client(url)
+    try:
+        tensor = grpcclient.InferInput(name, list(array.shape), "FP32")
+        tensor.set_data_from_numpy(array)
+        return client.infer(model, [tensor], **kwargs)
+    finally:
+        client.close()
+
+
+def _executions(server: ServerThread, model: str) -> int:
+    return int(server.worker.statistics[model].execution_count)
+
+
+def _wait_for_executions(server: ServerThread, model: str, count: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while _executions(server, model) < count:
+        assert time.monotonic() < deadline, f"{model} did not reach {count} executions"
+        time.sleep(0.005)
+
+
+class _Background(threading.Thread):
+    """One request in a thread; its result (or error) and when it ended."""
+
+    def __init__(self, url: str, model: str, array: np.ndarray) -> None:
+        super().__init__(daemon=True)
+        self.args = (url, model, array)
+        self.result: Any = None
+        self.error: Exception | None = None
+        self.started_at = self.ended_at = 0.0
+
+    def run(self) -> None:
+        self.started_at = time.monotonic()
+        try:
+            self.result = _infer(*self.args)
+        except Exception as e:
+            self.error = e
+        self.ended_at = time.monotonic()
+
+
+def test_a_split_request_yields_to_other_models_between_chunks(server: ServerThread) -> None:
+    x = np.random.default_rng(1).standard_normal((SLOW_ROWS, 256)).astype(np.float32)
+    before = _executions(server, "slow")
+    big = _Background(server.url, "slow", x)
+    big.start()
+    _wait_for_executions(server, "slow", before + 2)
+    latencies = []
+    for i in range(10):
+        y = np.random.default_rng(i).random((1 + i % 3, 16), dtype=np.float32)
+        started = time.monotonic()
+        result = _infer(server.url, "mlp", y)
+        latencies.append(time.monotonic() - started)
+        np.testing.assert_allclose(
+            result.as_numpy("OUTPUT0"), export_examples.reference("mlp", y), rtol=1e-5, atol=1e-6
+        )
+    assert big.is_alive(), "the split request ended before the MLP requests; nothing was measured"
+    big.join(60)
+    assert big.error is None, big.error
+    split_s = big.ended_at - big.started_at
+    # Before: each MLP request waited for every remaining chunk (seconds); now for one chunk.
+    assert max(latencies) < split_s / 5, (latencies, split_s)
+    assert _executions(server, "slow") - before == SLOW_ROWS // 8
+    expected = np.asarray(_slow({"w": _W}, x))
+    np.testing.assert_allclose(big.result.as_numpy("output_0"), expected, rtol=1e-4, atol=1e-5)
+    assert_serves(server.url)
+
+
+def test_a_split_request_equals_the_reference(server: ServerThread) -> None:
+    x = np.random.default_rng(2).random((203, 224, 224, 3), dtype=np.float32)
+    before = _executions(server, "pool")
+    result = _infer(server.url, "pool", x, name="IMAGE")
+    expected = export_examples.reference("pool", x)
+    np.testing.assert_allclose(result.as_numpy("MEAN"), expected, rtol=1e-4, atol=1e-6)
+    assert _executions(server, "pool") - before == 26  # 25 of 8 rows, then 3 padded to 8
+    assert_serves(server.url)
+
+
+def test_a_cancelled_split_request_stops_before_its_next_chunk(server: ServerThread) -> None:
+    x = np.ones((SLOW_ROWS, 256), np.float32)
+    stats = server.worker.statistics["slow"]
+    before, cancelled = _executions(server, "slow"), stats.drops["cancelled"]
+    client = _client(server.url)
+    outcome: list[Any] = []
+    try:
+        tensor = grpcclient.InferInput("INPUT0", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x)
+        call = client.async_infer("slow", [tensor], callback=lambda result, error: outcome.append(error))
+        _wait_for_executions(server, "slow", before + 3)
+        call.cancel()  # the client goes away: RST_STREAM
+        time.sleep(0.3)  # a chunk in flight when the cancel arrived may still finish
+        stopped_at = _executions(server, "slow")
+        time.sleep(0.5)
+        assert _executions(server, "slow") == stopped_at, "chunks kept running after the cancel"
+        assert stopped_at - before < SLOW_ROWS // 8 // 2
+        assert stats.drops["cancelled"] == cancelled + 1
+        assert len(outcome) == 1 and isinstance(outcome[0], InferenceServerException)
+        assert "CANCELLED" in str(outcome[0].status())
+    finally:
+        client.close()
+    assert_serves(server.url)
+
+
+def test_more_rows_than_the_cap_is_invalid_argument(server: ServerThread) -> None:
+    with pytest.raises(InferenceServerException) as refused:
+        _infer(server.url, "mlp", np.ones((ROW_CAP + 1, 16), np.float32))
+    assert "INVALID_ARGUMENT" in str(refused.value.status())
+    message = refused.value.message()
+    assert f"{ROW_CAP + 1} rows" in message and str(ROW_CAP) in message
+    assert "server.max_request_rows" in message
+    x = np.random.default_rng(3).random((ROW_CAP, 16), dtype=np.float32)  # at the cap: served, split
+    result = _infer(server.url, "mlp", x)
+    np.testing.assert_allclose(
+        result.as_numpy("OUTPUT0"), export_examples.reference("mlp", x), rtol=1e-5, atol=1e-6
+    )
+    assert_serves(server.url)
+
+
+def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once(server: ServerThread) -> None:
+    """Behind 240 rows of `slow` (half a second of work or more), a request with a 100 ms
+    deadline is refused UNAVAILABLE at once, saying why; one without a deadline queues and is
+    answered."""
+    stats = server.worker.statistics["slow"]
+    refused_before = stats.drops["cannot_meet_deadline"]
+    before = _executions(server, "slow")
+    big = _Background(server.url, "slow", np.ones((240, 256), np.float32))  # no deadline: queued
+    big.start()
+    _wait_for_executions(server, "slow", before + 1)
+    one = np.ones((1, 256), np.float32)
+    started = time.monotonic()
+    with pytest.raises(InferenceServerException) as refused:
+        _infer(server.url, "slow", one, client_timeout=0.1)
+    took = time.monotonic() - started
+    assert "UNAVAILABLE" in str(refused.value.status())
+    message = refused.value.message()
+    assert "cannot meet its deadline" in message and "rows ahead" in message and "retry" in message
+    assert took < 0.1 / 2, took  # at once, not when the deadline passes
+    assert stats.drops["cannot_meet_deadline"] == refused_before + 1
+    undated = _Background(server.url, "slow", one)  # no deadline: waits behind the big one
+    undated.start()
+    assert big.is_alive(), "the big request ended before the others were sent; nothing was measured"
+    big.join(60)
+    undated.join(60)
+    assert big.error is None and undated.error is None, (big.error, undated.error)
+    assert undated.ended_at >= big.ended_at - 0.05  # it queued behind the split (FIFO per model)
+    np.testing.assert_allclose(
+        undated.result.as_numpy("output_0"), np.asarray(_slow({"w": _W}, one)), rtol=1e-4, atol=1e-5
+    )
+    assert_serves(server.url)

@@ -1,0 +1,66 @@
+"""The admission estimate without a server: rows ahead, the drain rate, the loop's lag."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from hloserve.admission import Admission
+from hloserve.errors import CannotMeetDeadline
+
+COSTS = {1: 0.001, 8: 0.004}  # 0.5 ms per row in a full batch of 8
+
+
+class _Loop:
+    """Keeps the callbacks queued on it, to run when the test says."""
+
+    def __init__(self) -> None:
+        self.queued: list[tuple[Any, float]] = []
+
+    def call_soon(self, callback: Any, arg: float) -> None:
+        self.queued.append((callback, arg))
+
+
+def _admit(admission: Admission, rows: int, now: float, deadline: float | None, executed: int = 0) -> Any:
+    return admission.admit("m", rows, now, deadline, executed=executed, costs=COSTS, backlog_rows=8)
+
+
+def test_without_a_deadline_nothing_is_refused_and_rows_are_counted() -> None:
+    admission = Admission(_Loop().call_soon)
+    tickets = [_admit(admission, 500, 0.0, None) for _ in range(4)]
+    assert admission._loads["m"].rows == 2000
+    for ticket in tickets:
+        admission.release(ticket)
+    assert admission._loads["m"].rows == 0
+
+
+def test_refused_when_the_rows_ahead_outlast_the_deadline_at_the_learned_cost() -> None:
+    admission = Admission(_Loop().call_soon)
+    _admit(admission, 999, 0.0, None)  # 1000 rows with the next one: 0.5 s at 0.5 ms per row
+    with pytest.raises(CannotMeetDeadline, match=r"cannot meet its deadline.*999 rows ahead.*retry"):
+        _admit(admission, 1, 0.0, 0.4)
+    assert admission._loads["m"].rows == 999  # a refusal counts nothing
+    _admit(admission, 1, 0.0, 0.6)
+    assert admission._loads["m"].rows == 1000
+
+
+def test_the_drain_rate_is_learned_only_while_a_backlog_stands() -> None:
+    admission = Admission(_Loop().call_soon)
+    _admit(admission, 400, 0.0, None)
+    _admit(admission, 1, 0.1, None, executed=100)  # first window: backlog not yet known
+    assert admission._loads["m"].seconds_per_row == 0.0
+    _admit(admission, 1, 0.2, None, executed=150)  # 50 rows in 0.1 s with 400 ahead: 2 ms per row
+    assert admission._loads["m"].seconds_per_row == pytest.approx(0.002)
+    with pytest.raises(CannotMeetDeadline):  # 403 rows at 2 ms: 0.8 s
+        _admit(admission, 1, 0.2, 0.9)
+
+
+def test_a_lagging_loop_counts_twice_against_the_deadline() -> None:
+    loop = _Loop()
+    admission = Admission(loop.call_soon)
+    _admit(admission, 1, 1.0, 2.0)  # sends a probe
+    assert len(loop.queued) == 1
+    with pytest.raises(CannotMeetDeadline, match=r"server 300\.0 ms behind"):
+        _admit(admission, 1, 1.3, 1.8)  # the probe is 0.3 s out: 0.6 s more than the 0.5 s left
+    _admit(admission, 1, 1.3, 2.0)
