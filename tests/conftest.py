@@ -81,9 +81,8 @@ def make_config(
 ) -> Config:
     """The default config on free ports, plus overrides of `server` fields and `scheduler` ones."""
     config = load_config(environ={})
-    config = config.replace(
-        "server", model_repository=repository, grpc_port=0, metrics_port=0, http_port=0, **server
-    )
+    server = {"grpc_port": 0, "metrics_port": 0, "http_port": 0, **server}
+    config = config.replace("server", model_repository=repository, **server)
     return config.replace("scheduler", **scheduler) if scheduler else config
 
 

@@ -3,9 +3,11 @@ hypercorn in the worker's own trio run, on the trio-asyncio loop that hosts grpc
 
 hypercorn's asyncio worker rather than its trio one: the service's handlers are asyncio
 coroutines (the model queues answer asyncio futures), and reaching them from trio costs a
-trio-asyncio hop per call (about 0.1 ms, a fifth of a tiny request). On the same loop as
-grpclib, a REST request runs exactly where a gRPC one does. Inference is a bare ASGI handler;
-the other routes go through Starlette. Every route calls an `InferenceService` method (with the betterproto2 messages; inference with
+trio-asyncio hop per call (server CPU per tiny request 0.38 ms against 0.31 ms). On the same
+loop as grpclib, a REST request runs where a gRPC one does. Inference is a bare ASGI handler;
+the other routes go through Starlette.
+
+Every route calls an `InferenceService` method (with the betterproto2 messages; inference with
 the hot-path request through `_infer`), so checks, statistics, metrics and error classes are the
 gRPC ones. A gRPC status becomes an HTTP status as Triton maps its error codes (`HTTP_STATUS`),
 with a JSON `{"error": "..."}` body. Request bodies are bounded by `server.max_message_bytes`,

@@ -166,7 +166,7 @@ def decode_infer(body: bytes, header_length: int | None, model: str, version: st
                 )
             request.raw_input_contents.append(body[offset : offset + size])
             offset += size
-        elif "data" in tensor:
+        elif tensor.get("data") is not None:
             request.raw_input_contents.append(_json_tensor(model, name, tensor["data"], wire, shape))
         else:
             raise _fail(model, f"has no 'data', {BINARY_DATA_SIZE} or {SHM_REGION}", name)
