@@ -10,6 +10,8 @@ of its numbers, and the binary sizes. Every problem raises `InvalidInput`.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -22,7 +24,7 @@ from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve.codec import SHM_REGION
 from hloserve.errors import InvalidInput
 
-__all__ = ["BINARY_DATA_SIZE", "RestInfer", "decode_infer", "encode_infer"]
+__all__ = ["BINARY_DATA_SIZE", "ChunkedBody", "RestInfer", "decode_infer", "encode_infer"]
 
 BINARY_DATA_SIZE = "binary_data_size"
 """Input and output parameter: the tensor's bytes follow the JSON header, this many."""
@@ -33,6 +35,33 @@ _REST_ONLY = (BINARY_DATA_SIZE, _BINARY_DATA, _BINARY_DATA_OUTPUT)  # not passed
 _KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf", "V": "iuf"}  # JSON kinds each dtype takes
 """numpy kinds of the JSON values a tensor of each kind accepts (V: bfloat16)."""
 _KIND_NAMES = {"b": "booleans", "iu": "integers", "iuf": "numbers"}
+
+
+class ChunkedBody:
+    """A request body kept as the chunks it arrived in: a slice joins only the chunks it spans,
+    so a binary tensor is copied once (joining the whole body, then slicing the tensor out of
+    it, copied a 4.8 MB tensor twice, a millisecond each in fresh pages)."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self._chunks = [c for c in chunks if c]
+        self._starts = list(itertools.accumulate((len(c) for c in self._chunks), initial=0))
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def __getitem__(self, span: slice) -> bytes:
+        start, stop, _ = span.indices(len(self))
+        if stop <= start:
+            return b""
+        first = bisect.bisect_right(self._starts, start) - 1
+        last = bisect.bisect_left(self._starts, stop) - 1
+        if first == last:
+            chunk, base = self._chunks[first], self._starts[first]
+            return chunk[start - base : stop - base]
+        pieces = [memoryview(c) for c in self._chunks[first : last + 1]]
+        pieces[0] = pieces[0][start - self._starts[first] :]
+        pieces[-1] = pieces[-1][: stop - self._starts[last]]
+        return b"".join(pieces)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +145,7 @@ def _json_tensor(model: str, name: str, data: Any, wire: str, shape: list[int]) 
     return np.ascontiguousarray(values, dtype=dtype.numpy).tobytes()
 
 
-def decode_infer(body: bytes, header_length: int | None, model: str, version: str) -> RestInfer:
+def decode_infer(body: bytes | ChunkedBody, header_length: int | None, model: str, version: str) -> RestInfer:
     """Parse a REST inference body for `model` (the URL's) into a ModelInferRequest."""
     length = len(body) if header_length is None else header_length
     if not 0 <= length <= len(body):
