@@ -21,6 +21,7 @@ import asyncio
 import functools
 import json
 import re
+import socket
 import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
@@ -436,6 +437,22 @@ _READ_BYTES = 1 << 20
 """Bytes hypercorn takes from a connection's buffer per read (its default is 64 KiB)."""
 
 
+def _listen(host: str, port: int, backlog: int) -> socket.socket:
+    """A listening TCP socket, as hypercorn makes one, closed again when it cannot bind
+    (hypercorn's own leaks it)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class RestServer:
     """hypercorn serving the REST app on `server.host`:`server.http_port` until `stop()`."""
 
@@ -452,18 +469,15 @@ class RestServer:
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         """Bind, report the bound port, serve until stopped; an address in use raises OSError."""
-        host, port = self._config.host, self._config.http_port
         settings = hypercorn.config.Config()
-        settings.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
         settings.graceful_timeout = self._config.shutdown_grace_s
         settings.accesslog = settings.errorlog = None  # the routes answer and log what goes wrong
         # 64 KiB per read made a 4.8 MB body 75 passes through h11 and the ASGI queue.
         hypercorn.asyncio.tcp_server.MAX_RECV = _READ_BYTES
         try:
-            # Bound here rather than inside hypercorn, so a bind error is a plain OSError.
-            sockets = settings.create_sockets()
-            sockets.insecure_sockets[0].listen(settings.backlog)
-            bound = sockets.insecure_sockets[0].getsockname()[1]
+            sock = _listen(self._config.host, self._config.http_port, settings.backlog)
+            bound = sock.getsockname()[1]
+            sockets = hypercorn.config.Sockets([], [sock], [])
             serve = functools.partial(
                 hypercorn.asyncio.run.worker_serve,
                 hypercorn.utils.wrap_app(self._app, settings.wsgi_max_body_size, "asgi"),  # type: ignore[arg-type]
