@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -633,3 +634,19 @@ def test_perf_analyzer_over_http(server: ServerThread, concurrency: int) -> None
     assert result.returncode == 0, output
     assert "error" not in output.lower(), output
     assert f"Request concurrency: {concurrency}" in output and "Server:" in output
+
+
+def test_shutdown_closes_rest_promptly_with_an_idle_connection_open() -> None:
+    server = ServerThread(make_config()).start()
+    port = server.worker.http_port
+    idle = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    idle.request("HEAD", "/v2/health/ready")  # a load balancer's probe, then the connection idles
+    probe = idle.getresponse()
+    probe.read()
+    assert probe.status == 200
+    started = time.monotonic()
+    server.stop()
+    assert time.monotonic() - started < 5
+    idle.close()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
