@@ -365,7 +365,7 @@ async def _load_repository(
 async def serve(config: Config) -> AsyncIterator[Worker]:
     """Run a whole worker for the duration of the block; see the module docstring."""
     server_config = config.server
-    _grpclib_patches.install(server_config.max_message_bytes)
+    _grpclib_patches.install()
     _trio_asyncio_patches.install()
     await trio.to_thread.run_sync(_xla.warm_up)
     cache = None
@@ -440,6 +440,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
             config=Configuration(
                 http2_connection_window_size=_WINDOW_BYTES, http2_stream_window_size=_WINDOW_BYTES
             ),
+            limits=_grpclib_patches.TransportLimits.from_config(server_config),
         )
         try:
             await trio_asyncio.aio_as_trio(server.start)(server_config.host, server_config.grpc_port)
