@@ -312,6 +312,8 @@ class GuardedProtocol(grpclib.protocol.H2Protocol):
         self._shaken = False
         self._backlog = 0
         self._receiving = 0
+        self._stalled_at = -1
+        """`connection.data_sent` when the idle timer last saw our data wait on the peer."""
         self._resets_counted = 0
         self._reset_tokens = float(guard.limits.stream_reset_burst)
         self._reset_at = 0.0
@@ -380,14 +382,32 @@ class GuardedProtocol(grpclib.protocol.H2Protocol):
             self._transport.abort()  # it has not spoken HTTP/2: nothing to tell it
 
     def _idle_due(self) -> None:
-        """Close after one to two `idle_timeout_s` without a call (gRPC's MAX_CONNECTION_IDLE)."""
+        """Every `idle_timeout_s`: close a connection that had no call since the last look (gRPC's
+        MAX_CONNECTION_IDLE), or whose peer accepted none of our data since then while replies
+        wait for it (it does not read, or opens no flow-control window)."""
         if self._closing:
             return
         if not self.processor.streams and not self.busy:
             self._goaway(ErrorCodes.NO_ERROR, "idle for server.idle_timeout_s")
             return
+        sent, blocked = self.connection.data_sent, self._blocked()
+        if blocked and self._stalled_at == sent:
+            self._goaway(ErrorCodes.ENHANCE_YOUR_CALM, "the peer accepted no data for server.idle_timeout_s")
+            return
+        self._stalled_at = sent if blocked else -1
         self.busy = False
         self._timer = asyncio.get_event_loop().call_later(self.guard.limits.idle_timeout_s, self._idle_due)
+
+    def _blocked(self) -> bool:
+        """Whether our data waits on the peer: it does not read, or a call's window is shut."""
+        if not self.connection.write_ready.is_set():
+            return True
+        h2_streams = self._h2.streams
+        return any(
+            self._h2.local_flow_control_window(stream_id) <= 0
+            for stream_id in self.processor.streams
+            if stream_id in h2_streams and not h2_streams[stream_id].closed
+        )
 
     def _goaway(self, code: ErrorCodes, reason: str) -> None:
         """GOAWAY with `reason`, every call ended, the connection dropped after the grace."""

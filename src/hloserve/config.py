@@ -65,7 +65,9 @@ class ServerConfig:
     """A connection that has not sent the HTTP/2 preface and SETTINGS by then is closed."""
     idle_timeout_s: float = 300.0
     """A connection with no call for one to two of these is sent GOAWAY and closed (gRPC's
-    MAX_CONNECTION_IDLE; clients reconnect when they next call)."""
+    MAX_CONNECTION_IDLE; clients reconnect when they next call); one whose peer accepts none of
+    the replies waiting for it that long (it does not read, or opens no flow-control window) is
+    sent GOAWAY ENHANCE_YOUR_CALM, freeing them."""
     max_receiving_bytes_per_connection: int = 1 << 30
     """Bytes of messages being received (announced, not yet complete) on one connection; a call
     that would pass it is RESOURCE_EXHAUSTED before its message is buffered."""

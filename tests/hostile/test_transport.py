@@ -20,6 +20,7 @@ import h2.config
 import h2.connection
 import h2.events
 import h2.exceptions
+import h2.settings
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -58,7 +59,13 @@ def framed(message: bytes) -> bytes:
 class Peer:
     """A raw HTTP/2 client connection (h2 in client mode) that may break every rule."""
 
-    def __init__(self, port: int, handshake: bool = True, receive_buffer: int | None = None) -> None:
+    def __init__(
+        self,
+        port: int,
+        handshake: bool = True,
+        receive_buffer: int | None = None,
+        settings: dict[int, int] | None = None,
+    ) -> None:
         self.sock = socket.socket()
         if receive_buffer is not None:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
@@ -69,6 +76,9 @@ class Peer:
         )
         self.terminated: h2.events.ConnectionTerminated | None = None
         self.closed = False
+        self.broken = not handshake  # a peer that says nothing: read and discard, never answer
+        if settings:
+            self.h2.local_settings = h2.settings.Settings(client=True, initial_values=settings)
         if handshake:
             self.h2.initiate_connection()
             self.flush()
@@ -108,11 +118,13 @@ class Peer:
             if not data:
                 self.closed = True
                 break
+            if self.broken:
+                continue
             try:
                 new = self.h2.receive_data(data)
-            except h2.exceptions.ProtocolError:  # frames after the server's GOAWAY
-                self.closed = True
-                break
+            except h2.exceptions.ProtocolError:  # frames after the server's GOAWAY, or no preface
+                self.broken = True  # what follows is read and discarded until the end
+                continue
             events += new
             self.terminated = next(
                 (e for e in new if isinstance(e, h2.events.ConnectionTerminated)), self.terminated
@@ -277,6 +289,21 @@ def test_an_idle_connection_gets_goaway_and_is_closed(server: ServerThread) -> N
         started = time.monotonic()
         assert peer.goaway(timeout=5).error_code == ErrorCodes.NO_ERROR
         assert 0.9 < time.monotonic() - started < 3.5  # one to two idle_timeout_s
+    assert_serves(server.url)
+
+
+def test_a_peer_that_accepts_no_reply_data_gets_goaway_enhance_your_calm(server: ServerThread) -> None:
+    """A reply held by a shut flow-control window is not held for ever."""
+    shut = {h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0}
+    with Peer(server.worker.grpc_port, settings=shut) as peer:
+        stream_id = peer.start("ServerLive", end=False)
+        peer.h2.send_data(stream_id, framed(b""), end_stream=True)
+        peer.flush()
+        started = time.monotonic()
+        goaway = peer.goaway(timeout=5)
+        assert goaway.error_code == ErrorCodes.ENHANCE_YOUR_CALM
+        assert b"accepted no data" in goaway.additional_data
+        assert time.monotonic() - started < 3.5  # within two idle_timeout_s
     assert_serves(server.url)
 
 
