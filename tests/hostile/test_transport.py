@@ -28,6 +28,9 @@ from conftest import EXAMPLES, ServerThread, make_config
 from h2.errors import ErrorCodes
 from hyperframe.frame import ContinuationFrame, HeadersFrame, PingFrame, SettingsFrame
 
+from hloserve._h2_limits import TransportLimits, default_max_connections
+from hloserve.config import load_config
+from hloserve.errors import ConfigError
 from hostile.support import assert_serves, rss_bytes, server_process
 
 SERVICE = "/inference.GRPCInferenceService/"
@@ -561,3 +564,38 @@ def test_running_out_of_descriptors_refuses_connections_and_keeps_serving(
                 assert time.monotonic() < deadline and process.process.poll() is None
                 time.sleep(0.2)
         assert process.process.poll() is None
+
+
+# -- configuration ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("MAX_CONCURRENT_STREAMS", "0"),
+        ("MAX_CONNECTIONS", "0"),
+        ("MAX_HEADER_LIST_BYTES", "100"),
+        ("HANDSHAKE_TIMEOUT_S", "0"),
+        ("IDLE_TIMEOUT_S", "-1"),
+        ("MAX_RECEIVING_BYTES_PER_CONNECTION", str(4 << 30)),  # more than the server-wide budget
+        ("STREAM_RESET_BURST", "0"),
+        ("STREAM_RESET_RATE", "0"),
+        ("MAX_SEND_BACKLOG_BYTES", "10"),
+    ],
+)
+def test_a_bad_transport_bound_is_refused_at_start_naming_the_key(variable: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=f"server.{variable.lower()}"):
+        load_config(environ={f"HLOSERVE_SERVER_{variable}": value})
+
+
+def test_the_default_connection_cap_leaves_descriptors_for_the_worker() -> None:
+    with nofile(256):
+        assert default_max_connections() == 128
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard >= 10_128:
+        with nofile(hard):
+            assert default_max_connections() == 10_000  # memory, not descriptors, bounds it there
+    assert (
+        TransportLimits.from_config(load_config(environ={}).server).max_connections
+        == default_max_connections()
+    )
