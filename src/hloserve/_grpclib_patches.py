@@ -5,7 +5,8 @@ Measured in research/spike_grpc.md, each piece pinned to those versions by pypro
 * h2 builds `repr(frame)` of every received frame for a trace log nobody reads, and hyperframe
   hexlifies the whole payload to do it (~42 us per 16 KiB frame, a few % of a tiny request);
 * grpclib advertises 16 KiB frames, so a 4.8 MB tensor arrives in ~300 frames; 1 MiB cuts that
-  (a client's own connection here; the server's transport and its bounds are `_h2_limits`);
+  (a client's own connection here; the server's transport and its bounds are `_h2_limits`
+  and `_h2_protocol`);
 * grpclib has no receive size limit: it buffers whatever length the client announces;
 * grpclib answers a request body that does not decode, or a unary call with no message or two,
   with UNKNOWN "Internal Server Error" or not at all: `_recv_message` says INVALID_ARGUMENT;
@@ -32,7 +33,8 @@ from grpclib.const import Status
 from grpclib.events import RecvRequest, listen
 from grpclib.exceptions import GRPCError
 
-from hloserve._h2_limits import MAX_FRAME_SIZE, GuardedProtocol, ServerGuard, TransportLimits
+from hloserve._h2_limits import MAX_FRAME_SIZE, ServerGuard, TransportLimits
+from hloserve._h2_protocol import GuardedProtocol
 
 __all__ = ["GracefulServer", "TransportLimits", "install", "send_reply"]
 
