@@ -20,6 +20,7 @@ Measured in research/spike_grpc.md, each piece pinned to those versions by pypro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 import time
 import weakref
@@ -39,6 +40,8 @@ from hloserve._h2_protocol import GuardedProtocol
 __all__ = ["GracefulServer", "TransportLimits", "install", "send_reply"]
 
 _DETAIL_CHARS = 200
+_UNGUARDED = TransportLimits()
+"""The limits of a grpclib server other than `GracefulServer` in this process (patched alike)."""
 
 
 def _no_repr(_: object) -> str:
@@ -78,15 +81,15 @@ async def _recv_message(self: grpclib.server.Stream[Any, Any]) -> Any:
     if refused is not None:
         raise refused
     (length,) = struct.unpack(">I", meta[1:])
-    protocol: GuardedProtocol | None = getattr(stream.connection, "guard", None)
-    limit = protocol.guard.limits.max_message_bytes if protocol is not None else 0
-    if protocol is None or length > limit:
+    protocol: GuardedProtocol | None = getattr(stream.connection, "guard", None)  # None: not ours
+    limit = (protocol.guard.limits if protocol is not None else _UNGUARDED).max_message_bytes
+    if length > limit:
         raise GRPCError(
             Status.RESOURCE_EXHAUSTED,
             f"request of {length} bytes exceeds server.max_message_bytes ({limit}); "
             "send large tensors through system shared memory or raise the limit",
         )
-    with protocol.receiving(length, rpc):
+    with protocol.receiving(length, rpc) if protocol is not None else contextlib.nullcontext():
         data = await stream.recv_data(length)
     try:
         message = self._codec.decode(data, self._recv_type)

@@ -27,6 +27,7 @@ from grpclib.exceptions import GRPCError
 from grpclib.metadata import encode_grpc_message
 from h2.errors import ErrorCodes
 from h2.events import RemoteSettingsChanged, RequestReceived, StreamReset
+from h2.stream import StreamState
 
 from hloserve._h2_limits import LimitedH2Connection, ServerGuard
 
@@ -102,8 +103,10 @@ class _Processor(grpclib.protocol.EventsProcessor):
         if stream is None or self.connection.is_closing():
             return
         self.connection.ack(stream_id, _drop(stream))
-        if stream.closable:  # the client is still sending: tell it to stop
-            stream.reset_nowait(ErrorCodes.NO_ERROR)
+        if stream.closable:  # the call is over for us, not for the client
+            h2_stream = self.connection._connection.streams[stream_id]
+            answered = h2_stream.state_machine.state is StreamState.HALF_CLOSED_LOCAL
+            stream.reset_nowait(ErrorCodes.NO_ERROR if answered else ErrorCodes.CANCEL)
 
     def close(self, reason: str = "Connection closed") -> None:
         streams = list(self.streams.values())
