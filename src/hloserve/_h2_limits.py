@@ -104,7 +104,8 @@ class ServerGuard:
 
         def handle(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
             error = context.get("exception")
-            if isinstance(error, OSError) and error.errno in _OUT_OF_DESCRIPTORS:
+            accepting = str(context.get("message", "")).startswith("socket.accept()")
+            if accepting and isinstance(error, OSError) and error.errno in _OUT_OF_DESCRIPTORS:
                 log.warning("cannot accept a connection", error=str(error), connections=self.connections)
             elif previous is not None:
                 previous(loop, context)
