@@ -4,19 +4,25 @@ Measured in research/spike_grpc.md, each piece pinned to those versions by pypro
 
 * h2 builds `repr(frame)` of every received frame for a trace log nobody reads, and hyperframe
   hexlifies the whole payload to do it (~42 us per 16 KiB frame, a few % of a tiny request);
-* grpclib advertises 16 KiB frames, so a 4.8 MB tensor arrives in ~300 frames; 1 MiB cuts that;
+* grpclib advertises 16 KiB frames, so a 4.8 MB tensor arrives in ~300 frames; 1 MiB cuts that
+  (a client's own connection here; the server's transport and its bounds are `_h2_limits`
+  and `_h2_protocol`);
 * grpclib has no receive size limit: it buffers whatever length the client announces;
+* grpclib answers a request body that does not decode, or a unary call with no message or two,
+  with UNKNOWN "Internal Server Error" or not at all: `_recv_message` says INVALID_ARGUMENT;
 * grpclib's close() never sends GOAWAY, so clients with calls in flight hang: `GracefulServer`;
 * grpclib writes a unary reply's headers, message and trailers to the socket one by one: three
   system calls where one does (`send_reply`).
 
-`install()` is idempotent and process-wide; the receive limit is the largest any worker set.
+`install()` is idempotent and process-wide.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
+import time
 import weakref
 from typing import Any
 
@@ -28,10 +34,14 @@ from grpclib.const import Status
 from grpclib.events import RecvRequest, listen
 from grpclib.exceptions import GRPCError
 
-__all__ = ["GracefulServer", "install", "send_reply"]
+from hloserve._h2_limits import MAX_FRAME_SIZE, ServerGuard, TransportLimits
+from hloserve._h2_protocol import GuardedProtocol
 
-_MAX_FRAME_SIZE = 1 << 20
-_receive_limit = 0
+__all__ = ["GracefulServer", "TransportLimits", "install", "send_reply"]
+
+_DETAIL_CHARS = 200
+_UNGUARDED = TransportLimits()
+"""The limits of a grpclib server other than `GracefulServer` in this process (patched alike)."""
 
 
 def _no_repr(_: object) -> str:
@@ -41,24 +51,63 @@ def _no_repr(_: object) -> str:
 class _BigFrameH2Connection(grpclib.protocol.H2Connection):
     def initiate_connection(self) -> None:
         super().initiate_connection()
-        self.update_settings({h2.settings.SettingCodes.MAX_FRAME_SIZE: _MAX_FRAME_SIZE})
+        self.update_settings({h2.settings.SettingCodes.MAX_FRAME_SIZE: MAX_FRAME_SIZE})
 
 
-async def _recv_message_limited(stream: Any, codec: Any, message_type: Any) -> Any:
-    """grpclib's recv_message, refusing a message longer than the limit before buffering it."""
+def _payload_refused(flags: int) -> GRPCError | None:
+    """The hook where message compression goes (grpc-encoding): today a compressed message is
+    refused before any of it is buffered."""
+    if flags:
+        return GRPCError(Status.UNIMPLEMENTED, "compressed messages are not supported; send uncompressed")
+    return None
+
+
+async def _recv_message(self: grpclib.server.Stream[Any, Any]) -> Any:
+    """grpclib's server `Stream.recv_message`, within the transport's bounds: a message over
+    `server.max_message_bytes` or the budgets of messages being received is refused before it
+    is buffered; a body that does not decode, and a unary call without exactly one message,
+    are INVALID_ARGUMENT naming the RPC."""
+    stream = self._stream
+    rpc = self._method_name.rpartition("/")[2]
+    unary = not self._cardinality.client_streaming
     meta = await stream.recv_data(5)
     if not meta:
+        if unary and not self._messages_received:
+            raise GRPCError(
+                Status.INVALID_ARGUMENT, f"{rpc}: the request has no message; a unary call carries one"
+            )
         return None
-    if meta[0]:
-        raise GRPCError(Status.UNIMPLEMENTED, "compressed messages are not supported; send uncompressed")
+    refused = _payload_refused(meta[0])
+    if refused is not None:
+        raise refused
     (length,) = struct.unpack(">I", meta[1:])
-    if length > _receive_limit:
+    protocol: GuardedProtocol | None = getattr(stream.connection, "guard", None)  # None: not ours
+    limit = (protocol.guard.limits if protocol is not None else _UNGUARDED).max_message_bytes
+    if length > limit:
         raise GRPCError(
             Status.RESOURCE_EXHAUSTED,
-            f"request of {length} bytes exceeds server.max_message_bytes ({_receive_limit}); "
+            f"request of {length} bytes exceeds server.max_message_bytes ({limit}); "
             "send large tensors through system shared memory or raise the limit",
         )
-    return codec.decode(await stream.recv_data(length), message_type)
+    with protocol.receiving(length, rpc) if protocol is not None else contextlib.nullcontext():
+        data = await stream.recv_data(length)
+    try:
+        message = self._codec.decode(data, self._recv_type)
+    except GRPCError:
+        raise
+    except Exception as e:
+        detail = f"{type(e).__name__}: {e}"[:_DETAIL_CHARS]
+        raise GRPCError(
+            Status.INVALID_ARGUMENT,
+            f"{rpc}: the request body does not decode as {self._recv_type.__name__} ({detail})",
+        ) from None
+    if unary and await stream.recv_data(5):
+        raise GRPCError(Status.INVALID_ARGUMENT, f"{rpc} is unary: the request carries a second message")
+    (message,) = await self._dispatch.recv_message(message)
+    self._messages_received += 1
+    stream.connection.messages_received += 1
+    stream.connection.last_message_received = time.monotonic()
+    return message
 
 
 class _Cork:
@@ -93,26 +142,26 @@ async def send_reply(stream: Any, message: Any) -> None:
         transport.write(b"".join(cork.parts))
 
 
-def install(max_receive_bytes: int) -> None:
-    """Apply the patches; the receive limit only ever grows (several workers in one process)."""
-    global _receive_limit
-    _receive_limit = max(_receive_limit, max_receive_bytes)
+def install() -> None:
+    """Apply the patches."""
     # The only repr() in h2.connection is the argument of that trace call; a module global
     # shadows the builtin there and nowhere else.
     h2.connection.repr = _no_repr  # type: ignore[attr-defined]
     grpclib.protocol.H2Connection = _BigFrameH2Connection  # type: ignore[misc]
-    grpclib.server.recv_message = _recv_message_limited
+    grpclib.server.Stream.recv_message = _recv_message  # type: ignore[method-assign]
 
 
 class GracefulServer(grpclib.server.Server):
-    """A grpclib server whose shutdown lets calls finish, then tells clients with GOAWAY.
+    """A grpclib server within `limits`, whose shutdown lets calls finish, then tells clients
+    with GOAWAY.
 
     New calls are refused with UNAVAILABLE once draining starts; calls still running after the
     grace period are cancelled. Relies on grpclib 0.4.9 internals (pinned).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, limits: TransportLimits | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.guard = ServerGuard(limits or TransportLimits())
         self._protocols: weakref.WeakSet[Any] = weakref.WeakSet()
         self.draining = False
 
@@ -124,9 +173,19 @@ class GracefulServer(grpclib.server.Server):
         listen(self, RecvRequest, refuse_while_draining)
 
     def _protocol_factory(self) -> Any:
-        protocol = super()._protocol_factory()
+        self.__gc_step__()
+        handler = grpclib.server.Handler(
+            self._mapping, self._codec, self._status_details_codec, self.__dispatch__
+        )
+        self._handlers.add(handler)
+        protocol = GuardedProtocol(handler, self._config, self._h2_config, self.guard)
         self._protocols.add(protocol)
         return protocol
+
+    async def start(self, *args: Any, **kwargs: Any) -> None:
+        """grpclib's start; running out of descriptors pauses accepting instead of failing."""
+        self._loop.set_exception_handler(self.guard.exception_handler(self._loop.get_exception_handler()))
+        await super().start(*args, **kwargs)
 
     @property
     def port(self) -> int:

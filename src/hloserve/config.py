@@ -68,6 +68,37 @@ class ServerConfig:
     max_message_bytes: int = 1 << 30
     """Largest gRPC message, or REST request body, accepted or sent (Triton clients allow up to
     2 GiB)."""
+    max_concurrent_streams: int = 100
+    """Calls open at once on one connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); a stream
+    past it is refused with RST_STREAM REFUSED_STREAM, which clients retry."""
+    max_connections: int | None = None
+    """Connections held at once; past it a new one gets GOAWAY and is closed. None: the soft
+    RLIMIT_NOFILE less 128 descriptors for the worker's own files (16..10000), so a flood of
+    connections is refused before the process runs out of descriptors."""
+    max_header_list_bytes: int = 16 << 10
+    """Request metadata per call, counted as HTTP/2 does (SETTINGS_MAX_HEADER_LIST_SIZE; gRPC's
+    hard metadata limit); past it RESOURCE_EXHAUSTED, past 4x it (or a header block of 4x it
+    before END_HEADERS) the connection gets GOAWAY ENHANCE_YOUR_CALM."""
+    handshake_timeout_s: float = 10.0
+    """A connection that has not sent the HTTP/2 preface and SETTINGS by then is closed."""
+    idle_timeout_s: float = 300.0
+    """A connection with no call for one to two of these is sent GOAWAY and closed (gRPC's
+    MAX_CONNECTION_IDLE; clients reconnect when they next call); one whose peer accepts none of
+    the replies waiting for it that long (it does not read, or opens no flow-control window) is
+    sent GOAWAY ENHANCE_YOUR_CALM, freeing them."""
+    max_receiving_bytes_per_connection: int = 1 << 30
+    """Bytes of messages being received (announced, not yet complete) on one connection; a call
+    that would pass it is RESOURCE_EXHAUSTED before its message is buffered."""
+    max_receiving_bytes: int = 2 << 30
+    """The same across the whole server; a call that would pass it is UNAVAILABLE (retry later)."""
+    stream_reset_burst: int = 1000
+    """Streams a connection may cancel (or have refused) in a burst; past it, refilled at
+    `stream_reset_rate` per second, GOAWAY ENHANCE_YOUR_CALM (nghttp2's rapid-reset defence)."""
+    stream_reset_rate: float = 33.0
+    """Cancelled or refused streams per second a connection earns back after its burst."""
+    max_send_backlog_bytes: int = 1 << 20
+    """Bytes of replies to control frames (PING and SETTINGS acks, resets) queued for a peer that
+    does not read; past it, GOAWAY ENHANCE_YOUR_CALM and close."""
     max_inflight_requests: int = 4096
     """Global cap on ModelInfer calls in flight; past it, UNAVAILABLE."""
     max_request_rows: int = 65536
@@ -125,6 +156,23 @@ class ServerConfig:
         _check(-1 <= self.metrics_port <= 65535, "server.metrics_port", "must be -1 (off) or 0..65535")
         _check(-1 <= self.http_port <= 65535, "server.http_port", "must be -1 (off) or 0..65535")
         _check(self.max_message_bytes >= 1 << 20, "server.max_message_bytes", "must be >= 1048576")
+        _check(self.max_concurrent_streams >= 1, "server.max_concurrent_streams", "must be >= 1")
+        _check(
+            self.max_connections is None or self.max_connections >= 1,
+            "server.max_connections",
+            "must be >= 1, or null to size it from RLIMIT_NOFILE",
+        )
+        _check(self.max_header_list_bytes >= 1024, "server.max_header_list_bytes", "must be >= 1024")
+        _check(self.handshake_timeout_s > 0, "server.handshake_timeout_s", "must be > 0")
+        _check(self.idle_timeout_s > 0, "server.idle_timeout_s", "must be > 0")
+        _check(
+            1 <= self.max_receiving_bytes_per_connection <= self.max_receiving_bytes,
+            "server.max_receiving_bytes_per_connection",
+            "must be between 1 and server.max_receiving_bytes",
+        )
+        _check(self.stream_reset_burst >= 1, "server.stream_reset_burst", "must be >= 1")
+        _check(self.stream_reset_rate > 0, "server.stream_reset_rate", "must be > 0")
+        _check(self.max_send_backlog_bytes >= 1 << 16, "server.max_send_backlog_bytes", "must be >= 65536")
         _check(self.max_inflight_requests >= 1, "server.max_inflight_requests", "must be >= 1")
         _check(self.max_request_rows >= 1, "server.max_request_rows", "must be >= 1")
         _check(self.shutdown_grace_s >= 0, "server.shutdown_grace_s", "must be >= 0")

@@ -435,7 +435,7 @@ async def _load_repository(
 async def serve(config: Config) -> AsyncIterator[Worker]:
     """Run a whole worker for the duration of the block; see the module docstring."""
     server_config = config.server
-    _grpclib_patches.install(server_config.max_message_bytes)
+    _grpclib_patches.install()
     _trio_asyncio_patches.install()
     _hpack_patches.install()
     await trio.to_thread.run_sync(_xla.warm_up)
@@ -513,6 +513,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
                 http2_connection_window_size=_WINDOW_BYTES, http2_stream_window_size=_WINDOW_BYTES
             ),
             codec=KnownFieldsCodec(),
+            limits=_grpclib_patches.TransportLimits.from_config(server_config),
         )
         rest = None
         if server_config.http_port >= 0:  # before gRPC: a failed bind cancels it with the nursery

@@ -311,7 +311,7 @@ def test_malformed_wire_data_is_invalid_argument(shm_server: ServerThread) -> No
     with pytest.raises(grpc.RpcError) as raised:
         _raw_call(shm_server, _INFERENCE + "ModelMetadata", b"\x0a\x05ml")  # name cut short
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "not a valid ModelMetadataRequest" in (raised.value.details() or "")
+    assert "does not decode as ModelMetadataRequest" in (raised.value.details() or "")
     assert_serves(shm_server.url)
 
 
