@@ -10,9 +10,10 @@ before, and the load average, are kept beside each figure. A peer that cannot be
 started, and a scenario a server cannot run, are listed with the reason, never dropped.
 
 Scenarios: the MLP at concurrency 1, 4 and 16; 4.8 MB inline and through system shared
-memory; the catalogue under Zipf traffic (hloserve with a weight budget of one model, a tenth
-of the catalogue, the peers with everything loaded); and the cold request to an evicted model
-(hloserve only: the peers keep every model loaded).
+memory; over REST (perf_analyzer `-i http`, binary tensors; hloserve and Triton, which serve
+it) the MLP at concurrency 1 and 16 and 4.8 MB; the catalogue under Zipf traffic (hloserve with
+a weight budget of one model, a tenth of the catalogue, the peers with everything loaded); and
+the cold request to an evicted model (hloserve only: the peers keep every model loaded).
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ class _Server:
     url: str
     pid: int
     process: Any
+    http_url: str | None = None
+    """Its V2 REST endpoint, where it serves one."""
 
 
 def _start_peers(models: list[Any]) -> tuple[dict[str, _Server], dict[str, str]]:
@@ -82,18 +85,28 @@ def _start_peers(models: list[Any]) -> tuple[dict[str, _Server], dict[str, str]]
         except Exception as e:  # an uninstallable or broken peer is reported, not dropped
             missing[name] = f"{type(e).__name__}: {e}"[:300]
             continue
-        running[name] = _Server(name, f"127.0.0.1:{port}", process.pid, process)
+        http_port = getattr(module, "http_port", None)
+        http_url = None if http_port is None else f"127.0.0.1:{http_port}"
+        running[name] = _Server(name, f"127.0.0.1:{port}", process.pid, process, http_url)
     return running, missing
 
 
 def _measure_pa(
-    server: _Server, scenario: str, model: str, concurrency: int, extra: list[str], window_ms: int
+    server: _Server,
+    scenario: str,
+    model: str,
+    concurrency: int,
+    extra: list[str],
+    window_ms: int,
+    protocol: str = "grpc",
 ) -> Figure:
     from benches.serving import measure
 
     quiet = quiet_wait()
+    url = server.http_url if protocol == "http" else server.url
+    assert url is not None
     try:
-        row = measure(server.url, server.pid, scenario, model, concurrency, extra, window_ms)
+        row = measure(url, server.pid, scenario, model, concurrency, extra, window_ms, protocol, server.url)
     except Exception as e:
         return Figure(scenario, "perf_analyzer", server.name, note=f"failed: {e}"[:300])
     return Figure(
@@ -181,17 +194,20 @@ def run(window_ms: int = 3000) -> list[Figure]:
             (ours_repo / example).symlink_to(
                 Path(__file__).resolve().parents[1] / "examples" / "repository" / example
             )
-        port = _free_port()
+        port, http_port = _free_port(), _free_port()
         ours = start_server(
             port,
             allow_client_shm=True,
+            http_port=http_port,
             settings={
                 "HLOSERVE_SERVER_MODEL_REPOSITORY": str(ours_repo),
                 # a tenth of the catalogue on the device at once; mlp and pool are tiny
                 "HLOSERVE_WEIGHTS_BUDGET_BYTES": str(WEIGHT_FLOATS * 4 + (1 << 20)),
             },
         )
-        servers = {"hloserve": _Server("hloserve", f"127.0.0.1:{port}", ours.pid, ours)}
+        servers = {
+            "hloserve": _Server("hloserve", f"127.0.0.1:{port}", ours.pid, ours, f"127.0.0.1:{http_port}")
+        }
         peers, missing = _start_peers(peer_models)
         servers.update(peers)
         try:
@@ -255,6 +271,16 @@ def _scenarios(
             figures.append(Figure(scenario, "perf_analyzer", name, note="n/a: no system shared memory"))
         else:
             figures.append(_measure_pa(servers[name], scenario, "pool", 1, shm, window_ms))
+    rest = [(f"mlp c={c} REST", "mlp", c, ["-b", "1"]) for c in (1, 16)]
+    for scenario, model, c, extra in [*rest, ("4.8 MB binary c=1 REST", "pool", 1, ["-b", "8"])]:
+        for name in SERVERS:
+            skip = absent(scenario, "perf_analyzer", name)
+            if skip is not None:
+                figures.append(skip)
+            elif servers[name].http_url is None:
+                figures.append(Figure(scenario, "perf_analyzer", name, note="n/a: no REST endpoint"))
+            else:
+                figures.append(_measure_pa(servers[name], scenario, model, c, extra, window_ms, "http"))
     scenario = "catalogue 10x8 MB Zipf c=4"
     for name in SERVERS:
         skip = absent(scenario, "python", name)

@@ -1,7 +1,8 @@
 """Serving overhead: perf_analyzer against `hloserve serve` on the example repository.
 
 Scenarios: the tiny MLP at concurrency 1 and 4, and a 4.8 MB request (8 images of 224x224x3
-FP32 to the `pool` model) at concurrency 1. Each prints perf_analyzer's p50, p99 and
+FP32 to the `pool` model) at concurrency 1, over gRPC; the MLP at concurrency 16 and the 4.8 MB
+request over REST (binary tensors) and, beside them, over gRPC. Each prints perf_analyzer's p50, p99 and
 throughput, and the server's CPU time per request: the worker process's user+system time over
 the run (from /proc) divided by the requests it counted (ModelStatistics). The server runs in
 its own process, pinned to core 0 when the machine has two, perf_analyzer to the other.
@@ -25,10 +26,14 @@ sys.path.insert(0, str(ROOT / "benches"))
 from perf_analyzer import install, run_perf_analyzer  # noqa: E402
 
 SCENARIOS = (
-    ("mlp c=1", "mlp", 1, ["-b", "1"]),
-    ("mlp c=4", "mlp", 4, ["-b", "1"]),
-    ("4.8 MB c=1", "pool", 1, ["-b", "8"]),
+    ("mlp c=1", "mlp", 1, ["-b", "1"], "grpc"),
+    ("mlp c=4", "mlp", 4, ["-b", "1"], "grpc"),
+    ("4.8 MB c=1", "pool", 1, ["-b", "8"], "grpc"),
+    ("mlp c=16", "mlp", 16, ["-b", "1"], "grpc"),
+    ("mlp c=16 REST", "mlp", 16, ["-b", "1"], "http"),
+    ("4.8 MB c=1 REST", "pool", 1, ["-b", "8"], "http"),
 )
+"""(name, model, concurrency, perf_analyzer flags, protocol)."""
 
 
 @dataclass(frozen=True)
@@ -92,9 +97,11 @@ def start_server(
     allow_client_shm: bool = False,
     settings: dict[str, str] | None = None,
     module: tuple[str, ...] | None = None,
+    http_port: int = -1,
 ) -> subprocess.Popen[bytes]:
-    """`hloserve serve` on `port`, pinned to core 0; `settings` are HLOSERVE_* variables;
-    `module` runs `python -m MODULE ARGS... serve` instead of `hloserve.cli` (a patched server)."""
+    """`hloserve serve` on `port` (REST on `http_port`, -1: none), pinned to core 0; `settings`
+    are HLOSERVE_* variables; `module` runs `python -m MODULE ARGS... serve` instead of
+    `hloserve.cli` (a patched server)."""
     env = {
         **os.environ,
         "HLOSERVE_LOGGING_FORMAT": "json",
@@ -109,6 +116,8 @@ def start_server(
         "serve",
         "--grpc-port",
         str(port),
+        "--http-port",
+        str(http_port),
         "--metrics-port",
         "-1",
     ]
@@ -133,14 +142,25 @@ def start_server(
 
 
 def measure(
-    url: str, pid: int, name: str, model: str, concurrency: int, extra: list[str], window_ms: int
+    url: str,
+    pid: int,
+    name: str,
+    model: str,
+    concurrency: int,
+    extra: list[str],
+    window_ms: int,
+    protocol: str = "grpc",
+    grpc_url: str | None = None,
 ) -> Row:
-    before_cpu, before_n = _cpu_seconds(pid), _successes(url, model)
+    """perf_analyzer at `url` over `protocol` (grpc or http); the request count comes from the
+    server's statistics over gRPC (`grpc_url`, default `url`)."""
+    stats_url = grpc_url or url
+    before_cpu, before_n = _cpu_seconds(pid), _successes(stats_url, model)
     with_csv = ROOT / "benches" / "results" / "tmp"
     with_csv.mkdir(parents=True, exist_ok=True)
     out = with_csv / "perf.csv"
     args = [
-        "-m", model, "-u", url, "-i", "grpc", "--concurrency-range", f"{concurrency}:{concurrency}",
+        "-m", model, "-u", url, "-i", protocol, "--concurrency-range", f"{concurrency}:{concurrency}",
         "--measurement-interval", str(window_ms), "-s", "100", "--max-trials", "3", "-f", str(out), *extra,
     ]  # fmt: skip
     command_prefix = _pin(1)
@@ -152,7 +172,7 @@ def measure(
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
     if result.returncode != 0:
         raise RuntimeError(f"perf_analyzer failed on {name}: {result.stdout[-2000:]} {result.stderr[-2000:]}")
-    cpu, n = _cpu_seconds(pid) - before_cpu, _successes(url, model) - before_n
+    cpu, n = _cpu_seconds(pid) - before_cpu, _successes(stats_url, model) - before_n
     row = next(csv.DictReader(io.StringIO(out.read_text())))
     return Row(
         name,
@@ -166,11 +186,24 @@ def measure(
 
 def run(window_ms: int = 3000) -> list[Row]:
     install()
-    port = _free_port()
-    server = start_server(port)
+    port, http_port = _free_port(), _free_port()
+    server = start_server(port, http_port=http_port)
     try:
-        url = f"127.0.0.1:{port}"
-        return [measure(url, server.pid, *scenario, window_ms=window_ms) for scenario in SCENARIOS]
+        url, http_url = f"127.0.0.1:{port}", f"127.0.0.1:{http_port}"
+        return [
+            measure(
+                http_url if protocol == "http" else url,
+                server.pid,
+                name,
+                model,
+                concurrency,
+                extra,
+                window_ms,
+                protocol,
+                url,
+            )
+            for name, model, concurrency, extra, protocol in SCENARIOS
+        ]
     finally:
         server.terminate()
         server.wait(30)
@@ -178,10 +211,10 @@ def run(window_ms: int = 3000) -> list[Row]:
 
 def table(rows: list[Row]) -> str:
     header = ("scenario", "p50 ms", "p99 ms", "infer/s", "server CPU ms/req", "requests")
-    lines = ["{:<12} {:>8} {:>8} {:>9} {:>18} {:>9}".format(*header)]
+    lines = ["{:<16} {:>8} {:>8} {:>9} {:>18} {:>9}".format(*header)]
     for r in rows:
         lines.append(
-            f"{r.scenario:<12} {r.p50_ms:8.2f} {r.p99_ms:8.2f} {r.throughput:9.1f} "
+            f"{r.scenario:<16} {r.p50_ms:8.2f} {r.p99_ms:8.2f} {r.throughput:9.1f} "
             f"{r.server_cpu_ms_per_request:18.3f} {r.requests:9d}"
         )
     return "\n".join(lines)

@@ -7,6 +7,7 @@ The worker runs its own `trio.run` in a background thread so that blocking clien
 from __future__ import annotations
 
 import inspect
+import os
 import queue
 import threading
 from collections.abc import Iterator
@@ -17,6 +18,10 @@ import pytest
 import trio
 
 from hloserve.config import Config, load_config
+
+# A server that a test starts in a subprocess takes a free REST port, never Triton's fixed 8000
+# (tests and other checkouts run side by side).
+os.environ.setdefault("HLOSERVE_SERVER_HTTP_PORT", "0")
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "repository"
@@ -80,7 +85,8 @@ def make_config(
 ) -> Config:
     """The default config on free ports, plus overrides of `server` fields and `scheduler` ones."""
     config = load_config(environ={})
-    config = config.replace("server", model_repository=repository, grpc_port=0, metrics_port=0, **server)
+    server = {"grpc_port": 0, "metrics_port": 0, "http_port": 0, **server}
+    config = config.replace("server", model_repository=repository, **server)
     return config.replace("scheduler", **scheduler) if scheduler else config
 
 

@@ -121,9 +121,14 @@ def start(
     return _launch(pin, models)
 
 
+http_port: int | None = None
+"""The REST port of the Triton last started (its V2 HTTP endpoint, Triton's 8000 by default)."""
+
+
 def _launch(pin: list[str] | None, models: Sequence[PeerModel]) -> tuple[subprocess.Popen[bytes], int]:
-    grpc_port = free_port()
-    return launch("triton", _command(pin, grpc_port), _env(), models, grpc_port), grpc_port
+    global http_port
+    grpc_port, http_port = free_port(), free_port()
+    return launch("triton", _command(pin, grpc_port, http_port), _env(), models, grpc_port), grpc_port
 
 
 def _env() -> dict[str, str]:
@@ -131,7 +136,7 @@ def _env() -> dict[str, str]:
     return {**os.environ, "LD_LIBRARY_PATH": f"{site_packages(VENV) / 'nvidia_pytriton.libs'}:{libdir}"}
 
 
-def _command(pin: list[str] | None, grpc_port: int) -> list[str]:
+def _command(pin: list[str] | None, grpc_port: int, http_port: int) -> list[str]:
     ts = _tritonserver()
     return [
         *(pin or []),
@@ -140,7 +145,7 @@ def _command(pin: list[str] | None, grpc_port: int) -> list[str]:
         f"--backend-directory={BACKENDS}",
         f"--cache-directory={ts / 'caches'}",
         "--http-address=127.0.0.1",
-        f"--http-port={free_port()}",
+        f"--http-port={http_port}",
         "--grpc-address=127.0.0.1",
         f"--grpc-port={grpc_port}",
         "--allow-metrics=false",

@@ -30,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
         "serve",
-        help="serve a model repository over KServe V2 gRPC",
+        help="serve a model repository over KServe V2 gRPC and REST",
         description="Serve a model repository. Settings come from --config, then HLOSERVE_<SECTION>_<FIELD> "
         "environment variables, then these flags. To listen on every interface, pass --host 0.0.0.0.",
     )
@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--host", help="listen address (default 127.0.0.1; 0.0.0.0 for all interfaces)")
     serve.add_argument("--grpc-port", type=int, help="gRPC port (default 8001; 0 picks a free one)")
+    serve.add_argument(
+        "--http-port", type=int, help="KServe V2 REST port (default 8000; 0: a free one; -1 turns it off)"
+    )
     serve.add_argument("--metrics-port", type=int, help="Prometheus port (default 8002; -1 turns it off)")
     serve.add_argument(
         "--allow-client-shm",
@@ -69,6 +72,7 @@ SERVER_FLAGS = {
     "model_repository": "--model-repository",
     "host": "--host",
     "grpc_port": "--grpc-port",
+    "http_port": "--http-port",
     "metrics_port": "--metrics-port",
     "allow_client_shm": "--allow-client-shm",
     "reload": "--reload",

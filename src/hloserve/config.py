@@ -62,8 +62,12 @@ class ServerConfig:
     """KServe V2 gRPC port; 0 picks a free one (the worker reports which)."""
     metrics_port: int = 8002
     """Prometheus port; 0 picks a free one, -1 turns the endpoint off."""
+    http_port: int = 8000
+    """KServe V2 REST port (as Triton's 8000); 0 picks a free one, -1 turns REST off. Request
+    bodies are bounded by `max_message_bytes`, as gRPC messages are."""
     max_message_bytes: int = 1 << 30
-    """Largest gRPC message accepted or sent (Triton clients allow up to 2 GiB)."""
+    """Largest gRPC message, or REST request body, accepted or sent (Triton clients allow up to
+    2 GiB)."""
     max_inflight_requests: int = 4096
     """Global cap on ModelInfer calls in flight; past it, UNAVAILABLE."""
     max_request_rows: int = 65536
@@ -119,6 +123,7 @@ class ServerConfig:
     def validate(self) -> None:
         _check(0 <= self.grpc_port <= 65535, "server.grpc_port", "must be a port number 0..65535")
         _check(-1 <= self.metrics_port <= 65535, "server.metrics_port", "must be -1 (off) or 0..65535")
+        _check(-1 <= self.http_port <= 65535, "server.http_port", "must be -1 (off) or 0..65535")
         _check(self.max_message_bytes >= 1 << 20, "server.max_message_bytes", "must be >= 1048576")
         _check(self.max_inflight_requests >= 1, "server.max_inflight_requests", "must be >= 1")
         _check(self.max_request_rows >= 1, "server.max_request_rows", "must be >= 1")

@@ -1,10 +1,11 @@
-"""One hloserve worker: load the repository, start the actors, serve gRPC and metrics.
+"""One hloserve worker: load the repository, start the actors, serve gRPC, REST and metrics.
 
 `serve(config)` is the whole worker as an async context manager, so it runs the same way as the
 `hloserve serve` binary, inside another trio program, or in a test:
 
     async with hloserve.serve(config) as worker:
         print(worker.grpc_port)      # bound port (config port 0 picks a free one)
+        print(worker.http_port)      # the REST port (None when server.http_port is -1)
         await trio.sleep_forever()
 
 Leaving the block drains in-flight calls (up to `server.shutdown_grace_s`) and stops everything;
@@ -38,6 +39,7 @@ from hloserve.metrics import Metrics
 from hloserve.model_table import ModelTable, Prepared, prepare_repository
 from hloserve.policy import PolicyParams
 from hloserve.reloader import RepositoryWatcher
+from hloserve.rest import RestServer, build_app
 from hloserve.service import InferenceService
 from hloserve.statistics import Statistics
 
@@ -53,6 +55,8 @@ class Worker(ModelTable):
 
     grpc_port: int = 0
     metrics_port: int | None = None
+    http_port: int | None = None
+    """The bound KServe V2 REST port; None when REST is off (`server.http_port` -1)."""
 
 
 @asynccontextmanager
@@ -126,6 +130,18 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
             ),
             codec=KnownFieldsCodec(),
         )
+        rest = None
+        if server_config.http_port >= 0:  # before gRPC: a failed bind cancels it with the nursery
+            app = build_app(service, entries, server_config.max_message_bytes)
+            rest = RestServer(app, server_config)
+            try:
+                worker.http_port = await nursery.start(rest.run)
+            except OSError as e:
+                metrics.close()
+                raise ConfigError(
+                    "server.http_port",
+                    f"cannot listen on {server_config.host}:{server_config.http_port}: {e}",
+                ) from None
         try:
             await trio_asyncio.aio_as_trio(server.start)(server_config.host, server_config.grpc_port)
         except OSError as e:
@@ -145,6 +161,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         log.info(
             "listening",
             grpc=f"{server_config.host}:{worker.grpc_port}",
+            http=None if rest is None else f"{server_config.host}:{worker.http_port}",
             metrics=None if worker.metrics_port is None else f"{server_config.host}:{worker.metrics_port}",
             models_ready=ready,
             models_failed=sorted(set(entries) - set(ready)),
@@ -155,7 +172,12 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         finally:
             with trio.CancelScope(shield=True):
                 log.info("shutting down", grace_s=server_config.shutdown_grace_s)
+                if rest is not None:
+                    rest.stop()
                 await trio_asyncio.aio_as_trio(server.shutdown)(server_config.shutdown_grace_s)
+                if rest is not None:  # hypercorn gives its connections the same grace
+                    with trio.move_on_after(server_config.shutdown_grace_s + 1):
+                        await rest.stopped.wait()
                 metrics.close()
                 service.close()
                 metas.close()
