@@ -18,15 +18,14 @@ for longer than one execution.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
+import outcome
 import structlog
 import trio
 from hloserve.actors import INLINE_WORK_S
@@ -35,15 +34,17 @@ from hloserve.actors.messages import (
     AddWeights,
     Batch,
     Compact,
+    DispatcherMessage,
     DropWeights,
     Infer,
+    QueueAddress,
     QueueSummary,
     RemoveModel,
     SetPolicy,
     SetResidency,
     Take,
+    answer,
 )
-from hloserve.actors.model_queue import ModelQueueHandle
 from hloserve.actors.weight_cache import WeightCacheHandle
 
 from hloserve.batching import assemble, join_outputs, slice_rows, split_outputs
@@ -51,7 +52,6 @@ from hloserve.compiled import CompiledModel, ExecutionResult
 from hloserve.errors import DeadlineExceeded, ExecutionFailed, ModelNotFound, ModelNotReady, NotResident
 from hloserve.policy import (
     Candidate,
-    Discipline,
     ModelPolicy,
     Pending,
     PolicyParams,
@@ -60,17 +60,11 @@ from hloserve.policy import (
     select,
 )
 from hloserve.statistics import Statistics
+from hloserve.types import Discipline
 
 __all__ = ["Dispatcher"]
 
 log = structlog.get_logger("hloserve.dispatcher")
-
-
-def _answer(reply_to: trio.MemorySendChannel[Any] | None, reply: object) -> None:
-    """Answer a control message on its reply channel, if it has one whose reader still waits."""
-    if reply_to is not None:
-        with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-            reply_to.send_nowait(reply)
 
 
 INLINE_INPUT_BYTES = 256 << 10
@@ -114,9 +108,10 @@ class _State:
     discipline: Discipline
     policies: dict[str, ModelPolicy]  # scheduling state per model (weights, recent compute, costs)
     waiting: dict[str, QueueSummary] = field(default_factory=dict)  # models with queued requests
-    for_weight_cache: list[Any] = field(default_factory=list)  # control messages to pass on
+    for_weight_cache: list[Compact | SetResidency | AddWeights | DropWeights] = field(default_factory=list)
+    """Control messages to pass on to the weight cache."""
     removals: list[RemoveModel] = field(default_factory=list)  # models to stop serving
-    retiring: list[tuple[ModelQueueHandle, ModelQueueHandle | Exception]] = field(default_factory=list)
+    retiring: list[tuple[QueueAddress, QueueAddress | Exception]] = field(default_factory=list)
     """Queues of replaced models, each with the queue it hands its requests to or the error it
     answers them with."""
     splits: dict[str, _Split] = field(default_factory=dict)
@@ -140,18 +135,24 @@ class Dispatcher:
         self._weights: WeightCacheHandle | None = None
         self._statistics = statistics
         self._params = params
-        self._queues: dict[str, ModelQueueHandle] = {}
+        self._queues: dict[str, QueueAddress] = {}
         self._state = _State(discipline, policies)
         for name, policy in policies.items():
             statistics[name].weight = policy.weight
-        self.inbox, self._inbox = trio.open_memory_channel[object](math.inf)
+        # Unbounded on purpose: its senders may not wait. A model queue reports with send_nowait
+        # from its own loop; waiting there could deadlock (the dispatcher waits on that queue's
+        # bounded inbox in `take`), and dropping a summary would strand the requests it reports.
+        # What it holds is bounded by its senders: each summary reports a change to a queue whose
+        # requests are bounded (max_queue_depth, admission), each control message has its asker
+        # waiting on the reply, and every turn drains it all.
+        self.inbox, self._inbox = trio.open_memory_channel[DispatcherMessage](math.inf)
         self._batches_send, self._batches = trio.open_memory_channel[Batch](1)
 
     def use_weights(self, weights: WeightCacheHandle) -> None:
         """Give the dispatcher the weight cache, of which it is the only client (before `run`)."""
         self._weights = weights
 
-    def attach(self, queue: ModelQueueHandle) -> None:
+    def attach(self, queue: QueueAddress) -> None:
         """Give the dispatcher a model's queue (before `run`)."""
         self._queues[queue.model] = queue
 
@@ -211,20 +212,21 @@ class Dispatcher:
         with trio.move_on_after(max(0.0, due - time.monotonic())):
             self._on_message(await self._inbox.receive())
 
-    def _on_message(self, message: object) -> None:
+    def _on_message(self, message: DispatcherMessage) -> None:
         """Apply one message; one that fails is answered with the error (INTERNAL) and logged,
         and the loop carries on.
 
-        A model's AddModel and RemoveModel come one at a time (`Worker` serializes them per
+        A model's AddModel and RemoveModel come one at a time (`ModelTable` serializes them per
         model, and waits for a RemoveModel's reply), so they never overtake one another here.
         """
         try:
             self._apply(message)
         except Exception as e:
             log.exception("dispatcher message failed", message=type(message).__name__)
-            _answer(getattr(message, "reply_to", None), e)
+            if not isinstance(message, QueueSummary):
+                answer(message.reply_to, outcome.Error(e))
 
-    def _apply(self, message: object) -> None:
+    def _apply(self, message: DispatcherMessage) -> None:
         match message:
             case QueueSummary() if self._queues.get(message.model) is not message.queue:
                 pass  # the last words of a queue retired meanwhile (its successor speaks for itself)
@@ -236,9 +238,9 @@ class Dispatcher:
             case SetPolicy(model=None, discipline=discipline):
                 if discipline is not None:
                     self._state.discipline = discipline
-                _answer(message.reply_to, None)
+                answer(message.reply_to, outcome.Value(None))
             case SetPolicy(model=str() as model) if model not in self._state.policies:
-                _answer(message.reply_to, ModelNotFound(model, "it was unloaded"))
+                answer(message.reply_to, outcome.Error(ModelNotFound(model, "it was unloaded")))
             case SetPolicy(model=str() as model, weight=weight, discipline=discipline):
                 policy = self._state.policies[model]
                 if weight is not None:
@@ -247,7 +249,7 @@ class Dispatcher:
                 if discipline is not None:
                     policy.discipline = discipline
                 log.info("policy changed", model=model, weight=policy.weight, discipline=policy.discipline)
-                _answer(message.reply_to, None)
+                answer(message.reply_to, outcome.Value(None))
             case Compact() | SetResidency():
                 self._state.for_weight_cache.append(message)
             case AddModel() if message.name in self._queues:
@@ -258,7 +260,7 @@ class Dispatcher:
                 self._statistics[message.name].weight = message.policy.weight
                 self._queues[message.name] = message.queue
                 self._state.for_weight_cache.append(
-                    AddWeights(message.name, message.compiled.bundle, message.floor)
+                    AddWeights(message.name, message.compiled.bundle, message.floor, message.reply_to)
                 )
                 log.info("model added", model=message.name)
             case RemoveModel():
@@ -292,7 +294,9 @@ class Dispatcher:
         )
         self._state.retiring.append((old_queue, then))
         self._state.for_weight_cache.append(DropWeights(name))  # the cache keeps the order: drop, add
-        self._state.for_weight_cache.append(AddWeights(name, message.compiled.bundle, message.floor))
+        self._state.for_weight_cache.append(
+            AddWeights(name, message.compiled.bundle, message.floor, message.reply_to)
+        )
         log.info("model replaced", model=name, queued_requests_kept=same_tensors)
 
     async def _remove(self, message: RemoveModel) -> None:

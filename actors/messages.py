@@ -2,19 +2,30 @@
 
 Commands are verbs, replies and notices are nouns. Requests carry their own reply slot (an
 object with `set_result`/`set_exception`/`cancelled`, in practice the asyncio future the gRPC
-handler awaits), so the actor that finishes the work answers the caller directly.
+handler awaits), so the actor that finishes the work answers the caller directly. Control
+messages carry a `reply_to` channel of trio's `outcome` values (the answer, or the error to
+raise): the asker `unwrap()`s what it receives.
+
+A leaf of the actors: it imports no actor, so a model queue is named by `QueueAddress`, the
+protocol its `ModelQueueHandle` satisfies.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias, TypeVar
 
 import numpy as np
+import outcome
 import trio
 
-from hloserve.policy import Discipline
+from hloserve._xla import DeviceArray
+from hloserve.bundle import Bundle
+from hloserve.compiled import CompiledModel
+from hloserve.policy import ModelPolicy
+from hloserve.types import Discipline, Residency
 
 __all__ = [
     "Acquire",
@@ -23,8 +34,10 @@ __all__ = [
     "Batch",
     "Compact",
     "Compacted",
+    "DispatcherMessage",
     "DropWeights",
     "Infer",
+    "QueueAddress",
     "QueueSummary",
     "RemoveModel",
     "Reply",
@@ -32,8 +45,19 @@ __all__ = [
     "SetPolicy",
     "SetResidency",
     "Take",
+    "WeightCacheMessage",
     "Withdraw",
+    "answer",
 ]
+
+T = TypeVar("T")
+
+
+def answer(reply_to: trio.MemorySendChannel[outcome.Outcome[T]] | None, result: outcome.Outcome[T]) -> None:
+    """Answer a control message on its reply channel, if it has one whose reader still waits."""
+    if reply_to is not None:
+        with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            reply_to.send_nowait(result)
 
 
 class Reply(Protocol):
@@ -64,7 +88,7 @@ class Infer:
     committed: bool = False
     """A meta model's sub-call: queued ahead of other requests, never dropped for laxity."""
 
-    def answer(self, result: Any) -> None:
+    def answer(self, result: list[np.ndarray]) -> None:
         if not self.reply.done():
             self.reply.set_result(result)
 
@@ -78,6 +102,17 @@ class Withdraw:
     """front end → ModelQueue: the client of `request` went away; forget it."""
 
     request: Infer
+
+
+class QueueAddress(Protocol):
+    """How messages name a model's queue (its `ModelQueueHandle`)."""
+
+    @property
+    def model(self) -> str: ...
+    def submit_nowait(self, request: Infer, /) -> None: ...
+    def withdraw_nowait(self, request: Infer, /) -> None: ...
+    async def take(self, message: Take, /) -> None: ...
+    async def retire(self, then: QueueAddress | Exception, /) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +130,7 @@ class QueueSummary:
     """When the next batch should go (later than now while max_queue_delay waits for rows)."""
     committed: bool = False
     """The front request is a meta model's sub-call: the dispatcher takes it first."""
-    queue: Any = None
+    queue: QueueAddress | None = None
     """The sender's `ModelQueueHandle`: the last words of a queue replaced by a reload (or of
     an unloaded model's, loaded again since) are told from its successor's by it."""
 
@@ -134,7 +169,7 @@ class SetPolicy:
     model: str | None
     weight: float | None = None
     discipline: Discipline | None = None
-    reply_to: trio.MemorySendChannel[Any] | None = None
+    reply_to: trio.MemorySendChannel[outcome.Outcome[None]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +177,7 @@ class Acquire:
     """Dispatcher → WeightCache: make `model` resident; reply its weights (or the error)."""
 
     model: str
-    reply_to: trio.MemorySendChannel[Any]
+    reply_to: trio.MemorySendChannel[outcome.Outcome[list[DeviceArray]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +186,7 @@ class Compact:
     `reload`; reply `Compacted` on `reply_to`."""
 
     reload: tuple[str, ...]
-    reply_to: trio.MemorySendChannel[Any]
+    reply_to: trio.MemorySendChannel[outcome.Outcome[Compacted]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,20 +204,22 @@ class SetResidency:
     device, or the error, on `reply_to`."""
 
     model: str
-    floor: str
-    reply_to: trio.MemorySendChannel[Any]
+    floor: Residency
+    reply_to: trio.MemorySendChannel[outcome.Outcome[tuple[Residency, bool]]]
 
 
 @dataclass(frozen=True, slots=True)
 class AddModel:
     """control → Dispatcher: start serving a newly compiled model from `queue`; a model of that
-    name already served is replaced (its queue retired into the new one, its weights swapped)."""
+    name already served is replaced (its queue retired into the new one, its weights swapped).
+    Replies None on `reply_to` once its weights are at their floor."""
 
     name: str
-    compiled: Any
-    policy: Any
-    queue: Any
-    floor: str
+    compiled: CompiledModel
+    policy: ModelPolicy
+    queue: QueueAddress
+    floor: Residency
+    reply_to: trio.MemorySendChannel[outcome.Outcome[None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +228,7 @@ class RemoveModel:
     None on `reply_to` once done."""
 
     name: str
-    reply_to: trio.MemorySendChannel[Any]
+    reply_to: trio.MemorySendChannel[outcome.Outcome[None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,16 +237,18 @@ class Retire:
     (the model's new version, with the same tensors), or is answered with `then`, an error
     (the model was unloaded, or reloaded with other tensors)."""
 
-    then: Any
+    then: QueueAddress | Exception
 
 
 @dataclass(frozen=True, slots=True)
 class AddWeights:
-    """Dispatcher → WeightCache: take on a new model's weights at residency `floor`."""
+    """Dispatcher → WeightCache: take on a new model's weights at residency `floor`; reply None
+    on `reply_to`, if given, once they are there."""
 
     name: str
-    bundle: Any
-    floor: str
+    bundle: Bundle
+    floor: Residency
+    reply_to: trio.MemorySendChannel[outcome.Outcome[None]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,4 +257,10 @@ class DropWeights:
     `reply_to` if given."""
 
     name: str
-    reply_to: trio.MemorySendChannel[Any] | None = None
+    reply_to: trio.MemorySendChannel[outcome.Outcome[None]] | None = None
+
+
+DispatcherMessage: TypeAlias = QueueSummary | SetPolicy | Compact | SetResidency | AddModel | RemoveModel
+"""What the dispatcher's inbox takes."""
+WeightCacheMessage: TypeAlias = Acquire | Compact | SetResidency | AddWeights | DropWeights
+"""What the weight cache's inbox takes (all from the dispatcher)."""

@@ -14,16 +14,27 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import final
+from typing import TypeAlias, final
 
 import trio
-from hloserve.actors.messages import Batch, Infer, QueueSummary, Retire, Take, Withdraw
+from hloserve.actors.messages import (
+    Batch,
+    DispatcherMessage,
+    Infer,
+    QueueAddress,
+    QueueSummary,
+    Retire,
+    Take,
+    Withdraw,
+)
 
 from hloserve.errors import DeadlineExceeded, QueueFull, ShuttingDown
 from hloserve.policy import BatchPlan, Pending, drop_reason, plan_batch, queue_delay
 from hloserve.statistics import Statistics
 
 __all__ = ["ModelQueue", "ModelQueueHandle", "QueueSettings"]
+
+_Message: TypeAlias = Infer | Take | Withdraw | Retire
 
 
 @final
@@ -32,10 +43,10 @@ class ModelQueueHandle:
 
     __slots__ = ("_send", "_successor", "model")
 
-    def __init__(self, model: str, send: trio.MemorySendChannel[Infer | Take | Withdraw]) -> None:
+    def __init__(self, model: str, send: trio.MemorySendChannel[_Message]) -> None:
         self.model = model
         self._send = send
-        self._successor: ModelQueueHandle | Exception | None = None
+        self._successor: QueueAddress | Exception | None = None
 
     def submit_nowait(self, request: Infer) -> None:
         """Queue a request without waiting; QueueFull when the inbox itself is full. A request
@@ -59,10 +70,10 @@ class ModelQueueHandle:
         except trio.WouldBlock:
             pass  # it will be skipped when it reaches the front
         except (trio.ClosedResourceError, trio.BrokenResourceError):
-            if isinstance(self._successor, ModelQueueHandle):
+            if self._successor is not None and not isinstance(self._successor, Exception):
                 self._successor.withdraw_nowait(request)
 
-    def forward_to(self, successor: ModelQueueHandle | Exception) -> None:
+    def forward_to(self, successor: QueueAddress | Exception) -> None:
         """From now on, send what arrives to `successor` (the queue of a reloaded model), or
         answer it with `successor`, an error (the model was unloaded, or reloaded with other
         tensors), rather than as if the server were shutting down."""
@@ -71,7 +82,7 @@ class ModelQueueHandle:
     async def take(self, message: Take) -> None:
         await self._send.send(message)
 
-    async def retire(self, then: ModelQueueHandle | Exception) -> None:
+    async def retire(self, then: QueueAddress | Exception) -> None:
         """Stop the queue: what it holds goes to `then`, the queue of the model's new version,
         or is answered with `then`, an error (see `Retire`)."""
         await self._send.send(Retire(then))
@@ -110,7 +121,7 @@ class ModelQueue:
         self,
         model: str,
         settings: QueueSettings,
-        dispatcher: trio.MemorySendChannel[object],
+        dispatcher: trio.MemorySendChannel[DispatcherMessage],
         statistics: Statistics,
     ) -> None:
         self.model = model
@@ -120,9 +131,7 @@ class ModelQueue:
         self._state = _State()
         # The inbox only holds what arrives between two turns of this actor; depth is enforced
         # on the FIFO, where it can be answered with a precise error.
-        self._send, self._receive = trio.open_memory_channel[Infer | Take | Withdraw](
-            max(64, settings.max_depth)
-        )
+        self._send, self._receive = trio.open_memory_channel[_Message](max(64, settings.max_depth))
         self._handle = ModelQueueHandle(model, self._send.clone())
 
     async def run(self, *, task_status: trio.TaskStatus[ModelQueueHandle] = trio.TASK_STATUS_IGNORED) -> None:
@@ -147,7 +156,7 @@ class ModelQueue:
         finally:
             self._fail_everything(ShuttingDown())  # after Retire: nothing left, a no-op
 
-    def _hand_over(self, successor: ModelQueueHandle) -> None:
+    def _hand_over(self, successor: QueueAddress) -> None:
         """Pass every queued request, in order, to the queue of the model's new version, and
         have this queue's handle send there what still arrives (a request that was in a hook)."""
         self._handle.forward_to(successor)

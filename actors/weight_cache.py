@@ -12,37 +12,45 @@ defragment the device allocator.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, final
+from typing import final
 
 import numpy as np
+import outcome
 import structlog
 import trio
 from hloserve.actors import INLINE_WORK_S
-from hloserve.actors.messages import Acquire, AddWeights, Compact, Compacted, DropWeights, SetResidency
+from hloserve.actors.messages import (
+    Acquire,
+    AddWeights,
+    Compact,
+    Compacted,
+    DropWeights,
+    SetResidency,
+    WeightCacheMessage,
+    answer,
+)
 
 from hloserve import _xla
 from hloserve.bundle import Bundle, read_weights
 from hloserve.errors import ExecutionFailed, ModelNotFound, NotResident, ResidencyRefused
 from hloserve.shared_weights import SharedHostWeights
 from hloserve.statistics import Statistics
+from hloserve.types import Residency
 
-__all__ = ["Floor", "WeightCache", "WeightCacheHandle"]
+__all__ = ["WeightCache", "WeightCacheHandle"]
 
 log = structlog.get_logger("hloserve.weight_cache")
-
-Floor = Literal["unpinned", "system", "device"]
 
 
 @dataclass(slots=True)
 class _Model:
     bundle: Bundle
-    floor: Floor
+    floor: Residency
     nbytes: int
     host: list[np.ndarray] | None  # the host floor of a `system` model
     device: list[_xla.DeviceArray] | None = None  # on the device when not None
@@ -52,17 +60,14 @@ class _Model:
 class WeightCacheHandle:
     """The dispatcher's way to the cache: one request at a time, over its own reply channel."""
 
-    def __init__(self, send: trio.MemorySendChannel[Acquire]) -> None:
+    def __init__(self, send: trio.MemorySendChannel[WeightCacheMessage]) -> None:
         self._send = send
-        self._reply_send, self._replies = trio.open_memory_channel[list[_xla.DeviceArray] | Exception](1)
+        self._reply_send, self._replies = trio.open_memory_channel[outcome.Outcome[list[_xla.DeviceArray]]](1)
 
     async def acquire(self, model: str) -> list[_xla.DeviceArray]:
         """The model's device weights, loading them if needed; raises NotResident."""
         await self._send.send(Acquire(model, self._reply_send))
-        reply = await self._replies.receive()
-        if isinstance(reply, Exception):
-            raise reply
-        return reply
+        return (await self._replies.receive()).unwrap()
 
     async def forward(self, message: Compact | SetResidency | AddWeights | DropWeights) -> None:
         """Pass on a compaction (its reply goes straight to whoever asked)."""
@@ -75,7 +80,7 @@ class WeightCache:
     def __init__(
         self,
         bundles: Mapping[str, Bundle],
-        floors: Mapping[str, Floor],
+        floors: Mapping[str, Residency],
         budget_bytes: int | None,
         externally_managed: bool,
         statistics: Statistics,
@@ -96,9 +101,7 @@ class WeightCache:
         self._shared: dict[str, SharedHostWeights] = {}  # shared host floors held, by model
         self._loads_since_compaction = 0
         self._put_seconds_per_byte = math.inf  # of the last load from a host floor; none yet
-        self._send, self._receive = trio.open_memory_channel[
-            Acquire | Compact | SetResidency | AddWeights | DropWeights
-        ](0)
+        self._send, self._receive = trio.open_memory_channel[WeightCacheMessage](0)
 
     async def run(
         self, *, task_status: trio.TaskStatus[WeightCacheHandle] = trio.TASK_STATUS_IGNORED
@@ -120,23 +123,20 @@ class WeightCache:
                     await self._on_message(message)
                 except Exception as e:  # a bug answers its asker (INTERNAL), the cache carries on
                     log.exception("weight cache message failed", message=type(message).__name__)
-                    reply_to = getattr(message, "reply_to", None)
-                    if reply_to is not None:
-                        with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError):
-                            reply_to.send_nowait(e)
+                    answer(message.reply_to, outcome.Error(e))
 
-    async def _on_message(self, message: Acquire | Compact | SetResidency | AddWeights | DropWeights) -> None:
+    async def _on_message(self, message: WeightCacheMessage) -> None:
         """Apply one message. One naming a model the cache no longer holds (it was unloaded
         meanwhile) is answered NOT_FOUND."""
         match message:
             case Acquire() | SetResidency() if message.model not in self._models:
-                message.reply_to.send_nowait(ModelNotFound(message.model, "it was unloaded"))
+                message.reply_to.send_nowait(outcome.Error(ModelNotFound(message.model, "it was unloaded")))
             case Compact() if unknown := [n for n in message.reload if n not in self._models]:
-                message.reply_to.send_nowait(ModelNotFound(unknown[0], "it was unloaded"))
+                message.reply_to.send_nowait(outcome.Error(ModelNotFound(unknown[0], "it was unloaded")))
             case Acquire():
                 await self._on_acquire(message)
             case Compact():
-                message.reply_to.send_nowait(await self._compact(message.reload))
+                message.reply_to.send_nowait(outcome.Value(await self._compact(message.reload)))
             case SetResidency():
                 await self._on_set_residency(message)
             case AddWeights():
@@ -165,20 +165,22 @@ class WeightCache:
         if model.device is not None:
             if model.floor != "device":
                 self._lru.move_to_end(message.model)
-            message.reply_to.send_nowait(model.device)
+            message.reply_to.send_nowait(outcome.Value(model.device))
             return
         if self._externally_managed:
-            message.reply_to.send_nowait(NotResident(message.model))
+            message.reply_to.send_nowait(outcome.Error(NotResident(message.model)))
             return
         if self._compaction_interval and self._loads_since_compaction >= self._compaction_interval:
             await self._compact(())
         try:
             await self._load(message.model, model)
         except Exception as e:  # a weights file that cannot be read now fails this model's batch
-            message.reply_to.send_nowait(ExecutionFailed(message.model, f"loading its weights failed: {e}"))
+            message.reply_to.send_nowait(
+                outcome.Error(ExecutionFailed(message.model, f"loading its weights failed: {e}"))
+            )
             return
         assert model.device is not None
-        message.reply_to.send_nowait(model.device)
+        message.reply_to.send_nowait(outcome.Value(model.device))
 
     async def _load(self, name: str, model: _Model) -> None:
         """Evict least-recently-used models until `model` fits, then copy it to the device."""
@@ -229,7 +231,7 @@ class WeightCache:
         return shared.arrays
 
     async def _on_add(self, message: AddWeights) -> None:
-        floor: Floor = message.floor
+        floor: Residency = message.floor
         model = _Model(message.bundle, floor, message.bundle.weight_nbytes, None)
         if floor == "system":
             model.host = await trio.to_thread.run_sync(self._host_floor, message.name, model.bundle)
@@ -239,6 +241,7 @@ class WeightCache:
             )
         self._models[message.name] = model
         self._publish(message.name)
+        answer(message.reply_to, outcome.Value(None))
 
     def _on_drop(self, message: DropWeights) -> None:
         model = self._models.get(message.name)
@@ -251,19 +254,20 @@ class WeightCache:
         shared = self._shared.pop(message.name, None)
         if shared is not None:
             shared.release()
-        if message.reply_to is not None:
-            message.reply_to.send_nowait(None)
+        answer(message.reply_to, outcome.Value(None))
 
     async def _on_set_residency(self, message: SetResidency) -> None:
         """Externally managed residency: `device` loads and pins; `system` and `unpinned` free the
         device buffers at once, keeping or dropping the host copy."""
         if not self._externally_managed:
             message.reply_to.send_nowait(
-                ResidencyRefused("residency is self-managed; set weights.externally_managed to manage it")
+                outcome.Error(
+                    ResidencyRefused("residency is self-managed; set weights.externally_managed to manage it")
+                )
             )
             return
         name, model = message.model, self._models[message.model]
-        floor: Floor = message.floor
+        floor: Residency = message.floor
         try:
             if floor == "device":
                 if model.device is None:
@@ -283,11 +287,12 @@ class WeightCache:
                 if floor == "unpinned":
                     model.host = None
         except Exception as e:  # the weights file cannot be read now
-            message.reply_to.send_nowait(ExecutionFailed(name, f"changing residency failed: {e}"))
+            failed = ExecutionFailed(name, f"changing residency failed: {e}")
+            message.reply_to.send_nowait(outcome.Error(failed))
             return
         model.floor = floor
         self._publish(name)
-        message.reply_to.send_nowait((floor, model.device is not None))
+        message.reply_to.send_nowait(outcome.Value((floor, model.device is not None)))
 
     async def _compact(self, reload: tuple[str, ...]) -> Compacted:
         """Free every resident unpinned model, then load `reload` (pinned ones stay as they are)."""

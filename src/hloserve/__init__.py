@@ -1,9 +1,10 @@
 """hloserve: many StableHLO models per GPU, served over the KServe V2 / Triton gRPC protocol.
 
-Layout: `hloserve.worker` runs a worker (`serve`), `hloserve.actors` holds the trio actors
-(model queues, dispatcher), `hloserve.service` the gRPC front end, `hloserve.bundle` and
-`hloserve.manifest` the bundle format, `hloserve._xla` every call into JAX. A bundle's model.py
-uses `register_model`, `register_meta_model` and `NamedTensor` from here.
+Layout: `hloserve.worker` runs a worker (`serve`), `hloserve.model_table` holds the models it
+serves, `hloserve.actors` the trio actors (model queues, dispatcher), `hloserve.service` the gRPC
+front end, `hloserve.bundle` and `hloserve.manifest` the bundle format, `hloserve._xla` every
+call into JAX. A bundle's model.py uses `register_model`, `register_meta_model` and
+`NamedTensor` from here.
 """
 
 from hloserve.config import Config as Config

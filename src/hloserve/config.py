@@ -22,6 +22,7 @@ from typing import Any, Literal
 import yaml
 
 from hloserve.errors import ConfigError
+from hloserve.types import Discipline, Residency
 
 __all__ = [
     "Config",
@@ -46,7 +47,6 @@ def _example_repository() -> Path:
 
 
 EXAMPLE_REPOSITORY = _example_repository()
-Discipline = Literal["fair", "fifo", "edf"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,14 +213,14 @@ class ModelSettings:
     finish within their deadline."""
     max_batch_size: int | None = None
     """At most this many rows joined into one execution (None: the largest compiled size)."""
-    residency: Literal["unpinned", "system", "device"] | None = None
+    residency: Residency | None = None
     """Residency floor: `system` (default) keeps weights in host RAM, `device` pins them on the
     device, `unpinned` re-reads the file at each load."""
     pin_to_gpu: bool = False
     """Alias of `residency: device`."""
 
     @property
-    def floor(self) -> Literal["unpinned", "system", "device"]:
+    def floor(self) -> Residency:
         return "device" if self.pin_to_gpu else (self.residency or "system")
 
 

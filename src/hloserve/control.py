@@ -1,6 +1,6 @@
 """hloserve's control service over gRPC: status, residency, policy and compaction of a worker.
 
-Each RPC becomes a message to the dispatch loop (through the `Worker` methods), so it applies
+Each RPC becomes a message to the dispatch loop (through the `ModelHost` methods), so it applies
 between executions and nothing here touches residency or policy state itself. Handlers run on
 asyncio (grpclib); they reach the trio side with `trio_asyncio.trio_as_aio`.
 """
@@ -15,21 +15,26 @@ import trio_asyncio
 from hloserve._proto import hloserve_control as hc
 from hloserve._status import grpc_errors
 from hloserve.errors import InvalidInput, clip
+from hloserve.types import DISCIPLINES, Residency
 
 if TYPE_CHECKING:
-    from hloserve.worker import Worker
+    from hloserve.model_table import ModelHost
 
 __all__ = ["ControlService"]
 
-_FLOORS = {hc.Residency.UNPINNED: "unpinned", hc.Residency.SYSTEM: "system", hc.Residency.DEVICE: "device"}
-_RESIDENCY = {floor: residency for residency, floor in _FLOORS.items()}
+_FLOORS: dict[hc.Residency, Residency] = {
+    hc.Residency.UNPINNED: "unpinned",
+    hc.Residency.SYSTEM: "system",
+    hc.Residency.DEVICE: "device",
+}
+_RESIDENCY: dict[str, hc.Residency] = {floor: residency for residency, floor in _FLOORS.items()}
 _ORDER = {hc.Residency.UNPINNED: 0, hc.Residency.SYSTEM: 1, hc.Residency.DEVICE: 2}
 
 
 class ControlService(hc.ControlServiceBase):
     """`hloserve_control.ControlService` for one worker."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: ModelHost) -> None:
         self._worker = worker
 
     @grpc_errors("ModelControlStatus")
@@ -105,7 +110,7 @@ class ControlService(hc.ControlServiceBase):
     async def set_model_policy(self, message: hc.SetModelPolicyRequest) -> hc.SetModelPolicyResponse:
         if message.has_weight and not (message.weight > 0 and math.isfinite(message.weight)):
             raise InvalidInput(message.name, f"weight must be > 0 and finite, got {message.weight}")
-        if message.discipline not in ("", "fair", "fifo", "edf"):
+        if message.discipline and message.discipline not in DISCIPLINES:
             raise InvalidInput(
                 message.name, f"discipline {clip(message.discipline)}; expected fair, fifo or edf"
             )

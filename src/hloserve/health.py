@@ -38,8 +38,8 @@ from hloserve._proto.grpc.health.v1 import HealthCheckResponseServingStatus as S
 from hloserve._proto.inference import ModelReadyRequest, ServerReadyRequest
 
 if TYPE_CHECKING:
+    from hloserve.model_table import ModelHost
     from hloserve.service import InferenceService
-    from hloserve.worker import Worker
 
 __all__ = ["WORKER_SERVICES", "Health", "worker_health"]
 
@@ -107,7 +107,7 @@ class Health(HealthBase):
             self._watches -= 1
 
 
-def worker_health(worker: Worker, service: InferenceService, draining: Callable[[], bool]) -> Health:
+def worker_health(worker: ModelHost, service: InferenceService, draining: Callable[[], bool]) -> Health:
     """The Health service of a worker's port; readiness is the inference service's own."""
 
     async def status(name: str) -> bool | None:

@@ -32,7 +32,7 @@ from hloserve.policy import PolicyParams, learn_cost
 from hloserve.statistics import Statistics
 
 if TYPE_CHECKING:
-    from hloserve.worker import ModelEntry
+    from hloserve.model_table import ModelEntry
 
 __all__ = ["Call", "MetaModels"]
 

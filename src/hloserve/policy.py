@@ -18,13 +18,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+
+from hloserve.types import Discipline
 
 __all__ = [
     "MIN_COST_S",
     "BatchPlan",
     "Candidate",
-    "Discipline",
     "ModelPolicy",
     "Pending",
     "PolicyParams",
@@ -38,8 +38,6 @@ __all__ = [
     "select",
     "split_rows",
 ]
-
-Discipline = Literal["fair", "fifo", "edf"]
 
 MIN_COST_S = 1e-9
 """The least a batch is taken to cost, whatever was measured."""

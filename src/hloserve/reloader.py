@@ -6,7 +6,7 @@ modification times). A bundle whose files changed is acted on once they have sta
 for `server.reload_debounce_s`, so a file still being written is never loaded:
 
 - only `model.py` changed: it is executed again and its hooks swapped in (no recompilation);
-- anything else changed: the bundle is reloaded (`Worker.load_model`), the others serving on;
+- anything else changed: the bundle is reloaded (`ModelHost.load_model`), the others serving on;
 - a new bundle is loaded, a removed one unloaded.
 
 A reload that fails leaves the old version serving and logs why. A directory whose name is not
@@ -30,7 +30,7 @@ from hloserve.errors import InvalidInput, ModelNotFound
 from hloserve.manifest import FILE as MANIFEST
 
 if TYPE_CHECKING:
-    from hloserve.worker import Worker
+    from hloserve.model_table import ModelHost
 
 __all__ = ["RepositoryWatcher", "scan"]
 
@@ -64,7 +64,7 @@ def scan(repository: Path) -> dict[str, Snapshot]:
 class RepositoryWatcher:
     """Polls the repository and brings the worker in line with it; see the module docstring."""
 
-    def __init__(self, worker: Worker, repository: Path, interval_s: float, debounce_s: float) -> None:
+    def __init__(self, worker: ModelHost, repository: Path, interval_s: float, debounce_s: float) -> None:
         self._worker = worker
         self._repository = repository
         self._interval_s = interval_s

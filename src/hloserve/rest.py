@@ -48,8 +48,8 @@ from hloserve.config import ServerConfig
 from hloserve.rest_codec import ChunkedBody, decode_infer, encode_infer
 
 if TYPE_CHECKING:
+    from hloserve.model_table import ModelEntry
     from hloserve.service import InferenceService
-    from hloserve.worker import ModelEntry
 
 __all__ = ["HTTP_STATUS", "RestServer", "build_app"]
 

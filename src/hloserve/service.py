@@ -49,7 +49,7 @@ from hloserve.shm_registry import ShmRegistry
 from hloserve.statistics import Duration, ExecutionTimes, Statistics
 
 if TYPE_CHECKING:
-    from hloserve.worker import ModelEntry, Worker
+    from hloserve.model_table import ModelEntry, ModelHost
 
 __all__ = ["EXTENSIONS", "InferenceService"]
 
@@ -86,7 +86,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         models: Mapping[str, ModelEntry],
         statistics: Statistics,
         metrics: Metrics,
-        worker: Worker,
+        worker: ModelHost,
         metas: MetaModels,
     ) -> None:
         self._config = config

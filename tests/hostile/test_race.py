@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import outcome
 import pytest
 import structlog
 import trio
@@ -163,10 +164,11 @@ def test_the_actors_answer_control_that_raced_past_the_check(busy: ServerThread)
     order makes this race impossible."""
 
     async def ask(message: Any) -> object:
-        send, receive = trio.open_memory_channel[object](1)
+        send, receive = trio.open_memory_channel[outcome.Outcome[object]](1)
         busy.worker._dispatcher.send_nowait(message(send))
         with trio.fail_after(10):
-            return await receive.receive()
+            reply = await receive.receive()
+        return reply.error if isinstance(reply, outcome.Error) else reply
 
     for message in (
         lambda reply: SetPolicy("gone", 2.0, None, reply),

@@ -1,0 +1,100 @@
+"""The module graph: no import cycle among hloserve's modules, even for types, and the worker
+(the composition root) imported by nobody but the entry points."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import hloserve.actors
+
+import hloserve
+
+SOURCES = {
+    "hloserve": Path(hloserve.__file__).parent,
+    "hloserve.actors": Path(hloserve.actors.__file__).parent,
+}
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for package, root in SOURCES.items():
+        for path in root.rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            if parts[0] == "_proto":
+                continue  # generated code
+            name = ".".join((package, *parts)).removesuffix(".__init__")
+            modules[name] = path
+    return modules
+
+
+def _imports(module: str, path: Path, known: set[str]) -> set[str]:
+    """The hloserve modules `module` imports at its top level (under `if TYPE_CHECKING:` too;
+    not inside functions, where an import is deliberately lazy)."""
+    found: set[str] = set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], base])
+                submodules = {f"{base}.{alias.name}" for alias in node.names} & known
+                found.update(submodules or {base.rstrip(".")})  # `from package import module`: the module
+            elif isinstance(node, (ast.If, ast.Try)):
+                visit(node.body)
+                visit(node.orelse)
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+
+    visit(ast.parse(path.read_text()).body)
+    return {name for name in found if name in known and name != module}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, set(modules)) for name, path in modules.items()}
+
+
+def test_the_graph_is_read() -> None:
+    """What the other tests rely on: `from package import module`, `import module` and imports
+    for types only (service's, under `if TYPE_CHECKING:`) are all edges."""
+    graph = _graph()
+    assert {"hloserve.model_table", "hloserve.actors.dispatcher", "hloserve._xla"} <= graph["hloserve.worker"]
+    assert {"hloserve.types", "hloserve.actors.messages"} <= graph["hloserve.model_table"]
+    assert "hloserve.model_table" in graph["hloserve.service"]
+
+
+def test_no_module_imports_the_worker() -> None:
+    importers = sorted(name for name, imports in _graph().items() if "hloserve.worker" in imports)
+    assert importers == []  # cli and the package import it lazily, inside the function that serves
+
+
+def test_types_is_a_leaf() -> None:
+    assert _graph()["hloserve.types"] == set()
+
+
+def test_no_import_cycle() -> None:
+    graph = _graph()
+    cycles = []
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def walk(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for successor in sorted(graph[node]):
+            if state.get(successor) == 1:
+                cycles.append([*path[path.index(successor) :], successor])
+            elif successor not in state:
+                walk(successor)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            walk(node)
+    assert cycles == []
