@@ -33,6 +33,6 @@ ENV HLOSERVE_SERVER_MODEL_REPOSITORY=/mnt/models \
     HLOSERVE_SERVER_EXECUTABLE_CACHE=/home/hloserve/.cache/hloserve/executables \
     PYTHONUNBUFFERED=1
 WORKDIR /home/hloserve
-EXPOSE 8001 8002
+EXPOSE 8000 8001 8002
 ENTRYPOINT ["hloserve"]
 CMD ["serve"]

@@ -52,6 +52,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "replicas": 4,
         "modelRepository": {"pvc": {"claimName": "hloserve-models", "subPath": "repository"}},
         "fleet": {"router": {"replicas": 2, "resources": {"requests": {"cpu": "2"}}}},
+        "http": {"enabled": False},
     },
 }
 
@@ -123,7 +124,10 @@ def test_pods_are_what_the_mode_promises(name: str, rendered: dict[str, list[dic
     assert container["args"][0] == ("node" if mode == "node" else "serve")
     assert container.get("resources", {}).get("limits", {}).get("nvidia.com/gpu") == (gpus or None)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": 8001, "metrics": 8002, **({"http": 8000} if values.get("http") else {})}
+    rest = values.get("http", {}).get("enabled", True)
+    assert ports == {"grpc": 8001, "metrics": 8002, **({"http": 8000} if rest else {})}
+    env = {e["name"]: e.get("value") for e in container.get("env", [])}
+    assert env["HLOSERVE_SERVER_HTTP_PORT"] == ("8000" if rest else "-1")  # -1: REST off
     startup, liveness, readiness = (container[p] for p in ("startupProbe", "livenessProbe", "readinessProbe"))
     for probe in (startup, liveness, readiness):
         assert probe["grpc"]["port"] == 8001

@@ -67,7 +67,8 @@ def test_it_serves_the_mounted_repository_on_every_interface() -> None:
         if name.startswith("HLOSERVE_SERVER_"):
             assert hasattr(ServerConfig, name.removeprefix("HLOSERVE_SERVER_").lower()), name
     (expose,) = _final("EXPOSE")
-    assert expose.value == (str(ServerConfig().grpc_port), str(ServerConfig().metrics_port))
+    config = ServerConfig()
+    assert expose.value == tuple(str(p) for p in (config.http_port, config.grpc_port, config.metrics_port))
 
 
 def test_no_model_is_baked_in_and_the_variants_are_extras() -> None:

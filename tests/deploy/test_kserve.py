@@ -54,7 +54,7 @@ def test_the_runtime_serves_what_kserve_expects() -> None:
     spec = RUNTIME["spec"]
     (container,) = spec["containers"]
     assert container["name"] == "kserve-container"
-    assert spec["protocolVersions"] == ["grpc-v2"]  # "v2" (REST) once hloserve serves it
+    assert spec["protocolVersions"] == ["v2", "grpc-v2"]
     assert [f["name"] for f in spec["supportedModelFormats"]] == ["hloserve"]
     grpc = container["ports"][0]  # KServe maps the first port to the Service
     assert grpc["name"] == "h2c"
@@ -64,6 +64,8 @@ def test_the_runtime_serves_what_kserve_expects() -> None:
     }
     assert flags["model-repository"] == "/mnt/models" and flags["host"] == "0.0.0.0"
     assert int(flags["grpc-port"]) == grpc["containerPort"] == ServerConfig().grpc_port
+    (http,) = (p for p in container["ports"] if p["name"] == "http")
+    assert int(flags["http-port"]) == http["containerPort"] == ServerConfig().http_port
     assert spec["annotations"]["prometheus.kserve.io/port"] == flags["metrics-port"]
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert container[probe]["grpc"]["port"] == grpc["containerPort"]
