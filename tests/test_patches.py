@@ -1,14 +1,13 @@
 """The patch layer (`hloserve._grpclib_patches`, `_h2_limits`, `_hpack_patches`,
 `_trio_asyncio_patches`): each checks the libraries it was written for and says what to do when
 they differ; it changes hloserve's own server and client only, never grpclib for everyone else;
-and what it adds works: a message over `server.max_message_bytes` refused from its prefix,
-graceful shutdown finishing a call in flight and then sending GOAWAY, a unary reply in one
-socket write.
+and what it adds works: a message over `server.max_message_bytes` refused from its prefix, a
+1 MiB frame in a connection's first request, graceful shutdown finishing a call in flight and
+then sending GOAWAY, a unary reply in one socket write, DATA frames traced without their payload.
 
-The other behaviours are tested where their subject is: 1 MiB frames from a connection's first
-request in `tests/hostile/test_transport.py`
-(`test_a_large_first_request_on_a_fresh_grpcio_connection_is_answered`), the trio-asyncio batch
-in `tests/test_trio_asyncio_patches.py`, the linear Huffman encoder in
+The other behaviours are tested where their subject is: large first requests from grpcio and
+the receive budgets in `tests/hostile/test_transport.py`, the trio-asyncio batch in
+`tests/test_trio_asyncio_patches.py`, the linear Huffman encoder in
 `tests/hostile/test_strings.py`.
 """
 
@@ -35,11 +34,13 @@ import trio
 import trio_asyncio
 import trio_asyncio._base
 from conftest import ServerThread
+from h2.config import DummyLogger, H2Configuration
 from h2.errors import ErrorCodes
 from tritonclient.grpc import service_pb2
 
 from hloserve import _grpclib_patches, _hpack_patches, _trio_asyncio_patches
 from hloserve._grpclib_patches import GracefulServer, GuardedStream, send_reply
+from hloserve._h2_limits import LimitedH2Connection, TransportLimits
 from hloserve._patch_requirements import PatchMismatch, check
 
 MiB = 1 << 20
@@ -159,6 +160,28 @@ def test_hloserve_s_server_gives_its_methods_guarded_streams() -> None:
 
     assert _run(main).get("grpc-status") == "0"
     assert streams == [GuardedStream]
+
+
+def test_hloserve_s_connections_log_data_frames_without_their_payload() -> None:
+    """h2 builds the repr of every frame it receives for its trace log; on hloserve's
+    connections a DATA frame's is a line, not a hexlified copy of the payload."""
+    traced: list[str] = []
+
+    class Logger(DummyLogger):
+        def trace(self, message: str, *args: Any) -> None:
+            traced.append(message % args)
+
+    server = LimitedH2Connection(H2Configuration(client_side=False, logger=Logger()), TransportLimits())
+    server.initiate_connection()
+    client = h2.connection.H2Connection(H2Configuration(client_side=True))
+    client.initiate_connection()
+    client.receive_data(server.data_to_send())  # the server's 1 MiB frames
+    client.send_headers(1, [(":path", "/test.Test/say"), *_HEADERS])
+    client.send_data(1, bytes(60_000), end_stream=True)  # one frame: 60,000 > 16 KiB
+    events = server.receive_data(client.data_to_send())
+    assert sum(len(e.data) for e in events if isinstance(e, h2.events.DataReceived)) == 60_000
+    (data,) = [t for t in traced if t.startswith("Received frame: DataFrame")]
+    assert data == "Received frame: DataFrame(stream_id=1, 60000 bytes)"
 
 
 # -- what the patches add --------------------------------------------------------------------------
