@@ -1,57 +1,131 @@
-"""What grpclib 0.4.9 (with h2 4.4.1, hyperframe 6.1.0) lacks for serving tensors, added here.
+"""What grpclib 0.4.9 (with h2 4.4.1, hyperframe 6.1.0) lacks for serving tensors, added to
+hloserve's own server and client only: a grpclib `Server` or `Channel` anyone else creates in
+the process stays stock.
 
-Measured in research/spike_grpc.md, each piece pinned to those versions by pyproject:
-
-* h2 builds `repr(frame)` of every received frame for a trace log nobody reads, and hyperframe
-  hexlifies the whole payload to do it (~42 us per 16 KiB frame, a few % of a tiny request);
-* grpclib advertises 16 KiB frames, so a 4.8 MB tensor arrives in ~300 frames; 1 MiB cuts that
-  (a client's own connection here; the server's transport and its bounds are `_h2_limits`
-  and `_h2_protocol`);
-* grpclib has no receive size limit: it buffers whatever length the client announces;
+* grpclib has no receive size limit (vmagamedov/grpclib#195): it buffers whatever length the
+  client announces. `GracefulServer`'s streams refuse a message over `server.max_message_bytes`,
+  or over the budgets of messages being received, from its 5-byte prefix, before any is buffered.
 * grpclib answers a request body that does not decode, or a unary call with no message or two,
-  with UNKNOWN "Internal Server Error" or not at all: `_recv_message` says INVALID_ARGUMENT;
-* grpclib's close() never sends GOAWAY, so clients with calls in flight hang: `GracefulServer`;
+  with UNKNOWN "Internal Server Error" or not at all (not filed upstream: `Stream.recv_message`
+  lets the codec's exception escape, and never checks the message count of a unary call); here
+  they are INVALID_ARGUMENT naming the RPC.
+* grpclib's close() cancels the calls in flight and never sends GOAWAY, so clients hang or fail
+  (vmagamedov/grpclib#107, which its maintainer ties to python-hyper/h2#1181; the fix, PR #190,
+  is unmerged): `GracefulServer.shutdown` lets them finish, then sends GOAWAY.
+* grpclib advertises and accepts 16 KiB frames, so a 4.8 MB tensor comes in ~300 frames:
+  `GracefulServer`'s connections (`hloserve._h2_limits`) and `BigFrameChannel` take 1 MiB.
 * grpclib writes a unary reply's headers, message and trailers to the socket one by one: three
-  system calls where one does (`send_reply`).
+  system calls where one does (not filed upstream: `send_reply`).
 
-`install()` is idempotent and process-wide.
+`install()` checks the libraries are those this was written for (`REQUIRES`), once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import struct
 import time
 import weakref
+from collections.abc import Callable, Coroutine
 from typing import Any
 
+import grpclib.client
+import grpclib.const
 import grpclib.protocol
 import grpclib.server
-import h2.connection
 import h2.settings
 from grpclib.const import Status
 from grpclib.events import RecvRequest, listen
 from grpclib.exceptions import GRPCError
 
+from hloserve import _h2_limits, _hpack_patches
 from hloserve._h2_limits import MAX_FRAME_SIZE, ServerGuard, TransportLimits
 from hloserve._h2_protocol import GuardedProtocol
+from hloserve._patch_requirements import Requires, check
 
-__all__ = ["GracefulServer", "TransportLimits", "install", "send_reply"]
+__all__ = ["REQUIRES", "BigFrameChannel", "GracefulServer", "TransportLimits", "install", "send_reply"]
 
 _DETAIL_CHARS = 200
-_UNGUARDED = TransportLimits()
-"""The limits of a grpclib server other than `GracefulServer` in this process (patched alike)."""
+
+REQUIRES = (
+    Requires(
+        __name__,
+        "grpclib",
+        "0.4.9",
+        members=(
+            "grpclib.const.Handler._replace",
+            "grpclib.server.Stream._stream",
+            "grpclib.server.Stream._method_name",
+            "grpclib.server.Stream._cardinality",
+            "grpclib.server.Stream._codec",
+            "grpclib.server.Stream._recv_type",
+            "grpclib.server.Stream._dispatch",
+            "grpclib.server.Stream._messages_received",
+            "grpclib.server.Stream.send_message",
+            "grpclib.server.Stream.send_trailing_metadata",
+            "grpclib.server.Server._mapping",
+            "grpclib.server.Server._codec",
+            "grpclib.server.Server._status_details_codec",
+            "grpclib.server.Server.__dispatch__",
+            "grpclib.server.Server._handlers",
+            "grpclib.server.Server._config",
+            "grpclib.server.Server._h2_config",
+            "grpclib.server.Server._server",
+            "grpclib.server.Server._loop",
+            "grpclib.server.Server.__gc_step__",
+            "grpclib.server.Handler._tasks",
+            "grpclib.protocol.Stream._transport",
+            "grpclib.protocol.Stream._h2_connection",
+            "grpclib.protocol.Stream.connection",
+            "grpclib.protocol.Stream.buffer",
+            "grpclib.protocol.Stream.closable",
+            "grpclib.protocol.Stream.__terminated__",
+            "grpclib.protocol.Buffer._acked",
+            "grpclib.protocol.Buffer._acked_size",
+            "grpclib.protocol.Buffer._unacked",
+            "grpclib.protocol.Connection._connection",
+            "grpclib.protocol.Connection.messages_received",
+            "grpclib.protocol.Connection.last_message_received",
+            "grpclib.protocol.Connection.stream_close_waiter",
+            "grpclib.protocol.Connection.write_ready",
+            "grpclib.protocol.Connection.data_sent",
+            "grpclib.protocol.EventsProcessor.streams",
+            "grpclib.protocol.EventsProcessor.process_request_received",
+            "grpclib.protocol.EventsProcessor.process_remote_settings_changed",
+            "grpclib.protocol.EventsProcessor.process_stream_reset",
+            "grpclib.protocol._set_nodelay",
+            "grpclib.client.Channel._config",
+            "grpclib.client.Channel._h2_config",
+        ),
+        parameters={
+            "grpclib.server.Handler.__init__": (
+                "self",
+                "mapping",
+                "codec",
+                "status_details_codec",
+                "dispatch",
+            ),
+            "grpclib.server.Server._protocol_factory": ("self",),
+            "grpclib.client.Channel._protocol_factory": ("self",),
+            "grpclib.protocol.H2Protocol.__init__": ("self", "handler", "config", "h2_config"),
+            "grpclib.protocol.EventsProcessor.__init__": ("self", "handler", "connection"),
+            "grpclib.protocol.EventsProcessor.register": ("self", "stream"),
+            "grpclib.protocol.Stream.recv_data": ("self", "size"),
+        },
+    ),
+    *_h2_limits.REQUIRES,
+    _hpack_patches.REQUIRES,
+)
+"""Everything in grpclib, h2, hyperframe and hpack that this module and the transport's own
+(`hloserve._h2_limits`, `hloserve._h2_protocol`) reach into."""
 
 
-def _no_repr(_: object) -> str:
-    return ""
-
-
-class _BigFrameH2Connection(grpclib.protocol.H2Connection):
-    def initiate_connection(self) -> None:
-        super().initiate_connection()
-        self.update_settings({h2.settings.SettingCodes.MAX_FRAME_SIZE: MAX_FRAME_SIZE})
+@functools.cache
+def install() -> None:
+    """Check that grpclib, h2, hyperframe and hpack are what the patches were written for; raise
+    `PatchMismatch` saying what differs otherwise. Nothing process-wide is replaced."""
+    check(*REQUIRES)
 
 
 def _payload_refused(flags: int) -> GRPCError | None:
@@ -62,52 +136,85 @@ def _payload_refused(flags: int) -> GRPCError | None:
     return None
 
 
-async def _recv_message(self: grpclib.server.Stream[Any, Any]) -> Any:
-    """grpclib's server `Stream.recv_message`, within the transport's bounds: a message over
-    `server.max_message_bytes` or the budgets of messages being received is refused before it
-    is buffered; a body that does not decode, and a unary call without exactly one message,
-    are INVALID_ARGUMENT naming the RPC."""
-    stream = self._stream
-    rpc = self._method_name.rpartition("/")[2]
-    unary = not self._cardinality.client_streaming
-    meta = await stream.recv_data(5)
-    if not meta:
-        if unary and not self._messages_received:
+class GuardedStream(grpclib.server.Stream[Any, Any]):
+    """grpclib's server stream, receiving within the transport's bounds. `GracefulServer` makes
+    each of its calls' streams one (grpclib builds them in a module function no server can
+    configure)."""
+
+    async def recv_message(self) -> Any:
+        """A message over `server.max_message_bytes` or the budgets of messages being received
+        is refused before it is buffered; a body that does not decode, and a unary call without
+        exactly one message, are INVALID_ARGUMENT naming the RPC."""
+        stream = self._stream
+        rpc = self._method_name.rpartition("/")[2]
+        unary = not self._cardinality.client_streaming
+        meta = await stream.recv_data(5)
+        if not meta:
+            if unary and not self._messages_received:
+                raise GRPCError(
+                    Status.INVALID_ARGUMENT, f"{rpc}: the request has no message; a unary call carries one"
+                )
+            return None
+        refused = _payload_refused(meta[0])
+        if refused is not None:
+            raise refused
+        (length,) = struct.unpack(">I", meta[1:])
+        protocol: GuardedProtocol = stream.connection.guard  # type: ignore[attr-defined]
+        limit = protocol.guard.limits.max_message_bytes
+        if length > limit:
             raise GRPCError(
-                Status.INVALID_ARGUMENT, f"{rpc}: the request has no message; a unary call carries one"
+                Status.RESOURCE_EXHAUSTED,
+                f"request of {length} bytes exceeds server.max_message_bytes ({limit}); "
+                "send large tensors through system shared memory or raise the limit",
             )
-        return None
-    refused = _payload_refused(meta[0])
-    if refused is not None:
-        raise refused
-    (length,) = struct.unpack(">I", meta[1:])
-    protocol: GuardedProtocol | None = getattr(stream.connection, "guard", None)  # None: not ours
-    limit = (protocol.guard.limits if protocol is not None else _UNGUARDED).max_message_bytes
-    if length > limit:
-        raise GRPCError(
-            Status.RESOURCE_EXHAUSTED,
-            f"request of {length} bytes exceeds server.max_message_bytes ({limit}); "
-            "send large tensors through system shared memory or raise the limit",
-        )
-    with protocol.receiving(length, rpc) if protocol is not None else contextlib.nullcontext():
-        data = await stream.recv_data(length)
-    try:
-        message = self._codec.decode(data, self._recv_type)
-    except GRPCError:
-        raise
-    except Exception as e:
-        detail = f"{type(e).__name__}: {e}"[:_DETAIL_CHARS]
-        raise GRPCError(
-            Status.INVALID_ARGUMENT,
-            f"{rpc}: the request body does not decode as {self._recv_type.__name__} ({detail})",
-        ) from None
-    if unary and await stream.recv_data(5):
-        raise GRPCError(Status.INVALID_ARGUMENT, f"{rpc} is unary: the request carries a second message")
-    (message,) = await self._dispatch.recv_message(message)
-    self._messages_received += 1
-    stream.connection.messages_received += 1
-    stream.connection.last_message_received = time.monotonic()
-    return message
+        with protocol.receiving(length, rpc):
+            data = await stream.recv_data(length)
+        try:
+            message = self._codec.decode(data, self._recv_type)
+        except GRPCError:
+            raise
+        except Exception as e:
+            detail = f"{type(e).__name__}: {e}"[:_DETAIL_CHARS]
+            raise GRPCError(
+                Status.INVALID_ARGUMENT,
+                f"{rpc}: the request body does not decode as {self._recv_type.__name__} ({detail})",
+            ) from None
+        if unary and await stream.recv_data(5):
+            raise GRPCError(Status.INVALID_ARGUMENT, f"{rpc} is unary: the request carries a second message")
+        (message,) = await self._dispatch.recv_message(message)
+        self._messages_received += 1
+        stream.connection.messages_received += 1
+        stream.connection.last_message_received = time.monotonic()
+        return message
+
+
+def _guarded(handler: grpclib.const.Handler) -> grpclib.const.Handler:
+    """`handler`, its stream made a `GuardedStream` before the method sees it."""
+    method: Callable[[Any], Coroutine[Any, Any, None]] = handler.func
+
+    async def guarded(stream: grpclib.server.Stream[Any, Any]) -> None:
+        stream.__class__ = GuardedStream  # the same object: grpclib's request_handler closes it
+        await method(stream)
+
+    return handler._replace(func=guarded)
+
+
+class _BigFrameClientProtocol(grpclib.protocol.H2Protocol):
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self.connection._connection.update_settings({h2.settings.SettingCodes.MAX_FRAME_SIZE: MAX_FRAME_SIZE})
+        self.connection.flush()
+
+
+class BigFrameChannel(grpclib.client.Channel):
+    """A grpclib channel that takes 1 MiB frames, so a large reply comes in few."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        install()
+        super().__init__(*args, **kwargs)
+
+    def _protocol_factory(self) -> grpclib.protocol.H2Protocol:
+        return _BigFrameClientProtocol(grpclib.client.Handler(), self._config, self._h2_config)
 
 
 class _Cork:
@@ -142,25 +249,19 @@ async def send_reply(stream: Any, message: Any) -> None:
         transport.write(b"".join(cork.parts))
 
 
-def install() -> None:
-    """Apply the patches."""
-    # The only repr() in h2.connection is the argument of that trace call; a module global
-    # shadows the builtin there and nowhere else.
-    h2.connection.repr = _no_repr  # type: ignore[attr-defined]
-    grpclib.protocol.H2Connection = _BigFrameH2Connection  # type: ignore[misc]
-    grpclib.server.Stream.recv_message = _recv_message  # type: ignore[method-assign]
-
-
 class GracefulServer(grpclib.server.Server):
     """A grpclib server within `limits`, whose shutdown lets calls finish, then tells clients
     with GOAWAY.
 
     New calls are refused with UNAVAILABLE once draining starts; calls still running after the
-    grace period are cancelled. Relies on grpclib 0.4.9 internals (pinned).
+    grace period are cancelled. Its connections are `GuardedProtocol`s, its streams
+    `GuardedStream`s.
     """
 
     def __init__(self, *args: Any, limits: TransportLimits | None = None, **kwargs: Any) -> None:
+        install()
         super().__init__(*args, **kwargs)
+        self._mapping = {path: _guarded(handler) for path, handler in self._mapping.items()}
         self.guard = ServerGuard(limits or TransportLimits())
         self._protocols: weakref.WeakSet[Any] = weakref.WeakSet()
         self.draining = False

@@ -1,9 +1,22 @@
 """The gRPC transport's bounds (`TransportLimits`, one `ServerGuard` per server) and the part
-h2 itself enforces: `LimitedH2Connection`, whose advertised settings hold from the first frame
-(h2 4.4.1 enforces them only once the peer acks them: a first 64 KiB request on a fresh
-connection was torn down as an oversized frame), whose stream limit refuses the stream rather
-than the connection, and whose header blocks are bounded in bytes. What grpclib must do per
-connection is `hloserve._h2_protocol`.
+h2 itself enforces: `LimitedH2Connection`, hloserve's server-side h2 connection (no other h2
+user in the process is touched), which
+
+* holds its advertised settings from the first frame: h2 4.4.1 applies local settings only once
+  the peer acks them (python-hyper/h2#1288, as designed there), and checks a read's frames
+  against the limit in force when the read began, so a client's SETTINGS ack and its first
+  64 KiB request in one read were torn down as an oversized frame;
+* refuses a stream past the stream limit (REFUSED_STREAM) rather than the whole connection;
+* bounds header blocks in bytes (h2 counts 64 CONTINUATION frames: 64 MiB at 1 MiB frames);
+* does not hexlify DATA payloads for a trace log: h2 builds `repr(frame)` of every frame it
+  receives before calling the logger, and hyperframe's repr of a DATA frame serializes and
+  hexlifies the whole payload before cutting it to 20 digits, ~3.5 ms per 1 MiB frame (not
+  filed upstream: h2 could pass the frame to the logger lazily, hyperframe could hexlify only
+  the digits it shows);
+* Huffman-encodes headers in linear time (`hloserve._hpack_patches`).
+
+What grpclib must do per connection is `hloserve._h2_protocol`; `REQUIRES` lists what this
+module reaches into.
 """
 
 from __future__ import annotations
@@ -21,13 +34,17 @@ import h2.settings
 import structlog
 from h2.errors import ErrorCodes
 from h2.events import RequestReceived, StreamEnded
-from hyperframe.frame import HeadersFrame
+from hyperframe.frame import DataFrame, HeadersFrame
+
+from hloserve._hpack_patches import LinearHuffmanEncoder
+from hloserve._patch_requirements import Requires
 
 if TYPE_CHECKING:
     from hloserve.config import ServerConfig
 
 __all__ = [
     "MAX_FRAME_SIZE",
+    "REQUIRES",
     "LimitedH2Connection",
     "ServerGuard",
     "TransportLimits",
@@ -42,6 +59,38 @@ _HARD_HEADER_FACTOR = 4
 """Header lists up to this multiple of the limit are decoded and refused per stream (HPACK's
 state must stay in step); beyond it the connection is closed (an HPACK bomb)."""
 _DESCRIPTOR_RESERVE = 128
+REQUIRES = (
+    Requires(
+        __name__,
+        "h2",
+        "4.4.1",
+        members=(
+            "h2.connection.H2Connection._frame_dispatch_table",
+            "h2.connection.H2Connection._receive_data_frame",
+            "h2.connection.H2Connection._receive_headers_frame",
+            "h2.connection.H2Connection.open_inbound_streams",
+            "h2.connection.H2Connection.local_settings",
+            "h2.connection.H2Connection.max_inbound_frame_size",
+            "h2.connection.H2Connection.incoming_buffer",
+            "h2.connection.H2Connection.decoder",
+            "h2.connection.H2Connection.encoder",
+            "h2.connection.H2Connection.streams",
+            "h2.frame_buffer.FrameBuffer._headers_buffer",
+            "h2.settings.Settings.max_concurrent_streams",
+            "h2.stream.H2Stream.state_machine",
+            "h2.stream.StreamState.HALF_CLOSED_LOCAL",
+        ),
+        parameters={
+            "h2.frame_buffer.FrameBuffer.__init__": ("self", "server"),
+            "h2.frame_buffer.FrameBuffer._update_header_buffer": ("self", "f"),
+            "h2.connection.H2Connection._receive_frame": ("self", "frame"),
+            "h2.connection.H2Connection._receive_data_frame": ("self", "frame"),
+            "h2.connection.H2Connection._receive_headers_frame": ("self", "frame"),
+        },
+    ),
+    Requires(__name__, "hyperframe", "6.1.0", members=("hyperframe.frame.DataFrame.data",)),
+)
+
 _OUT_OF_DESCRIPTORS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 
@@ -124,13 +173,27 @@ class _AdvertisedSettings(h2.settings.Settings):
         return 2**31
 
 
+class _DataFrame(DataFrame):
+    """A received DATA frame whose repr, built by h2 for every frame, costs nothing."""
+
+    def __repr__(self) -> str:
+        return f"DataFrame(stream_id={self.stream_id}, {len(self.data)} bytes)"
+
+
 class _BoundedFrameBuffer(h2.frame_buffer.FrameBuffer):
     """h2's frame buffer, holding at most `limit` bytes of one header block before END_HEADERS
-    (h2 counts 64 CONTINUATION frames, not bytes: 64 MiB at our frame size)."""
+    (h2 counts 64 CONTINUATION frames, not bytes: 64 MiB at our frame size), and handing out
+    DATA frames as `_DataFrame`s."""
 
     def __init__(self, limit: int) -> None:
         super().__init__(server=True)
         self.limit = limit
+
+    def __next__(self) -> Any:
+        frame = super().__next__()
+        if type(frame) is DataFrame:
+            frame.__class__ = _DataFrame
+        return frame
 
     def _update_header_buffer(self, f: Any) -> Any:
         f = super()._update_header_buffer(f)
@@ -146,8 +209,7 @@ class _BoundedFrameBuffer(h2.frame_buffer.FrameBuffer):
 
 
 class LimitedH2Connection(h2.connection.H2Connection):
-    """A server-side h2 connection whose advertised settings hold from the first frame and
-    whose stream limit refuses the stream (REFUSED_STREAM) instead of the connection."""
+    """A server-side h2 connection within `limits`; see the module docstring."""
 
     def __init__(self, config: Any, limits: TransportLimits) -> None:
         super().__init__(config)
@@ -164,6 +226,11 @@ class LimitedH2Connection(h2.connection.H2Connection):
         hard = _HARD_HEADER_FACTOR * limits.max_header_list_bytes
         self.decoder.max_header_list_size = hard
         self.incoming_buffer = _BoundedFrameBuffer(hard)
+        self._frame_dispatch_table[_DataFrame] = self._receive_data_frame
+        stock = self.encoder.huffman_coder
+        self.encoder.huffman_coder = LinearHuffmanEncoder(
+            stock.huffman_code_list, stock.huffman_code_list_lengths
+        )
         self.refused = 0
 
     def _receive_headers_frame(self, frame: Any) -> Any:

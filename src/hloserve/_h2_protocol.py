@@ -6,7 +6,9 @@ SETTINGS acks queue without bound for a peer that never reads, idle and silent s
 for ever, GOAWAYs h2 prepares on a protocol error are never sent, and an exhausted descriptor
 table crashes the worker. `GuardedProtocol` answers each with a bound: a stream is refused
 (RST_STREAM REFUSED_STREAM, or a RESOURCE_EXHAUSTED status), an abusive connection gets GOAWAY
-ENHANCE_YOUR_CALM, and nothing else on the server notices.
+ENHANCE_YOUR_CALM, and nothing else on the server notices. None of these is filed upstream
+(vmagamedov/grpclib): each is stated where it is answered, precisely enough to be. What this
+module reaches into in grpclib and h2 is listed in `hloserve._grpclib_patches.REQUIRES`.
 """
 
 from __future__ import annotations

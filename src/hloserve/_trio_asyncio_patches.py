@@ -9,16 +9,34 @@ per request 0.47 → 0.34 ms.
 
 `install()` makes each pass run the callbacks queued when it starts, as asyncio does; those
 queued meanwhile wait for the next pass, so trio's own tasks still run between batches.
-Idempotent and process-wide; relies on trio-asyncio internals (pinned by pyproject).
+
+Process-wide, unlike the grpclib patches: `trio_asyncio.open_loop` builds its loop class with
+no way to pass another, so scoping this to hloserve's loop would mean copying `open_loop`; and
+every trio-asyncio loop in the process gains the same asyncio semantics (a callback queued
+while a batch runs still waits for the next pass). `install()` first checks trio-asyncio is the
+version this was written for. Not filed upstream as such (python-trio/trio-asyncio#44 measures
+the cost of each callback's trip through trio); the fix there would be this loop in
+`BaseTrioEventLoop._main_loop`.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from trio_asyncio._base import BaseTrioEventLoop
 
-__all__ = ["install"]
+from hloserve._patch_requirements import Requires, check
+
+__all__ = ["REQUIRES", "install"]
+
+REQUIRES = Requires(
+    __name__,
+    "trio-asyncio",
+    "0.16.0",
+    members=("trio_asyncio._base.BaseTrioEventLoop._q_recv",),
+    parameters={"trio_asyncio._base.BaseTrioEventLoop._main_loop_one": ("self", "no_wait")},
+)
 
 _run_one = BaseTrioEventLoop._main_loop_one
 
@@ -30,6 +48,8 @@ async def _run_ready(self: Any, no_wait: bool = False) -> None:
         await _run_one(self, True)  # never blocks: each turn takes a queued callback or a due timer
 
 
+@functools.cache
 def install() -> None:
-    """Apply the patch (once per process)."""
+    """Check trio-asyncio's version and internals, then apply the patch (once per process)."""
+    check(REQUIRES)
     BaseTrioEventLoop._main_loop_one = _run_ready

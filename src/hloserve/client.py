@@ -16,10 +16,11 @@ from types import TracebackType
 from typing import Any
 
 import numpy as np
-from grpclib.client import Channel, UnaryUnaryMethod
+from grpclib.client import UnaryUnaryMethod
 from grpclib.config import Configuration
 
 from hloserve import dtypes
+from hloserve._grpclib_patches import BigFrameChannel
 from hloserve._proto import inference as kserve
 from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve.buffer_pool import BufferPool
@@ -34,7 +35,7 @@ class Client:
     """One connection to a worker; use as `async with` or call `close()`."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8001) -> None:
-        self._channel = Channel(
+        self._channel = BigFrameChannel(
             host,
             port,
             config=Configuration(http2_connection_window_size=16 << 20, http2_stream_window_size=16 << 20),

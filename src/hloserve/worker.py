@@ -22,7 +22,7 @@ import trio
 import trio_asyncio
 from grpclib.config import Configuration
 
-from hloserve import _grpclib_patches, _hpack_patches, _trio_asyncio_patches, _xla
+from hloserve import _grpclib_patches, _trio_asyncio_patches, _xla
 from hloserve._proto_codec import KnownFieldsCodec
 from hloserve.actors import supervised
 from hloserve.actors.dispatcher import Dispatcher
@@ -63,9 +63,8 @@ class Worker(ModelTable):
 async def serve(config: Config) -> AsyncIterator[Worker]:
     """Run a whole worker for the duration of the block; see the module docstring."""
     server_config = config.server
-    _grpclib_patches.install()
+    _grpclib_patches.install()  # checks grpclib, h2, hyperframe and hpack; replaces nothing
     _trio_asyncio_patches.install()
-    _hpack_patches.install()
     await trio.to_thread.run_sync(_xla.warm_up)
     cache = None
     if server_config.cache_executables:
