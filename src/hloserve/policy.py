@@ -1,7 +1,7 @@
 """The scheduler's decisions as pure functions: which requests to batch, which model runs next.
 
 The actors hold the state; these functions only compute from it, so every rule is tested
-against the worked examples of research/upstream.md §2.3 and §2.4 without a server.
+against ReactantServer.jl's worked examples without a server.
 
 Coalescing (`plan_batch`): the leading run of requests with the same shape variant; the
 largest compiled size not above the queued rows (the smallest when there are fewer rows than

@@ -466,11 +466,13 @@ def test_cancelled_streams_are_released_at_once(lean: Any) -> None:
         assert peer.call("ServerLive", framed(b"")).get("grpc-status") == "0"  # all processed
 
     with Peer(lean.port) as peer:
-        open_and_cancel(peer, 5000)  # the first round grows the heap once (pools, dicts)
+        for _ in range(2):  # the first rounds grow the heap to its working size (pools, dicts)
+            open_and_cancel(peer, 5000)
         before = rss_bytes(lean.pid)
-        open_and_cancel(peer, 5000)
-        grown = settled_rss(lean.pid, before + 8 * MiB) - before
-        assert grown < 8 * MiB, f"RSS grew by {grown / MiB:.1f} MiB"
+        for _ in range(2):  # leaking, these would add about 70 MiB
+            open_and_cancel(peer, 5000)
+        grown = settled_rss(lean.pid, before + 16 * MiB) - before
+        assert grown < 16 * MiB, f"RSS grew by {grown / MiB:.1f} MiB"
         assert peer.terminated is None
     assert_serves(lean.url)
 
@@ -551,7 +553,12 @@ def test_running_out_of_descriptors_refuses_connections_and_keeps_serving(
             time.sleep(1)
             assert process.process.poll() is None
             if max_connections is None:  # the cap is 256 - 128: the rest get GOAWAY and are closed
-                refused = sum(p.ended(timeout=0.01) and p.terminated is not None for p in flood)
+                deadline = time.monotonic() + 10  # a loaded machine may take a while to refuse all
+                while True:
+                    refused = sum(p.ended(timeout=0.01) and p.terminated is not None for p in flood)
+                    if refused >= 300 - 127 or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.2)
                 assert refused >= 300 - 127, refused
             else:  # accept() runs out of descriptors: the rest wait in the listen backlog
                 assert "cannot accept a connection" in process.log.read_text()
