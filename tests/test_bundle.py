@@ -9,9 +9,9 @@ import jax
 import jax.extend.mlir
 import numpy as np
 import pytest
-from bundle_fixtures import PARAMS, edit_manifest, edit_weights_metadata, write_affine
 from jaxlib.mlir.dialects import stablehlo
 from safetensors.numpy import save_file
+from support.bundles import PARAMS, edit_manifest, edit_weights_metadata, write_affine
 
 from hloserve.bundle import discover, load_bundle, read_weights
 from hloserve.errors import BundleError
