@@ -16,6 +16,8 @@ import tritonclient.grpc as grpcclient
 import yaml
 from flax import linen, nnx
 from safetensors import safe_open
+from support.bundles import PARAMS as AFFINE
+from support.bundles import affine
 from support.servers import EXAMPLES, make_config, start_worker
 
 from hloserve import _xla
@@ -229,13 +231,6 @@ def test_flax_models_exported_and_served_match_flax(tmp_path: Path) -> None:
                 served, np.asarray(linen_model.apply(variables, x)), rtol=1e-5, atol=1e-6
             )
         client.close()
-
-
-def affine(params: Any, x: Any) -> Any:
-    return x @ params["w"] + params["b"]
-
-
-AFFINE = {"w": np.arange(12, dtype=np.float32).reshape(4, 3) / 10, "b": np.ones(3, np.float32)}
 
 
 def test_verification_catches_a_bundle_that_differs_from_its_model(tmp_path: Path) -> None:

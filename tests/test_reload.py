@@ -12,8 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from safetensors.numpy import save_file
-from support.bundles import PARAMS, X, affine, affine_output, write_affine
+from support.bundles import PARAMS, X, affine, affine_output, save_affine_weights, write_affine
 from support.servers import make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
@@ -104,9 +103,7 @@ def test_changed_weights_reload_the_bundle_while_its_own_clients_keep_going(live
     ]
     for thread in threads:
         thread.start()
-    save_file(
-        doubled, str(path / "scaled" / "weights.safetensors"), metadata={"argument_order": '["b", "w"]'}
-    )
+    save_affine_weights(path / "scaled", doubled)
     try:
         _eventually(lambda: _is(affine_output(client, "scaled"), new))
         time.sleep(0.2)

@@ -11,8 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from safetensors.numpy import save_file
-from support.bundles import PARAMS, X, affine, affine_output, edit_manifest, write_affine
+from support.bundles import PARAMS, X, affine, affine_output, edit_manifest, save_affine_weights, write_affine
 from support.servers import ServerThread, make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
@@ -40,7 +39,7 @@ def test_load_a_new_bundle_then_reload_it_changed(repo: Any) -> None:
     assert "late" in [m.name for m in client.get_model_repository_index().models]
     np.testing.assert_allclose(affine_output(client, "late"), affine(PARAMS, X), rtol=1e-6)
     doubled = {"b": PARAMS["b"] * 2, "w": PARAMS["w"] * 2}
-    save_file(doubled, str(path / "late" / "weights.safetensors"), metadata={"argument_order": '["b", "w"]'})
+    save_affine_weights(path / "late", doubled)
     client.load_model("late")
     np.testing.assert_allclose(affine_output(client, "late"), affine(doubled, X), rtol=1e-6)
 

@@ -139,7 +139,7 @@ def _executing_slow(server: ServerThread, pool: ThreadPoolExecutor) -> Any:
     """A request to the `slow` model, from `pool`, returned once it has left its queue (it is
     executing)."""
     slow = pool.submit(
-        infer, grpcclient.InferenceServerClient(server.url), "slow", np.ones((1, 256), np.float32)
+        infer, grpcclient.InferenceServerClient(server.url), "slow", {"INPUT0": np.ones((1, 256), np.float32)}
     )
     deadline = time.monotonic() + 10
     while server.call(lambda: server.worker.statistics["slow"].queue.count) == 0:

@@ -151,6 +151,11 @@ def assert_refused(triton: Any, call: Any, request: Any, code: grpc.StatusCode, 
     assert_good_request_served(triton)
 
 
+def assert_infer_refused(triton: Any, stub: Any, request: Any, says: str) -> None:
+    """A raw ModelInfer is INVALID_ARGUMENT, saying `says`; the next request is served."""
+    assert_refused(triton, stub.ModelInfer, request, grpc.StatusCode.INVALID_ARGUMENT, says)
+
+
 class TestBadInput:
     """Each bad request gets its status and a message naming what was wrong; the next one is served."""
 
@@ -228,42 +233,26 @@ class TestBadInput:
         ],
     )
     def test_bad_raw_request(self, triton: Any, stub: Any, request_: Any, says: str) -> None:
-        assert_refused(triton, stub.ModelInfer, request_, grpc.StatusCode.INVALID_ARGUMENT, says)
+        assert_infer_refused(triton, stub, request_, says)
 
     def test_duplicated_input(self, triton: Any, stub: Any) -> None:
         request = _raw_request([1, 16], b"\0" * 64)
         request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
         request.raw_input_contents.append(b"\0" * 64)
-        assert_refused(
-            triton,
-            stub.ModelInfer,
-            request,
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "tensor 'INPUT0': input given more than once",
-        )
+        assert_infer_refused(triton, stub, request, "tensor 'INPUT0': input given more than once")
 
     def test_raw_contents_count_must_match_inputs(self, triton: Any, stub: Any) -> None:
         request = _raw_request([1, 16], b"\0" * 64)
         request.raw_input_contents.append(b"\0" * 64)
-        assert_refused(
-            triton,
-            stub.ModelInfer,
-            request,
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "raw_input_contents has 2 entries for 1 inputs",
-        )
+        assert_infer_refused(triton, stub, request, "raw_input_contents has 2 entries for 1 inputs")
 
     def test_typed_contents_with_the_wrong_count(self, triton: Any, stub: Any) -> None:
         request = service_pb2.ModelInferRequest(model_name="mlp")
         request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16]).contents.fp32_contents.extend(
             [1.0] * 3
         )
-        assert_refused(
-            triton,
-            stub.ModelInfer,
-            request,
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "contents.fp32_contents holds 3 values, shape [1, 16] needs 16",
+        assert_infer_refused(
+            triton, stub, request, "contents.fp32_contents holds 3 values, shape [1, 16] needs 16"
         )
 
     @pytest.mark.parametrize(
@@ -343,8 +332,8 @@ def test_large_and_small_replies_interleave_on_one_connection(tmp_path: Path) ->
         big = [rng.random((4, 65536), dtype=np.float32) for _ in range(12)]  # 1 MiB replies
         small = [rng.random((1, 16), dtype=np.float32) for _ in range(48)]
         with ThreadPoolExecutor(8) as pool:
-            big_results = [pool.submit(infer, client, "double", x, name="X") for x in big]
-            small_results = [pool.submit(infer, client, "mlp", x) for x in small]
+            big_results = [pool.submit(infer, client, "double", {"X": x}) for x in big]
+            small_results = [pool.submit(infer, client, "mlp", {"INPUT0": x}) for x in small]
             for x, future in zip(big, big_results, strict=True):
                 np.testing.assert_array_equal(future.result(timeout=60).as_numpy("output_0"), x * 2)
             for x, future in zip(small, small_results, strict=True):

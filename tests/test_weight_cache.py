@@ -9,7 +9,14 @@ import pytest
 import structlog
 import trio
 import tritonclient.grpc as grpcclient
-from support.bundles import PARAMS, WEIGHT_BYTES, affine, assert_affine_answers, write_affine
+from support.bundles import (
+    PARAMS,
+    WEIGHT_BYTES,
+    affine,
+    assert_affine_answers,
+    save_affine_weights,
+    write_affine,
+)
 from support.servers import ServerThread, make_config, residency, start_worker
 from tritonclient.utils import InferenceServerException
 
@@ -66,7 +73,6 @@ def test_a_model_larger_than_the_budget_loads_alone_with_a_warning(tmp_path: Pat
 
 def test_unpinned_models_are_read_from_the_file_at_each_load(tmp_path: Path) -> None:
     """`unpinned` re-reads the file at every load; `system` keeps the floor read at start."""
-    from safetensors.numpy import save_file
 
     with _server(tmp_path, "ab", budget=WEIGHT_BYTES + 10, a="unpinned") as server:
         client = grpcclient.InferenceServerClient(server.url)
@@ -75,11 +81,7 @@ def test_unpinned_models_are_read_from_the_file_at_each_load(tmp_path: Path) -> 
         assert residency(server) == {"a": (False, 2, 2), "b": (True, 2, 1)}
         doubled = {"b": PARAMS["b"] * 2, "w": PARAMS["w"] * 2}
         for name in "ab":
-            save_file(
-                doubled,
-                str(tmp_path / name / "weights.safetensors"),
-                metadata={"argument_order": '["b", "w"]'},
-            )
+            save_affine_weights(tmp_path / name, doubled)
         x = np.ones((1, 4), np.float32)
         tensor = grpcclient.InferInput("INPUT", [1, 4], "FP32")
         tensor.set_data_from_numpy(x)

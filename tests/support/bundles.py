@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import yaml
+from safetensors.numpy import save_file
 
 from hloserve.export import InputSpec, OutputSpec, export_bundle
 
@@ -51,6 +52,11 @@ def write_affine(directory: Path, batch_sizes: tuple[int, ...] = (1, 2)) -> Path
         outputs=[OutputSpec("OUTPUT", letters="k")],
         verify=False,  # a fixture; the exporter's own tests verify
     )
+
+
+def save_affine_weights(directory: Path, params: dict[str, np.ndarray]) -> None:
+    """Replace an affine bundle's weights file with `params` (`b` and `w`, in argument order)."""
+    save_file(dict(params), str(directory / "weights.safetensors"), metadata={"argument_order": '["b", "w"]'})
 
 
 def write_total(directory: Path) -> Path:
