@@ -7,10 +7,8 @@ from typing import Any
 
 import pytest
 import tritonclient.grpc as grpcclient
-from bundle_fixtures import write_affine
-from conftest import ServerThread, make_config
-from test_weight_cache import _infer as infer
-from test_weight_cache import _resident as resident_state
+from support.bundles import assert_affine_answers, write_affine
+from support.servers import make_config, residency, start_worker
 
 from hloserve import _xla
 from hloserve.budget import WeightBudget, scratch_of, weight_budget
@@ -58,17 +56,14 @@ def test_on_cpu_a_configured_arena_sizes_the_budget_and_the_cache_evicts(tmp_pat
     arena = int((scratch + 130) / 0.9) + 1  # room for two 60-byte models beside the scratch
     expected = weight_budget(arena, 1.0, 0.1, scratch, 0).on_demand
     assert 120 <= expected < 180
-    server = ServerThread(make_config(tmp_path).replace("weights", arena_bytes=arena)).start()
-    client = grpcclient.InferenceServerClient(server.url)
-    try:
+    with start_worker(make_config(tmp_path).replace("weights", arena_bytes=arena)) as server:
+        client = grpcclient.InferenceServerClient(server.url)
         assert server.worker.weight_budget == expected
         for name in "abcab":
-            infer(client, name)
-        resident = [name for name, (on_device, _, _) in resident_state(server).items() if on_device]
+            assert_affine_answers(client, name)
+        resident = [name for name, (on_device, _, _) in residency(server).items() if on_device]
         assert resident == ["a", "b"]  # c was evicted least-recently used
-    finally:
         client.close()
-        server.stop()
 
 
 def test_on_a_gpu_the_allocator_limit_and_peaks_size_the_budget(tmp_path: Path, monkeypatch: Any) -> None:
@@ -76,13 +71,8 @@ def test_on_a_gpu_the_allocator_limit_and_peaks_size_the_budget(tmp_path: Path, 
     # A stand-in for a GPU allocator's statistics (none exist on this machine's CPU backend).
     stats = {"bytes_limit": 10_000, "peak_bytes_in_use": 2_000, "bytes_in_use": 0}
     monkeypatch.setattr(_xla, "memory_stats", lambda: dict(stats))
-    server = ServerThread(make_config(tmp_path)).start()
-    try:  # scratch = 2000 peak - 60 bytes of weights; pool = min(10000, 9000 - 1940)
+    with start_worker(make_config(tmp_path)) as server:  # scratch = 2000 peak - 60 bytes of weights;
+        # pool = min(10000, 9000 - 1940)
         assert server.worker.weight_budget == weight_budget(10_000, 1.0, 0.1, 1_940, 0).on_demand == 7_060
-    finally:
-        server.stop()
-    off = ServerThread(make_config(tmp_path).replace("weights", fraction=0.0)).start()
-    try:
+    with start_worker(make_config(tmp_path).replace("weights", fraction=0.0)) as off:
         assert off.worker.weight_budget is None
-    finally:
-        off.stop()

@@ -9,9 +9,9 @@ import jax
 import jax.extend.mlir
 import numpy as np
 import pytest
-from bundle_fixtures import PARAMS, edit_manifest, edit_weights_metadata, write_affine
 from jaxlib.mlir.dialects import stablehlo
 from safetensors.numpy import save_file
+from support.bundles import PARAMS, edit_manifest, edit_weights_metadata, save_affine_weights, write_affine
 
 from hloserve.bundle import discover, load_bundle, read_weights
 from hloserve.errors import BundleError
@@ -140,20 +140,12 @@ def test_weights_empty_file_gives_an_empty_order(tmp_path: Path) -> None:
 
 
 def test_weight_whose_shape_disagrees_with_the_module(affine: Path) -> None:
-    save_file(
-        {"b": np.ones(3, np.float32), "w": np.ones((3, 4), np.float32)},
-        str(affine / "weights.safetensors"),
-        metadata={"argument_order": '["b", "w"]'},
-    )
+    save_affine_weights(affine, {"b": np.ones(3, np.float32), "w": np.ones((3, 4), np.float32)})
     _expect(affine, "model.b1.mlir", "main", "argument 2 ('w') is f32[4,3], expected f32[3,4]")
 
 
 def test_weight_whose_dtype_disagrees_with_the_module(affine: Path) -> None:
-    save_file(
-        {"b": np.ones(3, np.float64), "w": np.ones((4, 3), np.float32)},
-        str(affine / "weights.safetensors"),
-        metadata={"argument_order": '["b", "w"]'},
-    )
+    save_affine_weights(affine, {"b": np.ones(3, np.float64), "w": np.ones((4, 3), np.float32)})
     _expect(affine, "model.b1.mlir", "main", "argument 1 ('b') is f32[3], expected f64[3]")
 
 

@@ -2,37 +2,22 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 import tritonclient.grpc as grpcclient
-from bundle_fixtures import write_affine
-from conftest import ServerThread, make_config
-from grpclib.client import Channel
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
-from test_weight_cache import WEIGHT_BYTES, _infer, _resident
+from support.bundles import WEIGHT_BYTES, assert_affine_answers, write_affine
+from support.clients import control
+from support.servers import ServerThread, make_config, residency, start_worker
 from tritonclient.utils import InferenceServerException
 
 from hloserve._proto import hloserve_control as hc
 
 T = TypeVar("T")
-
-
-def control(server: ServerThread, call: Callable[[hc.ControlServiceStub], Awaitable[T]]) -> T:
-    """Run one call of the control stub on a plain asyncio loop."""
-
-    async def main() -> T:
-        channel = Channel("127.0.0.1", server.worker.grpc_port)
-        try:
-            return await call(hc.ControlServiceStub(channel))
-        finally:
-            channel.close()
-
-    return asyncio.run(main())
 
 
 def _expect(
@@ -49,9 +34,8 @@ def _external(tmp_path: Path) -> Any:
     for name in "ab":
         write_affine(tmp_path / name)
     config = make_config(tmp_path).replace("weights", externally_managed=True, budget_bytes=10 * WEIGHT_BYTES)
-    server = ServerThread(config).start()
-    yield server
-    server.stop()
+    with start_worker(config) as server:
+        yield server
 
 
 def test_status_reports_every_model(server: ServerThread, triton: Any) -> None:
@@ -116,20 +100,20 @@ def test_residency_is_refused_when_self_managed(server: ServerThread) -> None:
 def test_externally_managed_residency_over_grpc(external: ServerThread) -> None:
     client = grpcclient.InferenceServerClient(external.url)
     with pytest.raises(InferenceServerException, match="not resident"):
-        _infer(client, "a")
+        assert_affine_answers(client, "a")
     reply = control(
         external,
         lambda s: s.set_model_residency(hc.SetModelResidencyRequest(name="a", target=hc.Residency.DEVICE)),
     )
     assert (reply.residency, reply.device_resident) == (hc.Residency.DEVICE, True)
-    _infer(client, "a")
+    assert_affine_answers(client, "a")
     reply = control(
         external,
         lambda s: s.set_model_residency(hc.SetModelResidencyRequest(name="a", target=hc.Residency.SYSTEM)),
     )
     assert (reply.residency, reply.device_resident) == (hc.Residency.SYSTEM, False)
     with pytest.raises(InferenceServerException, match="not resident"):
-        _infer(client, "a")
+        assert_affine_answers(client, "a")
     reply = control(
         external,
         lambda s: s.set_model_residency(hc.SetModelResidencyRequest(name="b", target=hc.Residency.UNPINNED)),
@@ -158,14 +142,13 @@ def test_externally_managed_residency_over_grpc(external: ServerThread) -> None:
 def test_compact_memory_over_grpc(tmp_path: Path) -> None:
     for name in "abc":
         write_affine(tmp_path / name)
-    server = ServerThread(make_config(tmp_path)).start()
-    try:
+    with start_worker(make_config(tmp_path)) as server:
         client = grpcclient.InferenceServerClient(server.url)
         for model in "abc":
-            _infer(client, model)
+            assert_affine_answers(client, model)
         reply = control(server, lambda s: s.compact_memory(hc.CompactMemoryRequest(reload_models=["c"])))
         assert (list(reply.reloaded_models), reply.resident_bytes_after) == (["c"], WEIGHT_BYTES)
-        assert {n for n, (resident, _, _) in _resident(server).items() if resident} == {"c"}
+        assert {n for n, (resident, _, _) in residency(server).items() if resident} == {"c"}
         status = control(server, lambda s: s.model_control_status(hc.ModelControlStatusRequest()))
         assert status.compactions == 1
         _expect(
@@ -175,5 +158,3 @@ def test_compact_memory_over_grpc(tmp_path: Path) -> None:
             "unknown model 'nope'",
         )
         client.close()
-    finally:
-        server.stop()

@@ -10,7 +10,7 @@ import typing
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from support.servers import ROOT
 
 from hloserve import config
 

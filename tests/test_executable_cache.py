@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import structlog
-from bundle_fixtures import PARAMS, affine, write_affine
-from conftest import ServerThread, make_config
+from support.bundles import PARAMS, affine, write_affine
+from support.servers import make_config, start_worker
 
 from hloserve import _xla
 from hloserve.bundle import load_bundle, read_weights
@@ -59,7 +59,7 @@ def test_the_worker_uses_the_cache_across_restarts(tmp_path: Path) -> None:
     config = make_config(tmp_path / "repo", executable_cache=tmp_path / "cache")
     with structlog.testing.capture_logs() as logs:
         for _ in range(2):
-            ServerThread(config).start().stop()
+            start_worker(config).stop()
     starts = [e for e in logs if e["event"] == "executable cache"]
     assert [(e["hits"], e["compiled"]) for e in starts] == [(0, 2), (2, 0)]
 

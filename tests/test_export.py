@@ -14,9 +14,11 @@ import pytest
 import structlog
 import tritonclient.grpc as grpcclient
 import yaml
-from conftest import EXAMPLES, ServerThread, make_config
 from flax import linen, nnx
 from safetensors import safe_open
+from support.bundles import PARAMS as AFFINE
+from support.bundles import affine
+from support.servers import EXAMPLES, make_config, start_worker
 
 from hloserve import _xla
 from hloserve.bundle import load_bundle, read_weights
@@ -216,8 +218,7 @@ def test_flax_models_exported_and_served_match_flax(tmp_path: Path) -> None:
     assert all(m.source.startswith(b"ML\xefR") for m in linen_bundle.modules)  # type: ignore[union-attr]
 
     nnx_model.eval()
-    server = ServerThread(make_config(tmp_path)).start()
-    try:
+    with start_worker(make_config(tmp_path)) as server:
         client = grpcclient.InferenceServerClient(server.url)
         for rows in (1, 4, 3):
             x = np.random.default_rng(rows).standard_normal((rows, 6)).astype(np.float32)
@@ -230,15 +231,6 @@ def test_flax_models_exported_and_served_match_flax(tmp_path: Path) -> None:
                 served, np.asarray(linen_model.apply(variables, x)), rtol=1e-5, atol=1e-6
             )
         client.close()
-    finally:
-        server.stop()
-
-
-def affine(params: Any, x: Any) -> Any:
-    return x @ params["w"] + params["b"]
-
-
-AFFINE = {"w": np.arange(12, dtype=np.float32).reshape(4, 3) / 10, "b": np.ones(3, np.float32)}
 
 
 def test_verification_catches_a_bundle_that_differs_from_its_model(tmp_path: Path) -> None:

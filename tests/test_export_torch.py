@@ -13,7 +13,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import yaml
-from conftest import ServerThread, make_config
+from support.servers import make_config, start_worker
 
 from hloserve.bundle import load_bundle
 from hloserve.cli import main
@@ -79,8 +79,7 @@ def test_torch_cnn_exported_and_served_matches_torch(tmp_path: Path) -> None:
     }
 
     model.eval()
-    server = ServerThread(make_config(tmp_path)).start()
-    try:
+    with start_worker(make_config(tmp_path)) as server:
         client = grpcclient.InferenceServerClient(server.url)
         for rows in (4, 1):
             image = torch.randn(rows, 3, 8, 8)
@@ -90,8 +89,6 @@ def test_torch_cnn_exported_and_served_matches_torch(tmp_path: Path) -> None:
             with torch.no_grad():
                 np.testing.assert_allclose(served, model(image).numpy(), rtol=1e-5, atol=1e-6)
         client.close()
-    finally:
-        server.stop()
 
 
 def test_torch_bytecode_bundle_loads_and_verifies(tmp_path: Path) -> None:

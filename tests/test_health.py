@@ -22,9 +22,9 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from bundle_fixtures import edit_manifest, write_affine
-from conftest import ServerThread, make_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support.bundles import edit_manifest, write_affine
+from support.servers import ServerThread, make_config, start_worker
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -85,9 +85,8 @@ def _mixed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     repository = tmp_path_factory.mktemp("mixed")
     write_affine(repository / "good")
     edit_manifest(write_affine(repository / "bad"), lambda m: m.update(format_version="9.9"))
-    server = ServerThread(make_config(repository)).start()
-    yield server
-    server.stop()
+    with start_worker(make_config(repository)) as server:
+        yield server
 
 
 def test_grpclib_health_client_checks_and_watches(server: ServerThread) -> None:
@@ -143,8 +142,7 @@ def test_watch_follows_a_model_loaded_later(tmp_path: Path) -> None:
     reports SERVING once it is loaded."""
     write_affine(tmp_path / "repository" / "first")
     write_affine(tmp_path / "late")
-    server = ServerThread(make_config(tmp_path / "repository")).start()
-    try:
+    with start_worker(make_config(tmp_path / "repository")) as server:
         with grpc.insecure_channel(server.url) as channel:
             stream = watch(channel, "late")
             assert next(stream).status == SERVICE_UNKNOWN
@@ -154,8 +152,6 @@ def test_watch_follows_a_model_loaded_later(tmp_path: Path) -> None:
             client.close()
             assert next(stream).status == SERVING
             stream.cancel()
-    finally:
-        server.stop()
 
 
 def test_draining_answers_not_serving_and_ends_watches(tmp_path: Path) -> None:
@@ -165,7 +161,7 @@ def test_draining_answers_not_serving_and_ends_watches(tmp_path: Path) -> None:
     entered, release = tmp_path / "entered", tmp_path / "release"
     held = HELD_PY.format(entered=str(entered), release=str(release))
     (write_affine(tmp_path / "repository" / "held") / "model.py").write_text(held)
-    server = ServerThread(make_config(tmp_path / "repository", shutdown_grace_s=30.0)).start()
+    server = start_worker(make_config(tmp_path / "repository", shutdown_grace_s=30.0))
     tensor = grpcclient.InferInput("INPUT", [1, 4], "FP32")
     tensor.set_data_from_numpy(np.ones((1, 4), np.float32))
     client = grpcclient.InferenceServerClient(server.url)
@@ -202,8 +198,7 @@ def test_draining_answers_not_serving_and_ends_watches(tmp_path: Path) -> None:
 
 def test_watch_streams_are_bounded(tmp_path: Path) -> None:
     write_affine(tmp_path / "one")
-    server = ServerThread(make_config(tmp_path, max_health_watches=1)).start()
-    try:
+    with start_worker(make_config(tmp_path, max_health_watches=1)) as server:
         with grpc.insecure_channel(server.url) as channel:
             first = watch(channel, "one")
             assert next(first).status == SERVING
@@ -224,5 +219,3 @@ def test_watch_streams_are_bounded(tmp_path: Path) -> None:
                     time.sleep(0.05)
                 finally:
                     again.cancel()
-    finally:
-        server.stop()

@@ -10,9 +10,10 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from bundle_fixtures import PARAMS, affine, edit_manifest, write_affine, write_total
-from conftest import EXAMPLES, ServerThread, make_config
 from export_examples import reference
+from support.bundles import PARAMS, affine, edit_manifest, write_affine, write_total
+from support.clients import infer
+from support.servers import EXAMPLES, make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
 HOOKED_PY = """
@@ -84,24 +85,16 @@ def _hooked(tmp_path_factory: pytest.TempPathFactory) -> Any:
     (doubled / "model.py").write_text(DOUBLED_PY)
     misnamed = write_affine(repository / "misnamed")
     (misnamed / "model.py").write_text("from hloserve import register_model\nregister_model('other')\n")
-    server = ServerThread(make_config(repository)).start()
-    client = grpcclient.InferenceServerClient(server.url)
-    yield client
-    client.close()
-    server.stop()
-
-
-def _infer(client: Any, values: np.ndarray, outputs: tuple[str, ...] = ()) -> Any:
-    tensor = grpcclient.InferInput("values", list(values.shape), "FP64")
-    tensor.set_data_from_numpy(values)
-    requested = [grpcclient.InferRequestedOutput(name) for name in outputs] or None
-    return client.infer("hooked", [tensor], outputs=requested)
+    with start_worker(make_config(repository)) as server:
+        client = grpcclient.InferenceServerClient(server.url)
+        yield client
+        client.close()
 
 
 @pytest.mark.parametrize("shape", [(1, 3), (2, 9), (3, 5), (4, 4)])
 def test_hooks_transform_client_tensors_of_any_length(hooked: Any, shape: tuple[int, int]) -> None:
     values = np.random.RandomState(sum(shape)).uniform(-3, 6, shape)
-    result = _infer(hooked, values)
+    result = infer(hooked, "hooked", {"values": values})
     label, above = expected(values)
     np.testing.assert_array_equal(result.as_numpy("label"), label)
     np.testing.assert_allclose(result.as_numpy("above"), above, rtol=1e-6)
@@ -110,7 +103,7 @@ def test_hooks_transform_client_tensors_of_any_length(hooked: Any, shape: tuple[
 
 def test_a_requested_subset_of_client_outputs(hooked: Any) -> None:
     values = np.linspace(0, 5, 6).reshape(1, 6)
-    result = _infer(hooked, values, outputs=("above",))
+    result = infer(hooked, "hooked", {"values": values}, outputs=("above",))
     assert [o.name for o in result.get_response().outputs] == ["above"]
     np.testing.assert_allclose(result.as_numpy("above"), expected(values)[1], rtol=1e-6)
 
@@ -132,7 +125,9 @@ def test_client_specs_are_enforced_before_the_hook(hooked: Any) -> None:
     assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
     assert "'values'" in raised.value.message() and "'FP64'" in raised.value.message()
     values = np.ones((1, 3))
-    np.testing.assert_array_equal(_infer(hooked, values).as_numpy("label"), expected(values)[0])
+    np.testing.assert_array_equal(
+        infer(hooked, "hooked", {"values": values}).as_numpy("label"), expected(values)[0]
+    )
 
 
 def test_a_preprocess_making_more_rows_than_the_model_runs_is_refused(hooked: Any) -> None:
@@ -150,20 +145,22 @@ def test_a_preprocess_making_more_rows_than_the_model_runs_is_refused(hooked: An
 
 def test_a_raising_hook_is_internal_with_its_message_and_the_model_keeps_serving(hooked: Any) -> None:
     with pytest.raises(InferenceServerException) as raised:
-        _infer(hooked, np.array([[1.0, np.nan, 2.0]]))
+        infer(hooked, "hooked", {"values": np.array([[1.0, np.nan, 2.0]])})
     assert raised.value.status() == "StatusCode.INTERNAL"
     assert "model 'hooked': preprocess failed: ValueError: values must be finite" in raised.value.message()
     values = np.ones((1, 3))
-    np.testing.assert_array_equal(_infer(hooked, values).as_numpy("label"), expected(values)[0])
+    np.testing.assert_array_equal(
+        infer(hooked, "hooked", {"values": values}).as_numpy("label"), expected(values)[0]
+    )
 
 
 def test_a_hook_returning_the_wrong_dtype_is_internal_and_names_the_tensor(hooked: Any) -> None:
     with pytest.raises(InferenceServerException) as raised:
-        _infer(hooked, np.full((1, 3), 1e9))
+        infer(hooked, "hooked", {"values": np.full((1, 3), 1e9)})
     assert raised.value.status() == "StatusCode.INTERNAL"
     message = raised.value.message()
     assert "postprocess" in message and "'label' is float64, expected int64" in message
-    assert _infer(hooked, np.ones((2, 3))).as_numpy("label").shape == (2, 1)
+    assert infer(hooked, "hooked", {"values": np.ones((2, 3))}).as_numpy("label").shape == (2, 1)
 
 
 def test_hooks_run_in_threads_beside_each_other_and_the_loop(hooked: Any, tmp_path: Path) -> None:
@@ -172,7 +169,7 @@ def test_hooks_run_in_threads_beside_each_other_and_the_loop(hooked: Any, tmp_pa
     plain.set_data_from_numpy(np.ones((1, 4), np.float32))
     with ThreadPoolExecutor(4) as pool:
         started = time.perf_counter()
-        slow_calls = [pool.submit(_infer, hooked, slow) for _ in range(3)]
+        slow_calls = [pool.submit(infer, hooked, "hooked", {"values": slow}) for _ in range(3)]
         time.sleep(0.05)
         answered = hooked.infer("plain", [plain])  # served while three hooks sleep
         plain_s = time.perf_counter() - started

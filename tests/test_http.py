@@ -25,7 +25,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.http.aio as aioclient
 import tritonclient.utils.shared_memory as shm
-from conftest import EXAMPLES, ROOT, ServerThread, make_config
+from support.servers import EXAMPLES, ROOT, ServerThread, make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
 from hloserve.config import load_config
@@ -55,13 +55,8 @@ def _rest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     )
     for name in ("mlp", "severity_grader"):
         shutil.copytree(EXAMPLES / name, repository / name)
-    server = ServerThread(make_config(repository, allow_client_shm=True, max_message_bytes=LIMIT)).start()
-    yield server
-    server.stop()
-
-
-def _http(server: ServerThread) -> str:
-    return f"127.0.0.1:{server.worker.http_port}"
+    with start_worker(make_config(repository, allow_client_shm=True, max_message_bytes=LIMIT)) as server:
+        yield server
 
 
 def _inputs(metadata: dict[str, Any], rows: int = 1, seed: int = 0) -> dict[str, np.ndarray]:
@@ -146,7 +141,7 @@ def _assert_serves(server: ServerThread) -> None:
 
 
 def test_health_metadata_config_stats_and_index_answer_as_grpc(server: ServerThread) -> None:
-    client = httpclient.InferenceServerClient(_http(server))
+    client = httpclient.InferenceServerClient(server.http_url)
     triton = grpcclient.InferenceServerClient(server.url)
     try:
         assert client.is_server_live() and client.is_server_ready()
@@ -189,7 +184,7 @@ def test_health_metadata_config_stats_and_index_answer_as_grpc(server: ServerThr
 
 
 def test_statistics_and_metrics_are_shared_with_grpc(rest: ServerThread) -> None:
-    client = httpclient.InferenceServerClient(_http(rest))
+    client = httpclient.InferenceServerClient(rest.http_url)
     triton = grpcclient.InferenceServerClient(rest.url)
     try:
 
@@ -213,7 +208,7 @@ def test_statistics_and_metrics_are_shared_with_grpc(rest: ServerThread) -> None
 
 
 def test_repository_load_and_unload(rest: ServerThread) -> None:
-    client = httpclient.InferenceServerClient(_http(rest))
+    client = httpclient.InferenceServerClient(rest.http_url)
     try:
         client.unload_model("severity_grader")
         assert not client.is_model_ready("severity_grader")
@@ -239,7 +234,7 @@ def test_repository_load_and_unload(rest: ServerThread) -> None:
 
 @pytest.mark.parametrize("model", ["cnn", "mlp", "pool", "severity_grader"])
 def test_every_example_model_answers_as_grpc(server: ServerThread, model: str) -> None:
-    client = httpclient.InferenceServerClient(_http(server))
+    client = httpclient.InferenceServerClient(server.http_url)
     try:
         arrays = _inputs(client.get_model_metadata(model), rows=2)
         expected = _grpc_answer(server, model, arrays)
@@ -257,7 +252,7 @@ def test_every_example_model_answers_as_grpc(server: ServerThread, model: str) -
 
 
 def test_json_and_binary_inputs_mixed_in_one_request(rest: ServerThread) -> None:
-    client = httpclient.InferenceServerClient(_http(rest))
+    client = httpclient.InferenceServerClient(rest.http_url)
     try:
         arrays = {
             "A": np.arange(8, dtype=np.float32).reshape(2, 4),
@@ -297,7 +292,7 @@ def test_json_and_binary_inputs_mixed_in_one_request(rest: ServerThread) -> None
 
 def test_aio_client(rest: ServerThread) -> None:
     async def main() -> None:
-        client = aioclient.InferenceServerClient(_http(rest))
+        client = aioclient.InferenceServerClient(rest.http_url)
         try:
             assert await client.is_server_live() and await client.is_server_ready()
             assert await client.is_model_ready("mlp")
@@ -327,7 +322,7 @@ def test_aio_client(rest: ServerThread) -> None:
 def test_compressed_requests_and_responses(
     rest: ServerThread, request_encoding: str | None, response_encoding: str | None
 ) -> None:
-    client = httpclient.InferenceServerClient(_http(rest))
+    client = httpclient.InferenceServerClient(rest.http_url)
     try:
         arrays = _inputs(client.get_model_metadata("mlp"), rows=2)
         result = client.infer(
@@ -369,7 +364,7 @@ def _post_raw_encoding(server: ServerThread, body: bytes, accept: str) -> tuple[
 
 
 def test_system_shared_memory_through_http(rest: ServerThread) -> None:
-    client = httpclient.InferenceServerClient(_http(rest))
+    client = httpclient.InferenceServerClient(rest.http_url)
     x = np.random.default_rng(1).random((2, 16), dtype=np.float32)
     handles = []
     try:
@@ -558,12 +553,9 @@ def test_chunked_body_over_the_limit_is_cut_off(rest: ServerThread) -> None:
 
 
 def test_http_port_minus_one_turns_rest_off() -> None:
-    server = ServerThread(make_config(http_port=-1)).start()
-    try:
+    with start_worker(make_config(http_port=-1)) as server:
         assert server.worker.http_port is None
         assert grpcclient.InferenceServerClient(server.url).is_server_live()
-    finally:
-        server.stop()
 
 
 def test_http_port_from_yaml_environment_and_flag(tmp_path: Path) -> None:
@@ -582,10 +574,8 @@ def test_http_port_from_yaml_environment_and_flag(tmp_path: Path) -> None:
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the start fails
 def test_a_taken_http_port_names_the_field(rest: ServerThread) -> None:
-    second = ServerThread(make_config(http_port=rest.worker.http_port))
     with pytest.raises(RuntimeError) as error:
-        second.start()
-    second.stop()  # the thread has ended (with the error) before the test does
+        start_worker(make_config(http_port=rest.worker.http_port))
 
     def leaves(e: BaseException) -> Iterator[BaseException]:
         if isinstance(e, BaseExceptionGroup):
@@ -626,7 +616,7 @@ def test_perf_analyzer_over_http(server: ServerThread, concurrency: int) -> None
 
     assert perf_analyzer_path() is not None, "run `python benches/perf_analyzer.py --install`"
     result = run_perf_analyzer(
-        ["-m", "mlp", "-u", _http(server), "-i", "http", "--measurement-interval", "1000",
+        ["-m", "mlp", "-u", server.http_url, "-i", "http", "--measurement-interval", "1000",
          "--concurrency-range", f"{concurrency}:{concurrency}", "-s", "100", "--max-trials", "3"],
         timeout=180,
     )  # fmt: skip
@@ -637,7 +627,7 @@ def test_perf_analyzer_over_http(server: ServerThread, concurrency: int) -> None
 
 
 def test_shutdown_closes_rest_promptly_with_an_idle_connection_open() -> None:
-    server = ServerThread(make_config()).start()
+    server = start_worker(make_config())
     port = server.worker.http_port
     idle = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     idle.request("HEAD", "/v2/health/ready")  # a load balancer's probe, then the connection idles

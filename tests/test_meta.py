@@ -13,10 +13,11 @@ import pytest
 import trio
 import tritonclient.grpc as grpcclient
 import yaml
-from bundle_fixtures import PARAMS, affine, write_affine, write_total
-from conftest import ServerThread, make_config
 from hloserve.actors.messages import Batch, Infer, Take
 from hloserve.actors.model_queue import ModelQueue, QueueSettings
+from support.bundles import PARAMS, affine, write_affine, write_total
+from support.clients import infer
+from support.servers import ServerThread, make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
 from hloserve.errors import InvalidInput
@@ -117,9 +118,8 @@ def _metas(tmp_path_factory: pytest.TempPathFactory) -> Any:
     write_total(repository / "total")
     _meta(repository / "totals", ["total"], TOTALS_PY, {"score": ("f32", 4)})
     config = make_config(repository, meta_concurrency=1, meta_scratch_bytes=1 << 16, meta_scratch_slots=4)
-    server = ServerThread(config).start()
-    yield server
-    server.stop()
+    with start_worker(config) as server:
+        yield server
 
 
 @pytest.fixture(name="client")
@@ -127,12 +127,6 @@ def _client(metas: ServerThread) -> Any:
     client = grpcclient.InferenceServerClient(metas.url)
     yield client
     client.close()
-
-
-def _infer(client: Any, model: str, x: np.ndarray, **kwargs: Any) -> Any:
-    tensor = grpcclient.InferInput("x", list(x.shape), "FP32")
-    tensor.set_data_from_numpy(x)
-    return client.infer(model, [tensor], **kwargs)
 
 
 def cascade(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -145,7 +139,7 @@ def cascade(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def test_a_meta_model_chains_two_models_with_a_branch(client: Any) -> None:
     for x, path in ((np.full((2, 4), 3.0, np.float32), 1), (np.zeros((3, 4), np.float32), 0)):
-        result = _infer(client, "cascade", x)
+        result = infer(client, "cascade", {"x": x})
         score, want_path = cascade(x)
         assert (result.as_numpy("path") == path).all()
         np.testing.assert_array_equal(result.as_numpy("path"), want_path)
@@ -170,7 +164,7 @@ def test_under_concurrent_load_every_answer_is_right(client: Any, metas: ServerT
 
     def one(x: np.ndarray) -> None:
         own = grpcclient.InferenceServerClient(metas.url)
-        result = _infer(own, "cascade", x)
+        result = infer(own, "cascade", {"x": x})
         own.close()
         score, path = cascade(x)
         np.testing.assert_array_equal(result.as_numpy("path"), path)
@@ -188,46 +182,46 @@ def test_under_concurrent_load_every_answer_is_right(client: Any, metas: ServerT
 def test_a_deadline_propagates_into_the_sub_calls(client: Any) -> None:
     x = np.full((1, 4), 0.4, np.float32)  # run sleeps 0.4 s, past the 0.2 s budget, then calls
     with pytest.raises(InferenceServerException) as raised:
-        _infer(client, "slow", x, timeout=200_000)  # Triton's timeout parameter, microseconds
+        infer(client, "slow", {"x": x}, timeout=200_000)  # Triton's timeout parameter, microseconds
     assert raised.value.status() == "StatusCode.DEADLINE_EXCEEDED"
     assert "deadline" in raised.value.message()
     quick = np.full((1, 4), 0.0, np.float32)
     np.testing.assert_allclose(
-        _infer(client, "slow", quick).as_numpy("score"), affine(PARAMS, quick), rtol=1e-6
+        infer(client, "slow", {"x": quick}).as_numpy("score"), affine(PARAMS, quick), rtol=1e-6
     )
 
 
 def test_the_gate_bounds_metas_in_flight_and_a_waiter_times_out(client: Any, metas: ServerThread) -> None:
     holder = np.full((1, 4), 0.6, np.float32)  # holds the only gate slot for 0.6 s
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        held = pool.submit(_infer, grpcclient.InferenceServerClient(metas.url), "slow", holder)
+        held = pool.submit(infer, grpcclient.InferenceServerClient(metas.url), "slow", {"x": holder})
         time.sleep(0.15)
         with pytest.raises(InferenceServerException) as raised:
-            _infer(client, "cascade", np.zeros((1, 4), np.float32), timeout=150_000)
+            infer(client, "cascade", {"x": np.zeros((1, 4), np.float32)}, timeout=150_000)
         assert raised.value.status() == "StatusCode.DEADLINE_EXCEEDED"
         assert "'cascade'" in raised.value.message()
         np.testing.assert_allclose(held.result().as_numpy("score"), affine(PARAMS, holder), rtol=1e-6)
-    assert _infer(client, "cascade", np.zeros((1, 4), np.float32)).as_numpy("path")[0, 0] == 0
+    assert infer(client, "cascade", {"x": np.zeros((1, 4), np.float32)}).as_numpy("path")[0, 0] == 0
 
 
 def test_scratch_is_carved_once_per_request_from_the_pool(client: Any) -> None:
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
     np.testing.assert_allclose(
-        _infer(client, "scratchy", x).as_numpy("score"), affine(PARAMS, x * 2), rtol=1e-6
+        infer(client, "scratchy", {"x": x}).as_numpy("score"), affine(PARAMS, x * 2), rtol=1e-6
     )
     with pytest.raises(InferenceServerException) as raised:
-        _infer(client, "scratchy", -np.ones((1, 4), np.float32))
+        infer(client, "scratchy", {"x": -np.ones((1, 4), np.float32)})
     assert raised.value.status() == "StatusCode.INTERNAL"
     assert "once per request" in raised.value.message()
     for _ in range(6):  # more requests than the pool's 4 slots: every slot came back
         np.testing.assert_allclose(
-            _infer(client, "scratchy", x).as_numpy("score"), affine(PARAMS, x * 2), rtol=1e-6
+            infer(client, "scratchy", {"x": x}).as_numpy("score"), affine(PARAMS, x * 2), rtol=1e-6
         )
 
 
 def test_an_undeclared_call_is_refused_with_the_fix(client: Any) -> None:
     with pytest.raises(InferenceServerException) as raised:
-        _infer(client, "scratchy", np.full((1, 4), 200.0, np.float32))
+        infer(client, "scratchy", {"x": np.full((1, 4), 200.0, np.float32)})
     assert raised.value.status() == "StatusCode.INTERNAL"
     assert "called undeclared model 'second'; add it to meta.calls of 'scratchy'" in raised.value.message()
 
@@ -249,14 +243,14 @@ def test_a_meta_may_not_call_a_meta_and_its_parts_are_not_listed(client: Any) ->
 
 def test_a_call_with_more_rows_than_the_model_can_run_is_refused_and_serving_goes_on(client: Any) -> None:
     with pytest.raises(InferenceServerException) as raised:
-        _infer(client, "totals", np.ones((3, 4), np.float32))
+        infer(client, "totals", {"x": np.ones((3, 4), np.float32)})
     assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
     message = raised.value.message()
     assert "'total'" in message and "meta model 'totals' made 3 rows" in message
     assert "largest compiled batch size is 2" in message
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
     np.testing.assert_array_equal(
-        _infer(client, "totals", x).as_numpy("score"), np.tile(x.sum(axis=0), (2, 1))
+        infer(client, "totals", {"x": x}).as_numpy("score"), np.tile(x.sum(axis=0), (2, 1))
     )
 
 
@@ -264,12 +258,12 @@ def test_policy_and_residency_name_the_called_models_not_the_meta(metas: ServerT
     with pytest.raises(InvalidInput, match="'cascade': it is a meta model; set the policy or residency"):
         metas.call(metas.worker.set_policy, "cascade", weight=2.0)
     metas.call(metas.worker.set_policy, "first", weight=2.0)  # its parts take a policy
-    assert _infer(client, "cascade", np.zeros((1, 4), np.float32)).as_numpy("path")[0, 0] == 0
+    assert infer(client, "cascade", {"x": np.zeros((1, 4), np.float32)}).as_numpy("path")[0, 0] == 0
 
 
 def test_meta_statistics_count_requests_and_learn_its_cost(client: Any, metas: ServerThread) -> None:
     before = client.get_inference_statistics("cascade").model_stats[0]
-    _infer(client, "cascade", np.zeros((2, 4), np.float32))
+    infer(client, "cascade", {"x": np.zeros((2, 4), np.float32)})
     after = client.get_inference_statistics("cascade").model_stats[0]
     assert after.inference_stats.success.count == before.inference_stats.success.count + 1
     assert after.inference_count == before.inference_count + 2

@@ -7,16 +7,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from conftest import ROOT
 from export_examples import reference
-from hostile.support import free_port
+from support.clients import infer
+from support.servers import ROOT, start_worker
 
 
 @pytest.mark.slow
@@ -40,34 +39,14 @@ def test_the_wheel_serves_the_example_repository_from_a_fresh_venv(tmp_path: Pat
         check=True, capture_output=True, timeout=900, env=env,
     )  # fmt: skip
 
-    port = free_port()
-    env |= {"HLOSERVE_SERVER_EXECUTABLE_CACHE": str(tmp_path / "executables")}
-    log = tmp_path / "server.log"
-    with log.open("w") as output:
-        server = subprocess.Popen(
-            [str(venv / "bin" / "hloserve"), "serve", "--grpc-port", str(port), "--metrics-port", "-1"],
-            cwd=tmp_path, env=env, stdout=output, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    try:
-        client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
-        deadline = time.monotonic() + 120
-        while not _ready(client):
-            assert server.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, "the installed server did not become ready"
-            time.sleep(0.3)
+    installed = [str(venv / "bin" / "hloserve"), "serve"]
+    unset = {name: None for name in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env_of_server = {**unset, "HLOSERVE_SERVER_EXECUTABLE_CACHE": str(tmp_path / "executables")}
+    with start_worker(
+        process="subprocess", command=installed, repository=None, env=env_of_server, cwd=tmp_path
+    ) as server:
+        client = grpcclient.InferenceServerClient(server.url)
         x = np.linspace(-1, 1, 32, dtype=np.float32).reshape(2, 16)
-        tensor = grpcclient.InferInput("INPUT0", [2, 16], "FP32")
-        tensor.set_data_from_numpy(x)
-        out = client.infer("mlp", [tensor]).as_numpy("OUTPUT0")
+        out = infer(client, "mlp", {"INPUT0": x}).as_numpy("OUTPUT0")
         np.testing.assert_allclose(out, reference("mlp", x), rtol=1e-5, atol=1e-6)
         client.close()
-    finally:
-        server.kill()
-        server.wait(30)
-
-
-def _ready(client: grpcclient.InferenceServerClient) -> bool:
-    try:
-        return bool(client.is_server_ready())
-    except Exception:
-        return False

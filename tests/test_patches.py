@@ -33,9 +33,9 @@ import pytest
 import trio
 import trio_asyncio
 import trio_asyncio._base
-from conftest import ServerThread
 from h2.config import DummyLogger, H2Configuration
 from h2.errors import ErrorCodes
+from support.servers import ServerThread
 from tritonclient.grpc import service_pb2
 
 from hloserve import _grpclib_patches, _hpack_patches, _trio_asyncio_patches

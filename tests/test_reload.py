@@ -12,12 +12,10 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from bundle_fixtures import PARAMS, affine, write_affine
-from conftest import ServerThread, make_config
-from safetensors.numpy import save_file
+from support.bundles import PARAMS, X, affine, affine_output, save_affine_weights, write_affine
+from support.servers import make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
-X = np.arange(4, dtype=np.float32).reshape(1, 4)
 SCALED_PY = """
 import time
 from hloserve import NamedTensor, register_model
@@ -33,18 +31,12 @@ register_model("scaled", preprocess=preprocess, postprocess=postprocess)
 """
 
 
-def _infer(client: Any, model: str) -> np.ndarray:
-    tensor = grpcclient.InferInput("INPUT", [1, 4], "FP32")
-    tensor.set_data_from_numpy(X)
-    return client.infer(model, [tensor]).as_numpy("OUTPUT")
-
-
 def _hammer(url: str, model: str, stop: threading.Event, answers: list[Any], failures: list[Any]) -> None:
     """Send requests to `model` until `stop` (at most 20000), recording answers and failures."""
     client = grpcclient.InferenceServerClient(url)
     while not stop.is_set() and len(answers) < 20_000:
         try:
-            answers.append(_infer(client, model))
+            answers.append(affine_output(client, model))
         except InferenceServerException as e:
             failures.append(e)
     client.close()
@@ -64,16 +56,15 @@ def _live(tmp_path: Path) -> Iterator[tuple[Path, Any, str]]:
     write_affine(tmp_path / "scaled")
     (tmp_path / "scaled" / "model.py").write_text(SCALED_PY.format(factor=2))
     config = make_config(tmp_path, reload=True, repository_poll_s=0.05, reload_debounce_s=0.2)
-    server = ServerThread(config).start()
-    client = grpcclient.InferenceServerClient(server.url)
-    stop, failures, served = threading.Event(), [], []
-    background = threading.Thread(target=_hammer, args=(server.url, "steady", stop, served, failures))
-    background.start()
-    yield tmp_path, client, server.url
-    stop.set()
-    background.join(30)
-    client.close()
-    server.stop()
+    with start_worker(config) as server:
+        client = grpcclient.InferenceServerClient(server.url)
+        stop, failures, served = threading.Event(), [], []
+        background = threading.Thread(target=_hammer, args=(server.url, "steady", stop, served, failures))
+        background.start()
+        yield tmp_path, client, server.url
+        stop.set()
+        background.join(30)
+        client.close()
     assert served and not failures, (
         f"{len(failures)} failures on the model that was not reloaded: {failures[:1]}"
     )
@@ -86,19 +77,19 @@ def _is(value: np.ndarray, want: np.ndarray) -> bool:
 
 def test_an_edited_model_py_re_registers_its_hooks(live: Any) -> None:
     path, client, _ = live
-    assert _is(_infer(client, "scaled"), affine(PARAMS, X) * 2)
+    assert _is(affine_output(client, "scaled"), affine(PARAMS, X) * 2)
     (path / "scaled" / "model.py").write_text(SCALED_PY.format(factor=3))
-    _eventually(lambda: _is(_infer(client, "scaled"), affine(PARAMS, X) * 3))
+    _eventually(lambda: _is(affine_output(client, "scaled"), affine(PARAMS, X) * 3))
 
 
 def test_a_broken_model_py_keeps_the_old_hooks_until_it_is_fixed(live: Any) -> None:
     path, client, _ = live
     (path / "scaled" / "model.py").write_text("raise SyntaxError('half an edit')\n")
     time.sleep(1.0)  # 20 polls: long past the debounce
-    assert _is(_infer(client, "scaled"), affine(PARAMS, X) * 2)
+    assert _is(affine_output(client, "scaled"), affine(PARAMS, X) * 2)
     assert client.is_model_ready("scaled")
     (path / "scaled" / "model.py").write_text(SCALED_PY.format(factor=5))
-    _eventually(lambda: _is(_infer(client, "scaled"), affine(PARAMS, X) * 5))
+    _eventually(lambda: _is(affine_output(client, "scaled"), affine(PARAMS, X) * 5))
 
 
 def test_changed_weights_reload_the_bundle_while_its_own_clients_keep_going(live: Any) -> None:
@@ -112,11 +103,9 @@ def test_changed_weights_reload_the_bundle_while_its_own_clients_keep_going(live
     ]
     for thread in threads:
         thread.start()
-    save_file(
-        doubled, str(path / "scaled" / "weights.safetensors"), metadata={"argument_order": '["b", "w"]'}
-    )
+    save_affine_weights(path / "scaled", doubled)
     try:
-        _eventually(lambda: _is(_infer(client, "scaled"), new))
+        _eventually(lambda: _is(affine_output(client, "scaled"), new))
         time.sleep(0.2)
     finally:
         stop.set()
@@ -130,11 +119,11 @@ def test_added_and_removed_bundles_load_and_unload(live: Any) -> None:
     path, client, _ = live
     write_affine(path / "added")
     _eventually(lambda: client.is_model_ready("added"))
-    assert _is(_infer(client, "added"), affine(PARAMS, X))
+    assert _is(affine_output(client, "added"), affine(PARAMS, X))
     shutil.rmtree(path / "added")
     _eventually(lambda: "added" not in [m.name for m in client.get_model_repository_index().models])
     with pytest.raises(InferenceServerException, match="unknown model 'added'"):
-        _infer(client, "added")
+        affine_output(client, "added")
 
 
 def test_a_half_written_bundle_is_not_loaded_before_it_settles(tmp_path: Path) -> None:
@@ -142,9 +131,8 @@ def test_a_half_written_bundle_is_not_loaded_before_it_settles(tmp_path: Path) -
     repository = tmp_path / "repository"
     repository.mkdir()
     config = make_config(repository, reload=True, repository_poll_s=0.05, reload_debounce_s=1.0)
-    server = ServerThread(config).start()
-    client = grpcclient.InferenceServerClient(server.url)
-    try:
+    with start_worker(config) as server:
+        client = grpcclient.InferenceServerClient(server.url)
         target = repository / "arriving"
         target.mkdir()
         for name in ("manifest.yaml", "model.b1.mlir", "model.b2.mlir"):
@@ -158,7 +146,5 @@ def test_a_half_written_bundle_is_not_loaded_before_it_settles(tmp_path: Path) -
         (target / "weights.safetensors").write_bytes(weights)
         _eventually(lambda: client.is_model_ready("arriving"))
         assert seen == [], f"the half-written bundle was acted on: {seen}"
-        assert _is(_infer(client, "arriving"), affine(PARAMS, X))
-    finally:
+        assert _is(affine_output(client, "arriving"), affine(PARAMS, X))
         client.close()
-        server.stop()

@@ -11,47 +11,37 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from bundle_fixtures import PARAMS, affine, edit_manifest, write_affine
-from conftest import ServerThread, make_config
-from safetensors.numpy import save_file
+from support.bundles import PARAMS, X, affine, affine_output, edit_manifest, save_affine_weights, write_affine
+from support.servers import ServerThread, make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
 from hloserve.config import ModelSettings
 from hloserve.export import InputSpec, OutputSpec, export_bundle
-
-X = np.arange(4, dtype=np.float32).reshape(1, 4)
-
-
-def _infer(client: Any, model: str) -> np.ndarray:
-    tensor = grpcclient.InferInput("INPUT", [1, 4], "FP32")
-    tensor.set_data_from_numpy(X)
-    return client.infer(model, [tensor]).as_numpy("OUTPUT")
 
 
 @pytest.fixture(name="repo")
 def _repo(tmp_path: Path) -> Any:
     write_affine(tmp_path / "steady")
     settings = {"late": ModelSettings(max_queue_delay_us=500_000)}  # holds lone rows half a second
-    server = ServerThread(make_config(tmp_path, scheduler={"models": settings})).start()
-    client = grpcclient.InferenceServerClient(server.url)
-    yield tmp_path, server, client
-    client.close()
-    server.stop()
+    with start_worker(make_config(tmp_path, scheduler={"models": settings})) as server:
+        client = grpcclient.InferenceServerClient(server.url)
+        yield tmp_path, server, client
+        client.close()
 
 
 def test_load_a_new_bundle_then_reload_it_changed(repo: Any) -> None:
     path, _, client = repo
     with pytest.raises(InferenceServerException, match="unknown model 'late'"):
-        _infer(client, "late")
+        affine_output(client, "late")
     write_affine(path / "late")
     client.load_model("late")
     assert client.is_model_ready("late")
     assert "late" in [m.name for m in client.get_model_repository_index().models]
-    np.testing.assert_allclose(_infer(client, "late"), affine(PARAMS, X), rtol=1e-6)
+    np.testing.assert_allclose(affine_output(client, "late"), affine(PARAMS, X), rtol=1e-6)
     doubled = {"b": PARAMS["b"] * 2, "w": PARAMS["w"] * 2}
-    save_file(doubled, str(path / "late" / "weights.safetensors"), metadata={"argument_order": '["b", "w"]'})
+    save_affine_weights(path / "late", doubled)
     client.load_model("late")
-    np.testing.assert_allclose(_infer(client, "late"), affine(doubled, X), rtol=1e-6)
+    np.testing.assert_allclose(affine_output(client, "late"), affine(doubled, X), rtol=1e-6)
 
 
 def test_a_failed_reload_keeps_the_old_version_serving(repo: Any) -> None:
@@ -63,7 +53,7 @@ def test_a_failed_reload_keeps_the_old_version_serving(repo: Any) -> None:
         client.load_model("late")
     assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
     assert "bundle 'late', file 'manifest.yaml', field 'format_version'" in raised.value.message()
-    np.testing.assert_allclose(_infer(client, "late"), affine(PARAMS, X), rtol=1e-6)
+    np.testing.assert_allclose(affine_output(client, "late"), affine(PARAMS, X), rtol=1e-6)
 
 
 def _queue_one(server: ServerThread, model: str) -> tuple[threading.Thread, list[str]]:
@@ -74,7 +64,7 @@ def _queue_one(server: ServerThread, model: str) -> tuple[threading.Thread, list
     def queued() -> None:
         c = grpcclient.InferenceServerClient(server.url)
         try:
-            _infer(c, model)
+            affine_output(c, model)
             outcome.append("OK")
         except InferenceServerException as e:
             outcome.append(f"{e.status()} {e.message()}")
@@ -99,7 +89,7 @@ def test_unload_answers_queued_requests_not_found(repo: Any) -> None:
     assert outcome == ["StatusCode.NOT_FOUND unknown model 'late': it was unloaded"]
     assert not client.is_model_ready("late")
     with pytest.raises(InferenceServerException, match="unknown model 'late'"):
-        _infer(client, "late")
+        affine_output(client, "late")
     with pytest.raises(InferenceServerException, match="unknown model 'late'") as raised:
         client.unload_model("late")
     assert raised.value.status() == "StatusCode.NOT_FOUND"
@@ -129,7 +119,7 @@ def test_a_reload_with_other_tensors_answers_queued_requests_unavailable(repo: A
         "StatusCode.UNAVAILABLE model 'late' is not ready: it was reloaded with other tensors "
         "while this request was queued; send it again"
     ]
-    np.testing.assert_allclose(_infer(client, "late"), X * 3)
+    np.testing.assert_allclose(affine_output(client, "late"), X * 3)
 
 
 def test_load_and_unload_while_another_model_is_under_load(repo: Any) -> None:
@@ -141,7 +131,7 @@ def test_load_and_unload_while_another_model_is_under_load(repo: Any) -> None:
         c = grpcclient.InferenceServerClient(server.url)
         while not stop.is_set():
             try:
-                np.testing.assert_allclose(_infer(c, "steady"), affine(PARAMS, X), rtol=1e-6)
+                np.testing.assert_allclose(affine_output(c, "steady"), affine(PARAMS, X), rtol=1e-6)
                 results.append("OK")
             except Exception as e:
                 results.append(repr(e))
@@ -154,7 +144,7 @@ def test_load_and_unload_while_another_model_is_under_load(repo: Any) -> None:
         for i in range(3):
             write_affine(path / f"extra{i}")
             client.load_model(f"extra{i}")
-            np.testing.assert_allclose(_infer(client, f"extra{i}"), affine(PARAMS, X), rtol=1e-6)
+            np.testing.assert_allclose(affine_output(client, f"extra{i}"), affine(PARAMS, X), rtol=1e-6)
             client.unload_model(f"extra{i}")
     finally:
         stop.set()

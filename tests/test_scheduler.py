@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from conftest import EXAMPLES, ServerThread, make_config
-from test_service import infer
+from support.clients import infer
+from support.servers import EXAMPLES, ServerThread, make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
 from hloserve.config import ModelSettings
@@ -61,13 +61,14 @@ def _twins(tmp_path: Path) -> Path:
 
 def test_concurrent_requests_coalesce_and_stay_correct() -> None:
     config = make_config(scheduler={"models": {"mlp": ModelSettings(max_queue_delay_us=20_000)}})
-    server = ServerThread(config).start()
-    try:
+    with start_worker(config) as server:
         clients = [grpcclient.InferenceServerClient(server.url) for _ in range(12)]
         rng = np.random.default_rng(11)
         inputs = [rng.random((1 + i % 3, 16), dtype=np.float32) for i in range(48)]
         with ThreadPoolExecutor(12) as pool:
-            results = list(pool.map(lambda i: infer(clients[i % 12], "mlp", inputs[i]), range(len(inputs))))
+            results = list(
+                pool.map(lambda i: infer(clients[i % 12], "mlp", {"INPUT0": inputs[i]}), range(len(inputs)))
+            )
         for x, result in zip(inputs, results, strict=True):
             np.testing.assert_allclose(
                 result.as_numpy("OUTPUT0"), export_examples.reference("mlp", x), rtol=1e-5, atol=1e-6
@@ -78,8 +79,6 @@ def test_concurrent_requests_coalesce_and_stay_correct() -> None:
         assert any(b.batch_size > 1 and b.compute_infer.count for b in stats.batch_stats)
         for client in clients:
             client.close()
-    finally:
-        server.stop()
 
 
 def _saturate(url: str, models: dict[str, int], seconds: float) -> dict[str, int]:
@@ -91,7 +90,7 @@ def _saturate(url: str, models: dict[str, int], seconds: float) -> dict[str, int
         client = grpcclient.InferenceServerClient(url)
         x = np.ones((1, 256), np.float32)
         while time.monotonic() < stop:
-            infer(client, model, x)
+            infer(client, model, {"INPUT0": x})
             counted[model] += 1
         client.close()
 
@@ -107,8 +106,7 @@ def _saturate(url: str, models: dict[str, int], seconds: float) -> dict[str, int
 def test_weights_one_to_three_give_dispatch_shares_one_to_three(twins: Path) -> None:
     """Both models saturated, one row per dispatch (equal costs): dispatches split 1:3 within 5%."""
     settings = {"a": ModelSettings(weight=1), "b": ModelSettings(weight=3)}
-    server = ServerThread(make_config(twins, scheduler={"models": settings, "ema_halflife_s": 2.0})).start()
-    try:
+    with start_worker(make_config(twins, scheduler={"models": settings, "ema_halflife_s": 2.0})) as server:
         client = grpcclient.InferenceServerClient(server.url)
         _saturate(server.url, {"a": 6, "b": 6}, 2.0)  # reach the steady state first
         before = {m: _stats(client, m).execution_count for m in ("a", "b")}
@@ -125,26 +123,23 @@ def test_weights_one_to_three_give_dispatch_shares_one_to_three(twins: Path) -> 
         counts = {m: _stats(client, m).execution_count - before[m] for m in ("a", "b")}
         assert counts["b"] / (counts["a"] + counts["b"]) == pytest.approx(0.5, abs=0.05), counts
         client.close()
-    finally:
-        server.stop()
 
 
 @pytest.fixture(name="held")
 def _held() -> Any:
     """A server whose mlp queue holds a lone row for 300 ms waiting for more, and queues at most 3."""
     settings = {"mlp": ModelSettings(max_queue_delay_us=300_000, max_queue_depth=3)}
-    server = ServerThread(make_config(scheduler={"models": settings})).start()
-    client = grpcclient.InferenceServerClient(server.url)
-    yield server, client
-    client.close()
-    server.stop()
+    with start_worker(make_config(scheduler={"models": settings})) as server:
+        client = grpcclient.InferenceServerClient(server.url)
+        yield server, client
+        client.close()
 
 
 def _executing_slow(server: ServerThread, pool: ThreadPoolExecutor) -> Any:
     """A request to the `slow` model, from `pool`, returned once it has left its queue (it is
     executing)."""
     slow = pool.submit(
-        infer, grpcclient.InferenceServerClient(server.url), "slow", np.ones((1, 256), np.float32)
+        infer, grpcclient.InferenceServerClient(server.url), "slow", {"INPUT0": np.ones((1, 256), np.float32)}
     )
     deadline = time.monotonic() + 10
     while server.call(lambda: server.worker.statistics["slow"].queue.count) == 0:
@@ -157,15 +152,16 @@ def test_a_deadline_that_expires_in_the_queue(tmp_path: Path) -> None:
     """While a slow execution holds the dispatcher, a queued request's deadline passes: dropped."""
     write_heavy(tmp_path / "slow", 150)
     shutil.copytree(EXAMPLES / "mlp", tmp_path / "mlp")
-    server = ServerThread(make_config(tmp_path)).start()
-    try:
+    with start_worker(make_config(tmp_path)) as server:
         client = grpcclient.InferenceServerClient(server.url)
         before = _stats(client, "mlp")
         with ThreadPoolExecutor(1) as pool:
             slow = _executing_slow(server, pool)
             x = np.ones((1, 16), np.float32)
             with pytest.raises(InferenceServerException) as raised:
-                infer(client, "mlp", x, timeout=5_000)  # Triton's `timeout` parameter, microseconds
+                infer(
+                    client, "mlp", {"INPUT0": x}, timeout=5_000
+                )  # Triton's `timeout` parameter, microseconds
             assert slow.result().as_numpy("output_0").shape == (1, 256)
         assert raised.value.status() == "StatusCode.DEADLINE_EXCEEDED"
         assert "model 'mlp': deadline passed" in raised.value.message()
@@ -174,22 +170,19 @@ def test_a_deadline_that_expires_in_the_queue(tmp_path: Path) -> None:
         drops = server.call(lambda: dict(server.worker.statistics["mlp"].drops))
         assert drops == {"deadline": 1}
         np.testing.assert_allclose(
-            infer(client, "mlp", x).as_numpy("OUTPUT0"),
+            infer(client, "mlp", {"INPUT0": x}).as_numpy("OUTPUT0"),
             export_examples.reference("mlp", x),
             rtol=1e-5,
             atol=1e-6,
         )
         client.close()
-    finally:
-        server.stop()
 
 
 def test_an_expensive_execution_runs_off_the_event_loop(tmp_path: Path) -> None:
     """A batch expected to cost more than the dispatcher's inline limit runs in a worker thread:
     while it runs, the front end keeps answering (a cheap one runs on the loop's own thread)."""
     write_heavy(tmp_path / "slow", 4000)  # about 0.6 s
-    server = ServerThread(make_config(tmp_path)).start()
-    try:
+    with start_worker(make_config(tmp_path)) as server:
         client = grpcclient.InferenceServerClient(server.url)
         with ThreadPoolExecutor(1) as pool:
             slow = _executing_slow(server, pool)
@@ -198,8 +191,6 @@ def test_an_expensive_execution_runs_off_the_event_loop(tmp_path: Path) -> None:
             assert not slow.done(), "the front end waited for the execution"
             assert slow.result().as_numpy("output_0").shape == (1, 256)
         client.close()
-    finally:
-        server.stop()
 
 
 def test_queue_full_is_unavailable_and_names_the_limit(held: Any) -> None:
@@ -209,18 +200,21 @@ def test_queue_full_is_unavailable_and_names_the_limit(held: Any) -> None:
     with ThreadPoolExecutor(6) as pool:
         futures = []
         for c in clients:
-            futures.append(pool.submit(_outcome, lambda c=c: infer(c, "mlp", x)))
+            futures.append(pool.submit(_outcome, lambda c=c: infer(c, "mlp", {"INPUT0": x})))
             time.sleep(0.02)
         outcomes = Counter(f.result() for f in futures)
     assert outcomes["UNAVAILABLE"] >= 1 and outcomes["OK"] >= 3, outcomes
     assert set(outcomes) <= {"OK", "UNAVAILABLE"}
     with pytest.raises(InferenceServerException, match="max_queue_depth"):
         with ThreadPoolExecutor(5) as pool:
-            list(pool.map(lambda c: infer(c, "mlp", x), clients[:5]))
+            list(pool.map(lambda c: infer(c, "mlp", {"INPUT0": x}), clients[:5]))
     for c in clients:
         c.close()
     np.testing.assert_allclose(
-        infer(client, "mlp", x).as_numpy("OUTPUT0"), export_examples.reference("mlp", x), rtol=1e-5, atol=1e-6
+        infer(client, "mlp", {"INPUT0": x}).as_numpy("OUTPUT0"),
+        export_examples.reference("mlp", x),
+        rtol=1e-5,
+        atol=1e-6,
     )
 
 
@@ -229,7 +223,7 @@ def test_a_cancelled_request_never_executes(held: Any) -> None:
     before = _stats(client, "mlp")
     x = np.ones((1, 16), np.float32)
     with pytest.raises(InferenceServerException) as raised:
-        infer(client, "mlp", x, client_timeout=0.1)  # the client gives up while it is queued
+        infer(client, "mlp", {"INPUT0": x}, client_timeout=0.1)  # the client gives up while it is queued
     assert raised.value.status() == "StatusCode.DEADLINE_EXCEEDED"
     time.sleep(0.5)  # past the 300 ms hold: it would have run by now
     after = _stats(client, "mlp")
@@ -238,21 +232,23 @@ def test_a_cancelled_request_never_executes(held: Any) -> None:
     drops = server.call(lambda: dict(server.worker.statistics["mlp"].drops))
     assert drops.get("cancelled", 0) + drops.get("deadline", 0) >= 1
     np.testing.assert_allclose(
-        infer(client, "mlp", x).as_numpy("OUTPUT0"), export_examples.reference("mlp", x), rtol=1e-5, atol=1e-6
+        infer(client, "mlp", {"INPUT0": x}).as_numpy("OUTPUT0"),
+        export_examples.reference("mlp", x),
+        rtol=1e-5,
+        atol=1e-6,
     )
 
 
 @pytest.mark.slow
 def test_ten_times_overload_answers_everyone_and_stays_responsive() -> None:
     """40 clients against a cap of 4 in flight: every call gets OK or UNAVAILABLE; health stays up."""
-    server = ServerThread(make_config(max_inflight_requests=4)).start()
-    try:
+    with start_worker(make_config(max_inflight_requests=4)) as server:
         clients = [grpcclient.InferenceServerClient(server.url) for _ in range(40)]
         x = np.ones((2, 16), np.float32)
 
         def burst(c: Any) -> list[str]:
             return [
-                _outcome(lambda: infer(c, "cnn", np.ones((4, 16, 16, 3), np.float32), name="IMAGE"))
+                _outcome(lambda: infer(c, "cnn", {"IMAGE": np.ones((4, 16, 16, 3), np.float32)}))
                 for _ in range(10)
             ]
 
@@ -263,12 +259,10 @@ def test_ten_times_overload_answers_everyone_and_stays_responsive() -> None:
         assert outcomes["OK"] > 0 and outcomes["UNAVAILABLE"] > 0, outcomes
         assert clients[0].is_server_live()
         np.testing.assert_allclose(
-            infer(clients[0], "mlp", x).as_numpy("OUTPUT0"),
+            infer(clients[0], "mlp", {"INPUT0": x}).as_numpy("OUTPUT0"),
             export_examples.reference("mlp", x),
             rtol=1e-5,
             atol=1e-6,
         )
         for c in clients:
             c.close()
-    finally:
-        server.stop()

@@ -12,27 +12,16 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from bundle_fixtures import write_total
-from conftest import EXAMPLES, ServerThread, make_config
 from export_examples import reference
+from support.bundles import write_total
+from support.clients import assert_good_request_served, infer
+from support.servers import EXAMPLES, ServerThread, make_config, start_worker
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from hloserve.export import InputSpec, export_bundle
 
 MLP_SIZES = (1, 2, 3, 4, 8, 13, 16, 17, 37, 100)  # compiled sizes, rows padded up to one, and split
-
-
-def infer(client: Any, model: str, array: np.ndarray, name: str = "INPUT0", **kwargs: Any) -> Any:
-    tensor = grpcclient.InferInput(name, list(array.shape), "FP32")
-    tensor.set_data_from_numpy(array)
-    return client.infer(model, [tensor], **kwargs)
-
-
-def assert_good_request_served(client: Any) -> None:
-    x = np.random.default_rng(0).random((2, 16), dtype=np.float32)
-    result = infer(client, "mlp", x)
-    np.testing.assert_allclose(result.as_numpy("OUTPUT0"), reference("mlp", x), rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(name="stub")
@@ -84,7 +73,7 @@ class TestHealthAndMetadata:
 
     def test_statistics_count_requests_rows_and_batches(self, triton: Any) -> None:
         before = triton.get_inference_statistics("mlp").model_stats[0]
-        infer(triton, "mlp", np.zeros((3, 16), np.float32))
+        infer(triton, "mlp", {"INPUT0": np.zeros((3, 16), np.float32)})
         after = triton.get_inference_statistics("mlp").model_stats[0]
         assert after.inference_count == before.inference_count + 3
         assert after.execution_count == before.execution_count + 1
@@ -99,19 +88,19 @@ class TestInference:
     @pytest.mark.parametrize("rows", MLP_SIZES)
     def test_mlp_equals_jax_in_process(self, triton: Any, rows: int) -> None:
         x = np.random.default_rng(rows).standard_normal((rows, 16)).astype(np.float32)
-        result = infer(triton, "mlp", x)
+        result = infer(triton, "mlp", {"INPUT0": x})
         np.testing.assert_allclose(result.as_numpy("OUTPUT0"), reference("mlp", x), rtol=1e-5, atol=1e-6)
 
     @pytest.mark.parametrize("rows", (1, 3, 4))
     def test_cnn_equals_jax_in_process(self, triton: Any, rows: int) -> None:
         x = np.random.default_rng(rows).random((rows, 16, 16, 3), dtype=np.float32)
-        result = infer(triton, "cnn", x, name="IMAGE")
+        result = infer(triton, "cnn", {"IMAGE": x})
         np.testing.assert_allclose(result.as_numpy("LOGITS"), reference("cnn", x), rtol=1e-5, atol=1e-5)
 
     @pytest.mark.parametrize("rows", (1, 8))
     def test_pool_on_a_large_input(self, triton: Any, rows: int) -> None:
         x = np.random.default_rng(rows).random((rows, 224, 224, 3), dtype=np.float32)
-        result = infer(triton, "pool", x, name="IMAGE")
+        result = infer(triton, "pool", {"IMAGE": x})
         np.testing.assert_allclose(result.as_numpy("MEAN"), x.mean(axis=(1, 2)), rtol=1e-5)
 
     def test_typed_contents_equal_raw_contents(self, triton: Any, stub: Any) -> None:
@@ -125,11 +114,11 @@ class TestInference:
             ("OUTPUT0", "FP32", [2, 4])
         ]
         typed = np.frombuffer(response.raw_output_contents[0], np.float32).reshape(2, 4)
-        np.testing.assert_array_equal(typed, infer(triton, "mlp", x).as_numpy("OUTPUT0"))
+        np.testing.assert_array_equal(typed, infer(triton, "mlp", {"INPUT0": x}).as_numpy("OUTPUT0"))
 
     def test_requested_output_by_name(self, triton: Any) -> None:
         x = np.ones((1, 16), np.float32)
-        result = infer(triton, "mlp", x, outputs=[grpcclient.InferRequestedOutput("OUTPUT0")])
+        result = infer(triton, "mlp", {"INPUT0": x}, outputs=["OUTPUT0"])
         assert result.as_numpy("OUTPUT0").shape == (1, 4)
 
     def test_concurrent_requests_all_answered_correctly(self, server: ServerThread) -> None:
@@ -137,7 +126,9 @@ class TestInference:
         inputs = [rng.random((1 + i % 4, 16), dtype=np.float32) for i in range(24)]
         clients = [grpcclient.InferenceServerClient(server.url) for _ in range(8)]
         with ThreadPoolExecutor(8) as pool:
-            results = list(pool.map(lambda i: infer(clients[i % 8], "mlp", inputs[i]), range(len(inputs))))
+            results = list(
+                pool.map(lambda i: infer(clients[i % 8], "mlp", {"INPUT0": inputs[i]}), range(len(inputs)))
+            )
         for client in clients:
             client.close()
         for x, result in zip(inputs, results, strict=True):
@@ -158,6 +149,11 @@ def assert_refused(triton: Any, call: Any, request: Any, code: grpc.StatusCode, 
     assert raised.value.code() == code
     assert says in raised.value.details()
     assert_good_request_served(triton)
+
+
+def assert_infer_refused(triton: Any, stub: Any, request: Any, says: str) -> None:
+    """A raw ModelInfer is INVALID_ARGUMENT, saying `says`; the next request is served."""
+    assert_refused(triton, stub.ModelInfer, request, grpc.StatusCode.INVALID_ARGUMENT, says)
 
 
 class TestBadInput:
@@ -189,7 +185,7 @@ class TestBadInput:
         self, triton: Any, model: str, name: str, array: np.ndarray, status: str, says: str
     ) -> None:
         with pytest.raises(InferenceServerException) as raised:
-            infer(triton, model, array, name=name)
+            infer(triton, model, {name: array})
         assert raised.value.status() == f"StatusCode.{status}"
         assert says in raised.value.message()
         assert_good_request_served(triton)
@@ -209,15 +205,15 @@ class TestBadInput:
             infer(
                 triton,
                 "mlp",
-                np.zeros((1, 16), np.float32),
-                outputs=[grpcclient.InferRequestedOutput("LOGITS")],
+                {"INPUT0": np.zeros((1, 16), np.float32)},
+                outputs=["LOGITS"],
             )
         assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
         assert_good_request_served(triton)
 
     def test_unknown_version(self, triton: Any) -> None:
         with pytest.raises(InferenceServerException, match="version '2' does not exist") as raised:
-            infer(triton, "mlp", np.zeros((1, 16), np.float32), model_version="2")
+            infer(triton, "mlp", {"INPUT0": np.zeros((1, 16), np.float32)}, model_version="2")
         assert raised.value.status() == "StatusCode.NOT_FOUND"
         assert_good_request_served(triton)
 
@@ -237,42 +233,26 @@ class TestBadInput:
         ],
     )
     def test_bad_raw_request(self, triton: Any, stub: Any, request_: Any, says: str) -> None:
-        assert_refused(triton, stub.ModelInfer, request_, grpc.StatusCode.INVALID_ARGUMENT, says)
+        assert_infer_refused(triton, stub, request_, says)
 
     def test_duplicated_input(self, triton: Any, stub: Any) -> None:
         request = _raw_request([1, 16], b"\0" * 64)
         request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
         request.raw_input_contents.append(b"\0" * 64)
-        assert_refused(
-            triton,
-            stub.ModelInfer,
-            request,
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "tensor 'INPUT0': input given more than once",
-        )
+        assert_infer_refused(triton, stub, request, "tensor 'INPUT0': input given more than once")
 
     def test_raw_contents_count_must_match_inputs(self, triton: Any, stub: Any) -> None:
         request = _raw_request([1, 16], b"\0" * 64)
         request.raw_input_contents.append(b"\0" * 64)
-        assert_refused(
-            triton,
-            stub.ModelInfer,
-            request,
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "raw_input_contents has 2 entries for 1 inputs",
-        )
+        assert_infer_refused(triton, stub, request, "raw_input_contents has 2 entries for 1 inputs")
 
     def test_typed_contents_with_the_wrong_count(self, triton: Any, stub: Any) -> None:
         request = service_pb2.ModelInferRequest(model_name="mlp")
         request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16]).contents.fp32_contents.extend(
             [1.0] * 3
         )
-        assert_refused(
-            triton,
-            stub.ModelInfer,
-            request,
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "contents.fp32_contents holds 3 values, shape [1, 16] needs 16",
+        assert_infer_refused(
+            triton, stub, request, "contents.fp32_contents holds 3 values, shape [1, 16] needs 16"
         )
 
     @pytest.mark.parametrize(
@@ -296,28 +276,24 @@ class TestBadInput:
 def test_a_model_whose_outputs_cannot_be_joined_refuses_a_batch_larger_than_its_sizes(tmp_path: Path) -> None:
     """A batch total (no batch axis on the output) cannot be split: too many rows is INVALID_ARGUMENT."""
     write_total(tmp_path / "total")
-    server = ServerThread(make_config(tmp_path)).start()
-    try:
+    with start_worker(make_config(tmp_path)) as server:
         client = grpcclient.InferenceServerClient(server.url)
         with pytest.raises(InferenceServerException) as raised:
-            infer(client, "total", np.ones((3, 4), np.float32), name="X")
+            infer(client, "total", {"X": np.ones((3, 4), np.float32)})
         assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
         assert "batch of 3 rows exceeds the largest compiled batch size 2" in raised.value.message()
-        result = infer(client, "total", np.arange(8, dtype=np.float32).reshape(2, 4), name="X")
+        result = infer(client, "total", {"X": np.arange(8, dtype=np.float32).reshape(2, 4)})
         np.testing.assert_array_equal(result.as_numpy("TOTAL"), [4, 6, 8, 10])
         client.close()
-    finally:
-        server.stop()
 
 
 def test_a_bad_bundle_is_listed_not_ready_with_its_reason(tmp_path: Path) -> None:
-    from bundle_fixtures import edit_manifest, write_affine
+    from support.bundles import edit_manifest, write_affine
 
     write_affine(tmp_path / "good")
     bad = write_affine(tmp_path / "bad")
     edit_manifest(bad, lambda m: m["executable_inputs"][0]["dims"].update(f=5))
-    server = ServerThread(make_config(tmp_path)).start()
-    try:
+    with start_worker(make_config(tmp_path)) as server:
         client = grpcclient.InferenceServerClient(server.url)
         index = {m.name: m for m in client.get_model_repository_index().models}
         assert (index["good"].state, index["bad"].state) == ("READY", "UNAVAILABLE")
@@ -335,8 +311,6 @@ def test_a_bad_bundle_is_listed_not_ready_with_its_reason(tmp_path: Path) -> Non
             rtol=1e-6,
         )
         client.close()
-    finally:
-        server.stop()
 
 
 def test_large_and_small_replies_interleave_on_one_connection(tmp_path: Path) -> None:
@@ -352,15 +326,14 @@ def test_large_and_small_replies_interleave_on_one_connection(tmp_path: Path) ->
         verify=False,
     )
     shutil.copytree(EXAMPLES / "mlp", tmp_path / "mlp")
-    server = ServerThread(make_config(tmp_path)).start()
-    try:
+    with start_worker(make_config(tmp_path)) as server:
         client = grpcclient.InferenceServerClient(server.url)  # one channel: one HTTP/2 connection
         rng = np.random.default_rng(5)
         big = [rng.random((4, 65536), dtype=np.float32) for _ in range(12)]  # 1 MiB replies
         small = [rng.random((1, 16), dtype=np.float32) for _ in range(48)]
         with ThreadPoolExecutor(8) as pool:
-            big_results = [pool.submit(infer, client, "double", x, name="X") for x in big]
-            small_results = [pool.submit(infer, client, "mlp", x) for x in small]
+            big_results = [pool.submit(infer, client, "double", {"X": x}) for x in big]
+            small_results = [pool.submit(infer, client, "mlp", {"INPUT0": x}) for x in small]
             for x, future in zip(big, big_results, strict=True):
                 np.testing.assert_array_equal(future.result(timeout=60).as_numpy("output_0"), x * 2)
             for x, future in zip(small, small_results, strict=True):
@@ -368,5 +341,3 @@ def test_large_and_small_replies_interleave_on_one_connection(tmp_path: Path) ->
                     future.result(timeout=60).as_numpy("OUTPUT0"), reference("mlp", x), rtol=1e-5, atol=1e-6
                 )
         client.close()
-    finally:
-        server.stop()

@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import stat
-import subprocess
-import sys
-import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from bundle_fixtures import PARAMS, affine, write_affine
-from conftest import ROOT
+from support.bundles import PARAMS, assert_affine_answers, write_affine
+from support.servers import start_worker
 
 from hloserve.bundle import load_bundle
 from hloserve.shared_weights import SharedHostWeights
@@ -54,66 +51,33 @@ def test_a_stale_version_nobody_holds_is_swept_and_a_held_one_kept(tmp_path: Pat
         Path(f"/dev/shm/{region}.lock").unlink()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.slow
 def test_two_worker_processes_share_one_region(tmp_path: Path) -> None:
     model = f"shared{os.getpid()}"
     write_affine(tmp_path / model)
     env = {
-        **os.environ,
         "HLOSERVE_SERVER_MODEL_REPOSITORY": str(tmp_path),
         "HLOSERVE_WEIGHTS_SHARED_HOST_WEIGHTS": "true",
         "HLOSERVE_WEIGHTS_SHARED_HOST_WEIGHTS_MODE": "640",
         "HLOSERVE_SERVER_CACHE_EXECUTABLES": "false",
     }
-    ports = [_free_port(), _free_port()]
-    workers = [
-        subprocess.Popen(
-            [sys.executable, "-m", "hloserve.cli", "serve", "--grpc-port", str(port), "--metrics-port", "-1"],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for port in ports
-    ]
-    try:
-        clients = [grpcclient.InferenceServerClient(f"127.0.0.1:{port}") for port in ports]
-        deadline = time.monotonic() + 120
-        for client in clients:
-            while True:
-                try:
-                    if client.is_server_ready():
-                        break
-                except Exception:
-                    pass
-                assert time.monotonic() < deadline, "workers did not become ready"
-                time.sleep(0.2)
+    with ExitStack() as stack:
+        workers = [
+            stack.enter_context(start_worker(process="subprocess", repository=None, env=env))
+            for _ in range(2)
+        ]
         regions = sorted(Path("/dev/shm").glob(f"hloserve-w-{model}-*"))
         regions = [r for r in regions if not r.name.endswith(".lock")]
         assert len(regions) == 1, regions
         assert stat.S_IMODE(regions[0].stat().st_mode) == 0o640
-        x = np.arange(4, dtype=np.float32).reshape(1, 4)
-        for client in clients:
-            tensor = grpcclient.InferInput("INPUT", [1, 4], "FP32")
-            tensor.set_data_from_numpy(x)
-            np.testing.assert_allclose(
-                client.infer(model, [tensor]).as_numpy("OUTPUT"), affine(PARAMS, x), rtol=1e-6
-            )
+        for worker in workers:
+            client = grpcclient.InferenceServerClient(worker.url)
+            assert_affine_answers(client, model)
             client.close()
-        workers[0].send_signal(signal.SIGTERM)
-        assert workers[0].wait(60) == 0
+        workers[0].process.send_signal(signal.SIGTERM)
+        assert workers[0].process.wait(60) == 0
         assert regions[0].exists()  # the other worker still holds it
-        workers[1].send_signal(signal.SIGTERM)
-        assert workers[1].wait(60) == 0
+        workers[1].process.send_signal(signal.SIGTERM)
+        assert workers[1].process.wait(60) == 0
         assert not regions[0].exists()  # the last holder unlinked it
         Path(f"{regions[0]}.lock").unlink()
-    finally:
-        for worker in workers:
-            if worker.poll() is None:
-                worker.kill()

@@ -6,6 +6,7 @@ import os
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from typing import Any
 
 import export_examples
@@ -13,8 +14,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.utils.shared_memory as shm
-from conftest import ServerThread, make_config
-from test_service import assert_good_request_served
+from support.clients import assert_good_request_served
+from support.servers import ServerThread
 from tritonclient.utils import InferenceServerException
 
 from hloserve.errors import ShmRegionError
@@ -24,19 +25,11 @@ X = np.random.default_rng(5).random((4, 16), dtype=np.float32)
 IN_BYTES, OUT_BYTES = X.nbytes, 4 * 4 * 4
 
 
-@pytest.fixture(scope="module", name="shm_server")
-def _shm_server() -> Iterator[ServerThread]:
-    server = ServerThread(make_config(allow_client_shm=True)).start()
-    yield server
-    server.stop()
-
-
 @pytest.fixture(name="client")
 def _client(shm_server: ServerThread) -> Iterator[Any]:
-    client = grpcclient.InferenceServerClient(shm_server.url)
-    yield client
-    client.unregister_system_shared_memory()
-    client.close()
+    with closing(grpcclient.InferenceServerClient(shm_server.url)) as client:
+        yield client
+        client.unregister_system_shared_memory()
 
 
 @pytest.fixture(name="regions")

@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import structlog
 import trio
 import tritonclient.grpc as grpcclient
-from bundle_fixtures import PARAMS, affine, write_affine
-from conftest import ServerThread, make_config
+from support.bundles import (
+    PARAMS,
+    WEIGHT_BYTES,
+    affine,
+    assert_affine_answers,
+    save_affine_weights,
+    write_affine,
+)
+from support.servers import ServerThread, make_config, residency, start_worker
 from tritonclient.utils import InferenceServerException
 
 from hloserve.config import ModelSettings, WeightsConfig
-
-WEIGHT_BYTES = PARAMS["w"].nbytes + PARAMS["b"].nbytes  # 60 bytes per model
 
 
 def _server(
@@ -27,109 +31,76 @@ def _server(
     settings = {name: ModelSettings(residency=floor) for name, floor in floors.items()}  # type: ignore[arg-type]
     config = make_config(tmp_path, scheduler={"models": settings})
     config = config.replace("weights", budget_bytes=budget, externally_managed=external)
-    return ServerThread(config).start()
-
-
-def _infer(client: Any, model: str) -> None:
-    x = np.arange(4, dtype=np.float32).reshape(1, 4)
-    tensor = grpcclient.InferInput("INPUT", [1, 4], "FP32")
-    tensor.set_data_from_numpy(x)
-    np.testing.assert_allclose(client.infer(model, [tensor]).as_numpy("OUTPUT"), affine(PARAMS, x), rtol=1e-6)
-
-
-def _resident(server: ServerThread) -> dict[str, tuple[bool, int, int]]:
-    """name → (resident, loads, evictions)."""
-    stats = server.call(server.worker.statistics.snapshot)
-    return {
-        n: (s.resident, s.weight_loads, s.weight_evictions) for n, s in sorted(stats.items()) if s.residency
-    }
+    return start_worker(config)
 
 
 def test_least_recently_used_is_evicted_to_fit_the_budget(tmp_path: Path) -> None:
-    server = _server(tmp_path, "abc", budget=2 * WEIGHT_BYTES + 10)
-    try:
+    with _server(tmp_path, "abc", budget=2 * WEIGHT_BYTES + 10) as server:
         client = grpcclient.InferenceServerClient(server.url)
-        assert _resident(server) == {"a": (False, 0, 0), "b": (False, 0, 0), "c": (False, 0, 0)}
+        assert residency(server) == {"a": (False, 0, 0), "b": (False, 0, 0), "c": (False, 0, 0)}
         for model in "abc":
-            _infer(client, model)
-        assert _resident(server) == {"a": (False, 1, 1), "b": (True, 1, 0), "c": (True, 1, 0)}
-        _infer(client, "b")  # b is now the most recent: c is next out
-        _infer(client, "a")
-        assert _resident(server) == {"a": (True, 2, 1), "b": (True, 1, 0), "c": (False, 1, 1)}
+            assert_affine_answers(client, model)
+        assert residency(server) == {"a": (False, 1, 1), "b": (True, 1, 0), "c": (True, 1, 0)}
+        assert_affine_answers(client, "b")  # b is now the most recent: c is next out
+        assert_affine_answers(client, "a")
+        assert residency(server) == {"a": (True, 2, 1), "b": (True, 1, 0), "c": (False, 1, 1)}
         client.close()
-    finally:
-        server.stop()
 
 
 def test_a_device_pinned_model_is_never_evicted(tmp_path: Path) -> None:
-    server = _server(tmp_path, "abp", budget=WEIGHT_BYTES + 10, p="device")
-    try:
+    with _server(tmp_path, "abp", budget=WEIGHT_BYTES + 10, p="device") as server:
         client = grpcclient.InferenceServerClient(server.url)
-        assert _resident(server)["p"] == (True, 0, 0)  # loaded at start
+        assert residency(server)["p"] == (True, 0, 0)  # loaded at start
         for model in "abpab":
-            _infer(client, model)
-        state = _resident(server)
+            assert_affine_answers(client, model)
+        state = residency(server)
         assert state["p"] == (True, 0, 0)
         assert state["a"] == (False, 2, 2) and state["b"] == (True, 2, 1)
         client.close()
-    finally:
-        server.stop()
 
 
 def test_a_model_larger_than_the_budget_loads_alone_with_a_warning(tmp_path: Path) -> None:
     with structlog.testing.capture_logs() as logs:
-        server = _server(tmp_path, "ab", budget=WEIGHT_BYTES // 2)
-        try:
+        with _server(tmp_path, "ab", budget=WEIGHT_BYTES // 2) as server:
             client = grpcclient.InferenceServerClient(server.url)
-            _infer(client, "a")
-            _infer(client, "b")
-            assert _resident(server) == {"a": (False, 1, 1), "b": (True, 1, 0)}
+            assert_affine_answers(client, "a")
+            assert_affine_answers(client, "b")
+            assert residency(server) == {"a": (False, 1, 1), "b": (True, 1, 0)}
             client.close()
-        finally:
-            server.stop()
     warnings = [e for e in logs if e["event"].startswith("model exceeds the weight budget")]
     assert [e["model"] for e in warnings] == ["a", "b"]
 
 
 def test_unpinned_models_are_read_from_the_file_at_each_load(tmp_path: Path) -> None:
     """`unpinned` re-reads the file at every load; `system` keeps the floor read at start."""
-    from safetensors.numpy import save_file
 
-    server = _server(tmp_path, "ab", budget=WEIGHT_BYTES + 10, a="unpinned")
-    try:
+    with _server(tmp_path, "ab", budget=WEIGHT_BYTES + 10, a="unpinned") as server:
         client = grpcclient.InferenceServerClient(server.url)
         for model in "abab":
-            _infer(client, model)
-        assert _resident(server) == {"a": (False, 2, 2), "b": (True, 2, 1)}
+            assert_affine_answers(client, model)
+        assert residency(server) == {"a": (False, 2, 2), "b": (True, 2, 1)}
         doubled = {"b": PARAMS["b"] * 2, "w": PARAMS["w"] * 2}
         for name in "ab":
-            save_file(
-                doubled,
-                str(tmp_path / name / "weights.safetensors"),
-                metadata={"argument_order": '["b", "w"]'},
-            )
+            save_affine_weights(tmp_path / name, doubled)
         x = np.ones((1, 4), np.float32)
         tensor = grpcclient.InferInput("INPUT", [1, 4], "FP32")
         tensor.set_data_from_numpy(x)
         np.testing.assert_allclose(
             client.infer("a", [tensor]).as_numpy("OUTPUT"), affine(doubled, x), rtol=1e-6
         )
-        _infer(client, "b")  # evicted meanwhile and reloaded from its host floor: old weights
+        assert_affine_answers(client, "b")  # evicted meanwhile and reloaded from its host floor: old weights
         client.close()
-    finally:
-        server.stop()
 
 
 def test_externally_managed_refuses_a_model_not_on_the_device(tmp_path: Path) -> None:
-    server = _server(tmp_path, "ap", budget=None, external=True, p="device")
-    try:
+    with _server(tmp_path, "ap", budget=None, external=True, p="device") as server:
         client = grpcclient.InferenceServerClient(server.url)
         with pytest.raises(InferenceServerException) as raised:
-            _infer(client, "a")
+            assert_affine_answers(client, "a")
         assert raised.value.status() == "StatusCode.FAILED_PRECONDITION"
         assert "model 'a' is not resident and residency is externally managed" in raised.value.message()
-        _infer(client, "p")  # a pinned model serves
-        assert _resident(server)["a"] == (False, 0, 0)
+        assert_affine_answers(client, "p")  # a pinned model serves
+        assert residency(server)["a"] == (False, 0, 0)
         assert not client.is_model_ready("a") and client.is_model_ready("p")
         index = {m.name: (m.state, m.reason) for m in client.get_model_repository_index().models}
         assert index == {
@@ -137,8 +108,6 @@ def test_externally_managed_refuses_a_model_not_on_the_device(tmp_path: Path) ->
             "p": ("READY", ""),
         }
         client.close()
-    finally:
-        server.stop()
 
 
 def test_weights_budget_is_validated() -> None:
@@ -149,36 +118,29 @@ def test_weights_budget_is_validated() -> None:
 
 
 def test_compaction_frees_every_unpinned_model_and_reloads_exactly_the_list(tmp_path: Path) -> None:
-    server = _server(tmp_path, "abcp", budget=None, p="device")
-    try:
+    with _server(tmp_path, "abcp", budget=None, p="device") as server:
         client = grpcclient.InferenceServerClient(server.url)
         for model in "abc":
-            _infer(client, model)
-        assert all(resident for resident, _, _ in _resident(server).values())
+            assert_affine_answers(client, model)
+        assert all(resident for resident, _, _ in residency(server).values())
         done = trio.from_thread.run(server.worker.compact, ["b"], trio_token=server._token)
         assert done.reloaded == ("b",) and done.resident_bytes == WEIGHT_BYTES
-        state = _resident(server)
+        state = residency(server)
         assert {n for n, (resident, _, _) in state.items() if resident} == {"b", "p"}  # p is pinned
         assert state["b"] == (True, 2, 0)
         assert server.call(lambda: server.worker.statistics.compactions) == 1
-        _infer(client, "a")  # serves on, loading again
+        assert_affine_answers(client, "a")  # serves on, loading again
         client.close()
-    finally:
-        server.stop()
 
 
 def test_compaction_every_n_loads(tmp_path: Path) -> None:
-    server = _server(tmp_path, "abc", budget=None)
-    server.stop()
+    _server(tmp_path, "abc", budget=None).stop()
     config = make_config(tmp_path, scheduler={"compaction_interval": 2})
-    server = ServerThread(config).start()
-    try:
+    with start_worker(config) as server:
         client = grpcclient.InferenceServerClient(server.url)
         for model in "abc":  # the third load finds 2 loads since the last compaction
-            _infer(client, model)
-        state = _resident(server)
+            assert_affine_answers(client, model)
+        state = residency(server)
         assert {n for n, (resident, _, _) in state.items() if resident} == {"c"}
         assert server.call(lambda: server.worker.statistics.compactions) == 1
         client.close()
-    finally:
-        server.stop()

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import gc
-import os
 import signal
-import subprocess
 import sys
 import time
 import urllib.request
@@ -17,9 +15,10 @@ import numpy as np
 import pytest
 import trio
 import trio_asyncio
-from conftest import EXAMPLES, ROOT, ServerThread, make_config
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
+from support.clients import infer
+from support.servers import EXAMPLES, ServerThread, make_config, start_worker
 
 from hloserve.cli import settle_heap
 from hloserve.client import Client
@@ -139,44 +138,18 @@ def test_metrics_endpoint_counts_requests(server: ServerThread, triton: Any) -> 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_binary_serves_and_shuts_down_on_signal(tmp_path: Path, signum: int) -> None:
     """`hloserve serve` starts on the example repository, answers, and exits 0 on a signal."""
-    import socket
-
     import tritonclient.grpc as grpcclient
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "HLOSERVE_SERVER_SHUTDOWN_GRACE_S": "5", "HLOSERVE_LOGGING_FORMAT": "json"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "hloserve.cli", "serve", "--grpc-port", str(port), "--metrics-port", "-1"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if client.is_server_ready():
-                    break
-            except Exception:
-                pass
-            assert process.poll() is None, process.stdout.read() if process.stdout else ""
-            assert time.monotonic() < deadline, "server did not become ready"
-            time.sleep(0.2)
-        tensor = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
-        tensor.set_data_from_numpy(np.ones((1, 16), np.float32))
-        assert client.infer("mlp", [tensor]).as_numpy("OUTPUT0").shape == (1, 4)
+    env = {"HLOSERVE_SERVER_SHUTDOWN_GRACE_S": "5", "HLOSERVE_LOGGING_FORMAT": "json"}
+    with start_worker(process="subprocess", repository=None, env=env) as server:
+        client = grpcclient.InferenceServerClient(server.url)
+        result = infer(client, "mlp", {"INPUT0": np.ones((1, 16), np.float32)})
+        assert result.as_numpy("OUTPUT0").shape == (1, 4)
         client.close()
-        process.send_signal(signum)
-        output, _ = process.communicate(timeout=30)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == 0, output
+        server.process.send_signal(signum)
+        returncode = server.process.wait(30)
+        output = server.output()
+    assert returncode == 0, output
     assert '"event": "listening"' in output and '"event": "stopped"' in output
 
 

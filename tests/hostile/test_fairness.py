@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from conftest import EXAMPLES, ServerThread, make_config
+from support.clients import assert_serves, infer
+from support.servers import EXAMPLES, ServerThread, make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
 from hloserve.export import InputSpec, export_bundle
-from hostile.support import assert_serves
 
 ROW_CAP = 512
 """The server's `max_request_rows` in these tests."""
@@ -47,9 +47,8 @@ def _server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     export_bundle(
         _slow, {"w": _W}, [InputSpec("INPUT0", (256,))], repository / "slow", batch_sizes=(1, 8), verify=False
     )
-    server = ServerThread(make_config(repository, max_request_rows=ROW_CAP)).start()
-    yield server
-    server.stop()
+    with start_worker(make_config(repository, max_request_rows=ROW_CAP)) as server:
+        yield server
 
 
 def _client(url: str) -> Any:
@@ -63,9 +62,7 @@ def _client(url: str) -> Any:
 def _infer(url: str, model: str, array: np.ndarray, name: str = "INPUT0", **kwargs: Any) -> Any:
     client = _client(url)
     try:
-        tensor = grpcclient.InferInput(name, list(array.shape), "FP32")
-        tensor.set_data_from_numpy(array)
-        return client.infer(model, [tensor], **kwargs)
+        return infer(client, model, {name: array}, **kwargs)
     finally:
         client.close()
 

@@ -17,16 +17,14 @@ from typing import Any
 
 import pytest
 import tritonclient.grpc as grpcclient
-from bundle_fixtures import edit_manifest
-from conftest import EXAMPLES, ServerThread, make_config
 from grpclib.const import Status
-from test_control import control
+from support.bundles import edit_manifest
+from support.clients import assert_control_refused, assert_serves
+from support.servers import EXAMPLES, make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
 from hloserve._proto import hloserve_control as hc
 from hloserve.bundle import MAX_NAME_BYTES
-
-from .support import assert_serves
 
 
 def _planted(directory: Path, marker: Path) -> Path:
@@ -64,11 +62,10 @@ def _site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     edit_manifest(repository / "..data" / "kept", lambda m: m.update(name="kept"))
     (repository / "kept").symlink_to(Path("..data") / "kept", target_is_directory=True)
     # Linked and hooked exist from the start: startup must refuse them as well.
-    server = ServerThread(make_config(repository)).start()
-    client = grpcclient.InferenceServerClient(server.url)
-    yield server, client, repository, outside, marker
-    client.close()
-    server.stop()
+    with start_worker(make_config(repository)) as server:
+        client = grpcclient.InferenceServerClient(server.url)
+        yield server, client, repository, outside, marker
+        client.close()
 
 
 def _refused(status: str, says: str, call: Any, *args: Any, **kwargs: Any) -> str:
@@ -146,15 +143,12 @@ def test_unload_and_control_names_are_checked(site: Any) -> None:
     _refused("INVALID_ARGUMENT", NOT_A_PATH, client.unload_model, "../repository/mlp")
     _refused("INVALID_ARGUMENT", "no NUL", client.unload_model, "mlp\x00")
     _refused("NOT_FOUND", "unknown model 'nope'", client.unload_model, "nope")
-    for call in (
+    calls = (
         lambda s: s.set_model_policy(hc.SetModelPolicyRequest(name="/mlp", has_weight=True, weight=1)),
         lambda s: s.set_model_residency(hc.SetModelResidencyRequest(name="a/b", target=hc.Residency.SYSTEM)),
         lambda s: s.compact_memory(hc.CompactMemoryRequest(reload_models=["mlp", "..\\mlp"])),
-    ):
-        with pytest.raises(Exception) as raised:
-            control(server, call)
-        assert getattr(raised.value, "status", None) == Status.INVALID_ARGUMENT, raised.value
-        assert NOT_A_PATH in raised.value.message
+    )
+    assert_control_refused(server, calls, Status.INVALID_ARGUMENT, NOT_A_PATH)
     assert client.is_model_ready("mlp")
     assert not marker.exists()
     assert server.call(lambda: dict(server.worker._turns)) == {}  # no lock outlives its call
@@ -164,8 +158,7 @@ def test_unload_and_control_names_are_checked(site: Any) -> None:
 def test_the_watcher_ignores_directories_that_are_not_model_names(tmp_path: Path) -> None:
     shutil.copytree(EXAMPLES / "mlp", tmp_path / "mlp")
     config = make_config(tmp_path, reload=True, repository_poll_s=0.02, reload_debounce_s=0.0)
-    server = ServerThread(config).start()
-    try:
+    with start_worker(config) as server:
         marker = tmp_path / "MARKER"
         _planted(tmp_path / "bad\x1bname", marker)
         os.rename(tmp_path / "mlp", tmp_path / "mlp2")  # what the watcher does apply, to wait on
@@ -176,5 +169,3 @@ def test_the_watcher_ignores_directories_that_are_not_model_names(tmp_path: Path
             time.sleep(0.02)
         assert server.call(lambda: sorted(server.worker.models)) == ["mlp2"]
         assert not marker.exists()
-    finally:
-        server.stop()

@@ -23,18 +23,16 @@ import pytest
 import structlog
 import trio
 import tritonclient.grpc as grpcclient
-from conftest import EXAMPLES, ServerThread, make_config
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from hloserve.actors.messages import Compact, QueueSummary, SetPolicy, SetResidency
-from test_control import control
+from support.clients import assert_control_refused, assert_serves, control
+from support.servers import EXAMPLES, ServerThread, make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
 from hloserve._proto import hloserve_control as hc
 from hloserve.config import ModelSettings
 from hloserve.errors import ModelNotFound
-
-from .support import assert_serves
 
 ROUNDS = 20
 
@@ -57,9 +55,9 @@ def _mlp(client: Any) -> str:
 
 
 @pytest.fixture(name="busy")
-def _busy(tmp_path: Path) -> Iterator[ServerThread]:
+def _busy(tmp_path: Path, worker_factory: Any) -> Iterator[ServerThread]:
     """A server whose dispatcher is kept busy by 3 clients sending 8-image batches of pool."""
-    server = ServerThread(make_config(_repository(tmp_path))).start()
+    server = worker_factory(make_config(_repository(tmp_path)))
     stop = threading.Event()
     failures: list[str] = []
 
@@ -84,7 +82,6 @@ def _busy(tmp_path: Path) -> Iterator[ServerThread]:
         stop.set()
         for thread in threads:
             thread.join(30)
-        server.stop()
     assert failures == []  # the other model served throughout
 
 
@@ -143,15 +140,12 @@ def _call(method: Any, results: list[str]) -> None:
 def test_control_naming_an_unloaded_model_is_not_found(busy: ServerThread) -> None:
     client = grpcclient.InferenceServerClient(busy.url)
     client.unload_model("mlp")
-    for call in (
+    calls = (
         lambda s: s.set_model_policy(hc.SetModelPolicyRequest(name="mlp", has_weight=True, weight=2)),
         lambda s: s.set_model_residency(hc.SetModelResidencyRequest(name="mlp", target=hc.Residency.DEVICE)),
         lambda s: s.compact_memory(hc.CompactMemoryRequest(reload_models=["pool", "mlp"])),
-    ):
-        with pytest.raises(GRPCError) as raised:
-            control(busy, call)
-        assert raised.value.status == Status.NOT_FOUND
-        assert "unknown model 'mlp'" in (raised.value.message or "")
+    )
+    assert_control_refused(busy, calls, Status.NOT_FOUND, "unknown model 'mlp'")
     client.load_model("mlp")
     client.close()
     assert_serves(busy.url)
@@ -187,8 +181,7 @@ def test_the_last_words_of_a_replaced_queue_do_not_strand_its_successor(tmp_path
     request waiting in the new queue, which would then wait for its deadline. The old queue's
     report is put straight into the dispatcher's inbox, as the race would deliver it."""
     settings = {"mlp": ModelSettings(max_queue_delay_us=100_000)}  # holds a partial batch 0.1 s
-    server = ServerThread(make_config(_repository(tmp_path), scheduler={"models": settings})).start()
-    try:
+    with start_worker(make_config(_repository(tmp_path), scheduler={"models": settings})) as server:
         client = grpcclient.InferenceServerClient(server.url)
         old = server.call(lambda: server.worker.models["mlp"].queue)
         client.load_model("mlp")  # a new queue takes the name
@@ -204,8 +197,6 @@ def test_the_last_words_of_a_replaced_queue_do_not_strand_its_successor(tmp_path
         waiting.join(3)
         assert results == ["OK"]
         client.close()
-    finally:
-        server.stop()
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the point
@@ -219,7 +210,7 @@ def test_an_actor_that_fails_ends_the_worker(tmp_path: Path, monkeypatch: pytest
         raise RuntimeError("injected dispatcher bug")
 
     config = make_config(_repository(tmp_path), shutdown_grace_s=1.0)
-    server = ServerThread(config).start()
+    server = start_worker(config)
     port = server.worker.grpc_port
     assert_serves(server.url)
     monkeypatch.setattr("hloserve.actors.dispatcher.select", broken)

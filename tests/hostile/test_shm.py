@@ -19,12 +19,13 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.utils.shared_memory as shm
+from support.clients import assert_serves
+from support.servers import ServerProcess, start_worker
 from tritonclient.utils import InferenceServerException
 
 from hloserve.config import load_config
 from hloserve.errors import ConfigError
 from hloserve.shm_registry import ShmRegistry
-from hostile.support import ServerProcess, assert_serves, server_process
 
 MAX_REGIONS, MAX_BYTES = 8, 1 << 20
 X = np.random.default_rng(13).random((4, 16), dtype=np.float32)
@@ -37,7 +38,7 @@ def _server() -> Iterator[ServerProcess]:
         "HLOSERVE_SERVER_SHM_MAX_REGIONS": str(MAX_REGIONS),
         "HLOSERVE_SERVER_SHM_MAX_BYTES": str(MAX_BYTES),
     }
-    with server_process("--allow-client-shm", env=env) as server:
+    with start_worker(process="subprocess", args=["--allow-client-shm"], env=env) as server:
         yield server
 
 

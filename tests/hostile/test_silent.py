@@ -8,7 +8,6 @@ message names the problem, and that the next good request is served.
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,15 +15,14 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from conftest import ServerThread
-from grpclib.client import Channel
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
+from support.clients import assert_serves, control
+from support.servers import ServerThread
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from hloserve._proto import hloserve_control as hc
 
-from .support import assert_serves
 from .test_strings import _settle
 
 
@@ -117,22 +115,19 @@ def test_a_typed_value_out_of_range_for_its_datatype(stub: Any, server: ServerTh
     assert_serves(server.url)
 
 
-def _set_policy(server: ServerThread, request: hc.SetModelPolicyRequest) -> None:
-    async def main() -> None:
-        channel = Channel("127.0.0.1", server.worker.grpc_port)
-        try:
-            await hc.ControlServiceStub(channel).set_model_policy(request)
-        finally:
-            channel.close()
-
-    asyncio.run(main())
-
-
 @pytest.mark.parametrize("weight", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
 def test_a_policy_weight_must_be_finite(weight: float, server: ServerThread) -> None:
     with pytest.raises(GRPCError) as raised:
-        _set_policy(server, hc.SetModelPolicyRequest(name="mlp", has_weight=True, weight=weight))
+        control(
+            server,
+            lambda stub: stub.set_model_policy(
+                hc.SetModelPolicyRequest(name="mlp", has_weight=True, weight=weight)
+            ),
+        )
     assert raised.value.status == Status.INVALID_ARGUMENT
     assert f"weight must be > 0 and finite, got {weight}" in (raised.value.message or "")
-    _set_policy(server, hc.SetModelPolicyRequest(name="mlp", has_weight=True, weight=1.0))
+    control(
+        server,
+        lambda stub: stub.set_model_policy(hc.SetModelPolicyRequest(name="mlp", has_weight=True, weight=1.0)),
+    )
     assert_serves(server.url)

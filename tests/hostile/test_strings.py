@@ -10,7 +10,6 @@ next good request.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -20,19 +19,17 @@ import grpc
 import numpy as np
 import pytest
 import structlog
-from conftest import ServerThread, make_config
-from grpclib.client import Channel
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from hpack import Encoder
 from hpack.huffman_table import decode_huffman
+from support.clients import assert_serves, control
+from support.servers import ServerThread
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from hloserve import _hpack_patches
 from hloserve._proto import hloserve_control as hc
 from hloserve._status import MAX_STATUS_MESSAGE_CHARS, to_grpc_error
-
-from .support import assert_serves
 
 LONG = "hostile-" + "x" * ((1 << 20) - 8)
 """A one-megabyte client string; its head says whose it is."""
@@ -50,14 +47,6 @@ def _settle(channel: grpc.Channel) -> grpc.Channel:
     """
     service_pb2_grpc.GRPCInferenceServiceStub(channel).ServerLive(service_pb2.ServerLiveRequest(), timeout=10)
     return channel
-
-
-@pytest.fixture(scope="module", name="shm_server")
-def _shm_server() -> Iterator[ServerThread]:
-    """A worker that accepts shared-memory regions, so region names reach the registry."""
-    server = ServerThread(make_config(allow_client_shm=True)).start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(name="stub")
@@ -210,17 +199,6 @@ def test_a_megabyte_of_non_ascii_is_cut_short_too(stub: Any, shm_server: ServerT
     assert f"({(1 << 18) + 1} characters)" in message
 
 
-def _control(server: ServerThread, call: Callable[[hc.ControlServiceStub], Any]) -> Any:
-    async def main() -> Any:
-        channel = Channel("127.0.0.1", server.worker.grpc_port)
-        try:
-            return await call(hc.ControlServiceStub(channel))
-        finally:
-            channel.close()
-
-    return asyncio.run(main())
-
-
 CONTROL_CASES: dict[str, tuple[Callable[[hc.ControlServiceStub], Any], Status, str]] = {
     "SetModelResidency name": (
         lambda s: s.set_model_residency(hc.SetModelResidencyRequest(name=LONG, target=hc.Residency.DEVICE)),
@@ -248,7 +226,7 @@ CONTROL_CASES: dict[str, tuple[Callable[[hc.ControlServiceStub], Any], Status, s
 @pytest.mark.parametrize("case", CONTROL_CASES)
 def test_a_megabyte_string_in_the_control_service(case: str, shm_server: ServerThread) -> None:
     call, status, says = CONTROL_CASES[case]
-    message = _check(lambda: _control(shm_server, call), status, says, shm_server.url)
+    message = _check(lambda: control(shm_server, call), status, says, shm_server.url)
     assert str(len(LONG)) in message
 
 

@@ -24,14 +24,14 @@ import h2.settings
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from conftest import EXAMPLES, ServerThread, make_config
 from h2.errors import ErrorCodes
 from hyperframe.frame import ContinuationFrame, HeadersFrame, PingFrame, SettingsFrame
+from support.clients import assert_serves, rss_bytes
+from support.servers import EXAMPLES, ServerThread, make_config, start_worker
 
 from hloserve._h2_limits import TransportLimits, default_max_connections
 from hloserve.config import load_config
 from hloserve.errors import ConfigError
-from hostile.support import assert_serves, rss_bytes, server_process
 
 SERVICE = "/inference.GRPCInferenceService/"
 MiB = 1 << 20
@@ -50,9 +50,8 @@ LIMITS = {
 @pytest.fixture(scope="module", name="server")
 def _server() -> Iterator[ServerThread]:
     """A worker with small transport bounds, so each is reached with little traffic."""
-    server = ServerThread(make_config(**LIMITS)).start()
-    yield server
-    server.stop()
+    with start_worker(make_config(**LIMITS)) as server:
+        yield server
 
 
 def framed(message: bytes) -> bytes:
@@ -441,7 +440,7 @@ def _lean(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         "HLOSERVE_SERVER_MAX_RECEIVING_BYTES": str(100 * MiB),
         "HLOSERVE_SERVER_STREAM_RESET_BURST": "1000000",
     }
-    with server_process(repository=repository, env=env) as process:
+    with start_worker(process="subprocess", repository=repository, env=env) as process:
         yield process
 
 
@@ -465,7 +464,7 @@ def test_cancelled_streams_are_released_at_once(lean: Any) -> None:
             peer.read(lambda _: False, timeout=0.02)
         assert peer.call("ServerLive", framed(b"")).get("grpc-status") == "0"  # all processed
 
-    with Peer(lean.port) as peer:
+    with Peer(lean.grpc_port) as peer:
         for _ in range(2):  # the first rounds grow the heap to its working size (pools, dicts)
             open_and_cancel(peer, 5000)
         before = rss_bytes(lean.pid)
@@ -498,7 +497,7 @@ def send_partial(peer: Peer, rpc: str, length: int, sent: int) -> int:
 
 def test_incomplete_messages_are_bounded_and_freed_when_the_client_leaves(lean: Any) -> None:
     before = rss_bytes(lean.pid)
-    with Peer(lean.port) as peer, Peer(lean.port) as other, Peer(lean.port) as third_peer:
+    with Peer(lean.grpc_port) as peer, Peer(lean.grpc_port) as other, Peer(lean.grpc_port) as third_peer:
         send_partial(peer, "ModelInfer", 40 * MiB, 30 * MiB)
         over = send_partial(peer, "ModelInfer", 40 * MiB, 0)  # 80 MiB > 64 MiB on one connection
         answer = _status(peer.read(lambda es: any(_ends(e, over) for e in es)), over)
@@ -543,13 +542,13 @@ def test_running_out_of_descriptors_refuses_connections_and_keeps_serving(
     env = {"HLOSERVE_SERVER_MAX_CONNECTIONS": str(max_connections)} if max_connections else {}
     with ExitStack() as stack:
         with nofile(256):
-            process = stack.enter_context(server_process(repository=repository, env=env))
-        existing = stack.enter_context(Peer(process.port))
+            process = stack.enter_context(start_worker(process="subprocess", repository=repository, env=env))
+        existing = stack.enter_context(Peer(process.grpc_port))
         assert existing.call("ServerLive", framed(b"")).get("grpc-status") == "0"
         flood = []
         try:
             for _ in range(300):
-                flood.append(Peer(process.port))
+                flood.append(Peer(process.grpc_port))
             time.sleep(1)
             assert process.process.poll() is None
             if max_connections is None:  # the cap is 256 - 128: the rest get GOAWAY and are closed

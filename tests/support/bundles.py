@@ -10,14 +10,35 @@ from typing import Any
 
 import numpy as np
 import yaml
+from safetensors.numpy import save_file
 
 from hloserve.export import InputSpec, OutputSpec, export_bundle
 
-PARAMS = {"w": np.arange(12, dtype=np.float32).reshape(4, 3) / 10, "b": np.ones(3, np.float32)}
+from .clients import infer
+
+PARAMS: dict[str, np.ndarray] = {
+    "w": np.arange(12, dtype=np.float32).reshape(4, 3) / 10,
+    "b": np.ones(3, np.float32),
+}
+
+
+X = np.arange(4, dtype=np.float32).reshape(1, 4)
+"""One row for an affine bundle."""
+WEIGHT_BYTES = PARAMS["w"].nbytes + PARAMS["b"].nbytes  # 60 bytes per affine model
 
 
 def affine(params: Any, x: Any) -> Any:
     return x @ params["w"] + params["b"]
+
+
+def affine_output(client: Any, model: str, x: np.ndarray = X) -> np.ndarray:
+    """What an affine bundle named `model` answers for `x` (through a tritonclient `client`)."""
+    return infer(client, model, {"INPUT": x}).as_numpy("OUTPUT")
+
+
+def assert_affine_answers(client: Any, model: str) -> None:
+    """An affine bundle named `model` answers one row right."""
+    np.testing.assert_allclose(affine_output(client, model), affine(PARAMS, X), rtol=1e-6)
 
 
 def write_affine(directory: Path, batch_sizes: tuple[int, ...] = (1, 2)) -> Path:
@@ -31,6 +52,11 @@ def write_affine(directory: Path, batch_sizes: tuple[int, ...] = (1, 2)) -> Path
         outputs=[OutputSpec("OUTPUT", letters="k")],
         verify=False,  # a fixture; the exporter's own tests verify
     )
+
+
+def save_affine_weights(directory: Path, params: dict[str, np.ndarray]) -> None:
+    """Replace an affine bundle's weights file with `params` (`b` and `w`, in argument order)."""
+    save_file(dict(params), str(directory / "weights.safetensors"), metadata={"argument_order": '["b", "w"]'})
 
 
 def write_total(directory: Path) -> Path:
