@@ -62,7 +62,34 @@ def _parser() -> argparse.ArgumentParser:
         help="how often --reload scans the repository (default 1; as Triton's flag, implies --reload)",
     )
     _add_export_command(commands)
+    _add_node_command(commands)
     return parser
+
+
+def _add_node_command(commands: Any) -> None:
+    node = commands.add_parser(
+        "node",
+        help="serve a repository from one worker per GPU (or N CPU workers) behind one endpoint",
+        description="Run a node: one worker per GPU (or --cpu-workers N), restarted when it dies. With two "
+        "workers or more, Envoy serves the public gRPC port, routing each request by its model, and a "
+        "controller places models and answers the RPCs that span workers (needs hloserve[node]). "
+        "Settings as for `serve`, plus the `node` section (HLOSERVE_NODE_<FIELD>).",
+    )
+    node.add_argument("--config", type=Path, help="YAML configuration file (read by every worker too)")
+    node.add_argument("--model-repository", type=Path, help="directory of bundles, served by every worker")
+    node.add_argument("--host", help="public listen address (default 127.0.0.1)")
+    node.add_argument("--grpc-port", type=int, help="public gRPC port (default 8001)")
+    node.add_argument("--metrics-port", type=int, help="public metrics, /healthz and /readyz (default 8002)")
+    node.add_argument(
+        "--allow-client-shm", action="store_true", default=None, help="as for `serve`, on every worker"
+    )
+    node.add_argument("--cpu-workers", type=int, help="run N CPU workers instead of one per GPU")
+    node.add_argument("--gpus", help="auto (default), a count, or comma-separated ordinals or UUIDs")
+    node.add_argument(
+        "--scheduling",
+        choices=["round_robin", "least_outstanding", "lpt_packing"],
+        help="how requests are spread over the workers serving a model (default round_robin)",
+    )
 
 
 SERVER_FLAGS = {
@@ -78,7 +105,7 @@ SERVER_FLAGS = {
 
 
 def _apply_flags(config: Config, args: argparse.Namespace) -> Config:
-    given = {field: getattr(args, flag[2:].replace("-", "_")) for field, flag in SERVER_FLAGS.items()}
+    given = {field: getattr(args, flag[2:].replace("-", "_"), None) for field, flag in SERVER_FLAGS.items()}
     if given["repository_poll_s"] is not None:  # as Triton's flag: polling implies reloading
         given["reload"] = True
     changes = {field: value for field, value in given.items() if value is not None}
@@ -110,6 +137,20 @@ async def _serve_until_signalled(config: Config) -> None:
                 log.info("signal received", signal=signal.Signals(signum).name)
                 break
     log.info("stopped")
+
+
+async def _node_until_signalled(config: Config, config_path: Path | None) -> None:
+    from hloserve.node import run_node
+
+    log = structlog.get_logger("hloserve.node")
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(run_node, config, config_path)
+            async for signum in signals:
+                log.info("signal received; stopping the node", signal=signal.Signals(signum).name)
+                break
+            nursery.cancel_scope.cancel()
+    log.info("node stopped")
 
 
 _EXPORT_HELP = """\
@@ -240,12 +281,18 @@ def main(argv: list[str] | None = None) -> int:
         return _export(args)
     try:
         config = _apply_flags(load_config(args.config), args)
+        if args.command == "node":
+            changes = {"cpu_workers": args.cpu_workers, "gpus": args.gpus, "scheduling": args.scheduling}
+            config = config.replace("node", **{k: v for k, v in changes.items() if v is not None})
     except ConfigError as e:
         print(f"hloserve: {e}", file=sys.stderr)
         return 2
     configure_logging(config.logging)
     try:
-        trio.run(_serve_until_signalled, config)
+        if args.command == "node":
+            trio.run(_node_until_signalled, config, args.config)
+        else:
+            trio.run(_serve_until_signalled, config)
     except ConfigError as e:
         structlog.get_logger("hloserve").error("cannot start", error=str(e))
         return 2
