@@ -1,7 +1,7 @@
 """Worker configuration: one YAML file, environment overrides, command-line flags, in that order.
 
-Every field lives in a section (`server`, `scheduler`, `weights`, `logging`) and can be overridden by the
-variable `HLOSERVE_<SECTION>_<FIELD>` (`HLOSERVE_SERVER_GRPC_PORT=9001`). Per-model settings
+Every field lives in a section (`server`, `scheduler`, `weights`, `logging`, `node`) and can be
+overridden by the variable `HLOSERVE_<SECTION>_<FIELD>` (`HLOSERVE_SERVER_GRPC_PORT=9001`). Per-model settings
 (`scheduler.models.<name>`) exist only in the file. A bad value is a `ConfigError` naming the
 field and what it accepts, raised before anything starts.
 """
@@ -280,6 +280,9 @@ class NodeConfig:
     """`lpt_packing` repacks after the workers have computed this many seconds since the last."""
     first_rebalance_compute_s: float = 60.0
     """The threshold of the first repack driven by traffic (0: use `rebalance_compute_s`)."""
+    ema_halflife_compute_s: float = 0.0
+    """Half-life, in fleet compute seconds, of each model's learned utilisation (0: the same as
+    `rebalance_compute_s`)."""
     hysteresis: float = 0.0
     """A model stays where it is unless another worker scores better by more than this fraction."""
     default_replicas: int = 1
@@ -308,6 +311,7 @@ class NodeConfig:
         for key in ("discovery_interval_s", "probe_timeout_s", "rebalance_compute_s"):
             _check(getattr(self, key) > 0, f"node.{key}", "must be > 0")
         _check(self.first_rebalance_compute_s >= 0, "node.first_rebalance_compute_s", "must be >= 0")
+        _check(self.ema_halflife_compute_s >= 0, "node.ema_halflife_compute_s", "must be >= 0")
         _check(0 <= self.hysteresis < 1, "node.hysteresis", "must be in [0, 1)")
         _check(
             self.default_replicas == -1 or self.default_replicas >= 1,

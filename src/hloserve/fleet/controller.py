@@ -238,7 +238,7 @@ class Controller:
                     delta[status.name] = delta.get(status.name, 0.0) + status.total_compute_seconds - before
         fleet = sum(delta.values())
         if elapsed > 0:
-            halflife = self.policy["rebalance_compute_seconds"]
+            halflife = self.node.ema_halflife_compute_s or self.policy["rebalance_compute_seconds"]
             for model, learned in self.learned.items():
                 sample = delta.get(model, 0.0) / elapsed
                 learned.utilization = lpt.ewma(learned.utilization, sample, fleet, halflife)

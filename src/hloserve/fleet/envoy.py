@@ -1,11 +1,11 @@
 """Envoy, the node's byte path: its bootstrap, and the routes and clusters the controller rewrites.
 
 Unmodified KServe clients carry the model's name only in the request body. A gRPC field
-extraction filter reads it (field 1 of the five per-model requests) into dynamic metadata, and
+extraction filter reads it (field 1 of the per-model requests) into dynamic metadata, and
 a small Lua filter copies it into the `x-model-name` header and clears the route cache: routes
 are chosen before the body is read, so they can only match on a header. A client that sends the
-header itself is routed on it. Requests no route claims (RPCs that span workers, models no
-worker serves) go to the controller.
+header itself is routed on it. Requests no route claims (RPCs that span workers, ModelStatistics,
+models no worker serves) go to the controller.
 
 Routes and clusters are two files Envoy watches (file-based RDS and CDS); the controller replaces
 them atomically (write, then rename) and Envoy swaps them in without a restart.
@@ -42,8 +42,8 @@ ROUTED_RPCS = {  # rpc: the request field naming the model (field 1 in each)
     "ModelMetadata": "name",
     "ModelReady": "name",
     "ModelConfig": "name",
-    "ModelStatistics": "name",
 }
+"""ModelStatistics is not among them: the controller sums a model's counters over its workers."""
 _SERVICE = "inference.GRPCInferenceService"
 _EXTRACTION = "envoy.filters.http.grpc_field_extraction"
 _MAX_WINDOW = (1 << 31) - 1  # HTTP/2's largest window
@@ -87,7 +87,7 @@ def find_envoy(setting: str = "") -> str:
 
 
 def descriptor_set() -> bytes:
-    """The part of the KServe service the field extraction needs: the five per-model requests
+    """The part of the KServe service the field extraction needs: the per-model requests
     with only their field 1 (every other field is skipped unread)."""
     file = descriptor_pb2.FileDescriptorProto(
         name="hloserve_routing.proto", package="inference", syntax="proto3"
@@ -249,6 +249,19 @@ def _cluster(name: str, addresses: Sequence[str], policy: str, window: int) -> d
             "max_ejection_percent": 100,
         },
         "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
+        # The workers bound their own queues; Envoy's defaults (1024 requests, 3 retries at once
+        # per cluster) would refuse first, and fail the retries of every request a dying worker
+        # held but three.
+        "circuit_breakers": {
+            "thresholds": [
+                {
+                    "max_connections": 1 << 16,
+                    "max_pending_requests": 1 << 20,
+                    "max_requests": 1 << 20,
+                    "max_retries": 1 << 16,
+                }
+            ]
+        },
     }
 
 

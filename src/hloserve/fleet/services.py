@@ -173,15 +173,16 @@ class InferenceFront(kserve.GrpcInferenceServiceBase):
     async def model_statistics(
         self, message: kserve.ModelStatisticsRequest
     ) -> kserve.ModelStatisticsResponse:
-        if message.name:
+        """Every worker's counters for the model (or for all), summed: a node's statistics."""
+        targets = [w for w in _ready(self._controller) if not message.name or message.name in w.models]
+        if not targets:
             raise _not_served(message.name)
         timeout = self._controller.node.probe_timeout_s
-        results = await _fan_out(
-            _ready(self._controller), lambda w: w.inference.model_statistics(message, timeout=timeout)
-        )
-        if error := _failure(results):
-            raise error
-        return merge_statistics(r for _, r in results if isinstance(r, kserve.ModelStatisticsResponse))
+        results = await _fan_out(targets, lambda w: w.inference.model_statistics(message, timeout=timeout))
+        answers = [r for _, r in results if isinstance(r, kserve.ModelStatisticsResponse)]
+        if not answers:
+            raise _failure(results) or _not_served(message.name)
+        return merge_statistics(answers)
 
     # -- repository ------------------------------------------------------------------------
 
