@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from benches import breakdown, compare, scheduler, serving, shared_memory, weight_cache
+from benches import breakdown, compare, node, scheduler, serving, shared_memory, weight_cache
 from benches.charts import write_charts
 
 BENCHES = Path(__file__).resolve().parent
@@ -28,6 +28,7 @@ SUITES = {
     "shared_memory": shared_memory,
     "weight_cache": weight_cache,
     "breakdown": breakdown,
+    "node": node,
 }
 _BEGIN, _END = "<!-- latest compare run: begin -->", "<!-- latest compare run: end -->"
 

@@ -187,8 +187,9 @@ def test_requests_reach_the_worker_the_model_is_placed_on(node: Node) -> None:
     before = {w: _served(a) for w, a in workers.items()}
     public = node.client()
     for model in MODELS:
-        for _ in range(3):
+        for _ in range(2):
             public.infer(model, _inputs(public, model))
+        public.infer(model, _inputs(public, model), headers={"x-model-name": model})  # routed on it
     after = {w: _served(a) for w, a in workers.items()}
     for model, (home,) in placed.items():
         for worker in workers:
@@ -387,6 +388,8 @@ def test_a_worker_killed_under_load_costs_no_request_and_comes_back(node: Node) 
     _wait(lambda: len(next(m for m in node.status().models if m.name == "mlp").replicas) == 2, 10, "mlp x2")
     workers = node.workers()
     victim = node.worker_pid(int(workers["worker0"].rpartition(":")[2]))
+    region = shm.create_shared_memory_region("kept", "/hloserve_node_test_kept", 4096)
+    node.client().register_system_shared_memory("kept", "/hloserve_node_test_kept", 4096)
     errors: list[str] = []
     count: list[int] = []
     threads = [threading.Thread(target=_load, args=(node, "mlp", 4.0, errors, count)) for _ in range(4)]
@@ -409,6 +412,33 @@ def test_a_worker_killed_under_load_costs_no_request_and_comes_back(node: Node) 
     for _ in range(8):
         public.infer("mlp", _inputs(public, "mlp"))
     assert _served(workers["worker0"])["mlp"] > before
+    # what was registered through the node is registered again on the restarted worker
+    assert "kept" in str(triton.InferenceServerClient(workers["worker0"]).get_system_shared_memory_status())
+    public.unregister_system_shared_memory("kept")
+    shm.destroy_shared_memory_region(region)
+
+
+def test_one_worker_serves_the_public_port_itself(tmp_path: Path) -> None:
+    grpc_port = free_port()
+    with (tmp_path / "node.log").open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "hloserve.cli", "node", "--cpu-workers", "1",
+             "--grpc-port", str(grpc_port), "--metrics-port", "-1"],
+            stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_test,
+        )  # fmt: skip
+    alone = Node(process, grpc_port, -1, tmp_path / "node.log")
+    try:
+        _wait(lambda: alone.client().is_server_ready(), 90, "the worker")
+        (child,) = alone.descendants()  # no Envoy, no controller port: the worker itself
+        assert alone.worker_pid(grpc_port) == child
+        assert _outputs(alone.client(), "mlp")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
+        assert not Path(f"/proc/{child}").exists()
+        assert b"[worker0]" in (tmp_path / "node.log").read_bytes()
+    finally:
+        process.kill()
+        process.wait()
 
 
 def test_metrics_merge_every_worker_with_a_worker_label(node: Node) -> None:

@@ -133,7 +133,8 @@ class Controller:
         self.compute_accumulated = 0.0
         self.compute_repacked = False  # a traffic-driven repack has happened
         self.warnings: list[str] = []
-        self.rounds = 0
+        self.rounds = 0  # the number of the last round finished
+        self._started = 0
         self._baseline: dict[tuple[str, str], float] = {}  # (worker, model) -> compute seconds
         self._last_poll: float | None = None
         self._wake = asyncio.Event()
@@ -158,19 +159,23 @@ class Controller:
                 worker.reset()
 
     async def refresh(self) -> None:
-        """Run a round now and wait for one to finish (after a load, an unload...)."""
+        """Run a round now and wait until one that started after this call has finished (after a
+        load, an unload...)."""
+        wanted = self._started + 1
         async with self._round_done:
             self._wake.set()
-            await self._round_done.wait()
+            await self._round_done.wait_for(lambda: self.rounds >= wanted)
 
     async def round(self) -> None:
+        self._started += 1
+        number = self._started
         await asyncio.gather(*(self._probe(w) for w in self.workers))
         for worker in self.workers:
             self.known |= set(worker.models)
         if self.node.scheduling == "lpt_packing":
             await self._place()
         self._route()
-        self.rounds += 1
+        self.rounds = number
         async with self._round_done:
             self._round_done.notify_all()
 
