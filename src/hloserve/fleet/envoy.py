@@ -46,6 +46,7 @@ ROUTED_RPCS = {  # rpc: the request field naming the model (field 1 in each)
 """ModelStatistics is not among them: the controller sums a model's counters over its workers."""
 _SERVICE = "inference.GRPCInferenceService"
 _EXTRACTION = "envoy.filters.http.grpc_field_extraction"
+_LUA_FILTER = "envoy.filters.http.lua"
 _MAX_WINDOW = (1 << 31) - 1  # HTTP/2's largest window
 
 _LUA = f"""
@@ -155,7 +156,7 @@ def bootstrap(
                 },
             },
             {
-                "name": "envoy.filters.http.lua",
+                "name": _LUA_FILTER,
                 "typed_config": {
                     "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
                     "default_source_code": {"inline_string": _LUA},
@@ -312,6 +313,12 @@ def routes(placement: Mapping[str, Sequence[str]]) -> dict[str, Any]:
                 "timeout": "0s",
                 "max_stream_duration": {"grpc_timeout_header_max": "0s"},
                 "retry_policy": retry,
+            },
+            # A request that arrives with the header matches here first: nothing reads its body,
+            # which streams through instead of being held whole by the field extraction.
+            "typed_per_filter_config": {
+                name: {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "disabled": True}
+                for name in (_EXTRACTION, _LUA_FILTER)
             },
         }
         for model, addresses in sorted(placement.items())
