@@ -139,18 +139,27 @@ async def _serve_until_signalled(config: Config) -> None:
     log.info("stopped")
 
 
-async def _node_until_signalled(config: Config, config_path: Path | None) -> None:
+async def _node_until_signalled(config: Config, plan: Any, config_path: Path | None) -> int:
     from hloserve.node import run_node
 
     log = structlog.get_logger("hloserve.node")
+    status = 0
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            await nursery.start(run_node, config, config_path)
-            async for signum in signals:
-                log.info("signal received; stopping the node", signal=signal.Signals(signum).name)
-                break
+
+            async def stop_on_signal() -> None:
+                async for signum in signals:
+                    log.info("signal received; stopping the node", signal=signal.Signals(signum).name)
+                    break
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(stop_on_signal)
+            failure = await run_node(config, plan, config_path)
+            log.error("node stopping: a child keeps dying", error=failure)
+            status = 1
             nursery.cancel_scope.cancel()
     log.info("node stopped")
+    return status
 
 
 _EXPORT_HELP = """\
@@ -290,9 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(config.logging)
     try:
         if args.command == "node":
-            trio.run(_node_until_signalled, config, args.config)
-        else:
-            trio.run(_serve_until_signalled, config)
+            from hloserve.node import plan_node
+
+            return trio.run(_node_until_signalled, config, plan_node(config), args.config)
+        trio.run(_serve_until_signalled, config)
     except ConfigError as e:
         structlog.get_logger("hloserve").error("cannot start", error=str(e))
         return 2

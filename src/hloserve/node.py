@@ -31,7 +31,16 @@ import trio
 from hloserve.config import Config, NodeConfig
 from hloserve.errors import ConfigError
 
-__all__ = ["Child", "WorkerSpec", "find_gpus", "free_port", "run_node", "worker_specs"]
+__all__ = [
+    "Child",
+    "NodePlan",
+    "WorkerSpec",
+    "find_gpus",
+    "free_port",
+    "plan_node",
+    "run_node",
+    "worker_specs",
+]
 
 log = structlog.get_logger("hloserve.node")
 
@@ -248,24 +257,41 @@ def worker_child(spec: WorkerSpec, config: Config, config_path: Path | None, pub
     return Child(spec.name, argv, env, config.node.worker_grace_s)
 
 
-async def run_node(
-    config: Config,
-    config_path: Path | None = None,
-    environ: Mapping[str, str] | None = None,
-    task_status: trio.TaskStatus[Supervisor] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Run the node until cancelled (the caller cancels on SIGTERM)."""
-    environ = os.environ if environ is None else environ
-    specs = worker_specs(config.node, environ)
-    supervisor = Supervisor(config.node)
-    async with trio.open_nursery() as nursery:
-        if len(specs) == 1:
-            nursery.start_soon(supervisor.keep_running, worker_child(specs[0], config, config_path, True))
-            log.info("node serving one worker directly", grpc_port=config.server.grpc_port)
-        else:
-            from hloserve.fleet.front import run_front
+@dataclass(frozen=True, slots=True)
+class NodePlan:
+    """What a node will run, settled before anything starts (so a bad setting stops it early)."""
 
-            await nursery.start(run_front, config, specs, supervisor)  # checks Envoy is installed
-            for spec in specs:
-                nursery.start_soon(supervisor.keep_running, worker_child(spec, config, config_path, False))
-        task_status.started(supervisor)
+    workers: Sequence[WorkerSpec]
+    envoy: str | None  # the Envoy binary, with two workers or more
+
+
+def plan_node(config: Config, environ: Mapping[str, str] | None = None) -> NodePlan:
+    """The workers to start and the Envoy to front them; raises `ConfigError`."""
+    specs = worker_specs(config.node, os.environ if environ is None else environ)
+    if len(specs) == 1:
+        return NodePlan(specs, None)
+    from hloserve.fleet.envoy import find_envoy
+
+    return NodePlan(specs, find_envoy(config.node.envoy))
+
+
+async def run_node(config: Config, plan: NodePlan, config_path: Path | None = None) -> str:
+    """Run the node until cancelled; returns why it gave up if a child died past its budget."""
+    supervisor = Supervisor(config.node)
+    failures: list[str] = []
+    try:
+        async with trio.open_nursery() as nursery:
+            if plan.envoy is None:
+                (spec,) = plan.workers
+                nursery.start_soon(supervisor.keep_running, worker_child(spec, config, config_path, True))
+                log.info("node serving one worker directly", grpc_port=config.server.grpc_port)
+            else:
+                from hloserve.fleet.front import run_front
+
+                await nursery.start(run_front, config, plan.workers, supervisor, plan.envoy)
+                for spec in plan.workers:
+                    child = worker_child(spec, config, config_path, False)
+                    nursery.start_soon(supervisor.keep_running, child)
+    except* GaveUp as group:
+        failures += map(str, group.exceptions)
+    return "; ".join(failures)  # keep_running returns only by giving up

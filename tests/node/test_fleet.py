@@ -3,20 +3,25 @@ metrics and statistics."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 from pathlib import Path
+from typing import Any
 
+import grpclib
 import pytest
 from google.protobuf import descriptor_pb2
+from grpclib.const import Status
 
+from hloserve._proto import hloserve_gateway as gateway
 from hloserve._proto import inference as kserve
 from hloserve.config import NodeConfig
 from hloserve.errors import ConfigError
 from hloserve.fleet import envoy
 from hloserve.fleet.controller import Controller, WorkerLink
 from hloserve.fleet.http import merge_expositions
-from hloserve.fleet.services import merge_statistics, node_readiness
+from hloserve.fleet.services import GatewayFront, merge_statistics, node_readiness
 
 
 def test_the_descriptor_set_names_each_routed_rpc_and_its_model_field() -> None:
@@ -123,3 +128,72 @@ def test_statistics_are_summed_over_workers() -> None:
     assert (merged.inference_stats.success.count, merged.inference_stats.success.ns) == (5, 50)
     (batch,) = merged.batch_stats
     assert batch.compute_infer is not None and batch.compute_infer.count == 5
+
+
+def _front(mode: str = "lpt_packing") -> GatewayFront:
+    worker = WorkerLink("worker0", "127.0.0.1:1", None, True, {"mlp": "READY"})
+    controller = Controller(NodeConfig(scheduling=mode), [worker], lambda routes: None)
+    controller.known = {"mlp"}
+    return GatewayFront(controller)
+
+
+def _status_of(call: Any) -> Status:
+    with pytest.raises(grpclib.GRPCError) as caught:
+        asyncio.run(call)
+    return caught.value.status
+
+
+def test_the_scheduling_policy_changes_all_or_nothing() -> None:
+    front = _front()
+    policy = gateway.SchedulingPolicy(hysteresis=0.25, compaction_mode="scheduled")
+    answer = asyncio.run(
+        front.set_scheduling_policy(
+            gateway.SetSchedulingPolicyRequest(["hysteresis", "compaction_mode"], policy)
+        )
+    )
+    assert answer.applied is not None
+    assert (answer.applied.hysteresis, answer.applied.compaction_mode, answer.applied.generation) == (
+        0.25,
+        "scheduled",
+        1,
+    )
+    for mask, bad in (
+        (["hysteresis", "mode"], policy),
+        (["hysteresis"], gateway.SchedulingPolicy(hysteresis=1.5)),
+    ):
+        assert _status_of(front.set_scheduling_policy(gateway.SetSchedulingPolicyRequest(mask, bad))) == (
+            Status.INVALID_ARGUMENT
+        )
+    assert _status_of(front.set_scheduling_policy(gateway.SetSchedulingPolicyRequest([], policy))) == (
+        Status.INVALID_ARGUMENT
+    )
+    status = asyncio.run(front.get_scheduling_status(gateway.GetSchedulingStatusRequest()))
+    assert status.policy is not None and status.policy.hysteresis == 0.25 and status.policy.generation == 1
+
+
+def test_replicas_and_repacks_are_checked() -> None:
+    front = _front()
+    answer = asyncio.run(front.set_model_replicas(gateway.SetModelReplicasRequest("mlp", -1)))
+    assert answer.effective_replicas == 1  # all of one worker
+    assert (
+        _status_of(front.set_model_replicas(gateway.SetModelReplicasRequest("nosuch", 2))) == Status.NOT_FOUND
+    )
+    allowed = gateway.SetModelReplicasRequest("later", 2, allow_unknown_model=True)
+    assert asyncio.run(front.set_model_replicas(allowed)).effective_replicas == 1
+    assert _status_of(front.set_model_replicas(gateway.SetModelReplicasRequest("mlp", -2))) == (
+        Status.INVALID_ARGUMENT
+    )
+    assert _status_of(front.repack(gateway.RepackRequest(wait_seconds=-1))) == Status.INVALID_ARGUMENT
+    # without a running controller loop nothing repacks: the wait ends, not completed
+    answer = asyncio.run(front.repack(gateway.RepackRequest(wait_seconds=0.05)))
+    assert (answer.sequence, answer.completed) == (1, False)
+
+
+def test_placement_knobs_need_lpt_packing() -> None:
+    front = _front("round_robin")
+    assert _status_of(front.repack(gateway.RepackRequest())) == Status.FAILED_PRECONDITION
+    assert _status_of(front.set_model_replicas(gateway.SetModelReplicasRequest("mlp", 2))) == (
+        Status.FAILED_PRECONDITION
+    )
+    status = asyncio.run(front.get_scheduling_status(gateway.GetSchedulingStatusRequest()))
+    assert status.policy is not None and status.policy.mode == "round_robin"

@@ -451,14 +451,16 @@ def test_metrics_merge_every_worker_with_a_worker_label(node: Node) -> None:
     assert urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/healthz").read() == b"ok\n"
 
 
-def test_perf_analyzer_runs_clean_through_the_node(node: Node) -> None:
+@pytest.mark.parametrize("model", MODELS)
+def test_perf_analyzer_runs_clean_through_the_node(node: Node, model: str) -> None:
     result = run_perf_analyzer(
-        ["-m", "mlp", "-u", node.url, "-i", "grpc", "--concurrency-range", "2", "-b", "2",
-         "--measurement-interval", "1000", "-s", "100", "--max-trials", "3"],
+        ["-m", model, "-u", node.url, "-i", "grpc", "--concurrency-range", "2",
+         "--measurement-interval", "500", "-s", "100", "--max-trials", "3"],
         timeout=120,
     )  # fmt: skip
     output = result.stdout + result.stderr
     assert result.returncode == 0 and "error" not in output.lower(), output
+    assert "Server:" in output and "compute infer" in output  # statistics summed by the controller
 
 
 def test_sigterm_stops_the_node_and_every_child(node: Node) -> None:

@@ -3,6 +3,7 @@ SIGTERM then SIGKILL, prefixed output, death with the parent; and how GPUs are f
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -134,3 +135,29 @@ def test_workers_get_their_own_device_and_ports() -> None:
     assert worker_child(cpu[0], Config(), None, public=False).env["JAX_PLATFORMS"] == "cpu"
     public = worker_child(cpu[0], Config(), None, public=True)
     assert public.argv[public.argv.index("--grpc-port") + 1] == "8001"
+
+
+def _node(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hloserve.cli", "node", "--metrics-port", "-1", *args],
+        capture_output=True, text=True, timeout=60, env={**os.environ, **env},
+    )  # fmt: skip
+
+
+def test_bad_node_settings_stop_it_before_anything_starts() -> None:
+    missing = _node("--cpu-workers", "2", env={"HLOSERVE_NODE_ENVOY": "/nonexistent/envoy"})
+    assert (
+        missing.returncode == 2 and "node.envoy" in missing.stderr and "child started" not in missing.stderr
+    )
+    no_gpu = _node(env={"CUDA_VISIBLE_DEVICES": ""})
+    assert no_gpu.returncode == 2 and "--cpu-workers" in no_gpu.stderr
+
+
+@pytest.mark.slow
+def test_a_worker_that_keeps_dying_stops_the_node_with_status_1(tmp_path: Path) -> None:
+    ended = _node(
+        "--cpu-workers", "1", "--model-repository", str(tmp_path / "missing"), "--grpc-port", "0",
+        env={"HLOSERVE_NODE_MAX_RESTARTS": "1"},
+    )  # fmt: skip
+    assert ended.returncode == 1, ended.stderr[-2000:]
+    assert ended.stderr.count("[worker0]") >= 2 and "worker0 exited 2 times in a row" in ended.stderr

@@ -53,11 +53,12 @@ async def run_front(
     config: Config,
     specs: Sequence[WorkerSpec],
     supervisor: Supervisor,
+    binary: str,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
+    """Start Envoy (`binary`) and the controller; run until cancelled."""
     from hloserve.node import Child, free_port
 
-    binary = envoy.find_envoy(config.node.envoy)  # before anything starts: say how to install it
     server_config = config.server
     directory = Path(tempfile.mkdtemp(prefix="hloserve-node-"))
     try:
