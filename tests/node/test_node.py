@@ -447,7 +447,8 @@ def test_metrics_merge_every_worker_with_a_worker_label(node: Node) -> None:
         assert f'hloserve_requests_served_total{{model="mlp",worker="{worker}"}}' in text
         assert f'hloserve_node_worker_ready{{worker="{worker}"}} 1.0' in text
     assert text.count("# TYPE hloserve_requests_served_total counter") == 1
-    assert 'hloserve_node_worker_starts_total{worker="worker0"} 2.0' in text  # the restart above
+    assert 'hloserve_node_worker_starts_total{worker="worker1"} 1.0' in text
+    assert "envoy_cluster_upstream_rq_retry" in text and 'envoy_cluster_name="model_mlp"' in text  # Envoy's
     assert urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/healthz").read() == b"ok\n"
 
 

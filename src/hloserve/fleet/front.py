@@ -18,7 +18,7 @@ from grpclib.server import Server
 from hloserve.config import Config
 from hloserve.fleet import envoy
 from hloserve.fleet.controller import Controller, WorkerLink
-from hloserve.fleet.http import serve_http
+from hloserve.fleet.http import NodeHttp
 from hloserve.fleet.services import ControlFront, GatewayFront, InferenceFront
 
 if TYPE_CHECKING:
@@ -66,12 +66,9 @@ async def run_front(
         publish = _Publisher(directory, controller_address, config)
         envoy.write_atomically(directory / "routing.pb", envoy.descriptor_set())
         publish({})
+        admin = free_port()
         bootstrap = envoy.bootstrap(
-            directory,
-            server_config.host,
-            server_config.grpc_port,
-            free_port(),
-            server_config.max_message_bytes,
+            directory, server_config.host, server_config.grpc_port, admin, server_config.max_message_bytes
         )
         envoy.write_atomically(directory / "envoy.json", bootstrap)
         workers = [
@@ -91,8 +88,9 @@ async def run_front(
             await trio_asyncio.aio_as_trio(server.start)(host, int(port))
             http = None
             if server_config.metrics_port >= 0:
-                http = await trio_asyncio.aio_as_trio(serve_http)(
-                    controller, server_config.host, server_config.metrics_port, lambda: supervisor.starts
+                pages = NodeHttp(controller, lambda: supervisor.starts, f"127.0.0.1:{admin}")
+                http = await trio_asyncio.aio_as_trio(pages.serve)(
+                    server_config.host, server_config.metrics_port
                 )
             argv = [
                 binary,

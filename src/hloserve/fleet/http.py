@@ -1,5 +1,5 @@
-"""The node's metrics port: `/metrics` (every worker's families with a `worker` label, and the
-controller's own), `/healthz` (the controller answers) and `/readyz` (the node is ready, as
+"""The node's metrics port: `/metrics` (every worker's families with a `worker` label, the
+controller's own and Envoy's), `/healthz` (the controller answers) and `/readyz` (the node is ready, as
 ServerReady answers; the body names the models without a ready replica)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 from hloserve.fleet.controller import Controller
 from hloserve.fleet.services import node_readiness
 
-__all__ = ["merge_expositions", "serve_http"]
+__all__ = ["NodeHttp", "merge_expositions"]
 
 _MAX_REQUEST_BYTES = 8192
 
@@ -77,62 +77,74 @@ def _controller_families(
     return [ready, scraped, starts, routes, replicas, utilization, repacks, ready_node]
 
 
-def _fetch(address: str, timeout: float) -> str:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=timeout) as answer:
+def _fetch(url: str, timeout: float) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as answer:
         return str(answer.read().decode())
 
 
-async def _exposition(controller: Controller, restarts: Mapping[str, int]) -> bytes:
-    timeout = controller.node.probe_timeout_s
-    scraped = [w for w in controller.workers if w.metrics]
-    results = await asyncio.gather(
-        *(asyncio.to_thread(_fetch, w.metrics or "", timeout) for w in scraped), return_exceptions=True
-    )
-    texts = {w.name: r for w, r in zip(scraped, results, strict=True) if isinstance(r, str)}
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Families(merge_expositions(texts)))
-    registry.register(_Families(_controller_families(controller, restarts, {n: True for n in texts})))
-    return bytes(generate_latest(registry))
+class NodeHttp:
+    """The answers of the node's metrics port."""
 
+    def __init__(
+        self, controller: Controller, restarts: Callable[[], Mapping[str, int]], envoy_admin: str | None
+    ) -> None:
+        self._controller = controller
+        self._restarts = restarts
+        self._envoy = envoy_admin
 
-async def serve_http(
-    controller: Controller, host: str, port: int, restarts: Callable[[], Mapping[str, int]]
-) -> asyncio.Server:
-    """Listen on `host:port`; the caller closes the returned server."""
-
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
-            writer.close()
-            return
-        path = head.split(b" ", 2)[1].split(b"?")[0] if head.count(b" ") >= 2 else b""
-        status, kind, body = await _route(path, controller, restarts)
-        writer.write(
-            f"HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
-            "Connection: close\r\n\r\n".encode()
-            + body
+    async def exposition(self) -> bytes:
+        """Every worker's families with a `worker` label, the controller's, then Envoy's own
+        (`envoy_*`: requests, retries and ejections per model cluster)."""
+        controller = self._controller
+        timeout = controller.node.probe_timeout_s
+        sources = {w.name: f"http://{w.metrics}/metrics" for w in controller.workers if w.metrics}
+        if self._envoy:
+            sources["envoy"] = f"http://{self._envoy}/stats/prometheus"
+        results = await asyncio.gather(
+            *(asyncio.to_thread(_fetch, url, timeout) for url in sources.values()), return_exceptions=True
         )
-        try:
-            await writer.drain()
-        finally:
-            writer.close()
+        texts = {n: r for n, r in zip(sources, results, strict=True) if isinstance(r, str)}
+        envoy = texts.pop("envoy", "")
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Families(merge_expositions(texts)))
+        registry.register(
+            _Families(_controller_families(controller, self._restarts(), dict.fromkeys(texts, True)))
+        )
+        return bytes(generate_latest(registry)) + envoy.encode()
 
-    return await asyncio.start_server(answer, host, port, limit=_MAX_REQUEST_BYTES)
+    async def answer(self, path: bytes) -> tuple[str, str, bytes]:
+        text = "text/plain; charset=utf-8"
+        if path == b"/metrics":
+            return "200 OK", "text/plain; version=0.0.4; charset=utf-8", await self.exposition()
+        if path == b"/healthz":
+            return "200 OK", text, b"ok\n"
+        if path == b"/readyz":
+            ready, missing = node_readiness(self._controller)
+            if ready:
+                return "200 OK", text, b"ready\n"
+            detail = f"no ready replica of {', '.join(missing)}" if missing else "no worker is ready"
+            return "503 Service Unavailable", text, f"not ready: {detail}\n".encode()
+        return "404 Not Found", text, b"expected /metrics, /healthz or /readyz\n"
 
+    async def serve(self, host: str, port: int) -> asyncio.Server:
+        """Listen on `host:port`; the caller closes the returned server."""
 
-async def _route(
-    path: bytes, controller: Controller, restarts: Callable[[], Mapping[str, int]]
-) -> tuple[str, str, bytes]:
-    text = "text/plain; charset=utf-8"
-    if path == b"/metrics":
-        return "200 OK", "text/plain; version=0.0.4; charset=utf-8", await _exposition(controller, restarts())
-    if path == b"/healthz":
-        return "200 OK", text, b"ok\n"
-    if path == b"/readyz":
-        ready, missing = node_readiness(controller)
-        if ready:
-            return "200 OK", text, b"ready\n"
-        detail = f"no ready replica of {', '.join(missing)}" if missing else "no worker is ready"
-        return "503 Service Unavailable", text, f"not ready: {detail}\n".encode()
-    return "404 Not Found", text, b"expected /metrics, /healthz or /readyz\n"
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
+                writer.close()
+                return
+            path = head.split(b" ", 2)[1].split(b"?")[0] if head.count(b" ") >= 2 else b""
+            status, kind, body = await self.answer(path)
+            writer.write(
+                f"HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
+                "Connection: close\r\n\r\n".encode()
+                + body
+            )
+            try:
+                await writer.drain()
+            finally:
+                writer.close()
+
+        return await asyncio.start_server(answer, host, port, limit=_MAX_REQUEST_BYTES)
