@@ -31,7 +31,7 @@ import numpy as np
 
 from benches.loadgen import python_loop
 from benches.serving import ROOT, _free_port, install, measure, start_server
-from benches.weight_cache import MODELS, WEIGHT_FLOATS, _catalogue
+from benches.weight_cache import MODELS, WEIGHT_FLOATS, _catalogue, _residency_counts
 
 SCENARIOS = (
     ("mlp c=1", "mlp", 1, ["-b", "1"]),
@@ -51,6 +51,8 @@ class Row:
     direct_throughput: float
     node_throughput: float
     proxy_cpu_ms_per_request: float | None
+    direct_loads: int | None = None  # the catalogue: weight loads during the measured run
+    node_loads: int | None = None
 
     @property
     def added_p50_ms(self) -> float:
@@ -158,6 +160,10 @@ def run_overhead(window_ms: int) -> list[Row]:
         _stop(process)
 
 
+def _loads(ports: list[int]) -> int:
+    return sum(_residency_counts(port)[0] for port in ports)
+
+
 def _zipf_load(url: str) -> float:
     def pick(rng: np.random.Generator) -> str:
         return f"m{rng.choice(MODELS, p=ZIPF / ZIPF.sum())}"
@@ -180,7 +186,9 @@ def run_catalogue() -> Row:
         port = _free_port()
         server = start_server(port, settings=settings)
         try:
+            before = _loads([port])
             one = _zipf_load(f"127.0.0.1:{port}")
+            one_loads = _loads([port]) - before
         finally:
             server.terminate()
             server.wait(60)
@@ -192,10 +200,13 @@ def run_catalogue() -> Row:
             from hloserve._proto import hloserve_gateway as gateway
 
             _gateway(node_port, "repack", gateway.RepackRequest(wait_seconds=60))  # ...and places it
+            workers = [int(w.address.rpartition(":")[2]) for w in _status(node_port).workers]
+            before = _loads(workers)
             two = _zipf_load(url)
+            two_loads = _loads(workers) - before
         finally:
             _stop(process)
-    return Row("catalogue", 0.0, 0.0, one, two, None)
+    return Row("catalogue", 0.0, 0.0, one, two, None, one_loads, two_loads)
 
 
 def run(window_ms: int = 3000) -> list[Row]:
@@ -211,7 +222,8 @@ def table(rows: list[Row]) -> str:
         if r.scenario == "catalogue":
             lines.append(
                 f"{'catalogue':<14} {'1 worker':>10} {'2 workers':>9} {'':>7} {r.direct_throughput:10.1f} "
-                f"{r.node_throughput:9.1f} {r.throughput_ratio:5.2f}x {cpu:>12}"
+                f"{r.node_throughput:9.1f} {r.throughput_ratio:5.2f}x   weight loads {r.direct_loads} -> "
+                f"{r.node_loads}"
             )
             continue
         lines.append(

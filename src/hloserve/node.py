@@ -33,12 +33,15 @@ from hloserve.errors import ConfigError
 
 __all__ = [
     "Child",
+    "GaveUp",
     "NodePlan",
+    "Supervisor",
     "WorkerSpec",
     "find_gpus",
     "free_port",
     "plan_node",
     "run_node",
+    "worker_child",
     "worker_specs",
 ]
 

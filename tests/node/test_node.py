@@ -313,11 +313,15 @@ def test_a_model_loaded_on_one_worker_joins_the_union_and_becomes_routable(node:
     assert _outputs(public, "pool")
     assert _served(workers["worker1"])["pool"] == before + 1
     assert public.is_server_ready()
-    public.load_model("pool")  # through the node: back where it is placed
+    public.load_model("pool")  # through the node: on the workers it is placed on
+    placed = next(w.name for w in node.status().workers if "pool" in w.models_placed)
+    assert placed in next(m for m in node.status().models if m.name == "pool").serving_workers
+    for address in workers.values():  # back on every worker, for the tests after this one
+        triton.InferenceServerClient(address).load_model("pool")
     _wait(
         lambda: len(next(m for m in node.status().models if m.name == "pool").serving_workers) == 2,
         10,
-        "pool",
+        "pool on both workers",
     )
 
 

@@ -32,6 +32,13 @@ def test_models_without_traffic_are_packed_by_memory() -> None:
     assert plan.oversubscribed({"w0": 1000, "w1": 1000}) == ["w0"]
 
 
+def test_without_budgets_or_traffic_models_still_spread_over_the_workers() -> None:
+    demands = {"a": Demand(0.0, 300), "b": Demand(0.0, 200), "c": Demand(0.0, 100), "d": Demand(0.0, 0)}
+    plan = assign(demands, WORKERS, {}, {})
+    assert plan.workers == {"a": ("w0",), "b": ("w1",), "c": ("w1",), "d": ("w0",)}
+    assert plan.memory == {"w0": 300, "w1": 300}
+
+
 def test_only_workers_whose_budget_fits_are_candidates() -> None:
     # busy goes to w0, big (900 of w1's 1000 bytes) to w1; new fits only on the busy w0...
     demands = {"busy": Demand(1.5, 10), "big": Demand(0.2, 900), "new": Demand(0.1, 200)}

@@ -4,7 +4,8 @@ Longest processing time first: models in order of decreasing utilisation (then w
 then name) each go to the worker whose score after taking it is lowest, the score being the
 larger of its compute load (busy fraction, capacity 1.0) and its weight bytes over its budget.
 While any worker's budget still fits a model, only those are candidates (unless memory
-oversubscription is allowed). Hysteresis keeps a model where it was unless the best worker
+oversubscription is allowed); a tie goes to the worker holding fewer bytes, then fewer models.
+Hysteresis keeps a model where it was unless the best worker
 scores better by more than that fraction, so a stable load gives a stable placement. A model with
 k replicas takes the k best workers, charging each 1/k of its load and all of its bytes.
 """
@@ -69,6 +70,7 @@ def assign(
     """Place every model of `demands` on `workers` (budgets: weight bytes, 0 = unbounded)."""
     ordered = sorted(workers)
     placement = Placement(compute=dict.fromkeys(ordered, 0.0), memory=dict.fromkeys(ordered, 0))
+    held = dict.fromkeys(ordered, 0)  # models placed on each worker
     if not ordered:
         return placement
 
@@ -89,7 +91,9 @@ def assign(
         if k == 1:
             fitting = [w for w in ordered if fits(w, nbytes)]
             candidates = fitting if forbid_memory_oversubscription and fitting else ordered
-            best = min(candidates, key=lambda w: score(w, load, nbytes))  # ties: first in order
+            # Ties go to the worker holding fewer bytes, then fewer models, then the first by name:
+            # with no budgets and no traffic yet, models still spread over the workers.
+            best = min(candidates, key=lambda w: (score(w, load, nbytes), placement.memory[w], held[w], w))
             chosen: tuple[str, ...] = (best,)
             if len(before) == 1 and before[0] in candidates and before[0] != best:
                 if score(before[0], load, nbytes) <= score(best, load, nbytes) * (1 + hysteresis):
@@ -98,12 +102,13 @@ def assign(
         else:
             ranked = sorted(
                 ordered,
-                key=lambda w: (not fits(w, nbytes), score(w, load, nbytes), w not in before, w),
+                key=lambda w: (not fits(w, nbytes), score(w, load, nbytes), w not in before, held[w], w),
             )
             chosen = tuple(sorted(ranked[:k]))
         for worker in chosen:
             placement.compute[worker] += load
             placement.memory[worker] += nbytes
+            held[worker] += 1
         placement.workers[name] = chosen
         if before and set(before) != set(chosen):
             placement.moved += 1
