@@ -162,6 +162,23 @@ def _served(address: str) -> dict[str, int]:
     return {s.name: s.inference_stats.success.count for s in stats.model_stats}
 
 
+def test_grpc_health_says_serving_while_the_node_is_ready(node: Node) -> None:
+    from grpclib.health.v1.health_grpc import HealthStub
+    from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
+
+    async def check(service: str) -> int:
+        channel = Channel("127.0.0.1", node.grpc_port)
+        try:
+            return int(
+                (await HealthStub(channel).Check(HealthCheckRequest(service=service), timeout=10)).status
+            )
+        finally:
+            channel.close()
+
+    for service in ("", "inference.GRPCInferenceService"):
+        assert asyncio.run(check(service)) == HealthCheckResponse.SERVING
+
+
 def test_every_example_model_answers_through_the_node_as_a_worker_does(node: Node) -> None:
     direct = triton.InferenceServerClient(node.workers()["worker0"])
     public = node.client()

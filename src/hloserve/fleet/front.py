@@ -13,13 +13,15 @@ import structlog
 import trio
 import trio_asyncio
 from grpclib.config import Configuration
+from grpclib.health.check import ServiceCheck
+from grpclib.health.service import Health
 from grpclib.server import Server
 
 from hloserve.config import Config
 from hloserve.fleet import envoy
 from hloserve.fleet.controller import Controller, WorkerLink
 from hloserve.fleet.http import NodeHttp
-from hloserve.fleet.services import ControlFront, GatewayFront, InferenceFront
+from hloserve.fleet.services import ControlFront, GatewayFront, InferenceFront, node_readiness
 
 if TYPE_CHECKING:
     from hloserve.node import Supervisor, WorkerSpec
@@ -80,8 +82,14 @@ async def run_front(
             inference = InferenceFront(controller)
             controller.on_ready = inference.restore_regions
             window = 16 << 20
+
+            async def ready() -> bool:
+                return node_readiness(controller)[0]
+
+            # grpc.health.v1 (Kubernetes' gRPC probes): SERVING while the node is ready.
+            health = Health({inference: [ServiceCheck(ready, check_ttl=1.0)]})
             server = Server(
-                [inference, ControlFront(controller), GatewayFront(controller)],
+                [inference, ControlFront(controller), GatewayFront(controller), health],
                 config=Configuration(http2_connection_window_size=window, http2_stream_window_size=window),
             )
             host, _, port = controller_address.rpartition(":")
