@@ -1,5 +1,6 @@
-"""The `hloserve` command: `hloserve serve` runs a worker until SIGINT or SIGTERM; `hloserve export`
-writes a bundle from a JAX, Flax or PyTorch model described by a Python function."""
+"""The `hloserve` command: `hloserve serve` runs a worker until SIGINT or SIGTERM; `hloserve node`
+runs one worker per GPU (or N on CPU) behind one endpoint; `hloserve export` writes a bundle from
+a JAX, Flax or PyTorch model described by a Python function."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import sys
 import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import trio
@@ -21,6 +22,9 @@ import trio
 from hloserve.config import Config, LoggingConfig, load_config
 from hloserve.errors import ConfigError
 from hloserve.logs import configure_logging
+
+if TYPE_CHECKING:
+    from hloserve.node import NodePlan
 
 __all__ = ["SERVER_FLAGS", "main", "settle_heap"]
 
@@ -139,7 +143,7 @@ async def _serve_until_signalled(config: Config) -> None:
     log.info("stopped")
 
 
-async def _node_until_signalled(config: Config, plan: Any, config_path: Path | None) -> int:
+async def _node_until_signalled(config: Config, plan: NodePlan, config_path: Path | None) -> int:
     from hloserve.node import run_node
 
     log = structlog.get_logger("hloserve.node")
