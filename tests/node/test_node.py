@@ -131,8 +131,11 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
         )  # fmt: skip
     started = Node(process, grpc_port, metrics_port, log)
     try:
-        _wait(lambda: started.client().is_server_ready(), 90, "the node to be ready")
-        _wait(lambda: started.status().repack.count >= 1, 30, "the startup placement")
+        try:
+            _wait(lambda: started.client().is_server_ready(), 90, "the node to be ready")
+            _wait(lambda: started.status().repack.count >= 1, 30, "the startup placement")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; the node said:\n{log.read_text()[-4000:]}") from None
         yield started
     finally:
         if process.poll() is None:
