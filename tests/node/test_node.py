@@ -321,28 +321,37 @@ def test_a_partial_registration_is_rolled_back(node: Node) -> None:
 def test_a_model_loaded_on_one_worker_joins_the_union_and_becomes_routable(node: Node) -> None:
     public = node.client()
     workers = node.workers()
-    public.unload_model("pool")  # through the node: from every worker
-    index = {m.name: m for m in public.get_model_repository_index().models}
-    assert index["pool"].state == "UNAVAILABLE" and "no ready replica" in index["pool"].reason
-    assert not public.is_model_ready("pool")
-    assert _status_of(lambda: public.infer("pool", _inputs(public, "cnn")))[0] == "StatusCode.NOT_FOUND"
-    assert public.is_server_ready()  # unloaded on purpose: no longer a model the node must serve
-    triton.InferenceServerClient(workers["worker1"]).load_model("pool")  # directly, on one worker
-    _wait(lambda: public.is_model_ready("pool"), 10, "pool to be routable")
-    before = _served(workers["worker1"])["pool"]
-    assert _outputs(public, "pool")
-    assert _served(workers["worker1"])["pool"] == before + 1
-    assert public.is_server_ready()
-    public.load_model("pool")  # through the node: on the workers it is placed on
-    placed = next(w.name for w in node.status().workers if "pool" in w.models_placed)
-    assert placed in next(m for m in node.status().models if m.name == "pool").serving_workers
-    for address in workers.values():  # back on every worker, for the tests after this one
-        triton.InferenceServerClient(address).load_model("pool")
-    _wait(
-        lambda: len(next(m for m in node.status().models if m.name == "pool").serving_workers) == 2,
-        10,
-        "pool on both workers",
-    )
+    try:
+        public.unload_model("pool")  # through the node: from every worker
+        index = {m.name: m for m in public.get_model_repository_index().models}
+        assert index["pool"].state == "UNAVAILABLE" and "no ready replica" in index["pool"].reason
+        # Envoy takes the new routes within a second or so; then pool's requests reach the controller
+        _wait(
+            lambda: (
+                _status_of(lambda: public.infer("pool", _inputs(public, "cnn")))[0] == "StatusCode.NOT_FOUND"
+            ),
+            5,
+            "pool's route to go",
+        )
+        assert not public.is_model_ready("pool")
+        assert public.is_server_ready()  # unloaded on purpose: no longer a model the node must serve
+        triton.InferenceServerClient(workers["worker1"]).load_model("pool")  # directly, on one worker
+        _wait(lambda: public.is_model_ready("pool"), 10, "pool to be routable")
+        before = _served(workers["worker1"])["pool"]
+        assert _outputs(public, "pool")
+        assert _served(workers["worker1"])["pool"] == before + 1
+        assert public.is_server_ready()
+        public.load_model("pool")  # through the node: on the workers it is placed on
+        placed = next(w.name for w in node.status().workers if "pool" in w.models_placed)
+        assert placed in next(m for m in node.status().models if m.name == "pool").serving_workers
+    finally:
+        for address in workers.values():  # back on every worker, for the tests after this one
+            triton.InferenceServerClient(address).load_model("pool")
+        _wait(
+            lambda: len(next(m for m in node.status().models if m.name == "pool").serving_workers) == 2,
+            10,
+            "pool on both workers",
+        )
 
 
 def _compactions(address: str) -> int:

@@ -41,14 +41,18 @@ class _Publisher:
         self._controller = controller_address
         self._balance = "ROUND_ROBIN" if config.node.scheduling == "round_robin" else "LEAST_REQUEST"
         self._max_message_bytes = config.server.max_message_bytes
+        self._previous: Mapping[str, Sequence[str]] = {}
 
     def __call__(self, routes: Mapping[str, Sequence[str]]) -> None:
-        # Clusters first: a route never names a cluster Envoy does not have yet.
+        # Clusters first, and a model's cluster outlives its route by one update: Envoy applies
+        # each file on its own, and a route must never name a cluster it does not have.
+        kept = {m: a for m, a in self._previous.items() if a and not routes.get(m)}
         envoy.write_atomically(
             self._directory / "clusters.json",
-            envoy.clusters(routes, self._controller, self._balance, self._max_message_bytes),
+            envoy.clusters({**kept, **routes}, self._controller, self._balance, self._max_message_bytes),
         )
         envoy.write_atomically(self._directory / "routes.json", envoy.routes(routes))
+        self._previous = routes
 
 
 async def run_front(
