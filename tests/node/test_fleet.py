@@ -197,3 +197,23 @@ def test_placement_knobs_need_lpt_packing() -> None:
     )
     status = asyncio.run(front.get_scheduling_status(gateway.GetSchedulingStatusRequest()))
     assert status.policy is not None and status.policy.mode == "round_robin"
+
+
+def test_a_removed_models_cluster_outlives_its_route_by_one_update(tmp_path: Path) -> None:
+    from hloserve.config import Config
+    from hloserve.fleet.front import _Publisher
+
+    publish = _Publisher(tmp_path, "127.0.0.1:9", Config())
+
+    def names(file: str) -> set[str]:
+        resources = json.loads((tmp_path / file).read_text())["resources"]
+        if file == "clusters.json":
+            return {c["name"] for c in resources}
+        return {r["route"]["cluster"] for r in resources[0]["virtual_hosts"][0]["routes"]}
+
+    publish({"a": ["127.0.0.1:1"], "b": ["127.0.0.1:2"]})
+    publish({"a": ["127.0.0.1:1"]})
+    assert names("routes.json") == {"model_a", "controller"}
+    assert names("clusters.json") == {"model_a", "model_b", "controller"}  # b's route may still be live
+    publish({"a": ["127.0.0.1:1"]})
+    assert names("clusters.json") == {"model_a", "controller"}
