@@ -1,8 +1,8 @@
 """Regenerate hloserve's protobuf code: `python proto/generate.py` (needs the `dev` extra).
 
-* `inference` (grpc_service.proto, model_config.proto) and `hloserve_control`
-  (hloserve_control.proto) → betterproto2 dataclasses and the async grpclib service bases and
-  stubs, in `src/hloserve/_proto/inference/` and `src/hloserve/_proto/hloserve_control/`;
+* `inference` (grpc_service.proto, model_config.proto), `hloserve_control`
+  (hloserve_control.proto) and `hloserve_gateway` (hloserve_gateway.proto) → betterproto2
+  dataclasses and the async grpclib service bases and stubs, in `src/hloserve/_proto/<package>/`;
 * `hloserve_hot` (hot_infer.proto) → google.protobuf classes in `src/hloserve/_proto/hot/`.
 
 * `grpc.health.v1` (health.proto) → betterproto2 as above, in `src/hloserve/_proto/grpc/health/v1/`:
@@ -47,6 +47,7 @@ def generate(out: Path) -> list[Path]:
             "grpc_service.proto",
             "model_config.proto",
             "hloserve_control.proto",
+            "hloserve_gateway.proto",
         )
         hot = staging / "hot"
         hot.mkdir()

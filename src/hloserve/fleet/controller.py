@@ -1,0 +1,380 @@
+"""The node controller: what the node's workers serve, where each model's requests go, and when
+to repack. Off the byte path: Envoy forwards requests; this rewrites Envoy's routes.
+
+Each round (every `node.discovery_interval_s`, or at once when something asks) it calls
+ServerReady and RepositoryIndex on every worker; a worker that does not answer is out of every
+route until it answers again. Under `lpt_packing` it also reads each worker's ModelControlStatus
+(compute per model, weight bytes, the weight budget), learns each model's utilisation (compute
+seconds per wall second, an average whose half-life is measured in fleet compute), repacks when
+enough compute has passed (or at startup, or when an operator asks), and sends CompactMemory to
+the workers whose placement changed.
+
+Runs on asyncio (grpclib); `hloserve node` hosts it in trio through trio-asyncio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from grpclib.client import Channel
+from grpclib.config import Configuration
+
+from hloserve._proto import hloserve_control as control
+from hloserve._proto import inference as kserve
+from hloserve.config import NodeConfig
+from hloserve.fleet import placement as lpt
+
+__all__ = ["Controller", "RepackRecord", "WorkerLink"]
+
+log = structlog.get_logger("hloserve.fleet")
+
+READY = "READY"
+
+
+@dataclass(eq=False)
+class WorkerLink:
+    """The controller's view of one worker, and its connection to it."""
+
+    name: str
+    address: str  # host:port of its gRPC
+    metrics: str | None  # host:port of its Prometheus endpoint
+    ready: bool = False
+    models: dict[str, str] = field(default_factory=dict)  # name -> state, from RepositoryIndex
+    status: control.ModelControlStatusResponse | None = None
+    _channel: Channel | None = None
+
+    @property
+    def channel(self) -> Channel:
+        if self._channel is None:  # made on first use: grpclib binds to the running loop
+            host, _, port = self.address.rpartition(":")
+            window = 64 << 20
+            self._channel = Channel(
+                host,
+                int(port),
+                config=Configuration(http2_connection_window_size=window, http2_stream_window_size=window),
+            )
+        return self._channel
+
+    @property
+    def inference(self) -> kserve.GrpcInferenceServiceStub:
+        return kserve.GrpcInferenceServiceStub(self.channel)
+
+    @property
+    def control(self) -> control.ControlServiceStub:
+        return control.ControlServiceStub(self.channel)
+
+    def reset(self) -> None:
+        """Drop the connection (a worker that stopped answering may hold a dead one)."""
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    @property
+    def serving(self) -> set[str]:
+        return {m for m, state in self.models.items() if state == READY} if self.ready else set()
+
+
+@dataclass
+class RepackRecord:
+    count: int = 0
+    last_unix: float = 0.0
+    trigger: str = ""
+    models_placed: int = 0
+    models_moved: int = 0
+    held_by_hysteresis: int = 0
+    repacks_since_compaction: int = 0
+    compactions_sent: int = 0
+
+
+@dataclass
+class _Learned:
+    """What the controller learns of one model from the workers' counters."""
+
+    utilization: float | None = None
+    weight_nbytes: int = 0
+
+
+class Controller:
+    """Discovery, placement and the routes they give; see the module docstring."""
+
+    def __init__(
+        self,
+        node: NodeConfig,
+        workers: Sequence[WorkerLink],
+        publish: Callable[[Mapping[str, Sequence[str]]], None],
+    ) -> None:
+        self.node = node
+        self.policy: dict[str, Any] = {
+            "rebalance_compute_seconds": node.rebalance_compute_s,
+            "first_rebalance_compute_seconds": node.first_rebalance_compute_s,
+            "hysteresis": node.hysteresis,
+            "default_replicas": node.default_replicas,
+            "forbid_memory_oversubscription": node.forbid_memory_oversubscription,
+            "compaction_mode": node.compaction,
+            "compaction_interval": node.compaction_interval,
+        }
+        self.generation = 0
+        self.workers = list(workers)
+        self.by_name = {w.name: w for w in self.workers}
+        self._publish = publish
+        self.routes: dict[str, tuple[str, ...]] = {}
+        self.known: set[str] = set()  # every model any worker has listed (the union)
+        self.placed: dict[str, tuple[str, ...]] = {}  # model -> worker names (lpt_packing)
+        self.plan = lpt.Placement()
+        self.replicas: dict[str, int] = {}  # operator overrides
+        self.learned: dict[str, _Learned] = {}
+        self.repack = RepackRecord()
+        self.compute_accumulated = 0.0
+        self.compute_repacked = False  # a traffic-driven repack has happened
+        self.warnings: list[str] = []
+        self.rounds = 0  # the number of the last round finished
+        self._started = 0
+        self._baseline: dict[tuple[str, str], float] = {}  # (worker, model) -> compute seconds
+        self._last_poll: float | None = None
+        self._wake = asyncio.Event()
+        self._round_done = asyncio.Condition()
+        self.requested = 0  # repack sequence asked for by operators
+        self.completed = 0  # the last one done
+        self.on_ready: Callable[[WorkerLink], Awaitable[None]] | None = None
+        """Called when a worker (re)joins, before it is in any route."""
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Rounds until cancelled."""
+        try:
+            while True:
+                await self.round()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.node.discovery_interval_s)
+                self._wake.clear()
+        finally:
+            for worker in self.workers:
+                worker.reset()
+
+    async def refresh(self) -> None:
+        """Run a round now and wait until one that started after this call has finished (after a
+        load, an unload...)."""
+        wanted = self._started + 1
+        async with self._round_done:
+            self._wake.set()
+            await self._round_done.wait_for(lambda: self.rounds >= wanted)
+
+    async def round(self) -> None:
+        self._started += 1
+        number = self._started
+        await asyncio.gather(*(self._probe(w) for w in self.workers))
+        for worker in self.workers:
+            self.known |= set(worker.models)
+        if self.node.scheduling == "lpt_packing":
+            await self._place()
+        self._route()
+        self.rounds = number
+        async with self._round_done:
+            self._round_done.notify_all()
+
+    async def _probe(self, worker: WorkerLink) -> None:
+        timeout = self.node.probe_timeout_s
+        was_ready = worker.ready
+        try:
+            ready = (await worker.inference.server_ready(kserve.ServerReadyRequest(), timeout=timeout)).ready
+            index = await worker.inference.repository_index(kserve.RepositoryIndexRequest(), timeout=timeout)
+            worker.models = {m.name: m.state for m in index.models}
+            if self.node.scheduling == "lpt_packing" and ready:
+                worker.status = await worker.control.model_control_status(
+                    control.ModelControlStatusRequest(), timeout=timeout
+                )
+            if ready and not was_ready and self.on_ready is not None:
+                await self.on_ready(worker)
+            worker.ready = ready
+        except Exception as e:  # whatever it was, the worker is out until it answers
+            worker.ready = False
+            worker.reset()
+            if was_ready:
+                log.warning("worker stopped answering; out of the routes", worker=worker.name, error=repr(e))
+            return
+        if worker.ready and not was_ready:
+            log.info("worker ready; in the routes", worker=worker.name, models=sorted(worker.serving))
+
+    def serving(self) -> dict[str, list[str]]:
+        """Each model of the union, with the ready workers that list it READY."""
+        found: dict[str, list[str]] = {m: [] for m in self.known}
+        for worker in self.workers:
+            for model in worker.serving:
+                found[model].append(worker.name)
+        return found
+
+    def _route(self) -> None:
+        routes = {}
+        for model, names in self.serving().items():
+            placed = [n for n in self.placed.get(model, ()) if n in names]
+            chosen = placed or names  # no placement yet, or its workers are down: all that serve it
+            routes[model] = tuple(sorted(self.by_name[n].address for n in chosen))
+        if routes != self.routes:
+            self.routes = routes
+            self._publish(routes)
+            log.info("routes", routes={m: len(a) for m, a in sorted(routes.items())})
+
+    # -- lpt_packing ------------------------------------------------------------------------
+
+    def _learn(self) -> float:
+        """Fold the latest counters into each model's utilisation; returns the fleet compute
+        seconds since the previous poll."""
+        now = time.monotonic()
+        elapsed = 0.0 if self._last_poll is None else now - self._last_poll
+        self._last_poll = now
+        delta: dict[str, float] = {}
+        for worker in self.workers:
+            if not worker.ready or worker.status is None:
+                continue
+            for status in worker.status.models:
+                key = (worker.name, status.name)
+                before = self._baseline.get(key)
+                self._baseline[key] = status.total_compute_seconds
+                learned = self.learned.setdefault(status.name, _Learned())
+                learned.weight_nbytes = max(learned.weight_nbytes, status.weight_nbytes)
+                if before is not None and status.total_compute_seconds >= before:  # < : it restarted
+                    delta[status.name] = delta.get(status.name, 0.0) + status.total_compute_seconds - before
+        fleet = sum(delta.values())
+        if elapsed > 0:
+            halflife = self.node.ema_halflife_compute_s or self.policy["rebalance_compute_seconds"]
+            for model, learned in self.learned.items():
+                sample = delta.get(model, 0.0) / elapsed
+                learned.utilization = lpt.ewma(learned.utilization, sample, fleet, halflife)
+        return fleet
+
+    def threshold(self) -> float:
+        first = self.policy["first_rebalance_compute_seconds"]
+        return first if first > 0 and not self.compute_repacked else self.policy["rebalance_compute_seconds"]
+
+    async def _place(self) -> None:
+        fleet = self._learn()
+        self.compute_accumulated += fleet
+        polled = [w for w in self.workers if w.ready and w.status is not None]
+        if not polled:
+            return
+        trigger = None
+        if self.requested > self.completed:
+            trigger = "operator"
+        elif not self.placed and all(w.status is not None for w in self.workers):
+            trigger = "startup"
+        elif self.placed and self.compute_accumulated >= self.threshold():
+            trigger = "compute"
+        if trigger is None:
+            return
+        sequence = self.requested
+        await self._repack(trigger, polled)
+        self.completed = max(self.completed, sequence)
+
+    async def _repack(self, trigger: str, polled: list[WorkerLink]) -> None:
+        names = [w.name for w in polled]
+        listed: dict[str, list[str]] = {}
+        for worker in polled:
+            for status in worker.status.models if worker.status else ():
+                listed.setdefault(status.name, []).append(worker.name)
+        budgets = {w.name: w.status.weight_cache_max_bytes for w in polled if w.status}
+        drifted = {m: ws for m, ws in listed.items() if len(ws) != len(polled)}
+        demands = {
+            m: lpt.Demand(
+                self.learned.get(m, _Learned()).utilization or 0.0,
+                self.learned.get(m, _Learned()).weight_nbytes,
+                self.replicas.get(m, 0),
+            )
+            for m in listed
+            if m not in drifted
+        }
+        plan = lpt.assign(
+            demands,
+            names,
+            budgets,
+            self.placed,
+            default_replicas=self.policy["default_replicas"],
+            hysteresis=self.policy["hysteresis"],
+            forbid_memory_oversubscription=self.policy["forbid_memory_oversubscription"],
+        )
+        for model, workers in drifted.items():
+            plan.workers[model] = tuple(sorted(workers))
+        previous = self.placed
+        self.placed, self.plan = dict(plan.workers), plan
+        self.warnings = [
+            f"model {m!r} is not served by every worker; placed on {ws}" for m, ws in drifted.items()
+        ]
+        self.warnings += [
+            f"worker {w} is given more weight bytes than its budget; expect eviction churn"
+            for w in plan.oversubscribed(budgets)
+        ]
+        record = self.repack
+        record.count += 1
+        record.last_unix = time.time()
+        record.trigger = trigger
+        record.models_placed = len(plan.workers)
+        record.models_moved = plan.moved
+        record.held_by_hysteresis = plan.held_by_hysteresis
+        if trigger == "compute":
+            self.compute_repacked = True
+        self.compute_accumulated = 0.0
+        log.info(
+            "repack",
+            trigger=trigger,
+            models=len(plan.workers),
+            moved=plan.moved,
+            held_by_hysteresis=plan.held_by_hysteresis,
+            placement={m: list(ws) for m, ws in sorted(plan.workers.items())},
+        )
+        for warning in self.warnings:
+            log.warning(warning)
+        if previous:
+            await self._compact(changed_workers(previous, self.placed))
+
+    async def _compact(self, changed: set[str]) -> None:
+        mode = self.policy["compaction_mode"]
+        if mode == "off":
+            return
+        self.repack.repacks_since_compaction += 1
+        if self.repack.repacks_since_compaction < self.policy["compaction_interval"] or not changed:
+            return
+        self.repack.repacks_since_compaction = 0
+        models_of = {w: sorted(m for m, ws in self.placed.items() if w in ws) for w in changed}
+
+        async def compact(name: str) -> None:
+            reload = models_of[name] if mode == "scheduled" else []
+            try:
+                await self.by_name[name].control.compact_memory(
+                    control.CompactMemoryRequest(reload_models=reload),
+                    timeout=60 * self.node.probe_timeout_s,
+                )
+                self.repack.compactions_sent += 1
+            except Exception as e:
+                log.warning("compaction failed", worker=name, error=repr(e))
+
+        log.info("compaction fan-out", workers=sorted(changed), mode=mode)
+        await asyncio.gather(*(compact(n) for n in sorted(changed)))
+
+    async def request_repack(self, wait_s: float) -> tuple[int, bool, float]:
+        """Ask for a repack (requests made before it starts share it); wait up to `wait_s` for
+        it. Returns its sequence, whether it completed, and the seconds waited."""
+        if self.requested == self.completed:
+            self.requested += 1
+        sequence = self.requested
+        started = time.monotonic()
+        self._wake.set()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait_s):
+                async with self._round_done:
+                    await self._round_done.wait_for(lambda: self.completed >= sequence)
+        return sequence, self.completed >= sequence, time.monotonic() - started
+
+
+def changed_workers(before: Mapping[str, Sequence[str]], after: Mapping[str, Sequence[str]]) -> set[str]:
+    """The workers a model moved on to or off."""
+
+    def pairs(placement: Mapping[str, Sequence[str]]) -> set[tuple[str, str]]:
+        return {(m, w) for m, ws in placement.items() for w in ws}
+
+    return {w for _, w in pairs(before) ^ pairs(after)}

@@ -1,0 +1,133 @@
+"""The front of a node of two workers or more: Envoy on the public gRPC port, the controller on a
+loopback port behind it and on the public metrics port. Started by `hloserve.node`."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import structlog
+import trio
+import trio_asyncio
+from grpclib.config import Configuration
+from grpclib.health.check import ServiceCheck
+from grpclib.health.service import Health
+from grpclib.server import Server
+
+from hloserve.config import Config
+from hloserve.fleet import envoy
+from hloserve.fleet.controller import Controller, WorkerLink
+from hloserve.fleet.http import NodeHttp
+from hloserve.fleet.services import ControlFront, GatewayFront, InferenceFront, node_readiness
+
+if TYPE_CHECKING:
+    from hloserve.node import Supervisor, WorkerSpec
+
+__all__ = ["run_front"]
+
+log = structlog.get_logger("hloserve.fleet")
+
+_ENVOY_GRACE_S = 5.0
+
+
+class _Publisher:
+    """Writes the routes and clusters Envoy watches."""
+
+    def __init__(self, directory: Path, controller_address: str, config: Config) -> None:
+        self._directory = directory
+        self._controller = controller_address
+        self._balance = "ROUND_ROBIN" if config.node.scheduling == "round_robin" else "LEAST_REQUEST"
+        self._max_message_bytes = config.server.max_message_bytes
+        self._previous: Mapping[str, Sequence[str]] = {}
+
+    def __call__(self, routes: Mapping[str, Sequence[str]]) -> None:
+        # Clusters first, and a model's cluster outlives its route by one update: Envoy applies
+        # each file on its own, and a route must never name a cluster it does not have.
+        kept = {m: a for m, a in self._previous.items() if a and not routes.get(m)}
+        envoy.write_atomically(
+            self._directory / "clusters.json",
+            envoy.clusters({**kept, **routes}, self._controller, self._balance, self._max_message_bytes),
+        )
+        envoy.write_atomically(self._directory / "routes.json", envoy.routes(routes))
+        self._previous = routes
+
+
+async def run_front(
+    config: Config,
+    specs: Sequence[WorkerSpec],
+    supervisor: Supervisor,
+    binary: str,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Start Envoy (`binary`) and the controller; run until cancelled."""
+    from hloserve.node import Child, free_port
+
+    server_config = config.server
+    directory = Path(tempfile.mkdtemp(prefix="hloserve-node-"))
+    try:
+        controller_address = f"127.0.0.1:{free_port()}"
+        publish = _Publisher(directory, controller_address, config)
+        envoy.write_atomically(directory / "routing.pb", envoy.descriptor_set())
+        publish({})
+        admin = free_port()
+        bootstrap = envoy.bootstrap(
+            directory, server_config.host, server_config.grpc_port, admin, server_config.max_message_bytes
+        )
+        envoy.write_atomically(directory / "envoy.json", bootstrap)
+        workers = [
+            WorkerLink(s.name, s.address, f"127.0.0.1:{s.metrics_port}" if s.metrics_port else None)
+            for s in specs
+        ]
+        async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
+            controller = Controller(config.node, workers, publish)
+            inference = InferenceFront(controller)
+            controller.on_ready = inference.restore_regions
+            window = 16 << 20
+
+            async def ready() -> bool:
+                return node_readiness(controller)[0]
+
+            # grpc.health.v1 (Kubernetes' gRPC probes): SERVING while the node is ready.
+            health = Health({inference: [ServiceCheck(ready, check_ttl=1.0)]})
+            server = Server(
+                [inference, ControlFront(controller), GatewayFront(controller), health],
+                config=Configuration(http2_connection_window_size=window, http2_stream_window_size=window),
+            )
+            host, _, port = controller_address.rpartition(":")
+            await trio_asyncio.aio_as_trio(server.start)(host, int(port))
+            http = None
+            if server_config.metrics_port >= 0:
+                pages = NodeHttp(controller, lambda: supervisor.starts, f"127.0.0.1:{admin}")
+                http = await trio_asyncio.aio_as_trio(pages.serve)(
+                    server_config.host, server_config.metrics_port
+                )
+            argv = [
+                binary,
+                "-c",
+                str(directory / "envoy.json"),
+                "--log-level",
+                "warn",
+                "--disable-hot-restart",
+            ]
+            nursery.start_soon(supervisor.keep_running, Child("envoy", argv, {}, _ENVOY_GRACE_S))
+            log.info(
+                "node front listening",
+                grpc=f"{server_config.host}:{server_config.grpc_port}",
+                metrics=f"{server_config.host}:{server_config.metrics_port}",
+                controller=controller_address,
+                workers={s.name: s.address for s in specs},
+                scheduling=config.node.scheduling,
+            )
+            task_status.started()
+            try:
+                await trio_asyncio.aio_as_trio(controller.run)()
+            finally:
+                with trio.CancelScope(shield=True):
+                    server.close()
+                    if http is not None:
+                        http.close()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

@@ -1,0 +1,446 @@
+"""The RPCs no single worker can answer, served by the controller behind the node's public port.
+
+Envoy sends here every request its routes do not give to a model's workers: the server-wide
+RPCs, the fan-outs, the GatewayControlService, and requests for a model no worker serves. A
+worker's error reaches the client with the worker's status and message (prefixed with the
+worker's name where several answered).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
+
+import grpclib
+from grpclib.const import Status
+
+import hloserve
+from hloserve._proto import hloserve_control as control
+from hloserve._proto import hloserve_gateway as gateway
+from hloserve._proto import inference as kserve
+from hloserve.fleet import placement as lpt
+from hloserve.fleet.controller import Controller, WorkerLink
+
+__all__ = ["ControlFront", "GatewayFront", "InferenceFront", "node_readiness"]
+
+T = TypeVar("T")
+_MAX_REPACK_WAIT_S = 120.0
+
+
+def node_readiness(controller: Controller) -> tuple[bool, list[str]]:
+    """Ready when some worker is and every model that is or was READY on a worker has a ready
+    replica now; otherwise also the models that have none."""
+    wanted = {m for w in controller.workers for m, state in w.models.items() if state == "READY"}
+    serving = controller.serving()
+    missing = sorted(m for m in wanted if not serving.get(m))
+    return any(w.ready for w in controller.workers) and not missing, missing
+
+
+async def _fan_out(
+    workers: Iterable[WorkerLink], call: Callable[[WorkerLink], Awaitable[T]]
+) -> list[tuple[WorkerLink, T | grpclib.GRPCError]]:
+    """Call every worker at once; each result, or the error it answered (as a GRPCError)."""
+
+    async def one(worker: WorkerLink) -> T | grpclib.GRPCError:
+        try:
+            return await call(worker)
+        except grpclib.GRPCError as e:
+            return e
+        except Exception as e:  # no answer: a dead connection, a timeout, a reset stream
+            return grpclib.GRPCError(Status.UNAVAILABLE, f"{worker.name} did not answer: {e!r}")
+
+    chosen = list(workers)
+    return list(zip(chosen, await asyncio.gather(*(one(w) for w in chosen)), strict=True))
+
+
+def _failure(results: list[tuple[WorkerLink, Any]]) -> grpclib.GRPCError | None:
+    """The first worker error, its message naming the worker."""
+    for worker, result in results:
+        if isinstance(result, grpclib.GRPCError):
+            return grpclib.GRPCError(result.status, f"{worker.name}: {result.message}")
+    return None
+
+
+def _ready(controller: Controller) -> list[WorkerLink]:
+    ready = [w for w in controller.workers if w.ready]
+    if not ready:
+        raise grpclib.GRPCError(Status.UNAVAILABLE, "no worker of this node is ready")
+    return ready
+
+
+def _not_served(name: str) -> grpclib.GRPCError:
+    return grpclib.GRPCError(
+        Status.NOT_FOUND, f"model {name[:256]!r} is not served by any worker of this node"
+    )
+
+
+def _add_durations(into: kserve.InferStatistics | kserve.InferBatchStatistics, more: Any) -> None:
+    for key in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output"):
+        if hasattr(into, key) and getattr(more, key, None) is not None:
+            mine = getattr(into, key) or kserve.StatisticDuration()
+            extra = getattr(more, key)
+            setattr(
+                into, key, kserve.StatisticDuration(count=mine.count + extra.count, ns=mine.ns + extra.ns)
+            )
+
+
+def merge_statistics(answers: Iterable[kserve.ModelStatisticsResponse]) -> kserve.ModelStatisticsResponse:
+    """Per model, the sums of every worker's counters (the latest `last_inference`)."""
+    merged: dict[str, kserve.ModelStatistics] = {}
+    for answer in answers:
+        for stats in answer.model_stats:
+            into = merged.setdefault(
+                stats.name,
+                kserve.ModelStatistics(
+                    name=stats.name, version=stats.version, inference_stats=kserve.InferStatistics()
+                ),
+            )
+            into.inference_count += stats.inference_count
+            into.execution_count += stats.execution_count
+            into.last_inference = max(into.last_inference, stats.last_inference)
+            if stats.inference_stats is not None:
+                assert into.inference_stats is not None
+                _add_durations(into.inference_stats, stats.inference_stats)
+            batches = {b.batch_size: b for b in into.batch_stats}
+            for batch in stats.batch_stats:
+                if batch.batch_size in batches:
+                    _add_durations(batches[batch.batch_size], batch)
+                else:
+                    into.batch_stats.append(batch)
+                    batches[batch.batch_size] = batch
+    return kserve.ModelStatisticsResponse(model_stats=[merged[m] for m in sorted(merged)])
+
+
+class InferenceFront(kserve.GrpcInferenceServiceBase):
+    """KServe V2 RPCs that span the node's workers."""
+
+    def __init__(self, controller: Controller) -> None:
+        self._controller = controller
+        self.regions: dict[str, kserve.SystemSharedMemoryRegisterRequest] = {}
+        """Regions registered through the node, registered again on a worker that restarts."""
+
+    async def server_live(self, message: kserve.ServerLiveRequest) -> kserve.ServerLiveResponse:
+        return kserve.ServerLiveResponse(live=True)
+
+    async def server_ready(self, message: kserve.ServerReadyRequest) -> kserve.ServerReadyResponse:
+        return kserve.ServerReadyResponse(ready=node_readiness(self._controller)[0])
+
+    async def server_metadata(self, message: kserve.ServerMetadataRequest) -> kserve.ServerMetadataResponse:
+        worker = _ready(self._controller)[0]
+        answer = await worker.inference.server_metadata(
+            message, timeout=self._controller.node.probe_timeout_s
+        )
+        return kserve.ServerMetadataResponse(
+            name="hloserve", version=hloserve.__version__, extensions=answer.extensions
+        )
+
+    async def repository_index(
+        self, message: kserve.RepositoryIndexRequest
+    ) -> kserve.RepositoryIndexResponse:
+        serving = self._controller.serving()
+        index = []
+        for model in sorted(serving):
+            if serving[model]:
+                index.append(kserve.RepositoryIndexResponseModelIndex(name=model, version="1", state="READY"))
+            elif not message.ready:
+                states = {
+                    w.name: (w.models.get(model, "UNAVAILABLE") if w.ready else "worker down")
+                    for w in self._controller.workers
+                }
+                reason = "; ".join(f"{name}: {state}" for name, state in sorted(states.items()))
+                index.append(
+                    kserve.RepositoryIndexResponseModelIndex(
+                        name=model, version="1", state="UNAVAILABLE", reason=f"no ready replica ({reason})"
+                    )
+                )
+        return kserve.RepositoryIndexResponse(models=index)
+
+    # Requests for a model that no route claims: no worker serves it.
+
+    async def model_ready(self, message: kserve.ModelReadyRequest) -> kserve.ModelReadyResponse:
+        return kserve.ModelReadyResponse(ready=False)
+
+    async def model_metadata(self, message: kserve.ModelMetadataRequest) -> kserve.ModelMetadataResponse:
+        raise _not_served(message.name)
+
+    async def model_config(self, message: kserve.ModelConfigRequest) -> kserve.ModelConfigResponse:
+        raise _not_served(message.name)
+
+    async def model_infer(self, message: kserve.ModelInferRequest) -> kserve.ModelInferResponse:
+        raise _not_served(message.model_name)
+
+    async def model_statistics(
+        self, message: kserve.ModelStatisticsRequest
+    ) -> kserve.ModelStatisticsResponse:
+        """Every worker's counters for the model (or for all), summed: a node's statistics."""
+        targets = [w for w in _ready(self._controller) if not message.name or message.name in w.models]
+        if not targets:
+            raise _not_served(message.name)
+        timeout = self._controller.node.probe_timeout_s
+        results = await _fan_out(targets, lambda w: w.inference.model_statistics(message, timeout=timeout))
+        answers = [r for _, r in results if isinstance(r, kserve.ModelStatisticsResponse)]
+        if not answers:
+            raise _failure(results) or _not_served(message.name)
+        return merge_statistics(answers)
+
+    # -- repository ------------------------------------------------------------------------
+
+    async def repository_model_load(
+        self, message: kserve.RepositoryModelLoadRequest
+    ) -> kserve.RepositoryModelLoadResponse:
+        """Loads on the workers the model is placed on, else on every ready worker."""
+        controller = self._controller
+        placed = set(controller.placed.get(message.model_name, ()))
+        targets = [w for w in _ready(controller) if not placed or w.name in placed]
+        results = await _fan_out(targets, lambda w: w.inference.repository_model_load(message))
+        await controller.refresh()
+        if error := _failure(results):
+            raise error
+        return kserve.RepositoryModelLoadResponse()
+
+    async def repository_model_unload(
+        self, message: kserve.RepositoryModelUnloadRequest
+    ) -> kserve.RepositoryModelUnloadResponse:
+        controller = self._controller
+        targets = [w for w in _ready(controller) if message.model_name in w.models]
+        if not targets:
+            raise _not_served(message.model_name)
+        results = await _fan_out(targets, lambda w: w.inference.repository_model_unload(message))
+        await controller.refresh()
+        if error := _failure(results):
+            raise error
+        return kserve.RepositoryModelUnloadResponse()
+
+    # -- system shared memory: every worker holds every region --------------------------------
+
+    async def system_shared_memory_register(
+        self, message: kserve.SystemSharedMemoryRegisterRequest
+    ) -> kserve.SystemSharedMemoryRegisterResponse:
+        """All workers or none: a worker that refuses (or is down) undoes the others'."""
+        timeout = self._controller.node.probe_timeout_s
+        results = await _fan_out(
+            self._controller.workers,
+            lambda w: w.inference.system_shared_memory_register(message, timeout=timeout),
+        )
+        error = _failure(results)
+        if error is None:
+            self.regions[message.name] = message
+            return kserve.SystemSharedMemoryRegisterResponse()
+        done = [w for w, r in results if not isinstance(r, grpclib.GRPCError)]
+        undo = kserve.SystemSharedMemoryUnregisterRequest(name=message.name)
+        await _fan_out(done, lambda w: w.inference.system_shared_memory_unregister(undo, timeout=timeout))
+        raise error
+
+    async def system_shared_memory_unregister(
+        self, message: kserve.SystemSharedMemoryUnregisterRequest
+    ) -> kserve.SystemSharedMemoryUnregisterResponse:
+        timeout = self._controller.node.probe_timeout_s
+        results = await _fan_out(
+            _ready(self._controller),
+            lambda w: w.inference.system_shared_memory_unregister(message, timeout=timeout),
+        )
+        if message.name:
+            self.regions.pop(message.name, None)
+        else:
+            self.regions.clear()
+        if error := _failure(results):
+            raise error
+        return kserve.SystemSharedMemoryUnregisterResponse()
+
+    async def system_shared_memory_status(
+        self, message: kserve.SystemSharedMemoryStatusRequest
+    ) -> kserve.SystemSharedMemoryStatusResponse:
+        worker = _ready(self._controller)[0]
+        return await worker.inference.system_shared_memory_status(
+            message, timeout=self._controller.node.probe_timeout_s
+        )
+
+    async def restore_regions(self, worker: WorkerLink) -> None:
+        """Register again on a worker that came back what it held before it went."""
+        for region in list(self.regions.values()):
+            try:
+                await worker.inference.system_shared_memory_register(
+                    region, timeout=self._controller.node.probe_timeout_s
+                )
+            except grpclib.GRPCError as e:
+                if e.status != Status.ALREADY_EXISTS:
+                    raise
+
+
+class ControlFront(control.ControlServiceBase):
+    """hloserve's control service for the whole node: CompactMemory on every worker."""
+
+    def __init__(self, controller: Controller) -> None:
+        self._controller = controller
+
+    async def compact_memory(self, message: control.CompactMemoryRequest) -> control.CompactMemoryResponse:
+        timeout = 60 * self._controller.node.probe_timeout_s
+        results = await _fan_out(
+            _ready(self._controller), lambda w: w.control.compact_memory(message, timeout=timeout)
+        )
+        answers = [r for _, r in results if isinstance(r, control.CompactMemoryResponse)]
+        if not answers:
+            raise _failure(results) or grpclib.GRPCError(Status.UNAVAILABLE, "no worker answered")
+        return control.CompactMemoryResponse(
+            reloaded_models=sorted({m for a in answers for m in a.reloaded_models}),
+            resident_bytes_after=sum(a.resident_bytes_after for a in answers),
+        )
+
+
+_POLICY_FIELDS = {
+    "rebalance_compute_seconds": lambda v: v > 0,
+    "first_rebalance_compute_seconds": lambda v: v >= 0,
+    "hysteresis": lambda v: 0 <= v < 1,
+    "default_replicas": lambda v: v == -1 or v >= 1,
+    "forbid_memory_oversubscription": lambda v: True,
+    "compaction_mode": lambda v: v in ("off", "eager", "scheduled"),
+    "compaction_interval": lambda v: v >= 1,
+}
+
+
+class GatewayFront(gateway.GatewayControlServiceBase):
+    """Placement status and knobs (`lpt_packing`); nothing is persisted."""
+
+    def __init__(self, controller: Controller) -> None:
+        self._controller = controller
+
+    def _policy(self) -> gateway.SchedulingPolicy:
+        return gateway.SchedulingPolicy(
+            mode=self._controller.node.scheduling,
+            generation=self._controller.generation,
+            **self._controller.policy,
+        )
+
+    def _repack_status(self) -> gateway.RepackStatus:
+        c = self._controller
+        r = c.repack
+        return gateway.RepackStatus(
+            count=r.count,
+            last_repack_unix=r.last_unix,
+            trigger=r.trigger,
+            models_placed=r.models_placed,
+            models_moved=r.models_moved,
+            held_by_hysteresis=r.held_by_hysteresis,
+            compute_accumulated_seconds=c.compute_accumulated,
+            active_threshold_seconds=c.threshold(),
+            repacks_since_compaction=r.repacks_since_compaction,
+            compactions_sent=r.compactions_sent,
+        )
+
+    def _require_lpt(self) -> None:
+        if self._controller.node.scheduling != "lpt_packing":
+            raise grpclib.GRPCError(
+                Status.FAILED_PRECONDITION,
+                f"placement is set only under node.scheduling=lpt_packing (this node: "
+                f"{self._controller.node.scheduling})",
+            )
+
+    async def get_scheduling_status(
+        self, message: gateway.GetSchedulingStatusRequest
+    ) -> gateway.GetSchedulingStatusResponse:
+        c = self._controller
+        serving = c.serving()
+        by_address = {w.address: w.name for w in c.workers}
+        models = []
+        for model in sorted(serving):
+            routed = [by_address[a] for a in c.routes.get(model, ())]
+            learned = c.learned.get(model)
+            models.append(
+                gateway.ModelRow(
+                    name=model,
+                    configured_replicas=c.replicas.get(model, 0),
+                    effective_replicas=len(routed),
+                    replicas=[gateway.Replica(worker=w, weight=1 / len(routed)) for w in routed],
+                    serving_workers=serving[model],
+                    utilization=(learned.utilization or 0.0) if learned else 0.0,
+                    weight_nbytes=learned.weight_nbytes if learned else 0,
+                    placed=model in c.placed,
+                    drifted=0 < len(serving[model]) < len([w for w in c.workers if w.ready]),
+                )
+            )
+        workers = []
+        for worker in c.workers:
+            budget = worker.status.weight_cache_max_bytes if worker.status else 0
+            assigned = c.plan.memory.get(worker.name, 0)
+            workers.append(
+                gateway.WorkerRow(
+                    name=worker.name,
+                    address=worker.address,
+                    ready=worker.ready,
+                    models_placed=sorted(m for m, ws in c.placed.items() if worker.name in ws),
+                    assigned_utilization=c.plan.compute.get(worker.name, 0.0),
+                    assigned_bytes=assigned,
+                    budget_bytes=budget,
+                    oversubscribed=budget > 0 and assigned > budget,
+                )
+            )
+        return gateway.GetSchedulingStatusResponse(
+            policy=self._policy(),
+            repack=self._repack_status(),
+            models=models,
+            workers=workers,
+            warnings=list(c.warnings),
+        )
+
+    async def set_scheduling_policy(
+        self, message: gateway.SetSchedulingPolicyRequest
+    ) -> gateway.SetSchedulingPolicyResponse:
+        self._require_lpt()
+        if not message.update_mask or message.policy is None:
+            raise grpclib.GRPCError(
+                Status.INVALID_ARGUMENT, "name the fields to change in update_mask, with policy"
+            )
+        changes = {}
+        for name in message.update_mask:
+            check = _POLICY_FIELDS.get(name)
+            if check is None:
+                raise grpclib.GRPCError(
+                    Status.INVALID_ARGUMENT,
+                    f"{name[:64]!r} cannot be changed while running; "
+                    f"expected some of {', '.join(_POLICY_FIELDS)}",
+                )
+            value = getattr(message.policy, name)
+            if not check(value):
+                raise grpclib.GRPCError(Status.INVALID_ARGUMENT, f"{name} = {value!r} is out of range")
+            changes[name] = value
+        self._controller.policy.update(changes)
+        self._controller.generation += 1
+        return gateway.SetSchedulingPolicyResponse(
+            applied=self._policy(), warnings=["takes effect at the next repack"]
+        )
+
+    async def set_model_replicas(
+        self, message: gateway.SetModelReplicasRequest
+    ) -> gateway.SetModelReplicasResponse:
+        self._require_lpt()
+        c = self._controller
+        if message.replicas < -1:
+            raise grpclib.GRPCError(Status.INVALID_ARGUMENT, f"replicas {message.replicas}: expected >= -1")
+        if message.name not in c.known and not message.allow_unknown_model:
+            raise _not_served(message.name)
+        if message.replicas:
+            c.replicas[message.name] = message.replicas
+        else:
+            c.replicas.pop(message.name, None)
+        count = lpt.replica_count(message.replicas, c.policy["default_replicas"], len(c.workers))
+        return gateway.SetModelReplicasResponse(
+            effective_replicas=count, warnings=["takes effect at the next repack"]
+        )
+
+    async def repack(self, message: gateway.RepackRequest) -> gateway.RepackResponse:
+        self._require_lpt()
+        if message.wait_seconds < 0:
+            raise grpclib.GRPCError(Status.INVALID_ARGUMENT, "wait_seconds must be >= 0")
+        if message.wait_seconds > 0:
+            _ready(self._controller)
+        sequence, completed, waited = await self._controller.request_repack(
+            min(message.wait_seconds, _MAX_REPACK_WAIT_S)
+        )
+        return gateway.RepackResponse(
+            sequence=sequence,
+            completed_sequence=self._controller.completed,
+            completed=completed,
+            waited_seconds=waited,
+            status=self._repack_status(),
+        )

@@ -1,0 +1,219 @@
+"""The controller's pure parts: Envoy's configuration, readiness of a partly ready node, merged
+metrics and statistics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import grpclib
+import pytest
+from google.protobuf import descriptor_pb2
+from grpclib.const import Status
+
+from hloserve._proto import hloserve_gateway as gateway
+from hloserve._proto import inference as kserve
+from hloserve.config import NodeConfig
+from hloserve.errors import ConfigError
+from hloserve.fleet import envoy
+from hloserve.fleet.controller import Controller, WorkerLink
+from hloserve.fleet.http import merge_expositions
+from hloserve.fleet.services import GatewayFront, merge_statistics, node_readiness
+
+
+def test_the_descriptor_set_names_each_routed_rpc_and_its_model_field() -> None:
+    (file,) = descriptor_pb2.FileDescriptorSet.FromString(envoy.descriptor_set()).file
+    assert file.package == "inference" and file.service[0].name == "GRPCInferenceService"
+    messages = {m.name: m for m in file.message_type}
+    for method in file.service[0].method:
+        request = messages[method.input_type.rsplit(".", 1)[1]]
+        (field,) = request.field
+        assert (field.name, field.number) == (envoy.ROUTED_RPCS[method.name], 1)
+    assert {m.name for m in file.service[0].method} == {
+        "ModelInfer",
+        "ModelMetadata",
+        "ModelReady",
+        "ModelConfig",
+    }
+
+
+def test_routes_match_the_model_header_and_fall_back_to_the_controller() -> None:
+    (config,) = envoy.routes({"mlp": ["127.0.0.1:1", "127.0.0.1:2"], "gone": []})["resources"]
+    routes = config["virtual_hosts"][0]["routes"]
+    assert len(routes) == 2  # mlp, then everything else
+    assert routes[0]["match"]["headers"] == [{"name": "x-model-name", "string_match": {"exact": "mlp"}}]
+    assert routes[0]["route"]["cluster"] == "model_mlp"
+    assert "unavailable" in routes[0]["route"]["retry_policy"]["retry_on"]
+    assert routes[1] == {"match": {"prefix": "/"}, "route": routes[1]["route"]}
+    assert routes[1]["route"]["cluster"] == "controller"
+    clusters = envoy.clusters(
+        {"mlp": ["127.0.0.1:1", "127.0.0.1:2"]}, "127.0.0.1:9", "LEAST_REQUEST", 1 << 30
+    )
+    model = next(c for c in clusters["resources"] if c["name"] == "model_mlp")
+    assert model["lb_policy"] == "LEAST_REQUEST"
+    assert len(model["load_assignment"]["endpoints"][0]["lb_endpoints"]) == 2
+    window = model["typed_extension_protocol_options"][
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    ]
+    assert window["explicit_http_config"]["http2_protocol_options"]["initial_stream_window_size"] > 1 << 30
+
+
+def test_envoy_accepts_the_bootstrap(tmp_path: Path) -> None:
+    envoy.write_atomically(tmp_path / "routing.pb", envoy.descriptor_set())
+    envoy.write_atomically(tmp_path / "routes.json", envoy.routes({}))
+    envoy.write_atomically(
+        tmp_path / "clusters.json", envoy.clusters({}, "127.0.0.1:9", "ROUND_ROBIN", 1 << 20)
+    )
+    bootstrap = tmp_path / "envoy.json"
+    bootstrap.write_text(json.dumps(envoy.bootstrap(tmp_path, "127.0.0.1", 0, 0, 1 << 30)))
+    checked = subprocess.run(
+        [envoy.find_envoy(), "--mode", "validate", "-c", str(bootstrap), "--disable-hot-restart"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_a_missing_envoy_says_how_to_install_it(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"node\.envoy"):
+        envoy.find_envoy(str(tmp_path / "envoy"))
+
+
+def _controller(*workers: WorkerLink) -> Controller:
+    return Controller(NodeConfig(), workers, lambda routes: None)
+
+
+def test_a_node_is_ready_only_while_every_model_has_a_ready_replica() -> None:
+    w0 = WorkerLink("worker0", "127.0.0.1:1", None, True, {"a": "READY", "b": "READY"})
+    w1 = WorkerLink("worker1", "127.0.0.1:2", None, True, {"a": "READY", "c": "UNAVAILABLE"})
+    controller = _controller(w0, w1)
+    controller.known = {"a", "b", "c"}
+    assert node_readiness(controller) == (True, [])  # c never loaded anywhere: not required
+    w0.ready = False  # b was only on worker0
+    assert node_readiness(controller) == (False, ["b"])
+    w1.ready = False
+    assert node_readiness(controller) == (False, ["a", "b"])
+
+
+def test_metrics_of_every_worker_merge_into_one_family_each() -> None:
+    text = (
+        "# HELP hloserve_requests_served_total Requests\n# TYPE hloserve_requests_served_total counter\n"
+        'hloserve_requests_served_total{model="mlp"} 3.0\n'
+    )
+    (family,) = merge_expositions({"worker1": text, "worker0": text.replace("3.0", "5.0")})
+    assert [(s.labels, s.value) for s in family.samples] == [
+        ({"model": "mlp", "worker": "worker0"}, 5.0),
+        ({"model": "mlp", "worker": "worker1"}, 3.0),
+    ]
+
+
+def test_statistics_are_summed_over_workers() -> None:
+    def answer(count: int, last: int) -> kserve.ModelStatisticsResponse:
+        duration = kserve.StatisticDuration(count=count, ns=10 * count)
+        return kserve.ModelStatisticsResponse(
+            model_stats=[
+                kserve.ModelStatistics(
+                    name="mlp", version="1", last_inference=last, inference_count=count, execution_count=1,
+                    inference_stats=kserve.InferStatistics(success=duration, queue=duration),
+                    batch_stats=[kserve.InferBatchStatistics(batch_size=4, compute_infer=duration)],
+                )
+            ]
+        )  # fmt: skip
+
+    (merged,) = merge_statistics([answer(2, 7), answer(3, 5)]).model_stats
+    assert (merged.inference_count, merged.execution_count, merged.last_inference) == (5, 2, 7)
+    assert merged.inference_stats is not None and merged.inference_stats.success is not None
+    assert (merged.inference_stats.success.count, merged.inference_stats.success.ns) == (5, 50)
+    (batch,) = merged.batch_stats
+    assert batch.compute_infer is not None and batch.compute_infer.count == 5
+
+
+def _front(mode: str = "lpt_packing") -> GatewayFront:
+    worker = WorkerLink("worker0", "127.0.0.1:1", None, True, {"mlp": "READY"})
+    controller = Controller(NodeConfig(scheduling=mode), [worker], lambda routes: None)
+    controller.known = {"mlp"}
+    return GatewayFront(controller)
+
+
+def _status_of(call: Any) -> Status:
+    with pytest.raises(grpclib.GRPCError) as caught:
+        asyncio.run(call)
+    return caught.value.status
+
+
+def test_the_scheduling_policy_changes_all_or_nothing() -> None:
+    front = _front()
+    policy = gateway.SchedulingPolicy(hysteresis=0.25, compaction_mode="scheduled")
+    answer = asyncio.run(
+        front.set_scheduling_policy(
+            gateway.SetSchedulingPolicyRequest(["hysteresis", "compaction_mode"], policy)
+        )
+    )
+    assert answer.applied is not None
+    assert (answer.applied.hysteresis, answer.applied.compaction_mode, answer.applied.generation) == (
+        0.25,
+        "scheduled",
+        1,
+    )
+    for mask, bad in (
+        (["hysteresis", "mode"], policy),
+        (["hysteresis"], gateway.SchedulingPolicy(hysteresis=1.5)),
+    ):
+        assert _status_of(front.set_scheduling_policy(gateway.SetSchedulingPolicyRequest(mask, bad))) == (
+            Status.INVALID_ARGUMENT
+        )
+    assert _status_of(front.set_scheduling_policy(gateway.SetSchedulingPolicyRequest([], policy))) == (
+        Status.INVALID_ARGUMENT
+    )
+    status = asyncio.run(front.get_scheduling_status(gateway.GetSchedulingStatusRequest()))
+    assert status.policy is not None and status.policy.hysteresis == 0.25 and status.policy.generation == 1
+
+
+def test_replicas_and_repacks_are_checked() -> None:
+    front = _front()
+    answer = asyncio.run(front.set_model_replicas(gateway.SetModelReplicasRequest("mlp", -1)))
+    assert answer.effective_replicas == 1  # all of one worker
+    assert (
+        _status_of(front.set_model_replicas(gateway.SetModelReplicasRequest("nosuch", 2))) == Status.NOT_FOUND
+    )
+    allowed = gateway.SetModelReplicasRequest("later", 2, allow_unknown_model=True)
+    assert asyncio.run(front.set_model_replicas(allowed)).effective_replicas == 1
+    assert _status_of(front.set_model_replicas(gateway.SetModelReplicasRequest("mlp", -2))) == (
+        Status.INVALID_ARGUMENT
+    )
+    assert _status_of(front.repack(gateway.RepackRequest(wait_seconds=-1))) == Status.INVALID_ARGUMENT
+    # without a running controller loop nothing repacks: the wait ends, not completed
+    answer = asyncio.run(front.repack(gateway.RepackRequest(wait_seconds=0.05)))
+    assert (answer.sequence, answer.completed) == (1, False)
+
+
+def test_placement_knobs_need_lpt_packing() -> None:
+    front = _front("round_robin")
+    assert _status_of(front.repack(gateway.RepackRequest())) == Status.FAILED_PRECONDITION
+    assert _status_of(front.set_model_replicas(gateway.SetModelReplicasRequest("mlp", 2))) == (
+        Status.FAILED_PRECONDITION
+    )
+    status = asyncio.run(front.get_scheduling_status(gateway.GetSchedulingStatusRequest()))
+    assert status.policy is not None and status.policy.mode == "round_robin"
+
+
+def test_a_removed_models_cluster_outlives_its_route_by_one_update(tmp_path: Path) -> None:
+    from hloserve.config import Config
+    from hloserve.fleet.front import _Publisher
+
+    publish = _Publisher(tmp_path, "127.0.0.1:9", Config())
+
+    def names(file: str) -> set[str]:
+        resources = json.loads((tmp_path / file).read_text())["resources"]
+        if file == "clusters.json":
+            return {c["name"] for c in resources}
+        return {r["route"]["cluster"] for r in resources[0]["virtual_hosts"][0]["routes"]}
+
+    publish({"a": ["127.0.0.1:1"], "b": ["127.0.0.1:2"]})
+    publish({"a": ["127.0.0.1:1"]})
+    assert names("routes.json") == {"model_a", "controller"}
+    assert names("clusters.json") == {"model_a", "model_b", "controller"}  # b's route may still be live
+    publish({"a": ["127.0.0.1:1"]})
+    assert names("clusters.json") == {"model_a", "controller"}

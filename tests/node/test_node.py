@@ -1,0 +1,510 @@
+"""`hloserve node --cpu-workers 2` end to end: real workers, real Envoy, unmodified tritonclient
+and perf_analyzer on the public port, the controller's RPCs, a worker killed under load, and a
+clean stop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+from grpclib.client import Channel
+from support.servers import ROOT
+from tritonclient.utils import InferenceServerException
+from tritonclient.utils import shared_memory as shm
+
+from hloserve._proto import hloserve_control as control
+from hloserve._proto import hloserve_gateway as gateway
+from hloserve.fleet.controller import changed_workers
+from hloserve.node import free_port
+
+sys.path.insert(0, str(ROOT / "benches"))
+from perf_analyzer import run_perf_analyzer
+
+pytestmark = pytest.mark.slow
+
+MODELS = ("cnn", "mlp", "pool", "severity_grader")
+
+
+@dataclass
+class Node:
+    process: subprocess.Popen[bytes]
+    grpc_port: int
+    metrics_port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def client(self) -> triton.InferenceServerClient:
+        return triton.InferenceServerClient(self.url)
+
+    def descendants(self) -> set[int]:
+        found, pending = set(), [self.process.pid]
+        while pending:
+            pid = pending.pop()
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                try:
+                    children = [int(c) for c in (task / "children").read_text().split()]
+                except OSError:
+                    continue
+                found.update(children)
+                pending.extend(children)
+        return found
+
+    def worker_pid(self, port: int) -> int:
+        for pid in self.descendants():
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"serve" in argv and str(port).encode() in argv:
+                return pid
+        raise AssertionError(f"no worker on port {port}")
+
+    def gateway(self, method: str, request: Any) -> Any:
+        async def call() -> Any:
+            channel = Channel("127.0.0.1", self.grpc_port)
+            try:
+                return await getattr(gateway.GatewayControlServiceStub(channel), method)(request, timeout=60)
+            finally:
+                channel.close()
+
+        return asyncio.run(call())
+
+    def status(self) -> gateway.GetSchedulingStatusResponse:
+        return self.gateway("get_scheduling_status", gateway.GetSchedulingStatusRequest())
+
+    def workers(self) -> dict[str, str]:
+        return {w.name: w.address for w in self.status().workers}
+
+
+def _wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                return
+        except Exception:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _die_with_test() -> None:
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    log = tmp_path_factory.mktemp("node") / "node.log"
+    grpc_port, metrics_port = free_port(), free_port()
+    env = {
+        **os.environ,
+        "HLOSERVE_NODE_DISCOVERY_INTERVAL_S": "0.3",
+        "HLOSERVE_NODE_REBALANCE_COMPUTE_S": "1000000",  # repacks only when the tests ask
+        "HLOSERVE_NODE_FIRST_REBALANCE_COMPUTE_S": "0",
+        "HLOSERVE_NODE_EMA_HALFLIFE_COMPUTE_S": "0.05",
+        "HLOSERVE_NODE_RESTART_BACKOFF_MAX_S": "0.5",
+    }
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "hloserve.cli", "node", "--cpu-workers", "2",
+             "--scheduling", "lpt_packing", "--grpc-port", str(grpc_port),
+             "--metrics-port", str(metrics_port), "--allow-client-shm"],
+            stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_test,
+        )  # fmt: skip
+    started = Node(process, grpc_port, metrics_port, log)
+    try:
+        try:
+            _wait(lambda: started.client().is_server_ready(), 90, "the node to be ready")
+            _wait(lambda: started.status().repack.count >= 1, 30, "the startup placement")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; the node said:\n{log.read_text()[-4000:]}") from None
+        yield started
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _inputs(client: triton.InferenceServerClient, model: str, seed: int = 0) -> list[triton.InferInput]:
+    rng = np.random.default_rng(seed)
+    inputs = []
+    for tensor in client.get_model_metadata(model).inputs:
+        shape = [2 if s == -1 else s for s in tensor.shape]
+        value = rng.integers(0, 255, shape) if tensor.datatype == "UINT8" else rng.standard_normal(shape)
+        x = triton.InferInput(tensor.name, shape, tensor.datatype)
+        x.set_data_from_numpy(value.astype(triton.triton_to_np_dtype(tensor.datatype)))
+        inputs.append(x)
+    return inputs
+
+
+def _outputs(client: triton.InferenceServerClient, model: str, seed: int = 0) -> dict[str, np.ndarray]:
+    result = client.infer(model, _inputs(client, model, seed))
+    return {t.name: result.as_numpy(t.name) for t in client.get_model_metadata(model).outputs}
+
+
+def _served(address: str) -> dict[str, int]:
+    stats = triton.InferenceServerClient(address).get_inference_statistics()
+    return {s.name: s.inference_stats.success.count for s in stats.model_stats}
+
+
+def test_grpc_health_says_serving_while_the_node_is_ready(node: Node) -> None:
+    from grpclib.health.v1.health_grpc import HealthStub
+    from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
+
+    async def check(service: str) -> int:
+        channel = Channel("127.0.0.1", node.grpc_port)
+        try:
+            return int(
+                (await HealthStub(channel).Check(HealthCheckRequest(service=service), timeout=10)).status
+            )
+        finally:
+            channel.close()
+
+    for service in ("", "inference.GRPCInferenceService"):
+        assert asyncio.run(check(service)) == HealthCheckResponse.SERVING
+
+
+def test_every_example_model_answers_through_the_node_as_a_worker_does(node: Node) -> None:
+    direct = triton.InferenceServerClient(node.workers()["worker0"])
+    public = node.client()
+    assert public.is_server_live() and public.is_server_ready()
+    assert {m.name: m.state for m in public.get_model_repository_index().models} == dict.fromkeys(
+        MODELS, "READY"
+    )
+    for model in MODELS:
+        assert public.is_model_ready(model)
+        assert public.get_model_metadata(model) == direct.get_model_metadata(model)
+        assert public.get_model_config(model) == direct.get_model_config(model)
+        ours, theirs = _outputs(public, model), _outputs(direct, model)
+        assert ours.keys() == theirs.keys()
+        for name in ours:
+            np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5, atol=1e-6)
+
+
+def test_requests_reach_the_worker_the_model_is_placed_on(node: Node) -> None:
+    status = node.status()
+    placed = {m.name: [r.worker for r in m.replicas] for m in status.models}
+    assert all(len(ws) == 1 for ws in placed.values()), placed
+    workers = node.workers()
+    before = {w: _served(a) for w, a in workers.items()}
+    public = node.client()
+    for model in MODELS:
+        for _ in range(2):
+            public.infer(model, _inputs(public, model))
+        public.infer(model, _inputs(public, model), headers={"x-model-name": model})  # routed on it
+    after = {w: _served(a) for w, a in workers.items()}
+    for model, (home,) in placed.items():
+        for worker in workers:
+            assert after[worker][model] - before[worker][model] == (3 if worker == home else 0), (
+                model,
+                worker,
+            )
+    merged = {s.name: s.inference_stats.success.count for s in public.get_inference_statistics().model_stats}
+    assert merged == {m: sum(after[w][m] for w in workers) for m in MODELS}  # summed over workers
+
+
+def _status_of(call: Callable[[], Any]) -> tuple[str, str]:
+    try:
+        call()
+    except InferenceServerException as e:
+        return str(e.status()), str(e.message())
+    return "OK", ""
+
+
+def test_bad_input_gets_the_same_status_through_envoy_as_direct(node: Node) -> None:
+    direct = triton.InferenceServerClient(node.workers()["worker0"])
+    public = node.client()
+
+    def wrong_shape(client: triton.InferenceServerClient) -> Any:
+        x = triton.InferInput("INPUT0", [1, 3], "FP32")
+        x.set_data_from_numpy(np.zeros((1, 3), np.float32))
+        return client.infer("mlp", [x])
+
+    def wrong_dtype(client: triton.InferenceServerClient) -> Any:
+        x = triton.InferInput("INPUT0", [1, 16], "INT32")
+        x.set_data_from_numpy(np.zeros((1, 16), np.int32))
+        return client.infer("mlp", [x])
+
+    def unknown_input(client: triton.InferenceServerClient) -> Any:
+        x = triton.InferInput("NOPE", [1, 16], "FP32")
+        x.set_data_from_numpy(np.zeros((1, 16), np.float32))
+        return client.infer("mlp", [x])
+
+    for case in (wrong_shape, wrong_dtype, unknown_input):
+        through, alone = _status_of(lambda c=case: c(public)), _status_of(lambda c=case: c(direct))
+        assert through == alone and through[0] == "StatusCode.INVALID_ARGUMENT", case.__name__
+    for call in (
+        lambda c: c.infer("nosuch", _inputs(public, "mlp")),
+        lambda c: c.get_model_metadata("nosuch"),
+        lambda c: c.get_model_config("nosuch"),
+    ):
+        assert (
+            _status_of(lambda c=call: c(public))[0]
+            == _status_of(lambda c=call: c(direct))[0]
+            == "StatusCode.NOT_FOUND"
+        )
+    assert not public.is_model_ready("nosuch")
+    assert _outputs(public, "mlp")  # still serving
+
+
+def test_shared_memory_registered_through_the_node_serves_every_worker(node: Node) -> None:
+    public = node.client()
+    status = node.status()
+    by_worker = {w.name: w.models_placed for w in status.workers}
+    models = [ms[0] for ms in by_worker.values() if ms and ms[0] in ("mlp", "cnn", "pool")]
+    handle = shm.create_shared_memory_region("node_in", "/hloserve_node_test_in", 1 << 20)
+    try:
+        public.register_system_shared_memory("node_in", "/hloserve_node_test_in", 1 << 20)
+        assert "node_in" in str(public.get_system_shared_memory_status())
+        for worker in status.workers:  # every worker holds it
+            direct = triton.InferenceServerClient(worker.address)
+            assert "node_in" in str(direct.get_system_shared_memory_status())
+        for model in models or ["mlp"]:
+            x = _inputs(public, model)[0]
+            value = _inputs(public, model)[0]
+            array = np.random.default_rng(1).standard_normal(x.shape()).astype(np.float32)
+            shm.set_shared_memory_region(handle, [array])
+            x.set_shared_memory("node_in", array.nbytes)
+            expected = value.set_data_from_numpy(array)
+            got = public.infer(model, [x])
+            want = public.infer(model, [expected])
+            name = public.get_model_metadata(model).outputs[0].name
+            np.testing.assert_allclose(got.as_numpy(name), want.as_numpy(name), rtol=1e-5, atol=1e-6)
+        public.unregister_system_shared_memory("node_in")
+        for worker in status.workers:
+            assert "node_in" not in str(
+                triton.InferenceServerClient(worker.address).get_system_shared_memory_status()
+            )
+    finally:
+        shm.destroy_shared_memory_region(handle)
+
+
+def test_a_partial_registration_is_rolled_back(node: Node) -> None:
+    public = node.client()
+    workers = node.workers()
+    handle = shm.create_shared_memory_region("clash", "/hloserve_node_test_clash", 4096)
+    try:
+        triton.InferenceServerClient(workers["worker1"]).register_system_shared_memory(
+            "clash", "/hloserve_node_test_clash", 4096
+        )
+        code, message = _status_of(
+            lambda: public.register_system_shared_memory("clash", "/hloserve_node_test_clash", 4096)
+        )
+        assert code == "StatusCode.ALREADY_EXISTS" and "worker1" in message, message
+        assert "clash" not in str(
+            triton.InferenceServerClient(workers["worker0"]).get_system_shared_memory_status()
+        )
+        assert _outputs(public, "mlp")
+    finally:
+        triton.InferenceServerClient(workers["worker1"]).unregister_system_shared_memory("clash")
+        shm.destroy_shared_memory_region(handle)
+
+
+def test_a_model_loaded_on_one_worker_joins_the_union_and_becomes_routable(node: Node) -> None:
+    public = node.client()
+    workers = node.workers()
+    try:
+        public.unload_model("pool")  # through the node: from every worker
+        index = {m.name: m for m in public.get_model_repository_index().models}
+        assert index["pool"].state == "UNAVAILABLE" and "no ready replica" in index["pool"].reason
+        # Envoy takes the new routes within a second or so; then pool's requests reach the controller
+        _wait(
+            lambda: (
+                _status_of(lambda: public.infer("pool", _inputs(public, "cnn")))[0] == "StatusCode.NOT_FOUND"
+            ),
+            5,
+            "pool's route to go",
+        )
+        assert not public.is_model_ready("pool")
+        assert public.is_server_ready()  # unloaded on purpose: no longer a model the node must serve
+        triton.InferenceServerClient(workers["worker1"]).load_model("pool")  # directly, on one worker
+        _wait(lambda: public.is_model_ready("pool"), 10, "pool to be routable")
+        before = _served(workers["worker1"])["pool"]
+        assert _outputs(public, "pool")
+        assert _served(workers["worker1"])["pool"] == before + 1
+        assert public.is_server_ready()
+        public.load_model("pool")  # through the node: on the workers it is placed on
+        placed = next(w.name for w in node.status().workers if "pool" in w.models_placed)
+        assert placed in next(m for m in node.status().models if m.name == "pool").serving_workers
+    finally:
+        for address in workers.values():  # back on every worker, for the tests after this one
+            triton.InferenceServerClient(address).load_model("pool")
+        _wait(
+            lambda: len(next(m for m in node.status().models if m.name == "pool").serving_workers) == 2,
+            10,
+            "pool on both workers",
+        )
+
+
+def _compactions(address: str) -> int:
+    async def call() -> int:
+        host, _, port = address.rpartition(":")
+        channel = Channel(host, int(port))
+        try:
+            status = await control.ControlServiceStub(channel).model_control_status(
+                control.ModelControlStatusRequest()
+            )
+            return int(status.compactions)
+        finally:
+            channel.close()
+
+    return asyncio.run(call())
+
+
+def _load(node: Node, model: str, seconds: float, errors: list[str], count: list[int]) -> None:
+    client = node.client()
+    inputs = _inputs(client, model)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            client.infer(model, inputs)
+            count.append(1)
+        except InferenceServerException as e:
+            errors.append(f"{e.status()}: {e.message()}")
+
+
+def test_a_repack_separates_a_skewed_load_and_compacts_only_the_workers_that_changed(node: Node) -> None:
+    workers = node.workers()
+    # mlp on every worker: at least one worker's placement changes at this repack
+    node.gateway("set_model_replicas", gateway.SetModelReplicasRequest(name="mlp", replicas=-1))
+    errors: list[str] = []
+    threads = [
+        threading.Thread(target=_load, args=(node, model, 3.0, errors, []))
+        for model in ("pool", "severity_grader")
+        for _ in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    before = {m.name: [r.worker for r in m.replicas] for m in node.status().models}
+    compactions = {w: _compactions(a) for w, a in workers.items()}
+    answer = node.gateway("repack", gateway.RepackRequest(wait_seconds=30))
+    assert answer.completed and answer.status.trigger == "operator"
+    status = node.status()
+    after = {m.name: [r.worker for r in m.replicas] for m in status.models}
+    rows = {m.name: m for m in status.models}
+    for hot in ("pool", "severity_grader"):
+        assert rows[hot].utilization > max(rows["cnn"].utilization, rows["mlp"].utilization), rows
+    assert len(after["pool"]) == len(after["severity_grader"]) == 1
+    assert after["pool"] != after["severity_grader"]  # the two busy models on separate workers
+    assert sorted(after["mlp"]) == ["worker0", "worker1"]
+    changed = changed_workers(before, after)
+    assert changed
+    for worker, address in workers.items():
+        assert (_compactions(address) > compactions[worker]) == (worker in changed), (worker, changed)
+    # the same load again: the placement stays, and nothing is compacted
+    again = node.gateway("repack", gateway.RepackRequest(wait_seconds=30))
+    assert again.completed and again.status.models_moved == 0
+    assert {m.name: [r.worker for r in m.replicas] for m in node.status().models} == after
+    assert again.status.compactions_sent == answer.status.compactions_sent
+
+
+def test_a_worker_killed_under_load_costs_no_request_and_comes_back(node: Node) -> None:
+    node.gateway("set_model_replicas", gateway.SetModelReplicasRequest(name="mlp", replicas=-1))
+    assert node.gateway("repack", gateway.RepackRequest(wait_seconds=30)).completed
+    _wait(lambda: len(next(m for m in node.status().models if m.name == "mlp").replicas) == 2, 10, "mlp x2")
+    workers = node.workers()
+    victim = node.worker_pid(int(workers["worker0"].rpartition(":")[2]))
+    region = shm.create_shared_memory_region("kept", "/hloserve_node_test_kept", 4096)
+    node.client().register_system_shared_memory("kept", "/hloserve_node_test_kept", 4096)
+    errors: list[str] = []
+    count: list[int] = []
+    threads = [threading.Thread(target=_load, args=(node, "mlp", 4.0, errors, count)) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)
+    os.kill(victim, signal.SIGKILL)
+    for thread in threads:
+        thread.join()
+    assert not errors, errors[:3]
+    assert len(count) > 100
+    _wait(lambda: node.worker_pid(int(workers["worker0"].rpartition(":")[2])) != victim, 10, "a restart")
+    _wait(
+        lambda: len(next(m for m in node.status().models if m.name == "mlp").replicas) == 2,
+        60,
+        "worker0 back in mlp's route",
+    )
+    before = _served(workers["worker0"]).get("mlp", 0)
+    public = node.client()
+    for _ in range(8):
+        public.infer("mlp", _inputs(public, "mlp"))
+    assert _served(workers["worker0"])["mlp"] > before
+    # what was registered through the node is registered again on the restarted worker
+    assert "kept" in str(triton.InferenceServerClient(workers["worker0"]).get_system_shared_memory_status())
+    public.unregister_system_shared_memory("kept")
+    shm.destroy_shared_memory_region(region)
+
+
+def test_one_worker_serves_the_public_port_itself(tmp_path: Path) -> None:
+    grpc_port = free_port()
+    with (tmp_path / "node.log").open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "hloserve.cli", "node", "--cpu-workers", "1",
+             "--grpc-port", str(grpc_port), "--metrics-port", "-1"],
+            stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_test,
+        )  # fmt: skip
+    alone = Node(process, grpc_port, -1, tmp_path / "node.log")
+    try:
+        _wait(lambda: alone.client().is_server_ready(), 90, "the worker")
+        (child,) = alone.descendants()  # no Envoy, no controller port: the worker itself
+        assert alone.worker_pid(grpc_port) == child
+        assert _outputs(alone.client(), "mlp")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
+        assert not Path(f"/proc/{child}").exists()
+        assert b"[worker0]" in (tmp_path / "node.log").read_bytes()
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_metrics_merge_every_worker_with_a_worker_label(node: Node) -> None:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics").read().decode()
+    for worker in ("worker0", "worker1"):
+        assert f'hloserve_requests_served_total{{model="mlp",worker="{worker}"}}' in text
+        assert f'hloserve_node_worker_ready{{worker="{worker}"}} 1.0' in text
+    assert text.count("# TYPE hloserve_requests_served_total counter") == 1
+    assert 'hloserve_node_worker_starts_total{worker="worker1"} 1.0' in text
+    assert "envoy_cluster_upstream_rq_retry" in text and 'envoy_cluster_name="model_mlp"' in text  # Envoy's
+    assert urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/healthz").read() == b"ok\n"
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_perf_analyzer_runs_clean_through_the_node(node: Node, model: str) -> None:
+    result = run_perf_analyzer(
+        ["-m", model, "-u", node.url, "-i", "grpc", "--concurrency-range", "2",
+         "--measurement-interval", "500", "-s", "1000", "--max-trials", "5"],  # runs clean, not steady
+        timeout=120,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "error" not in output.lower(), output
+    assert "Server:" in output and "compute infer" in output  # statistics summed by the controller
+
+
+def test_sigterm_stops_the_node_and_every_child(node: Node) -> None:
+    children = node.descendants()
+    assert len(children) >= 3  # two workers and Envoy
+    node.process.send_signal(signal.SIGTERM)
+    assert node.process.wait(60) == 0
+    time.sleep(0.2)
+    assert not [pid for pid in children if Path(f"/proc/{pid}").exists()], "orphans left behind"
