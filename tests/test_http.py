@@ -188,6 +188,18 @@ def test_health_metadata_config_stats_and_index_answer_as_grpc(server: ServerThr
         triton.close()
 
 
+def test_cuda_shared_memory_cleanup_answers_as_triton_without_a_gpu(rest: ServerThread) -> None:
+    """Status lists nothing and unregistering succeeds, so clients that clean up first go on."""
+    client = httpclient.InferenceServerClient(_http(rest))
+    try:
+        assert client.get_cuda_shared_memory_status() == []
+        client.unregister_cuda_shared_memory()
+        client.unregister_cuda_shared_memory("never")
+    finally:
+        client.close()
+    _assert_serves(rest)
+
+
 def test_statistics_and_metrics_are_shared_with_grpc(rest: ServerThread) -> None:
     client = httpclient.InferenceServerClient(_http(rest))
     triton = grpcclient.InferenceServerClient(rest.url)

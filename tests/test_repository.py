@@ -8,12 +8,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from bundle_fixtures import PARAMS, affine, edit_manifest, write_affine
 from conftest import ServerThread, make_config
 from safetensors.numpy import save_file
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from hloserve.config import ModelSettings
@@ -161,3 +163,21 @@ def test_load_and_unload_while_another_model_is_under_load(repo: Any) -> None:
         for t in threads:
             t.join(10)
     assert results and set(results) == {"OK"}, [r for r in results if r != "OK"][:3]
+
+
+def test_the_index_lists_every_bundle_loaded_or_not(repo: Any) -> None:
+    """As Triton: an unloaded bundle stays in the index (UNAVAILABLE, "unloaded"); `ready` filters."""
+    path, server, client = repo
+    write_affine(path / "late")
+    client.load_model("late")
+    client.unload_model("late")
+    index = client.get_model_repository_index()
+    assert [(m.name, m.state, m.reason) for m in index.models] == [
+        ("late", "UNAVAILABLE", "unloaded"),
+        ("steady", "READY", ""),
+    ]
+    with grpc.insecure_channel(server.url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        ready = stub.RepositoryIndex(service_pb2.RepositoryIndexRequest(ready=True))
+    assert [m.name for m in ready.models] == ["steady"]
+    _infer(client, "steady")

@@ -54,7 +54,12 @@ class TestHealthAndMetadata:
     def test_server_metadata_lists_the_extensions(self, triton: Any) -> None:
         metadata = triton.get_server_metadata()
         assert metadata.name == "hloserve"
-        assert {"model_configuration", "statistics"} <= set(metadata.extensions)
+        assert list(metadata.extensions) == [
+            "model_configuration",
+            "model_repository",
+            "statistics",
+            "system_shared_memory",
+        ]
 
     def test_model_metadata_is_row_major_with_minus_one_for_the_batch(self, triton: Any) -> None:
         mlp = triton.get_model_metadata("mlp")
@@ -215,6 +220,38 @@ class TestBadInput:
         assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
         assert_good_request_served(triton)
 
+    @pytest.mark.parametrize("version", ["latest", "1.0", "-1", "0", " 1", "\u0661"])
+    def test_a_version_that_is_not_an_integer_above_zero_is_invalid(
+        self, triton: Any, stub: Any, version: str
+    ) -> None:
+        """As Triton: INVALID_ARGUMENT (not NOT_FOUND), for inference, metadata and readiness."""
+        request = _raw_request([1, 16], b"\0" * 64)
+        request.model_version = version
+        says = f"failed to get model version from specified version string {version!r}"
+        assert_refused(triton, stub.ModelInfer, request, grpc.StatusCode.INVALID_ARGUMENT, says)
+        metadata = service_pb2.ModelMetadataRequest(name="mlp", version=version)
+        assert_refused(triton, stub.ModelMetadata, metadata, grpc.StatusCode.INVALID_ARGUMENT, says)
+        ready = service_pb2.ModelReadyRequest(name="mlp", version=version)
+        assert_refused(triton, stub.ModelReady, ready, grpc.StatusCode.INVALID_ARGUMENT, says)
+
+    def test_raw_and_typed_contents_together_are_refused_for_every_input(
+        self, triton: Any, stub: Any
+    ) -> None:
+        """The KServe V2 proto forbids the mix; accepting it silently ignored `contents`."""
+        request = _raw_request([1, 16], b"\0" * 64)
+        request.inputs[0].contents.fp32_contents.extend([1.0] * 16)
+        assert_refused(
+            triton,
+            stub.ModelInfer,
+            request,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "tensor 'INPUT0': holds typed contents in a request with raw_input_contents",
+        )
+
+    def test_responses_carry_the_served_version(self, stub: Any) -> None:
+        response = stub.ModelInfer(_raw_request([1, 16], b"\0" * 64))
+        assert (response.model_name, response.model_version) == ("mlp", "1")
+
     def test_unknown_version(self, triton: Any) -> None:
         with pytest.raises(InferenceServerException, match="version '2' does not exist") as raised:
             infer(triton, "mlp", np.zeros((1, 16), np.float32), model_version="2")
@@ -278,7 +315,6 @@ class TestBadInput:
     @pytest.mark.parametrize(
         ("call", "request_"),
         [
-            ("CudaSharedMemoryStatus", service_pb2.CudaSharedMemoryStatusRequest()),
             ("TraceSetting", service_pb2.TraceSettingRequest()),
             ("LogSettings", service_pb2.LogSettingsRequest()),
         ],

@@ -221,6 +221,13 @@ def decode_request(
                 )
             array = target.region.read(target.offset, needed).view(spec.dtype.numpy).reshape(shape)
         elif raw:
+            if tensor.HasField("contents"):
+                raise InvalidInput(
+                    model,
+                    "holds typed contents in a request with raw_input_contents; the KServe V2 "
+                    "protocol forbids mixing them: send every input raw or every input typed",
+                    tensor.name,
+                )
             array = _array_from_raw(model, tensor.name, next(raw_entries), spec.dtype, shape)
         else:
             array = _array_from_contents(model, tensor, spec.dtype, shape)
@@ -283,7 +290,7 @@ def encode_response(
     Clients index `raw_output_contents` by output position (perf_analyzer crashes otherwise), so
     an output in shared memory keeps its place there with an empty entry, as Triton does.
     """
-    response = pb.ModelInferResponse(model_name=model, id=request.id)
+    response = pb.ModelInferResponse(model_name=model, model_version="1", id=request.id)
     contents: list[bytes] = []
     for index, array in zip(decoded.outputs, arrays, strict=True):
         spec = specs[index]

@@ -347,8 +347,18 @@ class _Routes:
         await self._service.system_shared_memory_unregister(kserve.SystemSharedMemoryUnregisterRequest(name))
         return Response()
 
+    async def cuda_shm_status(self, request: Request) -> Response:
+        name = request.path_params.get("region", "")
+        await self._service.cuda_shared_memory_status(kserve.CudaSharedMemoryStatusRequest(name))
+        return JSONResponse([])
+
+    async def cuda_shm_unregister(self, request: Request) -> Response:
+        name = request.path_params.get("region", "")
+        await self._service.cuda_shared_memory_unregister(kserve.CudaSharedMemoryUnregisterRequest(name))
+        return Response()
+
     async def cuda_shm(self, request: Request) -> Response:
-        await self._service._unimplemented("CudaSharedMemoryStatus", None)  # raises the gRPC answer
+        await self._service._unimplemented("CudaSharedMemoryRegister", None)  # raises the gRPC answer
         raise AssertionError("unreachable")
 
 
@@ -403,6 +413,14 @@ def build_app(service: InferenceService, models: Mapping[str, ModelEntry], limit
             "SystemSharedMemoryUnregister",
         ),
         post("/v2/systemsharedmemory/unregister", r.shm_unregister, "SystemSharedMemoryUnregister"),
+        get("/v2/cudasharedmemory/status", r.cuda_shm_status, "CudaSharedMemoryStatus"),
+        get("/v2/cudasharedmemory/region/{region}/status", r.cuda_shm_status, "CudaSharedMemoryStatus"),
+        post("/v2/cudasharedmemory/unregister", r.cuda_shm_unregister, "CudaSharedMemoryUnregister"),
+        post(
+            "/v2/cudasharedmemory/region/{region}/unregister",
+            r.cuda_shm_unregister,
+            "CudaSharedMemoryUnregister",
+        ),
         Route(
             "/v2/cudasharedmemory/{rest:path}",
             _endpoint(r.cuda_shm, "CudaSharedMemory"),

@@ -13,6 +13,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
@@ -38,9 +39,11 @@ from hloserve.errors import (
     ModelNotReady,
     Overloaded,
     ShmDisabled,
+    ShmRegionError,
     Unimplemented,
     clip,
 )
+from hloserve.manifest import FILE as MANIFEST
 from hloserve.manifest import TensorSpec
 from hloserve.meta import MetaModels
 from hloserve.metrics import Metrics
@@ -55,7 +58,7 @@ __all__ = ["EXTENSIONS", "InferenceService"]
 
 T = TypeVar("T")
 
-EXTENSIONS = ("model_configuration", "statistics", "system_shared_memory")
+EXTENSIONS = ("model_configuration", "model_repository", "statistics", "system_shared_memory")
 """Triton protocol extensions hloserve implements, reported by ServerMetadata."""
 
 _SERVICE = "/inference.GRPCInferenceService/"
@@ -64,9 +67,19 @@ _BUILT = {
     "ModelConfig", "ModelStatistics", "RepositoryIndex",
     "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
     "RepositoryModelLoad", "RepositoryModelUnload",
+    "CudaSharedMemoryStatus", "CudaSharedMemoryUnregister",
 }  # fmt: skip
-_CUDA_SHM = {"CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister"}
 _VERSIONS = ("", "1")  # every model has exactly one version, "1"
+
+
+def _check_version(model: str, version: str) -> None:
+    """As Triton: a version is empty (the latest) or an integer > 0, else INVALID_ARGUMENT."""
+    if version and not (version.isascii() and version.isdigit() and int(version) > 0):
+        raise InvalidInput(
+            model,
+            f"failed to get model version from specified version string {clip(version)}: "
+            "a version is an integer > 0 (hloserve serves version '1')",
+        )
 
 
 def _duration(d: Duration) -> kserve.StatisticDuration:
@@ -130,8 +143,9 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
 
     async def _unimplemented(self, rpc: str, stream: Any) -> None:
         detail = (
-            "hloserve has no CUDA shared memory; use system shared memory (--allow-client-shm)"
-            if rpc in _CUDA_SHM
+            "hloserve has no CUDA shared memory (as Triton built without GPU support); "
+            "use system shared memory (--allow-client-shm)"
+            if rpc == "CudaSharedMemoryRegister"
             else "not built in this version of hloserve"
         )
         raise GRPCError(Status.UNIMPLEMENTED, str(Unimplemented(rpc, detail)))
@@ -140,6 +154,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         entry = self._models.get(name)
         if entry is None:
             raise ModelNotFound(name, f"serving {sorted(self._models)}")
+        _check_version(name, version)
         if version not in _VERSIONS:
             raise ModelNotFound(name, f"version {clip(version)} does not exist; the only version is '1'")
         return entry
@@ -268,6 +283,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
 
     @_rpc("ModelReady")
     async def model_ready(self, message: kserve.ModelReadyRequest) -> kserve.ModelReadyResponse:
+        _check_version(message.name, message.version)
         entry = self._models.get(message.name)
         return kserve.ModelReadyResponse(
             ready=entry is not None
@@ -430,6 +446,22 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         self._registry().unregister(message.name)
         return kserve.SystemSharedMemoryUnregisterResponse()
 
+    # -- CUDA shared memory: none, as Triton without a GPU (so clients can clean up) ----------
+
+    @_rpc("CudaSharedMemoryStatus")
+    async def cuda_shared_memory_status(
+        self, message: kserve.CudaSharedMemoryStatusRequest
+    ) -> kserve.CudaSharedMemoryStatusResponse:
+        if message.name:
+            raise ShmRegionError(message.name, "is not registered: hloserve has no CUDA shared memory")
+        return kserve.CudaSharedMemoryStatusResponse()
+
+    @_rpc("CudaSharedMemoryUnregister")
+    async def cuda_shared_memory_unregister(
+        self, message: kserve.CudaSharedMemoryUnregisterRequest
+    ) -> kserve.CudaSharedMemoryUnregisterResponse:
+        return kserve.CudaSharedMemoryUnregisterResponse()  # nothing is registered: done
+
     # -- model repository ----------------------------------------------------------------------
 
     @_rpc("RepositoryModelLoad")
@@ -462,6 +494,16 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         # (still addressable by name).
         parts = {callee for e in self._models.values() if e.ready for callee in e.calls}
         index = []
+        if not message.ready:  # as Triton: bundles not being served are listed too
+            repository = self._config.server.model_repository
+            on_disk = await asyncio.to_thread(_bundle_names, repository)
+            index = [
+                kserve.RepositoryIndexResponseModelIndex(
+                    name=name, version="1", state="UNAVAILABLE", reason="unloaded"
+                )
+                for name in on_disk
+                if name not in self._models
+            ]
         for entry in sorted(self._models.values(), key=lambda e: e.name):
             if entry.name in parts:
                 continue
@@ -475,7 +517,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
                         reason=reason or "",
                     )
                 )
-        return kserve.RepositoryIndexResponse(models=index)
+        return kserve.RepositoryIndexResponse(models=sorted(index, key=lambda m: m.name))
 
 
 _in_thread = trio_asyncio.trio_as_aio(trio.to_thread.run_sync)
@@ -485,6 +527,14 @@ async def _run_hook(hook: object, step: Callable[..., T], *args: Any) -> T:
     """A pipeline step: in a worker thread when it runs a hook (arbitrary, blocking Python),
     inline when the hook is omitted and the step only checks tensors."""
     return await _in_thread(step, *args) if hook is not None else step(*args)
+
+
+def _bundle_names(repository: Path) -> list[str]:
+    """The names of the repository's bundle directories (each holding a manifest)."""
+    try:
+        return [p.name for p in repository.iterdir() if (p / MANIFEST).is_file()]
+    except OSError:
+        return []
 
 
 def _platform() -> str:

@@ -110,7 +110,7 @@ def _region_name() -> Any:
 
 INFER_CASES = {
     "model name": (_model_name, grpc.StatusCode.NOT_FOUND, "unknown model 'hostile-x"),
-    "model version": (_version, grpc.StatusCode.NOT_FOUND, "version 'hostile-x"),
+    "model version": (_version, grpc.StatusCode.INVALID_ARGUMENT, "version string 'hostile-x"),
     "input name": (_input_name, grpc.StatusCode.INVALID_ARGUMENT, "tensor 'hostile-x"),
     "datatype": (_datatype, grpc.StatusCode.INVALID_ARGUMENT, "datatype 'hostile-x"),
     "output name": (_output_name, grpc.StatusCode.INVALID_ARGUMENT, "tensor 'hostile-x"),
@@ -125,8 +125,8 @@ RPC_CASES: dict[str, tuple[Callable[[Any], Any], grpc.StatusCode, str]] = {
     ),
     "ModelConfig version": (
         lambda s: s.ModelConfig(service_pb2.ModelConfigRequest(name="mlp", version=LONG), timeout=10),
-        grpc.StatusCode.NOT_FOUND,
-        "version 'hostile-x",
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "version string 'hostile-x",
     ),
     "ModelStatistics name": (
         lambda s: s.ModelStatistics(service_pb2.ModelStatisticsRequest(name=LONG), timeout=10),
