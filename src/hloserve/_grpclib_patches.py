@@ -34,6 +34,7 @@ from grpclib.const import Status
 from grpclib.events import RecvRequest, listen
 from grpclib.exceptions import GRPCError
 
+from hloserve import _compression
 from hloserve._h2_limits import MAX_FRAME_SIZE, ServerGuard, TransportLimits
 from hloserve._h2_protocol import GuardedProtocol
 
@@ -54,12 +55,9 @@ class _BigFrameH2Connection(grpclib.protocol.H2Connection):
         self.update_settings({h2.settings.SettingCodes.MAX_FRAME_SIZE: MAX_FRAME_SIZE})
 
 
-def _payload_refused(flags: int) -> GRPCError | None:
-    """The hook where message compression goes (grpc-encoding): today a compressed message is
-    refused before any of it is buffered."""
-    if flags:
-        return GRPCError(Status.UNIMPLEMENTED, "compressed messages are not supported; send uncompressed")
-    return None
+def _payload_refused(stream: grpclib.server.Stream[Any, Any], flags: int) -> GRPCError | None:
+    """Why a message cannot be read, before any of it is buffered (compression: `_compression`)."""
+    return _compression.refused(stream, flags)
 
 
 async def _recv_message(self: grpclib.server.Stream[Any, Any]) -> Any:
@@ -77,7 +75,7 @@ async def _recv_message(self: grpclib.server.Stream[Any, Any]) -> Any:
                 Status.INVALID_ARGUMENT, f"{rpc}: the request has no message; a unary call carries one"
             )
         return None
-    refused = _payload_refused(meta[0])
+    refused = _payload_refused(self, meta[0])
     if refused is not None:
         raise refused
     (length,) = struct.unpack(">I", meta[1:])
@@ -91,6 +89,8 @@ async def _recv_message(self: grpclib.server.Stream[Any, Any]) -> Any:
         )
     with protocol.receiving(length, rpc) if protocol is not None else contextlib.nullcontext():
         data = await stream.recv_data(length)
+    if meta[0]:
+        data = _compression.inflate(self, data, limit, rpc)
     try:
         message = self._codec.decode(data, self._recv_type)
     except GRPCError:
@@ -149,6 +149,7 @@ def install() -> None:
     h2.connection.repr = _no_repr  # type: ignore[attr-defined]
     grpclib.protocol.H2Connection = _BigFrameH2Connection  # type: ignore[misc]
     grpclib.server.Stream.recv_message = _recv_message  # type: ignore[method-assign]
+    _compression.install()
 
 
 class GracefulServer(grpclib.server.Server):
