@@ -662,3 +662,16 @@ def test_shutdown_closes_rest_promptly_with_an_idle_connection_open() -> None:
     idle.close()
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+def test_classification_answers_strings_in_json(rest: ServerThread) -> None:
+    body = {"inputs": [MLP_INPUT], "outputs": [{"name": "OUTPUT0", "parameters": {"classification": 2}}]}
+    status, answer, _ = _post(rest, INFER, json.dumps(body).encode())
+    assert status == 200, answer
+    (output,) = answer["outputs"]
+    assert (output["datatype"], output["shape"]) == ("BYTES", [1, 2])
+    scores = [float(item.split(":")[0]) for item in output["data"]]
+    assert scores == sorted(scores, reverse=True) and all(
+        int(i.split(":")[1]) in range(4) for i in output["data"]
+    )
+    _assert_serves(rest)

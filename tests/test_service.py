@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from bundle_fixtures import write_total
+from bundle_fixtures import edit_manifest, write_total
 from conftest import EXAMPLES, ServerThread, make_config
 from export_examples import reference
 from tritonclient.grpc import service_pb2, service_pb2_grpc
@@ -406,3 +406,61 @@ def test_large_and_small_replies_interleave_on_one_connection(tmp_path: Path) ->
         client.close()
     finally:
         server.stop()
+
+
+class TestClassification:
+    """Triton's classification extension: `class_count` on a requested output."""
+
+    @staticmethod
+    def _classify(client: Any, x: np.ndarray, k: int) -> list[list[str]]:
+        result = infer(client, "mlp", x, outputs=[grpcclient.InferRequestedOutput("OUTPUT0", class_count=k)])
+        assert result.get_output("OUTPUT0").datatype == "BYTES"
+        return [[item.decode() for item in row] for row in result.as_numpy("OUTPUT0")]
+
+    @pytest.mark.parametrize("k", [1, 3, 4, 9])
+    def test_the_top_k_as_score_colon_index(self, triton: Any, k: int) -> None:
+        """Per row, highest first; k past the number of classes gives them all, as Triton."""
+        x = np.random.default_rng(3).random((2, 16), dtype=np.float32)
+        expected = reference("mlp", x)
+        rows = self._classify(triton, x, k)
+        assert [len(row) for row in rows] == [min(k, 4)] * 2
+        for row, y in zip(rows, expected, strict=True):
+            pairs = [item.split(":") for item in row]
+            assert [int(i) for _, i in pairs] == list(np.argsort(-y, kind="stable")[: min(k, 4)])
+            np.testing.assert_allclose([float(s) for s, _ in pairs], np.sort(y)[::-1][: min(k, 4)], atol=1e-5)
+        assert_good_request_served(triton)
+
+    @pytest.mark.parametrize(
+        ("value", "says"),
+        [(-1, "must be an integer >= 0"), ("three", "must be an integer >= 0")],
+    )
+    def test_a_bad_class_count_is_refused(self, triton: Any, stub: Any, value: Any, says: str) -> None:
+        request = _raw_request([1, 16], b"\0" * 64)
+        output = request.outputs.add(name="OUTPUT0")
+        if isinstance(value, int):
+            output.parameters["classification"].int64_param = value
+        else:
+            output.parameters["classification"].string_param = value
+        assert_refused(triton, stub.ModelInfer, request, grpc.StatusCode.INVALID_ARGUMENT, says)
+
+    def test_labels_from_the_file_the_manifest_names(self, tmp_path: Path) -> None:
+        shutil.copytree(EXAMPLES / "mlp", tmp_path / "mlp")
+        (tmp_path / "mlp" / "labels.txt").write_text("cat\ndog\nbird\nfish\n")
+
+        def add_labels(manifest: dict[str, Any]) -> None:
+            manifest["executable_outputs"][0]["labels"] = "labels.txt"
+
+        edit_manifest(tmp_path / "mlp", add_labels)
+        server = ServerThread(make_config(tmp_path)).start()
+        client = grpcclient.InferenceServerClient(server.url)
+        try:
+            x = np.random.default_rng(4).random((1, 16), dtype=np.float32)
+            (row,) = self._classify(client, x, 4)
+            names = ["cat", "dog", "bird", "fish"]
+            assert [item.split(":")[2] for item in row] == [
+                names[i] for i in np.argsort(-reference("mlp", x)[0], kind="stable")
+            ]
+            assert_good_request_served(client)
+        finally:
+            client.close()
+            server.stop()

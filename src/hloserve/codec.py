@@ -9,8 +9,8 @@ tensor and what was expected, before anything is queued.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -54,6 +54,8 @@ class DecodedRequest:
     """Outputs to write into shared memory instead of the response, by output index."""
     timeout_s: float | None
     """The soonest budget the request's timeout parameters set (None: they set none)."""
+    class_counts: dict[int, int] = field(default_factory=dict)
+    """Outputs answered as Triton's classification (top k "score:index"), k by output index."""
 
 
 def _int_param(param: Any) -> int | None:
@@ -252,6 +254,7 @@ def decode_request(
     out_names = {spec.name: i for i, spec in enumerate(outputs)}
     selected: list[int] = []
     targets: dict[int, ShmTarget] = {}
+    class_counts: dict[int, int] = {}
     for requested in request.outputs:
         if requested.name not in out_names:
             raise InvalidInput(
@@ -262,6 +265,9 @@ def decode_request(
             raise InvalidInput(model, "output requested more than once", requested.name)
         selected.append(index)
         target = _shm_target(model, requested, registry)
+        k = _class_count(model, requested, outputs[index], target)
+        if k is not None:
+            class_counts[index] = k
         if target is not None:
             spec = outputs[index]
             if not any(a.is_variable for a in spec.axes):
@@ -275,7 +281,64 @@ def decode_request(
             targets[index] = target
     if not selected:
         selected = list(range(len(outputs)))
-    return DecodedRequest([a for a in arrays if a is not None], rows, selected, targets, timeout_s)
+    return DecodedRequest(
+        [a for a in arrays if a is not None], rows, selected, targets, timeout_s, class_counts
+    )
+
+
+CLASSIFICATION_PARAM = "classification"
+"""Triton's requested-output parameter (tritonclient's `class_count`): answer the top k classes."""
+
+
+def _class_count(model: str, requested: Any, spec: TensorSpec, target: ShmTarget | None) -> int | None:
+    """The k of a requested output's classification parameter, checked; None when absent."""
+    if CLASSIFICATION_PARAM not in requested.parameters:
+        return None
+    k = _int_param(requested.parameters[CLASSIFICATION_PARAM])
+    if k is None or k < 0:
+        raise InvalidInput(
+            model, f"{CLASSIFICATION_PARAM} (class_count) must be an integer >= 0", requested.name
+        )
+    if k == 0:
+        return None  # as Triton: 0 is the default, no classification
+    if spec.dtype.wire in (None, "BOOL"):
+        raise InvalidInput(
+            model,
+            f"{CLASSIFICATION_PARAM} (class_count) needs a numeric output, this one is {spec.dtype.wire}",
+            requested.name,
+        )
+    if target is not None:
+        raise InvalidInput(
+            model,
+            f"{CLASSIFICATION_PARAM} (class_count) answers BYTES strings, which cannot go to shared memory",
+            requested.name,
+        )
+    return k
+
+
+def classify(array: np.ndarray, batch_axis: int | None, k: int, labels: Sequence[str] = ()) -> np.ndarray:
+    """Triton's classification of an output: per batch row (or for the whole tensor when it has
+    no batch axis), the top `k` values over the other axes flattened, as "score:index[:label]"
+    strings, highest first; `k` is capped at the number of classes."""
+    rows = np.moveaxis(array, batch_axis, 0) if batch_axis is not None else array[np.newaxis]
+    flat = rows.reshape(rows.shape[0], -1)
+    k = min(k, flat.shape[1])
+    top = np.argsort(-flat.astype(np.float64), axis=1, kind="stable")[:, :k]
+    strings = [
+        [f"{float(row[i]):f}:{i}" + (f":{labels[i]}" if i < len(labels) else "") for i in indices]
+        for row, indices in zip(flat, top, strict=True)
+    ]
+    result = np.array(strings, dtype=object).reshape(flat.shape[0], k)
+    return result if batch_axis is not None else result[0]
+
+
+def _bytes_tensor(strings: np.ndarray) -> bytes:
+    """A BYTES tensor's raw contents: each element's UTF-8 length (4 bytes, little-endian), then it."""
+    parts = []
+    for item in strings.flat:
+        data = item.encode() if isinstance(item, str) else bytes(item)
+        parts += [len(data).to_bytes(4, "little"), data]
+    return b"".join(parts)
 
 
 def encode_response(
@@ -284,18 +347,27 @@ def encode_response(
     specs: Sequence[TensorSpec],
     decoded: DecodedRequest,
     arrays: Sequence[np.ndarray],
+    labels: Mapping[str, Sequence[str]] | None = None,
 ) -> Any:
     """A ModelInferResponse: outputs written to their shared-memory targets, the rest inline.
 
     Clients index `raw_output_contents` by output position (perf_analyzer crashes otherwise), so
     an output in shared memory keeps its place there with an empty entry, as Triton does.
     """
+    labels = labels or {}
     response = pb.ModelInferResponse(model_name=model, model_version="1", id=request.id)
     contents: list[bytes] = []
     for index, array in zip(decoded.outputs, arrays, strict=True):
         spec = specs[index]
         tensor = response.outputs.add()
         tensor.name = spec.name
+        k = decoded.class_counts.get(index)
+        if k is not None:
+            classes = classify(array, spec.batch_axis, k, labels.get(spec.name, ()))
+            tensor.datatype = "BYTES"
+            tensor.shape.extend(classes.shape)
+            contents.append(_bytes_tensor(classes))
+            continue
         tensor.datatype = spec.dtype.wire
         tensor.shape.extend(array.shape)
         target = decoded.shm_outputs.get(index)

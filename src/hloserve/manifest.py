@@ -42,7 +42,7 @@ _KEYS = frozenset(
         "meta",
     }
 )
-_TENSOR_KEYS = frozenset({"name", "dtype", "shape", "dims", "description"})
+_TENSOR_KEYS = frozenset({"name", "dtype", "shape", "dims", "description", "labels"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +68,9 @@ class TensorSpec:
     name: str
     dtype: DType
     axes: tuple[Axis, ...]
+    labels: str | None = None
+    """An output's labels file in the bundle (one label per line, class index = line number),
+    which Triton's classification (`class_count`) appends to each "score:index"."""
     batch_axis: int | None = field(init=False, compare=False, repr=False)
     """Index of the batch axis in wire order, or None for an unbatched tensor (read per
     request, so found once)."""
@@ -206,7 +209,12 @@ class _Reader:
         extra = sorted(set(map(str, dims)) - set(shape))
         if extra:
             raise self.fail(f"{where}.dims.{extra[0]}", f"letter not in shape {shape!r}")
-        return TensorSpec(name, dtype, tuple(axes))
+        labels = data.get("labels")
+        if labels is not None and (
+            not isinstance(labels, str) or not labels or "/" in labels or labels.startswith(".")
+        ):
+            raise self.fail(f"{where}.labels", f"expected the name of a file in the bundle, got {labels!r}")
+        return TensorSpec(name, dtype, tuple(axes), labels)
 
     def tensors(self, data: Mapping[str, Any], key: str, *, required: bool) -> tuple[TensorSpec, ...] | None:
         value = data.get(key)

@@ -230,6 +230,8 @@ def encode_infer(response: Any, decoded: RestInfer) -> tuple[bytes, int | None]:
         elif decoded.binary.get(tensor.name, decoded.binary_default):
             out["parameters"] = {BINARY_DATA_SIZE: len(raw)}
             blobs.append(raw)
+        elif tensor.datatype == "BYTES":  # classification strings
+            out["data"] = _strings(raw)
         else:
             array = np.frombuffer(raw, dtype=dtypes.by_wire(tensor.datatype).numpy)
             if array.dtype.kind == "V" or array.dtype == np.float16:  # bfloat16, float16: as floats
@@ -244,3 +246,13 @@ def encode_infer(response: Any, decoded: RestInfer) -> tuple[bytes, int | None]:
     if not blobs:
         return header, None
     return b"".join((header, *blobs)), len(header)
+
+
+def _strings(raw: bytes) -> list[str]:
+    """The elements of a BYTES tensor's raw contents (each 4-byte little-endian length first)."""
+    strings, offset = [], 0
+    while offset < len(raw):
+        length = int.from_bytes(raw[offset : offset + 4], "little")
+        strings.append(raw[offset + 4 : offset + 4 + length].decode("utf-8", "replace"))
+        offset += 4 + length
+    return strings

@@ -249,7 +249,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         finally:
             self._inflight -= 1
             self._admission.release(ticket)
-        return encode_response(request, entry.name, manifest.outputs, decoded, outputs)
+        return encode_response(request, entry.name, manifest.outputs, decoded, outputs, entry.bundle.labels)
 
     async def _execute(
         self,
