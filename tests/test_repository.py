@@ -181,3 +181,56 @@ def test_the_index_lists_every_bundle_loaded_or_not(repo: Any) -> None:
         ready = stub.RepositoryIndex(service_pb2.RepositoryIndexRequest(ready=True))
     assert [m.name for m in ready.models] == ["steady"]
     _infer(client, "steady")
+
+
+def test_a_config_override_applies_the_serving_settings(repo: Any) -> None:
+    """Triton's load `config`: batch limit and queue delay replace the model's settings."""
+    path, _, client = repo
+    write_affine(path / "late")
+    client.load_model("late")
+    before = client.get_model_config("late").config
+    assert (before.max_batch_size, before.dynamic_batching.max_queue_delay_microseconds) == (2, 500_000)
+    override = (
+        '{"name": "late", "max_batch_size": 1, "dynamic_batching": {"max_queue_delay_microseconds": "0"}}'
+    )
+    client.load_model("late", config=override)
+    after = client.get_model_config("late").config
+    assert (after.max_batch_size, after.dynamic_batching.max_queue_delay_microseconds) == (1, 0)
+    started = time.monotonic()
+    np.testing.assert_allclose(_infer(client, "late"), affine(PARAMS, X), rtol=1e-6)
+    assert time.monotonic() - started < 0.4  # no longer held half a second for company
+
+
+@pytest.mark.parametrize(
+    ("config", "says"),
+    [
+        ("{not json", "load parameter 'config' is not JSON"),
+        ("[1]", "must be a JSON object"),
+        ('{"max_batch_size": "many"}', "field 'max_batch_size': must be an integer >= 1"),
+        ('{"max_batch_size": 0}', "field 'max_batch_size': must be an integer >= 1"),
+        ('{"name": "other"}', "field 'name': is 'other', the model loaded is 'steady'"),
+        ('{"instance_group": []}', "field 'instance_group': is not supported"),
+        ('{"dynamic_batching": {"priority_levels": 2}}', "field 'dynamic_batching.priority_levels': is not"),
+        ('{"dynamic_batching": {"max_queue_delay_microseconds": -1}}', "must be an integer >= 0"),
+    ],
+)
+def test_a_bad_config_override_is_invalid_argument_naming_the_field(
+    repo: Any, config: str, says: str
+) -> None:
+    _, _, client = repo
+    with pytest.raises(InferenceServerException) as raised:
+        client.load_model("steady", config=config)
+    assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert says in (raised.value.message() or "")
+    assert client.get_model_config("steady").config.max_batch_size == 2
+    _infer(client, "steady")
+
+
+def test_a_batch_limit_below_every_compiled_size_is_refused(repo: Any) -> None:
+    path, _, client = repo
+    write_affine(path / "big", batch_sizes=(4, 8))
+    with pytest.raises(
+        InferenceServerException, match="field 'max_batch_size': 2 fits no compiled batch size"
+    ):
+        client.load_model("big", config='{"max_batch_size": 2}')
+    _infer(client, "steady")

@@ -311,9 +311,19 @@ class _Routes:
         return JSONResponse(_to_json(reply)["models"])
 
     async def load(self, request: Request) -> Response:
-        await self._json(request)  # parameters (a config override, files) are not supported, as on gRPC
-        name = request.path_params["model"]
-        await self._service.repository_model_load(kserve.RepositoryModelLoadRequest(model_name=name))
+        parameters = (await self._json(request)).get("parameters", {})
+        if not isinstance(parameters, dict):
+            raise HttpRefusal("Invalid value for 'parameters': expected an object")
+        message = kserve.RepositoryModelLoadRequest(
+            model_name=request.path_params["model"],
+            parameters={  # a config is a JSON string, as on gRPC; anything else is refused there
+                str(key): kserve.ModelRepositoryParameter(string_param=value)
+                if isinstance(value, str)
+                else kserve.ModelRepositoryParameter(bool_param=bool(value))
+                for key, value in parameters.items()
+            },
+        )
+        await self._service.repository_model_load(message)
         return Response()
 
     async def unload(self, request: Request) -> Response:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import betterproto2
 import trio
 import trio_asyncio
 from grpclib.const import Cardinality, Handler, Status
@@ -31,7 +32,7 @@ from hloserve.actors.messages import Infer
 from hloserve.admission import Admission
 from hloserve.bundle import check_model_name
 from hloserve.codec import decode_request, encode_response, request_deadline
-from hloserve.config import Config
+from hloserve.config import Config, ModelSettings
 from hloserve.errors import (
     CannotMeetDeadline,
     InvalidInput,
@@ -43,6 +44,7 @@ from hloserve.errors import (
     Unimplemented,
     clip,
 )
+from hloserve.load_override import apply_config
 from hloserve.manifest import FILE as MANIFEST
 from hloserve.manifest import TensorSpec
 from hloserve.meta import MetaModels
@@ -351,7 +353,10 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
             shape = spec.metadata_shape
             return shape[1:] if max_batch and spec.batch_axis == 0 else shape
 
-        policy = self._config.scheduler.models.get(entry.name)
+        policy = self._worker.config.scheduler.models.get(entry.name)  # with load overrides
+        if policy is not None and policy.max_batch_size and max_batch:
+            max_batch = min(max_batch, policy.max_batch_size)
+            sizes = [b for b in sizes if b <= max_batch]
         return kserve.ModelConfigResponse(
             config=kserve.ModelConfig(
                 name=entry.name,
@@ -469,14 +474,16 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         self, message: kserve.RepositoryModelLoadRequest
     ) -> kserve.RepositoryModelLoadResponse:
         name = check_model_name(message.model_name)
-        if message.parameters:  # Triton's config and file: overrides would write the bundle
-            first = min(message.parameters)[:64]
-            raise InvalidInput(
-                name,
-                f"load parameters ({len(message.parameters)}, first {first!r}) are not supported: "
-                "a bundle loads as it is in the repository, with no config or file overrides",
+        parameters = {
+            key: value if kind == "string_param" else None
+            for key, (kind, value) in (
+                (key, betterproto2.which_one_of(p, "parameter_choice"))
+                for key, p in message.parameters.items()
             )
-        await trio_asyncio.trio_as_aio(self._worker.load_model)(name)
+        }
+        current = self._worker.config.scheduler.models.get(name, ModelSettings())
+        settings = apply_config(name, parameters, current)
+        await trio_asyncio.trio_as_aio(self._worker.load_model)(name, settings)
         return kserve.RepositoryModelLoadResponse()
 
     @_rpc("RepositoryModelUnload")

@@ -303,7 +303,7 @@ def test_a_megabyte_of_unknown_fields_nested_in_a_map_value(shm_server: ServerTh
         _raw_call(shm_server, _INFERENCE + "RepositoryModelLoad", request)
     assert time.perf_counter() - started < 2.0
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # overrides are refused
-    assert "first 'k'" in (raised.value.details() or "")  # the entry's known key was read
+    assert "load parameter 'k'" in (raised.value.details() or "")  # the entry's known key was read
     assert_serves(shm_server.url)
 
 
