@@ -252,6 +252,15 @@ class TestBadInput:
         response = stub.ModelInfer(_raw_request([1, 16], b"\0" * 64))
         assert (response.model_name, response.model_version) == ("mlp", "1")
 
+    @pytest.mark.parametrize(("name", "version"), [("nope", ""), ("mlp", "2")])
+    def test_statistics_of_an_unknown_model_or_version_are_invalid_argument(
+        self, triton: Any, stub: Any, name: str, version: str
+    ) -> None:
+        """As Triton: the statistics asked for are not available (INVALID_ARGUMENT)."""
+        request = service_pb2.ModelStatisticsRequest(name=name, version=version)
+        code, says = grpc.StatusCode.INVALID_ARGUMENT, "requested statistics are not available"
+        assert_refused(triton, stub.ModelStatistics, request, code, says)
+
     def test_unknown_version(self, triton: Any) -> None:
         with pytest.raises(InferenceServerException, match="version '2' does not exist") as raised:
             infer(triton, "mlp", np.zeros((1, 16), np.float32), model_version="2")
@@ -464,3 +473,18 @@ class TestClassification:
         finally:
             client.close()
             server.stop()
+
+
+def test_a_call_whose_deadline_passed_before_it_began_is_deadline_exceeded(server: ServerThread) -> None:
+    """grpclib answered UNKNOWN "Internal Server Error" (its deadline check raised outside its
+    wrapper); a client that retries on DEADLINE_EXCEEDED, as Triton's do, took it for a crash."""
+    from test_compression import _call, _frame
+
+    request = service_pb2.ServerLiveRequest().SerializeToString()
+    for _ in range(3):
+        answer, _ = _call(
+            server.worker.grpc_port, "ServerLive", _frame(request, False), [("grpc-timeout", "1n")]
+        )
+        assert answer["grpc-status"] == "4", answer
+    live, _ = _call(server.worker.grpc_port, "ServerLive", _frame(request, False), [("grpc-timeout", "10S")])
+    assert live["grpc-status"] == "0"

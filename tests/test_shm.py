@@ -125,9 +125,9 @@ def test_bad_registrations(client: Any, regions: Any) -> None:
         "INVALID_ARGUMENT",
         "byte_size 0",
     )
-    _expect(
+    _expect(  # as Triton
         lambda: client.get_system_shared_memory_status("nope"),
-        "INVALID_ARGUMENT",
+        "NOT_FOUND",
         "region 'nope': is not registered",
     )
     assert not client.get_system_shared_memory_status().regions
@@ -200,7 +200,7 @@ def test_cuda_shared_memory_answers_as_triton_without_a_gpu(client: Any) -> None
     assert not client.get_cuda_shared_memory_status().regions
     client.unregister_cuda_shared_memory()
     client.unregister_cuda_shared_memory("never")
-    _expect(lambda: client.get_cuda_shared_memory_status("never"), "INVALID_ARGUMENT", "not registered")
+    _expect(lambda: client.get_cuda_shared_memory_status("never"), "NOT_FOUND", "not registered")
     _expect(
         lambda: client.register_cuda_shared_memory("gpu", b"\0" * 64, 0, 64),
         "UNIMPLEMENTED",

@@ -11,6 +11,7 @@ Measured in research/spike_grpc.md, each piece pinned to those versions by pypro
 * grpclib answers a request body that does not decode, or a unary call with no message or two,
   with UNKNOWN "Internal Server Error" or not at all: `_recv_message` says INVALID_ARGUMENT;
 * grpclib's close() never sends GOAWAY, so clients with calls in flight hang: `GracefulServer`;
+* grpclib answers a call whose deadline passed before it began UNKNOWN, not DEADLINE_EXCEEDED;
 * grpclib writes a unary reply's headers, message and trailers to the socket one by one: three
   system calls where one does (`send_reply`).
 
@@ -24,10 +25,12 @@ import contextlib
 import struct
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import grpclib.protocol
 import grpclib.server
+import grpclib.utils
 import h2.connection
 import h2.settings
 from grpclib.const import Status
@@ -110,6 +113,21 @@ async def _recv_message(self: grpclib.server.Stream[Any, Any]) -> Any:
     return message
 
 
+@contextlib.contextmanager
+def _deadline_start(self: grpclib.utils.DeadlineWrapper, deadline: Any) -> Iterator[None]:
+    """grpclib's `DeadlineWrapper.start`, but a deadline that passed before the call began is
+    DEADLINE_EXCEEDED: grpclib raised outside its wrapper, answered UNKNOWN "Internal Server
+    Error" and logged a traceback."""
+    if not deadline.time_remaining():
+        self.cancelled = True  # so that the request handler answers DEADLINE_EXCEEDED
+        raise TimeoutError("Deadline exceeded")
+    with _plain_deadline_start(self, deadline):
+        yield
+
+
+_plain_deadline_start = grpclib.utils.DeadlineWrapper.start
+
+
 class _Cork:
     """Stands in for a stream's transport while a reply is framed, keeping what it is given."""
 
@@ -150,6 +168,7 @@ def install() -> None:
     grpclib.protocol.H2Connection = _BigFrameH2Connection  # type: ignore[misc]
     grpclib.server.Stream.recv_message = _recv_message  # type: ignore[method-assign]
     _compression.install()
+    grpclib.utils.DeadlineWrapper.start = _deadline_start  # type: ignore[method-assign]
 
 
 class GracefulServer(grpclib.server.Server):

@@ -34,6 +34,7 @@ STATUS_BY_ERROR: dict[type[Exception], Status] = {
     errors.InvalidInput: Status.INVALID_ARGUMENT,
     errors.ShmRegionError: Status.INVALID_ARGUMENT,
     errors.ShmRegionExists: Status.ALREADY_EXISTS,
+    errors.ShmRegionNotFound: Status.NOT_FOUND,
     errors.ShmLimit: Status.RESOURCE_EXHAUSTED,
     errors.ShmDisabled: Status.FAILED_PRECONDITION,
     errors.QueueFull: Status.UNAVAILABLE,

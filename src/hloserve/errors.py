@@ -28,6 +28,7 @@ __all__ = [
     "ShmLimit",
     "ShmRegionError",
     "ShmRegionExists",
+    "ShmRegionNotFound",
     "ShuttingDown",
     "Unimplemented",
     "clip",
@@ -196,6 +197,13 @@ class ShmRegionExists(ShmRegionError):
 
     def __init__(self, region: str) -> None:
         super().__init__(region, "is already registered; unregister it first to register it again")
+
+
+class ShmRegionNotFound(ShmRegionError):
+    """The status of a region that is not registered was asked for (as Triton: NOT_FOUND)."""
+
+    def __init__(self, region: str) -> None:
+        super().__init__(region, "is not registered")
 
 
 class ShmLimit(ShmRegionError):

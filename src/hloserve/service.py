@@ -40,7 +40,7 @@ from hloserve.errors import (
     ModelNotReady,
     Overloaded,
     ShmDisabled,
-    ShmRegionError,
+    ShmRegionNotFound,
     Unimplemented,
     clip,
 )
@@ -50,7 +50,7 @@ from hloserve.manifest import TensorSpec
 from hloserve.meta import MetaModels
 from hloserve.metrics import Metrics
 from hloserve.pipeline import Route
-from hloserve.shm_registry import ShmRegistry
+from hloserve.shm_registry import Region, ShmRegistry
 from hloserve.statistics import Duration, ExecutionTimes, Statistics
 
 if TYPE_CHECKING:
@@ -384,7 +384,12 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
     async def model_statistics(
         self, message: kserve.ModelStatisticsRequest
     ) -> kserve.ModelStatisticsResponse:
-        names = [self._entry(message.name, message.version).name] if message.name else sorted(self._models)
+        try:
+            names = (
+                [self._entry(message.name, message.version).name] if message.name else sorted(self._models)
+            )
+        except ModelNotFound as e:  # as Triton: the statistics asked for are not available
+            raise InvalidInput(message.name, f"requested statistics are not available: {e}") from None
         stats = []
         for name in names:
             s = self._statistics[name]
@@ -424,6 +429,13 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
             raise ShmDisabled()
         return self._shm
 
+    def _registered(self, name: str) -> list[Region]:
+        """Every region, or the one named (as Triton: NOT_FOUND when it is not registered)."""
+        registry = self._registry()
+        if name and name not in {r.name for r in registry.status()}:
+            raise ShmRegionNotFound(name)
+        return registry.status(name)
+
     @_rpc("SystemSharedMemoryRegister")
     async def system_shared_memory_register(
         self, message: kserve.SystemSharedMemoryRegisterRequest
@@ -440,7 +452,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
                 r.name: kserve.SystemSharedMemoryStatusResponseRegionStatus(
                     name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size
                 )
-                for r in self._registry().status(message.name)
+                for r in self._registered(message.name)
             }
         )
 
@@ -458,7 +470,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         self, message: kserve.CudaSharedMemoryStatusRequest
     ) -> kserve.CudaSharedMemoryStatusResponse:
         if message.name:
-            raise ShmRegionError(message.name, "is not registered: hloserve has no CUDA shared memory")
+            raise ShmRegionNotFound(message.name)  # nothing is: hloserve has no CUDA shared memory
         return kserve.CudaSharedMemoryStatusResponse()
 
     @_rpc("CudaSharedMemoryUnregister")

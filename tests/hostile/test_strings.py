@@ -130,7 +130,7 @@ RPC_CASES: dict[str, tuple[Callable[[Any], Any], grpc.StatusCode, str]] = {
     ),
     "ModelStatistics name": (
         lambda s: s.ModelStatistics(service_pb2.ModelStatisticsRequest(name=LONG), timeout=10),
-        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.INVALID_ARGUMENT,
         "unknown model 'hostile-x",
     ),
     "RepositoryModelUnload name": (  # a name that could never be a bundle: refused as such
@@ -159,7 +159,7 @@ RPC_CASES: dict[str, tuple[Callable[[Any], Any], grpc.StatusCode, str]] = {
         lambda s: s.SystemSharedMemoryStatus(
             service_pb2.SystemSharedMemoryStatusRequest(name=LONG), timeout=10
         ),
-        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
         "shared memory region 'hostile-x",
     ),
 }
