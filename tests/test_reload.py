@@ -133,7 +133,7 @@ def test_added_and_removed_bundles_load_and_unload(live: Any) -> None:
     assert _is(_infer(client, "added"), affine(PARAMS, X))
     shutil.rmtree(path / "added")
     _eventually(lambda: "added" not in [m.name for m in client.get_model_repository_index().models])
-    with pytest.raises(InferenceServerException, match="unknown model 'added'"):
+    with pytest.raises(InferenceServerException, match="unknown model: 'added'"):
         _infer(client, "added")
 
 

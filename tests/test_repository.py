@@ -43,7 +43,7 @@ def _repo(tmp_path: Path) -> Any:
 
 def test_load_a_new_bundle_then_reload_it_changed(repo: Any) -> None:
     path, _, client = repo
-    with pytest.raises(InferenceServerException, match="unknown model 'late'"):
+    with pytest.raises(InferenceServerException, match="unknown model: 'late'"):
         _infer(client, "late")
     write_affine(path / "late")
     client.load_model("late")
@@ -98,11 +98,11 @@ def test_unload_answers_queued_requests_not_found(repo: Any) -> None:
     thread, outcome = _queue_one(server, "late")
     client.unload_model("late")
     thread.join(10)
-    assert outcome == ["StatusCode.NOT_FOUND unknown model 'late': it was unloaded"]
+    assert outcome == ["StatusCode.NOT_FOUND Request for unknown model: 'late' is not found: it was unloaded"]
     assert not client.is_model_ready("late")
-    with pytest.raises(InferenceServerException, match="unknown model 'late'"):
+    with pytest.raises(InferenceServerException, match="unknown model: 'late'"):
         _infer(client, "late")
-    with pytest.raises(InferenceServerException, match="unknown model 'late'") as raised:
+    with pytest.raises(InferenceServerException, match="unknown model: 'late'") as raised:
         client.unload_model("late")
     assert raised.value.status() == "StatusCode.NOT_FOUND"
     with pytest.raises(InferenceServerException, match="no bundle 'nothing'"):

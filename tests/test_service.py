@@ -171,13 +171,13 @@ class TestBadInput:
     @pytest.mark.parametrize(
         ("model", "name", "array", "status", "says"),
         [
-            ("nope", "INPUT0", np.zeros((1, 16), np.float32), "NOT_FOUND", "unknown model 'nope'"),
+            ("nope", "INPUT0", np.zeros((1, 16), np.float32), "NOT_FOUND", "unknown model: 'nope'"),
             (
                 "mlp",
                 "INPUT9",
                 np.zeros((1, 16), np.float32),
                 "INVALID_ARGUMENT",
-                "tensor 'INPUT9': unknown input; expected one of ['INPUT0']",
+                "unexpected inference input 'INPUT9' for model 'mlp': expected one of ['INPUT0']",
             ),
             ("mlp", "INPUT0", np.zeros((1, 15), np.float32), "INVALID_ARGUMENT", "axis 1 must be 16"),
             (
@@ -209,7 +209,7 @@ class TestBadInput:
 
     def test_requested_output_that_does_not_exist(self, triton: Any) -> None:
         with pytest.raises(
-            InferenceServerException, match=r"tensor 'LOGITS': requested output does not exist"
+            InferenceServerException, match=r"\] unexpected inference output 'LOGITS' for model 'mlp'"
         ) as raised:
             infer(
                 triton,
@@ -262,7 +262,9 @@ class TestBadInput:
         assert_refused(triton, stub.ModelStatistics, request, code, says)
 
     def test_unknown_version(self, triton: Any) -> None:
-        with pytest.raises(InferenceServerException, match="version '2' does not exist") as raised:
+        with pytest.raises(
+            InferenceServerException, match="Request for unknown model: 'mlp' version 2 is not found"
+        ) as raised:
             infer(triton, "mlp", np.zeros((1, 16), np.float32), model_version="2")
         assert raised.value.status() == "StatusCode.NOT_FOUND"
         assert_good_request_served(triton)

@@ -17,7 +17,7 @@ import numpy as np
 
 from hloserve import dtypes
 from hloserve._proto.hot import hot_infer_pb2 as pb
-from hloserve.errors import InvalidInput, ShmDisabled, ShmRegionError, clip
+from hloserve.errors import InvalidInput, ShmDisabled, ShmRegionError, UnknownTensor, clip
 from hloserve.manifest import TensorSpec
 from hloserve.shm_registry import Region, ShmRegistry
 
@@ -200,7 +200,7 @@ def decode_request(
     for tensor, target in zip(request.inputs, in_shm, strict=True):
         index = by_name.get(tensor.name)
         if index is None:
-            raise InvalidInput(model, f"unknown input; expected one of {sorted(by_name)}", tensor.name)
+            raise UnknownTensor(model, "input", tensor.name, sorted(by_name))
         if arrays[index] is not None:
             raise InvalidInput(model, "input given more than once", tensor.name)
         spec = inputs[index]
@@ -257,9 +257,7 @@ def decode_request(
     class_counts: dict[int, int] = {}
     for requested in request.outputs:
         if requested.name not in out_names:
-            raise InvalidInput(
-                model, f"requested output does not exist; expected one of {sorted(out_names)}", requested.name
-            )
+            raise UnknownTensor(model, "output", requested.name, sorted(out_names))
         index = out_names[requested.name]
         if index in selected:
             raise InvalidInput(model, "output requested more than once", requested.name)

@@ -31,6 +31,7 @@ __all__ = [
     "ShmRegionNotFound",
     "ShuttingDown",
     "Unimplemented",
+    "UnknownTensor",
     "clip",
 ]
 
@@ -78,11 +79,16 @@ class ConfigError(HloserveError):
 
 
 class ModelNotFound(HloserveError):
-    """The request names a model the server does not serve (or no longer does)."""
+    """The request names a model (or version) the server does not serve, or no longer does.
 
-    def __init__(self, model: str, detail: str = "") -> None:
+    The message begins with Triton's words, which clients match on."""
+
+    def __init__(self, model: str, detail: str = "", version: str = "") -> None:
         self.model = model
-        super().__init__(f"unknown model {clip(model)}" + (f": {detail}" if detail else ""))
+        which = f"{clip(model)} version {version}" if version else clip(model)
+        super().__init__(
+            f"Request for unknown model: {which} is not found" + (f": {detail}" if detail else "")
+        )
 
 
 class ModelNotReady(HloserveError):
@@ -91,6 +97,17 @@ class ModelNotReady(HloserveError):
     def __init__(self, model: str, reason: str) -> None:
         self.model, self.reason = model, reason
         super().__init__(f"model {clip(model)} is not ready: {reason}")
+
+
+class UnknownTensor(HloserveError):
+    """A request names an input or requested output the model does not have (INVALID_ARGUMENT);
+    the message begins with Triton's words, which clients match on."""
+
+    def __init__(self, model: str, kind: str, tensor: str, expected: list[str]) -> None:
+        self.model, self.tensor = model, tensor
+        super().__init__(
+            f"unexpected inference {kind} {clip(tensor)} for model {clip(model)}: expected one of {expected}"
+        )
 
 
 class InvalidInput(HloserveError):

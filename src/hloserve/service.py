@@ -158,7 +158,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
             raise ModelNotFound(name, f"serving {sorted(self._models)}")
         _check_version(name, version)
         if version not in _VERSIONS:
-            raise ModelNotFound(name, f"version {clip(version)} does not exist; the only version is '1'")
+            raise ModelNotFound(name, "the only version is '1'", version)
         return entry
 
     def _ready_entry(self, name: str, version: str = "") -> ModelEntry:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.utils.shared_memory as shm
+from test_compression import _call, _frame
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
@@ -413,11 +414,35 @@ def test_compression(clients: dict[str, Any], compression: str) -> None:
         np.testing.assert_allclose(result.as_numpy(MLP.output), reference(MLP, x), rtol=1e-5, atol=1e-5)
 
 
-def test_deadline(clients: dict[str, Any]) -> None:
-    """On purpose: hloserve honours the gRPC deadline (a request whose deadline has passed is
-    dropped, DEADLINE_EXCEEDED: nobody waits for its answer, or, when a sliver of it is left,
-    refused on arrival as one it cannot meet, UNAVAILABLE); Triton runs it anyway. A generous
-    deadline is served by both."""
-    outcomes = both(clients, lambda c: c.infer("mlp", [mlp_input(sample(MLP))], client_timeout=1e-6))
-    assert outcomes["hloserve"][0] in ("DEADLINE_EXCEEDED", "UNAVAILABLE"), outcomes
-    same_status(clients, lambda c: c.infer("mlp", [mlp_input(sample(MLP))], client_timeout=30))
+def test_deadline(servers: dict[str, str]) -> None:
+    """A call whose gRPC deadline passed before it arrived (grpc-timeout of 1 ns), and one with
+    a generous deadline, sent over raw HTTP/2 so that the client's clock plays no part."""
+    answers = {}
+    for name, url in servers.items():
+        port = int(url.rpartition(":")[2])
+        expired, _ = _call(port, "ServerLive", _frame(b"", False), [("grpc-timeout", "1n")])
+        served, _ = _call(port, "ServerLive", _frame(b"", False), [("grpc-timeout", "10S")])
+        answers[name] = (expired["grpc-status"], served["grpc-status"])
+    # On purpose hloserve drops work nobody waits for (DEADLINE_EXCEEDED, 4); Triton runs it.
+    assert answers["hloserve"] == ("4", "0"), answers
+    assert answers["triton"][1] == "0", answers
+
+
+def test_messages_clients_match_on_begin_as_triton_s(servers: dict[str, str]) -> None:
+    """Triton's clients match on a few messages (unknown model, version, input, output): ours
+    begin with Triton's whole message, then say more."""
+    unknown_model = mlp_request()
+    unknown_model.model_name = "nope"
+    unknown_version = mlp_request()
+    unknown_version.model_version = "2"
+    unknown_input = mlp_request()
+    unknown_input.inputs[0].name = "INPUT9"
+    unknown_output = mlp_request()
+    unknown_output.outputs.add(name="LOGITS")
+    for request in (unknown_model, unknown_version, unknown_input, unknown_output):
+        details = {}
+        for name, url in servers.items():
+            with grpc.insecure_channel(url) as channel, pytest.raises(grpc.RpcError) as raised:
+                service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=30)
+            details[name] = raised.value.details()
+        assert details["hloserve"].startswith(details["triton"]), details

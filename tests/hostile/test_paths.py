@@ -150,7 +150,7 @@ def test_unload_and_control_names_are_checked(site: Any) -> None:
     server, client, _, _, marker = site
     _refused("INVALID_ARGUMENT", NOT_A_PATH, client.unload_model, "../repository/mlp")
     _refused("INVALID_ARGUMENT", "no NUL", client.unload_model, "mlp\x00")
-    _refused("NOT_FOUND", "unknown model 'nope'", client.unload_model, "nope")
+    _refused("NOT_FOUND", "unknown model: 'nope'", client.unload_model, "nope")
     for call in (
         lambda s: s.set_model_policy(hc.SetModelPolicyRequest(name="/mlp", has_weight=True, weight=1)),
         lambda s: s.set_model_residency(hc.SetModelResidencyRequest(name="a/b", target=hc.Residency.SYSTEM)),
