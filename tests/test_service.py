@@ -77,6 +77,24 @@ class TestHealthAndMetadata:
         ]  # 11 = TYPE_FP32
         assert [(o.name, list(o.dims)) for o in config.output] == [("OUTPUT0", [4])]
         assert list(config.dynamic_batching.preferred_batch_size) == [1, 4, 8, 16]
+        assert config.version_policy.latest.num_versions == 1  # as Triton: one version, the latest
+        assert config.input[0].format == 0  # FORMAT_NONE: not an image
+
+    def test_an_image_input_reports_its_format(self, tmp_path: Path) -> None:
+        shutil.copytree(EXAMPLES / "cnn", tmp_path / "cnn")
+
+        def nhwc(manifest: dict[str, Any]) -> None:
+            manifest["executable_inputs"][0]["format"] = "NHWC"
+
+        edit_manifest(tmp_path / "cnn", nhwc)
+        server = ServerThread(make_config(tmp_path)).start()
+        client = grpcclient.InferenceServerClient(server.url)
+        try:
+            config = client.get_model_config("cnn", as_json=True)["config"]
+            assert config["input"][0]["format"] == "FORMAT_NHWC"
+        finally:
+            client.close()
+            server.stop()
 
     def test_repository_index(self, triton: Any) -> None:
         index = triton.get_model_repository_index()

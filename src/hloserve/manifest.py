@@ -42,7 +42,9 @@ _KEYS = frozenset(
         "meta",
     }
 )
-_TENSOR_KEYS = frozenset({"name", "dtype", "shape", "dims", "description", "labels"})
+_TENSOR_KEYS = frozenset({"name", "dtype", "shape", "dims", "description", "labels", "format"})
+FORMATS = ("NHWC", "NCHW")
+"""Image layouts an input may declare (`format`), which ModelConfig reports as Triton does."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +73,9 @@ class TensorSpec:
     labels: str | None = None
     """An output's labels file in the bundle (one label per line, class index = line number),
     which Triton's classification (`class_count`) appends to each "score:index"."""
+    format: str | None = None
+    """An image input's layout (`NHWC` or `NCHW`), for clients that read it from ModelConfig
+    (Triton's image client does); None: not an image."""
     batch_axis: int | None = field(init=False, compare=False, repr=False)
     """Index of the batch axis in wire order, or None for an unbatched tensor (read per
     request, so found once)."""
@@ -214,7 +219,12 @@ class _Reader:
             not isinstance(labels, str) or not labels or "/" in labels or labels.startswith(".")
         ):
             raise self.fail(f"{where}.labels", f"expected the name of a file in the bundle, got {labels!r}")
-        return TensorSpec(name, dtype, tuple(axes), labels)
+        layout = data.get("format")
+        if layout is not None and layout not in FORMATS:
+            raise self.fail(f"{where}.format", f"expected one of {list(FORMATS)}, got {layout!r}")
+        if layout is not None and len(axes) - any(a.is_batch for a in axes) != 3:
+            raise self.fail(f"{where}.format", f"{layout} describes an image: three axes besides the batch")
+        return TensorSpec(name, dtype, tuple(axes), labels, layout)
 
     def tensors(self, data: Mapping[str, Any], key: str, *, required: bool) -> tuple[TensorSpec, ...] | None:
         value = data.get(key)

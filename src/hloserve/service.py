@@ -363,8 +363,14 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
                 platform=_platform(),
                 backend="python" if manifest.is_meta else "jax",
                 max_batch_size=max_batch,
+                version_policy=kserve.ModelVersionPolicy(latest=kserve.ModelVersionPolicyLatest(1)),
                 input=[
-                    kserve.ModelInput(name=s.name, data_type=_data_type(s), dims=dims(s))
+                    kserve.ModelInput(
+                        name=s.name,
+                        data_type=_data_type(s),
+                        dims=dims(s),
+                        format=kserve.ModelInputFormat[s.format or "NONE"],
+                    )
                     for s in manifest.inputs
                 ],
                 output=[

@@ -145,6 +145,8 @@ def test_model_config(clients: dict[str, Any]) -> None:
     results = same_status(clients, lambda c: c.get_model_config("mlp"))
     ours, theirs = results["hloserve"].config, results["triton"].config
     assert (ours.name, ours.max_batch_size) == (theirs.name, theirs.max_batch_size)
+    assert ours.version_policy == theirs.version_policy
+    assert [t.format for t in ours.input] == [t.format for t in theirs.input]
     for a, b in ((ours.input, theirs.input), (ours.output, theirs.output)):
         assert [(t.name, t.data_type, list(t.dims)) for t in a] == [
             (t.name, t.data_type, list(t.dims)) for t in b
