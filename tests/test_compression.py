@@ -74,6 +74,8 @@ def _call(
                     conn.acknowledge_received_data(event.flow_controlled_length, 1)
                 elif isinstance(event, h2.events.StreamEnded):
                     return found, body
+                elif isinstance(event, h2.events.StreamReset):  # no status: the reset's code
+                    return {**found, "reset": str(event.error_code)}, body
             sock.sendall(conn.data_to_send())
         raise AssertionError("the call never ended")
 

@@ -99,17 +99,6 @@ class ModelNotReady(HloserveError):
         super().__init__(f"model {clip(model)} is not ready: {reason}")
 
 
-class UnknownTensor(HloserveError):
-    """A request names an input or requested output the model does not have (INVALID_ARGUMENT);
-    the message begins with Triton's words, which clients match on."""
-
-    def __init__(self, model: str, kind: str, tensor: str, expected: list[str]) -> None:
-        self.model, self.tensor = model, tensor
-        super().__init__(
-            f"unexpected inference {kind} {clip(tensor)} for model {clip(model)}: expected one of {expected}"
-        )
-
-
 class InvalidInput(HloserveError):
     """The request itself is wrong: a tensor's name, dtype, shape or size, or a batch size.
 
@@ -120,6 +109,18 @@ class InvalidInput(HloserveError):
         self.model, self.tensor, self.problem = model, tensor, problem
         where = f"model {clip(model)}" + (f", tensor {clip(tensor)}" if tensor else "")
         super().__init__(f"{where}: {problem}")
+
+
+class UnknownTensor(InvalidInput):
+    """A request names an input or requested output the model does not have; the message
+    begins with Triton's words, which clients match on."""
+
+    def __init__(self, model: str, kind: str, tensor: str, expected: list[str]) -> None:
+        self.model, self.tensor, self.problem = model, tensor, f"unknown {kind}"
+        HloserveError.__init__(
+            self,
+            f"unexpected inference {kind} {clip(tensor)} for model {clip(model)}: expected one of {expected}",
+        )
 
 
 class QueueFull(HloserveError):
