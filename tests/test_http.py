@@ -469,7 +469,7 @@ BAD_REQUESTS = [
     ("too few values", INFER, _mlp(data=[1.0] * 15), {}, 400, "holds 15 values"),
     ("no data", INFER, _infer_body([{**MLP_INPUT, "data": None}]), {}, 400, "has no 'data'"),
     ("wrong dtype", INFER, _mlp(datatype="INT32", data=[1] * 16), {}, 400, "expected 'FP32'"),
-    ("unknown dtype", INFER, _mlp(datatype="BYTES"), {}, 400, "unknown datatype 'BYTES'"),
+    ("unknown dtype", INFER, _mlp(datatype="STRING"), {}, 400, "unknown datatype 'STRING'"),
     ("wrong shape", INFER, _mlp(shape=[2, 8]), {}, 400, "INPUT0"),
     ("negative shape", INFER, _mlp(shape=[-1, 16]), {}, 400, "negative"),
     ("unknown input", INFER, _mlp(name="X"), {}, 400, "unexpected inference input 'X'"),

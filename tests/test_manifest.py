@@ -196,6 +196,12 @@ BAD_MANIFESTS = [
         id="batch-all-or-none",
     ),
     pytest.param(
+        _with("executable_inputs.0.dtype", "bytes"),
+        "executable_inputs[0].dtype",
+        "may appear only in client_inputs and client_outputs",
+        id="bytes-on-an-executable",
+    ),
+    pytest.param(
         _with("executable_inputs.0.format", "HWC"), "executable_inputs[0].format", "NHWC", id="bad-format"
     ),
     pytest.param(

@@ -508,3 +508,131 @@ def test_a_call_whose_deadline_passed_before_it_began_is_deadline_exceeded(serve
         assert answer["grpc-status"] == "4", answer
     live, _ = _call(server.worker.grpc_port, "ServerLive", _frame(request, False), [("grpc-timeout", "10S")])
     assert live["grpc-status"] == "0"
+
+
+_TEXT_MODEL_PY = """
+import numpy as np
+
+from hloserve import NamedTensor, register_model
+
+LABELS = np.array([b"north", b"east", b"south", b"west"], dtype=object)
+
+
+def preprocess(inputs):
+    texts = inputs[0].data  # BYTES [batch, 1]: one string per row
+    x = np.zeros((len(texts), 16), np.float32)
+    for row, (text,) in enumerate(texts):
+        codes = list(text[:16])
+        x[row, : len(codes)] = np.array(codes, np.float32) / 255.0
+    return [NamedTensor("INPUT0", x)]
+
+
+def postprocess(outputs):
+    logits = outputs[0].data
+    return [NamedTensor("OUTPUT0", logits), NamedTensor("LABEL", LABELS[logits.argmax(axis=1)][:, None])]
+
+
+register_model("text", preprocess=preprocess, postprocess=postprocess)
+"""
+
+
+@pytest.fixture(scope="module", name="text")
+def _text(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    repository = tmp_path_factory.mktemp("text")
+    shutil.copytree(EXAMPLES / "mlp", repository / "text")
+    (repository / "text" / "model.py").write_text(_TEXT_MODEL_PY)
+
+    def text_tensors(manifest: dict[str, Any]) -> None:
+        manifest["name"] = "text"
+        manifest["client_inputs"] = [{"name": "TEXT", "dtype": "bytes", "shape": "xn", "dims": {"x": 1}}]
+        manifest["client_outputs"] = [
+            {"name": "OUTPUT0", "dtype": "f32", "shape": "kn", "dims": {"k": 4}},
+            {"name": "LABEL", "dtype": "bytes", "shape": "xn", "dims": {"x": 1}},
+        ]
+
+    edit_manifest(repository / "text", text_tensors)
+    server = ServerThread(make_config(repository)).start()
+    yield server
+    server.stop()
+
+
+class TestBytesThroughModelPy:
+    """BYTES client tensors (strings) reach preprocess as bytes and leave postprocess as BYTES."""
+
+    @staticmethod
+    def _expected(texts: list[bytes]) -> np.ndarray:
+        x = np.zeros((len(texts), 16), np.float32)
+        for row, text in enumerate(texts):
+            x[row, : len(text[:16])] = np.frombuffer(text[:16], np.uint8) / 255.0
+        return reference("mlp", x)
+
+    def test_raw_strings_from_tritonclient(self, text: ServerThread) -> None:
+        texts = [b"hello world", "caf\u00e9 \u2603".encode(), b""]
+        client = grpcclient.InferenceServerClient(text.url)
+        try:
+            tensor = grpcclient.InferInput("TEXT", [3, 1], "BYTES")
+            tensor.set_data_from_numpy(np.array(texts, dtype=object).reshape(3, 1))
+            result = client.infer("text", [tensor])
+            logits = result.as_numpy("OUTPUT0")
+            np.testing.assert_allclose(logits, self._expected(texts), rtol=1e-5, atol=1e-6)
+            labels = [b"north", b"east", b"south", b"west"]
+            assert result.get_output("LABEL").datatype == "BYTES"
+            assert list(result.as_numpy("LABEL")[:, 0]) == [labels[i] for i in logits.argmax(axis=1)]
+            config = client.get_model_config("text").config
+            assert config.input[0].data_type == 13  # TYPE_STRING, as Triton names BYTES
+        finally:
+            client.close()
+
+    def test_typed_bytes_contents(self, text: ServerThread) -> None:
+        request = service_pb2.ModelInferRequest(model_name="text")
+        tensor = request.inputs.add(name="TEXT", datatype="BYTES", shape=[2, 1])
+        tensor.contents.bytes_contents.extend([b"abc", b"xyz"])
+        with grpc.insecure_channel(text.url) as channel:
+            response = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request)
+        logits = np.frombuffer(response.raw_output_contents[0], np.float32).reshape(2, 4)
+        np.testing.assert_allclose(logits, self._expected([b"abc", b"xyz"]), rtol=1e-5, atol=1e-6)
+
+    @pytest.mark.parametrize(
+        ("raw", "shape", "says"),
+        [
+            (b"\x05\x00\x00\x00abc", [1, 1], "raw contents end inside BYTES element 0 of 1"),
+            (b"\x01\x00\x00\x00a!", [1, 1], "1 bytes past the 1 BYTES elements"),
+            (b"\x00\x00\x00\x00", [1000000, 1], "too few for 1000000 BYTES elements"),
+        ],
+        ids=["cut short", "trailing bytes", "a million elements announced"],
+    )
+    def test_malformed_raw_strings(self, text: ServerThread, raw: bytes, shape: list[int], says: str) -> None:
+        request = service_pb2.ModelInferRequest(model_name="text")
+        request.inputs.add(name="TEXT", datatype="BYTES", shape=shape)
+        request.raw_input_contents.append(raw)
+        with grpc.insecure_channel(text.url) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as raised:
+                stub.ModelInfer(request)
+            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert says in raised.value.details()
+            good = service_pb2.ModelInferRequest(model_name="text")
+            good.inputs.add(name="TEXT", datatype="BYTES", shape=[1, 1]).contents.bytes_contents.append(b"ok")
+            assert stub.ModelInfer(good).outputs[0].name == "OUTPUT0"
+
+    def test_json_strings_over_rest(self, text: ServerThread) -> None:
+        import http.client
+        import json
+
+        body = {
+            "inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [2, 1], "data": [["abc"], ["xyz"]]}]
+        }
+        connection = http.client.HTTPConnection("127.0.0.1", text.worker.http_port, timeout=30)
+        try:
+            connection.request("POST", "/v2/models/text/infer", json.dumps(body))
+            response = connection.getresponse()
+            answer = json.loads(response.read())
+        finally:
+            connection.close()
+        assert response.status == 200, answer
+        outputs = {o["name"]: o for o in answer["outputs"]}
+        np.testing.assert_allclose(
+            np.array(outputs["OUTPUT0"]["data"]).reshape(2, 4), self._expected([b"abc", b"xyz"]), rtol=1e-5
+        )
+        assert outputs["LABEL"]["datatype"] == "BYTES"
+        assert all(label in ("north", "east", "south", "west") for label in outputs["LABEL"]["data"])

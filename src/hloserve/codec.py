@@ -123,6 +123,8 @@ def _array_from_contents(model: str, tensor: Any, dtype: dtypes.DType, shape: tu
 def _array_from_raw(
     model: str, name: str, raw: bytes, dtype: dtypes.DType, shape: tuple[int, ...]
 ) -> np.ndarray:
+    if dtype is dtypes.BYTES:
+        return _strings_from_raw(model, name, raw, shape)
     needed = math.prod(shape) * dtype.itemsize
     if len(raw) != needed:
         raise InvalidInput(
@@ -131,6 +133,31 @@ def _array_from_raw(
             name,
         )
     return np.frombuffer(raw, dtype=dtype.numpy).reshape(shape)
+
+
+def _strings_from_raw(model: str, name: str, raw: bytes, shape: tuple[int, ...]) -> np.ndarray:
+    """A BYTES tensor from raw contents: each element a 4-byte little-endian length, then it."""
+    count = math.prod(shape)
+    if count * 4 > len(raw):  # before anything of `count` is allocated
+        raise InvalidInput(
+            model, f"raw contents hold {len(raw)} bytes, too few for {count} BYTES elements", name
+        )
+    items = np.empty(count, dtype=object)
+    offset = 0
+    for i in range(count):
+        if offset + 4 > len(raw):
+            raise InvalidInput(model, f"raw contents end inside BYTES element {i} of {count}", name)
+        length = int.from_bytes(raw[offset : offset + 4], "little")
+        offset += 4
+        if offset + length > len(raw):
+            raise InvalidInput(model, f"raw contents end inside BYTES element {i} of {count}", name)
+        items[i] = raw[offset : offset + length]
+        offset += length
+    if offset != len(raw):
+        raise InvalidInput(
+            model, f"raw contents hold {len(raw) - offset} bytes past the {count} BYTES elements", name
+        )
+    return items.reshape(shape)
 
 
 SHM_REGION = "shared_memory_region"
@@ -212,6 +239,10 @@ def decode_request(
         problem = spec.shape_problem(shape)
         if problem is not None:
             raise InvalidInput(model, problem, tensor.name)
+        if target is not None and spec.dtype is dtypes.BYTES:
+            raise InvalidInput(
+                model, "BYTES tensors cannot come from shared memory; send them inline", tensor.name
+            )
         if target is not None:
             needed = math.prod(shape) * spec.dtype.itemsize
             if target.byte_size != needed:
@@ -263,6 +294,8 @@ def decode_request(
             raise InvalidInput(model, "output requested more than once", requested.name)
         selected.append(index)
         target = _shm_target(model, requested, registry)
+        if target is not None and outputs[index].dtype is dtypes.BYTES:
+            raise InvalidInput(model, "BYTES outputs cannot go to shared memory", requested.name)
         k = _class_count(model, requested, outputs[index], target)
         if k is not None:
             class_counts[index] = k
@@ -299,7 +332,7 @@ def _class_count(model: str, requested: Any, spec: TensorSpec, target: ShmTarget
         )
     if k == 0:
         return None  # as Triton: 0 is the default, no classification
-    if spec.dtype.wire in (None, "BOOL"):
+    if spec.dtype.wire in (None, "BOOL", "BYTES"):
         raise InvalidInput(
             model,
             f"{CLASSIFICATION_PARAM} (class_count) needs a numeric output, this one is {spec.dtype.wire}",
@@ -330,7 +363,7 @@ def classify(array: np.ndarray, batch_axis: int | None, k: int, labels: Sequence
     return result if batch_axis is not None else result[0]
 
 
-def _bytes_tensor(strings: np.ndarray) -> bytes:
+def bytes_contents(strings: np.ndarray) -> bytes:
     """A BYTES tensor's raw contents: each element's UTF-8 length (4 bytes, little-endian), then it."""
     parts = []
     for item in strings.flat:
@@ -364,10 +397,13 @@ def encode_response(
             classes = classify(array, spec.batch_axis, k, labels.get(spec.name, ()))
             tensor.datatype = "BYTES"
             tensor.shape.extend(classes.shape)
-            contents.append(_bytes_tensor(classes))
+            contents.append(bytes_contents(classes))
             continue
         tensor.datatype = spec.dtype.wire
         tensor.shape.extend(array.shape)
+        if spec.dtype is dtypes.BYTES:
+            contents.append(bytes_contents(array))
+            continue
         target = decoded.shm_outputs.get(index)
         if target is None:
             contents.append(array.tobytes())

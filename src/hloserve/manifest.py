@@ -171,6 +171,12 @@ class _Reader:
             dtype = dtypes.by_token(str(token))
         except KeyError as e:
             raise self.fail(f"{where}.dtype", str(e.args[0])) from None
+        if not client and dtype is dtypes.BYTES:
+            raise self.fail(
+                f"{where}.dtype",
+                "bytes (BYTES) may appear only in client_inputs and client_outputs, "
+                "which a model.py turns into numbers and back",
+            )
         if client and dtype.wire is None:
             raise self.fail(
                 f"{where}.dtype", f"{token} has no KServe datatype; it may appear only on executable tensors"

@@ -23,7 +23,7 @@ from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError
 
 import hloserve
-from hloserve import _grpclib_patches, _xla
+from hloserve import _grpclib_patches, _xla, dtypes
 from hloserve._proto import inference as kserve
 from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve._status import grpc_errors as _rpc
@@ -89,7 +89,7 @@ def _duration(d: Duration) -> kserve.StatisticDuration:
 
 
 def _data_type(spec: TensorSpec) -> kserve.DataType:
-    return kserve.DataType[f"TYPE_{spec.dtype.wire}"]
+    return kserve.DataType["TYPE_STRING" if spec.dtype is dtypes.BYTES else f"TYPE_{spec.dtype.wire}"]
 
 
 class InferenceService(kserve.GrpcInferenceServiceBase):
