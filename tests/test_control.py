@@ -78,7 +78,7 @@ def test_set_model_policy(server: ServerThread) -> None:
         server,
         lambda s: s.set_model_policy(hc.SetModelPolicyRequest(name="nope", has_weight=True, weight=1)),
         Status.NOT_FOUND,
-        "unknown model 'nope'",
+        "unknown model: 'nope'",
     )
     _expect(
         server,
@@ -134,7 +134,7 @@ def test_externally_managed_residency_over_grpc(external: ServerThread) -> None:
         external,
         lambda s: s.set_model_residency(hc.SetModelResidencyRequest(name="zzz", target=hc.Residency.DEVICE)),
         Status.NOT_FOUND,
-        "unknown model 'zzz'",
+        "unknown model: 'zzz'",
     )
     client.close()
 
@@ -155,6 +155,6 @@ def test_compact_memory_over_grpc(tmp_path: Path) -> None:
             server,
             lambda s: s.compact_memory(hc.CompactMemoryRequest(reload_models=["nope"])),
             Status.NOT_FOUND,
-            "unknown model 'nope'",
+            "unknown model: 'nope'",
         )
         client.close()

@@ -400,3 +400,16 @@ def test_shipped_example_repository_is_what_the_script_exports(tmp_path: Path) -
             assert path.read_bytes() == (shipped / path.name).read_bytes(), (
                 f"run examples/export_examples.py: {model}/{path.name}"
             )
+
+
+def test_export_writes_an_image_input_s_format(tmp_path: Path) -> None:
+    directory = export_bundle(
+        lambda p, x: x.mean(axis=(1, 2)),
+        {},
+        [InputSpec("IMAGE", (4, 4, 3), np.float32, letters="hwc", format="NHWC")],
+        tmp_path / "image",
+        verify=False,
+    )
+    manifest = yaml.safe_load((directory / "manifest.yaml").read_text())
+    assert manifest["executable_inputs"][0]["format"] == "NHWC"
+    assert "format" not in manifest["executable_outputs"][0]

@@ -183,6 +183,18 @@ def test_health_metadata_config_stats_and_index_answer_as_grpc(server: ServerThr
         triton.close()
 
 
+def test_cuda_shared_memory_cleanup_answers_as_triton_without_a_gpu(rest: ServerThread) -> None:
+    """Status lists nothing and unregistering succeeds, so clients that clean up first go on."""
+    client = httpclient.InferenceServerClient(rest.http_url)
+    try:
+        assert client.get_cuda_shared_memory_status() == []
+        client.unregister_cuda_shared_memory()
+        client.unregister_cuda_shared_memory("never")
+    finally:
+        client.close()
+    _assert_serves(rest)
+
+
 def test_statistics_and_metrics_are_shared_with_grpc(rest: ServerThread) -> None:
     client = httpclient.InferenceServerClient(rest.http_url)
     triton = grpcclient.InferenceServerClient(rest.url)
@@ -452,11 +464,18 @@ BAD_REQUESTS = [
     ("too few values", INFER, _mlp(data=[1.0] * 15), {}, 400, "holds 15 values"),
     ("no data", INFER, _infer_body([{**MLP_INPUT, "data": None}]), {}, 400, "has no 'data'"),
     ("wrong dtype", INFER, _mlp(datatype="INT32", data=[1] * 16), {}, 400, "expected 'FP32'"),
-    ("unknown dtype", INFER, _mlp(datatype="BYTES"), {}, 400, "unknown datatype 'BYTES'"),
+    ("unknown dtype", INFER, _mlp(datatype="STRING"), {}, 400, "unknown datatype 'STRING'"),
     ("wrong shape", INFER, _mlp(shape=[2, 8]), {}, 400, "INPUT0"),
     ("negative shape", INFER, _mlp(shape=[-1, 16]), {}, 400, "negative"),
-    ("unknown input", INFER, _mlp(name="X"), {}, 400, "unknown input"),
-    ("unknown output", INFER, _infer_body([MLP_INPUT], outputs=[{"name": "N"}]), {}, 400, "does not exist"),
+    ("unknown input", INFER, _mlp(name="X"), {}, 400, "unexpected inference input 'X'"),
+    (
+        "unknown output",
+        INFER,
+        _infer_body([MLP_INPUT], outputs=[{"name": "N"}]),
+        {},
+        400,
+        "unexpected inference output 'N'",
+    ),
     ("bad parameter", INFER, _infer_body([MLP_INPUT], parameters={"p": [1]}), {}, 400, "parameter 'p'"),
     (
         "u8 out of range",
@@ -466,8 +485,8 @@ BAD_REQUESTS = [
         400,
         "300 is out of range",
     ),
-    ("unknown model", "/v2/models/nope/infer", _mlp(), {}, 404, "unknown model 'nope'"),
-    ("unknown version", "/v2/models/mlp/versions/7/infer", _mlp(), {}, 404, "version '7'"),
+    ("unknown model", "/v2/models/nope/infer", _mlp(), {}, 404, "unknown model: 'nope'"),
+    ("unknown version", "/v2/models/mlp/versions/7/infer", _mlp(), {}, 404, "'mlp' version 7 is not found"),
     ("binary size past the body", INFER, *_sized(128), 400, "only 64 bytes"),
     ("binary size too small", INFER, *_sized(32), 400, "32 bytes follow"),
     ("binary size a string", INFER, *_sized("64"), 400, "non-negative integer"),
@@ -640,3 +659,16 @@ def test_shutdown_closes_rest_promptly_with_an_idle_connection_open() -> None:
     idle.close()
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+def test_classification_answers_strings_in_json(rest: ServerThread) -> None:
+    body = {"inputs": [MLP_INPUT], "outputs": [{"name": "OUTPUT0", "parameters": {"classification": 2}}]}
+    status, answer, _ = _post(rest, INFER, json.dumps(body).encode())
+    assert status == 200, answer
+    (output,) = answer["outputs"]
+    assert (output["datatype"], output["shape"]) == ("BYTES", [1, 2])
+    scores = [float(item.split(":")[0]) for item in output["data"]]
+    assert scores == sorted(scores, reverse=True) and all(
+        int(i.split(":")[1]) in range(4) for i in output["data"]
+    )
+    _assert_serves(rest)

@@ -196,6 +196,27 @@ BAD_MANIFESTS = [
         id="batch-all-or-none",
     ),
     pytest.param(
+        _with("executable_inputs.0.dtype", "bytes"),
+        "executable_inputs[0].dtype",
+        "may appear only in client_inputs and client_outputs",
+        id="bytes-on-an-executable",
+    ),
+    pytest.param(
+        _with("executable_inputs.0.format", "HWC"), "executable_inputs[0].format", "NHWC", id="bad-format"
+    ),
+    pytest.param(
+        _with("executable_outputs.0.format", "NHWC"),
+        "executable_outputs[0].format",
+        "three axes besides the batch",
+        id="format-not-an-image",
+    ),
+    pytest.param(
+        _with("executable_outputs.0.labels", "../labels.txt"),
+        "executable_outputs[0].labels",
+        "a file in the bundle",
+        id="labels-outside",
+    ),
+    pytest.param(
         _with("executable_inputs.0.shape", "cwh")
         | {"executable_inputs": [{"name": "X", "dtype": "f32", "shape": "k", "dims": {"k": 2}}]},
         "batching.compiled_batch_sizes",
@@ -214,3 +235,8 @@ def test_bad_manifest_names_bundle_file_and_field(data: Any, field: str | None, 
     if field is not None:
         assert f"field {field!r}" in message
     assert says in message
+
+
+def test_an_image_input_declares_its_layout() -> None:
+    manifest = parse(_with("executable_inputs.0.format", "NHWC"))
+    assert manifest.inputs[0].format == "NHWC" and manifest.outputs[0].format is None

@@ -8,11 +8,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from support.bundles import PARAMS, X, affine, affine_output, edit_manifest, save_affine_weights, write_affine
 from support.servers import ServerThread, make_config, start_worker
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from hloserve.config import ModelSettings
@@ -31,7 +33,7 @@ def _repo(tmp_path: Path) -> Any:
 
 def test_load_a_new_bundle_then_reload_it_changed(repo: Any) -> None:
     path, _, client = repo
-    with pytest.raises(InferenceServerException, match="unknown model 'late'"):
+    with pytest.raises(InferenceServerException, match="unknown model: 'late'"):
         affine_output(client, "late")
     write_affine(path / "late")
     client.load_model("late")
@@ -86,11 +88,11 @@ def test_unload_answers_queued_requests_not_found(repo: Any) -> None:
     thread, outcome = _queue_one(server, "late")
     client.unload_model("late")
     thread.join(10)
-    assert outcome == ["StatusCode.NOT_FOUND unknown model 'late': it was unloaded"]
+    assert outcome == ["StatusCode.NOT_FOUND Request for unknown model: 'late' is not found: it was unloaded"]
     assert not client.is_model_ready("late")
-    with pytest.raises(InferenceServerException, match="unknown model 'late'"):
+    with pytest.raises(InferenceServerException, match="unknown model: 'late'"):
         affine_output(client, "late")
-    with pytest.raises(InferenceServerException, match="unknown model 'late'") as raised:
+    with pytest.raises(InferenceServerException, match="unknown model: 'late'") as raised:
         client.unload_model("late")
     assert raised.value.status() == "StatusCode.NOT_FOUND"
     with pytest.raises(InferenceServerException, match="no bundle 'nothing'"):
@@ -151,3 +153,74 @@ def test_load_and_unload_while_another_model_is_under_load(repo: Any) -> None:
         for t in threads:
             t.join(10)
     assert results and set(results) == {"OK"}, [r for r in results if r != "OK"][:3]
+
+
+def test_the_index_lists_every_bundle_loaded_or_not(repo: Any) -> None:
+    """As Triton: an unloaded bundle stays in the index (UNAVAILABLE, "unloaded"); `ready` filters."""
+    path, server, client = repo
+    write_affine(path / "late")
+    client.load_model("late")
+    client.unload_model("late")
+    index = client.get_model_repository_index()
+    assert [(m.name, m.state, m.reason) for m in index.models] == [
+        ("late", "UNAVAILABLE", "unloaded"),
+        ("steady", "READY", ""),
+    ]
+    with grpc.insecure_channel(server.url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        ready = stub.RepositoryIndex(service_pb2.RepositoryIndexRequest(ready=True))
+    assert [m.name for m in ready.models] == ["steady"]
+    affine_output(client, "steady")
+
+
+def test_a_config_override_applies_the_serving_settings(repo: Any) -> None:
+    """Triton's load `config`: batch limit and queue delay replace the model's settings."""
+    path, _, client = repo
+    write_affine(path / "late")
+    client.load_model("late")
+    before = client.get_model_config("late").config
+    assert (before.max_batch_size, before.dynamic_batching.max_queue_delay_microseconds) == (2, 500_000)
+    override = (
+        '{"name": "late", "max_batch_size": 1, "dynamic_batching": {"max_queue_delay_microseconds": "0"}}'
+    )
+    client.load_model("late", config=override)
+    after = client.get_model_config("late").config
+    assert (after.max_batch_size, after.dynamic_batching.max_queue_delay_microseconds) == (1, 0)
+    started = time.monotonic()
+    np.testing.assert_allclose(affine_output(client, "late"), affine(PARAMS, X), rtol=1e-6)
+    assert time.monotonic() - started < 0.4  # no longer held half a second for company
+
+
+@pytest.mark.parametrize(
+    ("config", "says"),
+    [
+        ("{not json", "load parameter 'config' is not JSON"),
+        ("[1]", "must be a JSON object"),
+        ('{"max_batch_size": "many"}', "field 'max_batch_size': must be an integer >= 1"),
+        ('{"max_batch_size": 0}', "field 'max_batch_size': must be an integer >= 1"),
+        ('{"name": "other"}', "field 'name': is 'other', the model loaded is 'steady'"),
+        ('{"instance_group": []}', "field 'instance_group': is not supported"),
+        ('{"dynamic_batching": {"priority_levels": 2}}', "field 'dynamic_batching.priority_levels': is not"),
+        ('{"dynamic_batching": {"max_queue_delay_microseconds": -1}}', "must be an integer >= 0"),
+    ],
+)
+def test_a_bad_config_override_is_invalid_argument_naming_the_field(
+    repo: Any, config: str, says: str
+) -> None:
+    _, _, client = repo
+    with pytest.raises(InferenceServerException) as raised:
+        client.load_model("steady", config=config)
+    assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert says in (raised.value.message() or "")
+    assert client.get_model_config("steady").config.max_batch_size == 2
+    affine_output(client, "steady")
+
+
+def test_a_batch_limit_below_every_compiled_size_is_refused(repo: Any) -> None:
+    path, _, client = repo
+    write_affine(path / "big", batch_sizes=(4, 8))
+    with pytest.raises(
+        InferenceServerException, match="field 'max_batch_size': 2 fits no compiled batch size"
+    ):
+        client.load_model("big", config='{"max_batch_size": 2}')
+    affine_output(client, "steady")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from export_examples import reference
-from support.bundles import write_total
+from support.bundles import edit_manifest, write_total
 from support.clients import assert_good_request_served, infer
 from support.servers import EXAMPLES, ServerThread, make_config, start_worker
 from tritonclient.grpc import service_pb2, service_pb2_grpc
@@ -43,7 +43,12 @@ class TestHealthAndMetadata:
     def test_server_metadata_lists_the_extensions(self, triton: Any) -> None:
         metadata = triton.get_server_metadata()
         assert metadata.name == "hloserve"
-        assert {"model_configuration", "statistics"} <= set(metadata.extensions)
+        assert list(metadata.extensions) == [
+            "model_configuration",
+            "model_repository",
+            "statistics",
+            "system_shared_memory",
+        ]
 
     def test_model_metadata_is_row_major_with_minus_one_for_the_batch(self, triton: Any) -> None:
         mlp = triton.get_model_metadata("mlp")
@@ -61,6 +66,24 @@ class TestHealthAndMetadata:
         ]  # 11 = TYPE_FP32
         assert [(o.name, list(o.dims)) for o in config.output] == [("OUTPUT0", [4])]
         assert list(config.dynamic_batching.preferred_batch_size) == [1, 4, 8, 16]
+        assert config.version_policy.latest.num_versions == 1  # as Triton: one version, the latest
+        assert config.input[0].format == 0  # FORMAT_NONE: not an image
+
+    def test_an_image_input_reports_its_format(self, tmp_path: Path) -> None:
+        shutil.copytree(EXAMPLES / "cnn", tmp_path / "cnn")
+
+        def nhwc(manifest: dict[str, Any]) -> None:
+            manifest["executable_inputs"][0]["format"] = "NHWC"
+
+        edit_manifest(tmp_path / "cnn", nhwc)
+        server = ServerThread(make_config(tmp_path)).start()
+        client = grpcclient.InferenceServerClient(server.url)
+        try:
+            config = client.get_model_config("cnn", as_json=True)["config"]
+            assert config["input"][0]["format"] == "FORMAT_NHWC"
+        finally:
+            client.close()
+            server.stop()
 
     def test_repository_index(self, triton: Any) -> None:
         index = triton.get_model_repository_index()
@@ -162,13 +185,13 @@ class TestBadInput:
     @pytest.mark.parametrize(
         ("model", "name", "array", "status", "says"),
         [
-            ("nope", "INPUT0", np.zeros((1, 16), np.float32), "NOT_FOUND", "unknown model 'nope'"),
+            ("nope", "INPUT0", np.zeros((1, 16), np.float32), "NOT_FOUND", "unknown model: 'nope'"),
             (
                 "mlp",
                 "INPUT9",
                 np.zeros((1, 16), np.float32),
                 "INVALID_ARGUMENT",
-                "tensor 'INPUT9': unknown input; expected one of ['INPUT0']",
+                "unexpected inference input 'INPUT9' for model 'mlp': expected one of ['INPUT0']",
             ),
             ("mlp", "INPUT0", np.zeros((1, 15), np.float32), "INVALID_ARGUMENT", "axis 1 must be 16"),
             (
@@ -200,7 +223,7 @@ class TestBadInput:
 
     def test_requested_output_that_does_not_exist(self, triton: Any) -> None:
         with pytest.raises(
-            InferenceServerException, match=r"tensor 'LOGITS': requested output does not exist"
+            InferenceServerException, match=r"\] unexpected inference output 'LOGITS' for model 'mlp'"
         ) as raised:
             infer(
                 triton,
@@ -211,8 +234,49 @@ class TestBadInput:
         assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
         assert_good_request_served(triton)
 
+    @pytest.mark.parametrize("version", ["latest", "1.0", "-1", "0", " 1", "\u0661"])
+    def test_a_version_that_is_not_an_integer_above_zero_is_invalid(
+        self, triton: Any, stub: Any, version: str
+    ) -> None:
+        """As Triton: INVALID_ARGUMENT (not NOT_FOUND), for inference, metadata and readiness."""
+        request = _raw_request([1, 16], b"\0" * 64)
+        request.model_version = version
+        says = f"failed to get model version from specified version string {version!r}"
+        assert_refused(triton, stub.ModelInfer, request, grpc.StatusCode.INVALID_ARGUMENT, says)
+        metadata = service_pb2.ModelMetadataRequest(name="mlp", version=version)
+        assert_refused(triton, stub.ModelMetadata, metadata, grpc.StatusCode.INVALID_ARGUMENT, says)
+        ready = service_pb2.ModelReadyRequest(name="mlp", version=version)
+        assert_refused(triton, stub.ModelReady, ready, grpc.StatusCode.INVALID_ARGUMENT, says)
+
+    def test_raw_and_typed_contents_together_are_refused_for_every_input(
+        self, triton: Any, stub: Any
+    ) -> None:
+        """The KServe V2 proto forbids the mix; accepting it silently ignored `contents`."""
+        request = _raw_request([1, 16], b"\0" * 64)
+        request.inputs[0].contents.fp32_contents.extend([1.0] * 16)
+        assert_refused(
+            triton,
+            stub.ModelInfer,
+            request,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "tensor 'INPUT0': holds typed contents in a request with raw_input_contents",
+        )
+
+    def test_responses_carry_the_served_version(self, stub: Any) -> None:
+        response = stub.ModelInfer(_raw_request([1, 16], b"\0" * 64))
+        assert (response.model_name, response.model_version) == ("mlp", "1")
+
+    @pytest.mark.parametrize(("name", "version"), [("nope", ""), ("mlp", "2")])
+    def test_statistics_of_an_unknown_model_or_version_are_invalid_argument(
+        self, triton: Any, stub: Any, name: str, version: str
+    ) -> None:
+        """As Triton: the statistics asked for are not available (INVALID_ARGUMENT)."""
+        request = service_pb2.ModelStatisticsRequest(name=name, version=version)
+        code, says = grpc.StatusCode.INVALID_ARGUMENT, "requested statistics are not available"
+        assert_refused(triton, stub.ModelStatistics, request, code, says)
+
     def test_unknown_version(self, triton: Any) -> None:
-        with pytest.raises(InferenceServerException, match="version '2' does not exist") as raised:
+        with pytest.raises(InferenceServerException, match="'mlp' version 2 is not found") as raised:
             infer(triton, "mlp", {"INPUT0": np.zeros((1, 16), np.float32)}, model_version="2")
         assert raised.value.status() == "StatusCode.NOT_FOUND"
         assert_good_request_served(triton)
@@ -258,7 +322,6 @@ class TestBadInput:
     @pytest.mark.parametrize(
         ("call", "request_"),
         [
-            ("CudaSharedMemoryStatus", service_pb2.CudaSharedMemoryStatusRequest()),
             ("TraceSetting", service_pb2.TraceSettingRequest()),
             ("LogSettings", service_pb2.LogSettingsRequest()),
         ],
@@ -341,3 +404,208 @@ def test_large_and_small_replies_interleave_on_one_connection(tmp_path: Path) ->
                     future.result(timeout=60).as_numpy("OUTPUT0"), reference("mlp", x), rtol=1e-5, atol=1e-6
                 )
         client.close()
+
+
+class TestClassification:
+    """Triton's classification extension: `class_count` on a requested output."""
+
+    @staticmethod
+    def _classify(client: Any, x: np.ndarray, k: int) -> list[list[str]]:
+        result = infer(
+            client, "mlp", {"INPUT0": x}, outputs=[grpcclient.InferRequestedOutput("OUTPUT0", class_count=k)]
+        )
+        assert result.get_output("OUTPUT0").datatype == "BYTES"
+        return [[item.decode() for item in row] for row in result.as_numpy("OUTPUT0")]
+
+    @pytest.mark.parametrize("k", [1, 3, 4, 9])
+    def test_the_top_k_as_score_colon_index(self, triton: Any, k: int) -> None:
+        """Per row, highest first; k past the number of classes gives them all, as Triton."""
+        x = np.random.default_rng(3).random((2, 16), dtype=np.float32)
+        expected = reference("mlp", x)
+        rows = self._classify(triton, x, k)
+        assert [len(row) for row in rows] == [min(k, 4)] * 2
+        for row, y in zip(rows, expected, strict=True):
+            pairs = [item.split(":") for item in row]
+            assert [int(i) for _, i in pairs] == list(np.argsort(-y, kind="stable")[: min(k, 4)])
+            np.testing.assert_allclose([float(s) for s, _ in pairs], np.sort(y)[::-1][: min(k, 4)], atol=1e-5)
+        assert_good_request_served(triton)
+
+    @pytest.mark.parametrize(
+        ("value", "says"),
+        [(-1, "must be an integer >= 0"), ("three", "must be an integer >= 0")],
+    )
+    def test_a_bad_class_count_is_refused(self, triton: Any, stub: Any, value: Any, says: str) -> None:
+        request = _raw_request([1, 16], b"\0" * 64)
+        output = request.outputs.add(name="OUTPUT0")
+        if isinstance(value, int):
+            output.parameters["classification"].int64_param = value
+        else:
+            output.parameters["classification"].string_param = value
+        assert_refused(triton, stub.ModelInfer, request, grpc.StatusCode.INVALID_ARGUMENT, says)
+
+    def test_labels_from_the_file_the_manifest_names(self, tmp_path: Path) -> None:
+        shutil.copytree(EXAMPLES / "mlp", tmp_path / "mlp")
+        (tmp_path / "mlp" / "labels.txt").write_text("cat\ndog\nbird\nfish\n")
+
+        def add_labels(manifest: dict[str, Any]) -> None:
+            manifest["executable_outputs"][0]["labels"] = "labels.txt"
+
+        edit_manifest(tmp_path / "mlp", add_labels)
+        server = ServerThread(make_config(tmp_path)).start()
+        client = grpcclient.InferenceServerClient(server.url)
+        try:
+            x = np.random.default_rng(4).random((1, 16), dtype=np.float32)
+            (row,) = self._classify(client, x, 4)
+            names = ["cat", "dog", "bird", "fish"]
+            assert [item.split(":")[2] for item in row] == [
+                names[i] for i in np.argsort(-reference("mlp", x)[0], kind="stable")
+            ]
+            assert_good_request_served(client)
+        finally:
+            client.close()
+            server.stop()
+
+
+def test_a_call_whose_deadline_passed_before_it_began_is_deadline_exceeded(server: ServerThread) -> None:
+    """grpclib answered UNKNOWN "Internal Server Error" (its deadline check raised outside its
+    wrapper); a client that retries on DEADLINE_EXCEEDED, as Triton's do, took it for a crash."""
+    from support.raw_grpc import frame, raw_call
+
+    request = service_pb2.ServerLiveRequest().SerializeToString()
+    for _ in range(3):
+        answer, _ = raw_call(
+            server.worker.grpc_port, "ServerLive", frame(request, False), [("grpc-timeout", "1n")]
+        )
+        assert answer["grpc-status"] == "4", answer
+    live, _ = raw_call(
+        server.worker.grpc_port, "ServerLive", frame(request, False), [("grpc-timeout", "10S")]
+    )
+    assert live["grpc-status"] == "0"
+
+
+_TEXT_MODEL_PY = """
+import numpy as np
+
+from hloserve import NamedTensor, register_model
+
+LABELS = np.array([b"north", b"east", b"south", b"west"], dtype=object)
+
+
+def preprocess(inputs):
+    texts = inputs[0].data  # BYTES [batch, 1]: one string per row
+    x = np.zeros((len(texts), 16), np.float32)
+    for row, (text,) in enumerate(texts):
+        codes = list(text[:16])
+        x[row, : len(codes)] = np.array(codes, np.float32) / 255.0
+    return [NamedTensor("INPUT0", x)]
+
+
+def postprocess(outputs):
+    logits = outputs[0].data
+    return [NamedTensor("OUTPUT0", logits), NamedTensor("LABEL", LABELS[logits.argmax(axis=1)][:, None])]
+
+
+register_model("text", preprocess=preprocess, postprocess=postprocess)
+"""
+
+
+@pytest.fixture(scope="module", name="text")
+def _text(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    repository = tmp_path_factory.mktemp("text")
+    shutil.copytree(EXAMPLES / "mlp", repository / "text")
+    (repository / "text" / "model.py").write_text(_TEXT_MODEL_PY)
+
+    def text_tensors(manifest: dict[str, Any]) -> None:
+        manifest["name"] = "text"
+        manifest["client_inputs"] = [{"name": "TEXT", "dtype": "bytes", "shape": "xn", "dims": {"x": 1}}]
+        manifest["client_outputs"] = [
+            {"name": "OUTPUT0", "dtype": "f32", "shape": "kn", "dims": {"k": 4}},
+            {"name": "LABEL", "dtype": "bytes", "shape": "xn", "dims": {"x": 1}},
+        ]
+
+    edit_manifest(repository / "text", text_tensors)
+    server = ServerThread(make_config(repository)).start()
+    yield server
+    server.stop()
+
+
+class TestBytesThroughModelPy:
+    """BYTES client tensors (strings) reach preprocess as bytes and leave postprocess as BYTES."""
+
+    @staticmethod
+    def _expected(texts: list[bytes]) -> np.ndarray:
+        x = np.zeros((len(texts), 16), np.float32)
+        for row, text in enumerate(texts):
+            x[row, : len(text[:16])] = np.frombuffer(text[:16], np.uint8) / 255.0
+        return reference("mlp", x)
+
+    def test_raw_strings_from_tritonclient(self, text: ServerThread) -> None:
+        texts = [b"hello world", "caf\u00e9 \u2603".encode(), b""]
+        client = grpcclient.InferenceServerClient(text.url)
+        try:
+            tensor = grpcclient.InferInput("TEXT", [3, 1], "BYTES")
+            tensor.set_data_from_numpy(np.array(texts, dtype=object).reshape(3, 1))
+            result = client.infer("text", [tensor])
+            logits = result.as_numpy("OUTPUT0")
+            np.testing.assert_allclose(logits, self._expected(texts), rtol=1e-5, atol=1e-6)
+            labels = [b"north", b"east", b"south", b"west"]
+            assert result.get_output("LABEL").datatype == "BYTES"
+            assert list(result.as_numpy("LABEL")[:, 0]) == [labels[i] for i in logits.argmax(axis=1)]
+            config = client.get_model_config("text").config
+            assert config.input[0].data_type == 13  # TYPE_STRING, as Triton names BYTES
+        finally:
+            client.close()
+
+    def test_typed_bytes_contents(self, text: ServerThread) -> None:
+        request = service_pb2.ModelInferRequest(model_name="text")
+        tensor = request.inputs.add(name="TEXT", datatype="BYTES", shape=[2, 1])
+        tensor.contents.bytes_contents.extend([b"abc", b"xyz"])
+        with grpc.insecure_channel(text.url) as channel:
+            response = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request)
+        logits = np.frombuffer(response.raw_output_contents[0], np.float32).reshape(2, 4)
+        np.testing.assert_allclose(logits, self._expected([b"abc", b"xyz"]), rtol=1e-5, atol=1e-6)
+
+    @pytest.mark.parametrize(
+        ("raw", "shape", "says"),
+        [
+            (b"\x05\x00\x00\x00abc", [1, 1], "raw contents end inside BYTES element 0 of 1"),
+            (b"\x01\x00\x00\x00a!", [1, 1], "1 bytes past the 1 BYTES elements"),
+            (b"\x00\x00\x00\x00", [1000000, 1], "too few for 1000000 BYTES elements"),
+        ],
+        ids=["cut short", "trailing bytes", "a million elements announced"],
+    )
+    def test_malformed_raw_strings(self, text: ServerThread, raw: bytes, shape: list[int], says: str) -> None:
+        request = service_pb2.ModelInferRequest(model_name="text")
+        request.inputs.add(name="TEXT", datatype="BYTES", shape=shape)
+        request.raw_input_contents.append(raw)
+        with grpc.insecure_channel(text.url) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as raised:
+                stub.ModelInfer(request)
+            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert says in raised.value.details()
+            good = service_pb2.ModelInferRequest(model_name="text")
+            good.inputs.add(name="TEXT", datatype="BYTES", shape=[1, 1]).contents.bytes_contents.append(b"ok")
+            assert stub.ModelInfer(good).outputs[0].name == "OUTPUT0"
+
+    def test_json_strings_over_rest(self, text: ServerThread) -> None:
+        import http.client
+        import json
+
+        body = {
+            "inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [2, 1], "data": [["abc"], ["xyz"]]}]
+        }
+        connection = http.client.HTTPConnection("127.0.0.1", text.worker.http_port, timeout=30)
+        try:
+            connection.request("POST", "/v2/models/text/infer", json.dumps(body))
+            response = connection.getresponse()
+            answer = json.loads(response.read())
+        finally:
+            connection.close()
+        assert response.status == 200, answer
+        outputs = {o["name"]: o for o in answer["outputs"]}
+        np.testing.assert_allclose(
+            np.array(outputs["OUTPUT0"]["data"]).reshape(2, 4), self._expected([b"abc", b"xyz"]), rtol=1e-5
+        )
+        assert outputs["LABEL"]["datatype"] == "BYTES"
+        assert all(label in ("north", "east", "south", "west") for label in outputs["LABEL"]["data"])

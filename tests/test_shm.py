@@ -118,9 +118,9 @@ def test_bad_registrations(client: Any, regions: Any) -> None:
         "INVALID_ARGUMENT",
         "byte_size 0",
     )
-    _expect(
+    _expect(  # as Triton
         lambda: client.get_system_shared_memory_status("nope"),
-        "INVALID_ARGUMENT",
+        "NOT_FOUND",
         "region 'nope': is not registered",
     )
     assert not client.get_system_shared_memory_status().regions
@@ -187,8 +187,19 @@ def test_shared_memory_while_disabled(triton: Any, regions: Any) -> None:
     assert_good_request_served(triton)
 
 
-def test_cuda_shared_memory_is_unimplemented(client: Any) -> None:
-    _expect(lambda: client.get_cuda_shared_memory_status(), "UNIMPLEMENTED", "no CUDA shared memory")
+def test_cuda_shared_memory_answers_as_triton_without_a_gpu(client: Any) -> None:
+    """Status and unregister answer OK with nothing registered (clients clean up first);
+    registering is refused, saying to use system shared memory."""
+    assert not client.get_cuda_shared_memory_status().regions
+    client.unregister_cuda_shared_memory()
+    client.unregister_cuda_shared_memory("never")
+    _expect(lambda: client.get_cuda_shared_memory_status("never"), "NOT_FOUND", "not registered")
+    _expect(
+        lambda: client.register_cuda_shared_memory("gpu", b"\0" * 64, 0, 64),
+        "UNIMPLEMENTED",
+        "use system shared memory",
+    )
+    assert_good_request_served(client)
 
 
 def test_unregister_while_requests_are_in_flight(shm_server: ServerThread, regions: Any) -> None:

@@ -14,6 +14,8 @@ CASES = [
     (errors.BundleError("m", "manifest.yaml", "name", "wrong"), Status.INVALID_ARGUMENT),
     (errors.InvalidInput("m", "wrong", "T"), Status.INVALID_ARGUMENT),
     (errors.ShmRegionError("r", "out of bounds"), Status.INVALID_ARGUMENT),
+    (errors.ShmRegionNotFound("r"), Status.NOT_FOUND),
+    (errors.UnknownTensor("m", "input", "X", ["INPUT0"]), Status.INVALID_ARGUMENT),
     (errors.ShmDisabled(), Status.FAILED_PRECONDITION),
     (errors.QueueFull("m", 8), Status.UNAVAILABLE),
     (errors.Overloaded(64), Status.UNAVAILABLE),

@@ -118,7 +118,7 @@ def test_metrics_endpoint_counts_requests(server: ServerThread, triton: Any) -> 
     tensor = grpcclient.InferInput("INPUT0", [2, 16], "FP32")
     tensor.set_data_from_numpy(np.zeros((2, 16), np.float32))
     triton.infer("mlp", [tensor])
-    with pytest.raises(InferenceServerException, match="unknown model 'nope'"):
+    with pytest.raises(InferenceServerException, match="unknown model: 'nope'"):
         triton.infer("nope", [tensor])
     url = f"http://127.0.0.1:{server.worker.metrics_port}/metrics"
     text = urllib.request.urlopen(url, timeout=10).read().decode()

@@ -27,7 +27,7 @@ REPO = HOME / "triton_repo"
 BACKENDS = HOME / "triton_backends"
 REQUIREMENTS = ("nvidia-pytriton==0.7.0", "safetensors")
 
-__all__ = ["NAME", "install", "start"]
+__all__ = ["NAME", "install", "serve", "start"]
 
 
 def _tritonserver() -> Path:
@@ -79,26 +79,38 @@ class TritonPythonModel:
 """
 
 
-def write_repository(models: Sequence[PeerModel] = (MLP, POOL)) -> Path:
+def write_repository(models: Sequence[PeerModel] = (MLP, POOL), repository: Path = REPO) -> Path:
     """Triton's model repository for `models` (rewritten from scratch: Triton serves all it finds)."""
-    shutil.rmtree(REPO, ignore_errors=True)
+    shutil.rmtree(repository, ignore_errors=True)
     for m in models:
-        (REPO / m.name / "1").mkdir(parents=True)
-        (REPO / m.name / "config.pbtxt").write_text(
+        (repository / m.name / "1").mkdir(parents=True)
+        (repository / m.name / "config.pbtxt").write_text(
             f'name: "{m.name}"\nbackend: "python"\nmax_batch_size: {m.max_batch}\n'
             f'input [ {{ name: "{m.input}", data_type: TYPE_FP32, dims: {list(m.in_dims)} }} ]\n'
             f'output [ {{ name: "{m.output}", data_type: TYPE_FP32, dims: {list(m.out_dims)} }} ]\n'
             "dynamic_batching { max_queue_delay_microseconds: 100 }\n"
             "instance_group [ { kind: KIND_CPU, count: 1 } ]\n"
         )
-        (REPO / m.name / "1" / "model.py").write_text(
+        (repository / m.name / "1" / "model.py").write_text(
             _MODEL_PY.format(
                 site=str(site_packages(VENV)),
                 import_models=IMPORT_MODELS,
                 spec=repr(asdict(m)),
             )
         )
-    return REPO
+    return repository
+
+
+def serve(
+    repository: Path, models: Sequence[PeerModel], extra: Sequence[str] = ()
+) -> tuple[subprocess.Popen[bytes], int]:
+    """Triton on a `repository` the caller wrote, with more tritonserver flags `extra`; returns
+    once ready and `models` (among those served) answered correctly (one try)."""
+    install()
+    global http_port
+    grpc_port, http_port = free_port(), free_port()
+    command = [*_command(None, grpc_port, http_port, repository), *extra]
+    return launch("triton", command, _env(), models, grpc_port), grpc_port
 
 
 def start(
@@ -136,12 +148,12 @@ def _env() -> dict[str, str]:
     return {**os.environ, "LD_LIBRARY_PATH": f"{site_packages(VENV) / 'nvidia_pytriton.libs'}:{libdir}"}
 
 
-def _command(pin: list[str] | None, grpc_port: int, http_port: int) -> list[str]:
+def _command(pin: list[str] | None, grpc_port: int, http_port: int, repository: Path = REPO) -> list[str]:
     ts = _tritonserver()
     return [
         *(pin or []),
         str(ts / "bin" / "tritonserver"),
-        f"--model-repository={REPO}",
+        f"--model-repository={repository}",
         f"--backend-directory={BACKENDS}",
         f"--cache-directory={ts / 'caches'}",
         "--http-address=127.0.0.1",

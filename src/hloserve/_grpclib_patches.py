@@ -14,32 +14,43 @@ the process stays stock.
   is unmerged): `GracefulServer.shutdown` lets them finish, then sends GOAWAY.
 * grpclib advertises and accepts 16 KiB frames, so a 4.8 MB tensor comes in ~300 frames:
   `GracefulServer`'s connections (`hloserve._h2_limits`) and `BigFrameChannel` take 1 MiB.
+* grpclib refuses every compressed message (not filed upstream: its server `Stream` keeps no
+  `grpc-encoding` header and raises NotImplementedError): `GuardedStream` inflates gzip and
+  deflate within the message limit and compresses replies (`hloserve._compression`);
+* grpclib answers a call whose deadline passed before it began UNKNOWN, not DEADLINE_EXCEEDED
+  (not filed upstream: `DeadlineWrapper.start` raises outside the wrapper that turns a timeout
+  into the status): `_deadline_start`, the one process-wide change, since grpclib's request
+  handler builds the wrapper itself; for any other grpclib server it only turns that UNKNOWN
+  into DEADLINE_EXCEEDED;
 * grpclib writes a unary reply's headers, message and trailers to the socket one by one: three
   system calls where one does (not filed upstream: `send_reply`).
 
-`install()` checks the libraries are those this was written for (`REQUIRES`), once.
+`install()` checks the libraries are those this was written for (`REQUIRES`), once, and applies
+`_deadline_start`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import struct
 import time
 import weakref
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import grpclib.client
 import grpclib.const
 import grpclib.protocol
 import grpclib.server
+import grpclib.utils
 import h2.settings
 from grpclib.const import Status
 from grpclib.events import RecvRequest, listen
 from grpclib.exceptions import GRPCError
 
-from hloserve import _h2_limits, _hpack_patches
+from hloserve import _compression, _h2_limits, _hpack_patches
 from hloserve._h2_limits import MAX_FRAME_SIZE, ServerGuard, TransportLimits
 from hloserve._h2_protocol import GuardedProtocol
 from hloserve._patch_requirements import Requires, check
@@ -97,6 +108,14 @@ REQUIRES = (
             "grpclib.protocol._set_nodelay",
             "grpclib.client.Channel._config",
             "grpclib.client.Channel._h2_config",
+            "grpclib.server.Stream._send_initial_metadata_done",
+            "grpclib.server.Stream._send_message_done",
+            "grpclib.server.Stream._content_type",
+            "grpclib.server.Stream._send_type",
+            "grpclib.server.Stream._messages_sent",
+            "grpclib.protocol.Connection.messages_sent",
+            "grpclib.protocol.Connection.last_message_sent",
+            "grpclib.utils.DeadlineWrapper.start",
         ),
         parameters={
             "grpclib.server.Handler.__init__": (
@@ -124,22 +143,40 @@ REQUIRES = (
 @functools.cache
 def install() -> None:
     """Check that grpclib, h2, hyperframe and hpack are what the patches were written for; raise
-    `PatchMismatch` saying what differs otherwise. Nothing process-wide is replaced."""
+    `PatchMismatch` saying what differs otherwise. Then `_deadline_start`, the one change made
+    for every grpclib server (see the module docstring)."""
     check(*REQUIRES)
+    grpclib.utils.DeadlineWrapper.start = _deadline_start  # type: ignore[method-assign]
 
 
-def _payload_refused(flags: int) -> GRPCError | None:
-    """The hook where message compression goes (grpc-encoding): today a compressed message is
-    refused before any of it is buffered."""
-    if flags:
-        return GRPCError(Status.UNIMPLEMENTED, "compressed messages are not supported; send uncompressed")
-    return None
+@contextlib.contextmanager
+def _deadline_start(self: grpclib.utils.DeadlineWrapper, deadline: Any) -> Iterator[None]:
+    """grpclib's `DeadlineWrapper.start`, but a deadline that passed before the call began is
+    DEADLINE_EXCEEDED: grpclib raised outside its wrapper, answered UNKNOWN "Internal Server
+    Error" and logged a traceback."""
+    if not deadline.time_remaining():
+        self.cancelled = True  # so that the request handler answers DEADLINE_EXCEEDED
+        raise TimeoutError("Deadline exceeded")
+    with _plain_deadline_start(self, deadline):
+        yield
+
+
+_plain_deadline_start = grpclib.utils.DeadlineWrapper.start
 
 
 class GuardedStream(grpclib.server.Stream[Any, Any]):
-    """grpclib's server stream, receiving within the transport's bounds. `GracefulServer` makes
-    each of its calls' streams one (grpclib builds them in a module function no server can
-    configure)."""
+    """grpclib's server stream, receiving within the transport's bounds and speaking gRPC
+    compression. `GracefulServer` makes each of its calls' streams one (grpclib builds them in a
+    module function no server can configure)."""
+
+    async def send_initial_metadata(self, *, metadata: Any = None) -> None:
+        """grpclib's, plus `grpc-accept-encoding` and, for a compressed reply, `grpc-encoding`."""
+        await _compression.send_initial_metadata(self, metadata)
+
+    async def send_message(self, message: Any) -> None:
+        """grpclib's, compressing the message when the reply is compressed."""
+        if not await _compression.send_compressed(self, message):
+            await super().send_message(message)
 
     async def recv_message(self) -> Any:
         """A message over `server.max_message_bytes` or the budgets of messages being received
@@ -155,7 +192,7 @@ class GuardedStream(grpclib.server.Stream[Any, Any]):
                     Status.INVALID_ARGUMENT, f"{rpc}: the request has no message; a unary call carries one"
                 )
             return None
-        refused = _payload_refused(meta[0])
+        refused = _compression.refused(self, meta[0])
         if refused is not None:
             raise refused
         (length,) = struct.unpack(">I", meta[1:])
@@ -169,6 +206,8 @@ class GuardedStream(grpclib.server.Stream[Any, Any]):
             )
         with protocol.receiving(length, rpc):
             data = await stream.recv_data(length)
+        if meta[0]:
+            data = _compression.inflate(self, data, limit, rpc)
         try:
             message = self._codec.decode(data, self._recv_type)
         except GRPCError:

@@ -31,6 +31,7 @@ from h2.errors import ErrorCodes
 from h2.events import RemoteSettingsChanged, RequestReceived, StreamReset
 from h2.stream import StreamState
 
+from hloserve import _compression
 from hloserve._h2_limits import LimitedH2Connection, ServerGuard
 
 __all__ = ["GuardedProtocol"]
@@ -131,6 +132,9 @@ class _Processor(grpclib.protocol.EventsProcessor):
         limit = self.protocol.guard.limits.max_header_list_bytes
         if size <= limit:
             super().process_request_received(event)
+            stream = self.streams.get(event.stream_id)
+            if stream is not None:  # grpclib's server keeps no grpc-* header: compression needs two
+                _compression.keep_headers(stream, headers)
             return
         h2_connection = self.connection._connection
         message = f"request headers of {size} bytes exceed server.max_header_list_bytes ({limit})"

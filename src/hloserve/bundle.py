@@ -15,6 +15,7 @@ import json
 import math
 import re
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +86,8 @@ class Bundle:
     """In `argument_order`."""
     weights_path: Path | None
     model_py: Path | None
+    labels: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    """Class labels by output name, read from the files the manifest's outputs name."""
 
     @property
     def weight_nbytes(self) -> int:
@@ -320,8 +323,9 @@ def load_bundle(directory: Path) -> Bundle:
         if path.exists():
             check_inside(path, repository, name)
     manifest = load_manifest(directory / MANIFEST, name, has_model_py=has_model_py)
+    labels = _labels(directory, name, manifest)
     if manifest.is_meta:
-        return Bundle(name, directory, manifest, (), (), None, model_py)
+        return Bundle(name, directory, manifest, (), (), None, model_py, labels)
     weights, weights_path = _weights(directory, name)
     modules = _modules(directory, name, manifest)
     for module in modules:
@@ -332,8 +336,31 @@ def load_bundle(directory: Path) -> Bundle:
         assert extent is not None  # _check_signature refused a batched module without one
         modules = (dataclasses.replace(modules[0], batch_size=extent),)
     return Bundle(
-        name, directory, manifest, modules, weights, weights_path, model_py if has_model_py else None
+        name, directory, manifest, modules, weights, weights_path, model_py if has_model_py else None, labels
     )
+
+
+MAX_LABELS_BYTES = 16 << 20
+"""Largest labels file read (a million classes of 16 characters fit)."""
+
+
+def _labels(directory: Path, name: str, manifest: Manifest) -> dict[str, tuple[str, ...]]:
+    labels = {}
+    for spec in manifest.outputs:
+        if spec.labels is None:
+            continue
+        path = directory / spec.labels
+        if not path.is_file():
+            raise BundleError(
+                name, MANIFEST, f"outputs.{spec.name}.labels", f"no file {spec.labels!r} in the bundle"
+            )
+        check_inside(path, directory.parent, name)
+        with path.open("rb") as file:
+            data = file.read(MAX_LABELS_BYTES + 1)
+        if len(data) > MAX_LABELS_BYTES:
+            raise BundleError(name, spec.labels, None, f"larger than {MAX_LABELS_BYTES} bytes")
+        labels[spec.name] = tuple(data.decode("utf-8", "replace").splitlines())
+    return labels
 
 
 def discover(repository: Path) -> list[tuple[str, Bundle | BundleError]]:

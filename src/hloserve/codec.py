@@ -9,15 +9,15 @@ tensor and what was expected, before anything is queued.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from hloserve import dtypes
 from hloserve._proto.hot import hot_infer_pb2 as pb
-from hloserve.errors import InvalidInput, ShmDisabled, ShmRegionError, clip
+from hloserve.errors import InvalidInput, ShmDisabled, ShmRegionError, UnknownTensor, clip
 from hloserve.manifest import TensorSpec
 from hloserve.shm_registry import Region, ShmRegistry
 
@@ -54,6 +54,8 @@ class DecodedRequest:
     """Outputs to write into shared memory instead of the response, by output index."""
     timeout_s: float | None
     """The soonest budget the request's timeout parameters set (None: they set none)."""
+    class_counts: dict[int, int] = field(default_factory=dict)
+    """Outputs answered as Triton's classification (top k "score:index"), k by output index."""
 
 
 def _int_param(param: Any) -> int | None:
@@ -121,6 +123,8 @@ def _array_from_contents(model: str, tensor: Any, dtype: dtypes.DType, shape: tu
 def _array_from_raw(
     model: str, name: str, raw: bytes, dtype: dtypes.DType, shape: tuple[int, ...]
 ) -> np.ndarray:
+    if dtype is dtypes.BYTES:
+        return _strings_from_raw(model, name, raw, shape)
     needed = math.prod(shape) * dtype.itemsize
     if len(raw) != needed:
         raise InvalidInput(
@@ -129,6 +133,31 @@ def _array_from_raw(
             name,
         )
     return np.frombuffer(raw, dtype=dtype.numpy).reshape(shape)
+
+
+def _strings_from_raw(model: str, name: str, raw: bytes, shape: tuple[int, ...]) -> np.ndarray:
+    """A BYTES tensor from raw contents: each element a 4-byte little-endian length, then it."""
+    count = math.prod(shape)
+    if count * 4 > len(raw):  # before anything of `count` is allocated
+        raise InvalidInput(
+            model, f"raw contents hold {len(raw)} bytes, too few for {count} BYTES elements", name
+        )
+    items = np.empty(count, dtype=object)
+    offset = 0
+    for i in range(count):
+        if offset + 4 > len(raw):
+            raise InvalidInput(model, f"raw contents end inside BYTES element {i} of {count}", name)
+        length = int.from_bytes(raw[offset : offset + 4], "little")
+        offset += 4
+        if offset + length > len(raw):
+            raise InvalidInput(model, f"raw contents end inside BYTES element {i} of {count}", name)
+        items[i] = raw[offset : offset + length]
+        offset += length
+    if offset != len(raw):
+        raise InvalidInput(
+            model, f"raw contents hold {len(raw) - offset} bytes past the {count} BYTES elements", name
+        )
+    return items.reshape(shape)
 
 
 SHM_REGION = "shared_memory_region"
@@ -198,7 +227,7 @@ def decode_request(
     for tensor, target in zip(request.inputs, in_shm, strict=True):
         index = by_name.get(tensor.name)
         if index is None:
-            raise InvalidInput(model, f"unknown input; expected one of {sorted(by_name)}", tensor.name)
+            raise UnknownTensor(model, "input", tensor.name, sorted(by_name))
         if arrays[index] is not None:
             raise InvalidInput(model, "input given more than once", tensor.name)
         spec = inputs[index]
@@ -210,6 +239,10 @@ def decode_request(
         problem = spec.shape_problem(shape)
         if problem is not None:
             raise InvalidInput(model, problem, tensor.name)
+        if target is not None and spec.dtype is dtypes.BYTES:
+            raise InvalidInput(
+                model, "BYTES tensors cannot come from shared memory; send them inline", tensor.name
+            )
         if target is not None:
             needed = math.prod(shape) * spec.dtype.itemsize
             if target.byte_size != needed:
@@ -221,6 +254,13 @@ def decode_request(
                 )
             array = target.region.read(target.offset, needed).view(spec.dtype.numpy).reshape(shape)
         elif raw:
+            if tensor.HasField("contents"):
+                raise InvalidInput(
+                    model,
+                    "holds typed contents in a request with raw_input_contents; the KServe V2 "
+                    "protocol forbids mixing them: send every input raw or every input typed",
+                    tensor.name,
+                )
             array = _array_from_raw(model, tensor.name, next(raw_entries), spec.dtype, shape)
         else:
             array = _array_from_contents(model, tensor, spec.dtype, shape)
@@ -245,16 +285,20 @@ def decode_request(
     out_names = {spec.name: i for i, spec in enumerate(outputs)}
     selected: list[int] = []
     targets: dict[int, ShmTarget] = {}
+    class_counts: dict[int, int] = {}
     for requested in request.outputs:
         if requested.name not in out_names:
-            raise InvalidInput(
-                model, f"requested output does not exist; expected one of {sorted(out_names)}", requested.name
-            )
+            raise UnknownTensor(model, "output", requested.name, sorted(out_names))
         index = out_names[requested.name]
         if index in selected:
             raise InvalidInput(model, "output requested more than once", requested.name)
         selected.append(index)
         target = _shm_target(model, requested, registry)
+        if target is not None and outputs[index].dtype is dtypes.BYTES:
+            raise InvalidInput(model, "BYTES outputs cannot go to shared memory", requested.name)
+        k = _class_count(model, requested, outputs[index], target)
+        if k is not None:
+            class_counts[index] = k
         if target is not None:
             spec = outputs[index]
             if not any(a.is_variable for a in spec.axes):
@@ -268,7 +312,64 @@ def decode_request(
             targets[index] = target
     if not selected:
         selected = list(range(len(outputs)))
-    return DecodedRequest([a for a in arrays if a is not None], rows, selected, targets, timeout_s)
+    return DecodedRequest(
+        [a for a in arrays if a is not None], rows, selected, targets, timeout_s, class_counts
+    )
+
+
+CLASSIFICATION_PARAM = "classification"
+"""Triton's requested-output parameter (tritonclient's `class_count`): answer the top k classes."""
+
+
+def _class_count(model: str, requested: Any, spec: TensorSpec, target: ShmTarget | None) -> int | None:
+    """The k of a requested output's classification parameter, checked; None when absent."""
+    if CLASSIFICATION_PARAM not in requested.parameters:
+        return None
+    k = _int_param(requested.parameters[CLASSIFICATION_PARAM])
+    if k is None or k < 0:
+        raise InvalidInput(
+            model, f"{CLASSIFICATION_PARAM} (class_count) must be an integer >= 0", requested.name
+        )
+    if k == 0:
+        return None  # as Triton: 0 is the default, no classification
+    if spec.dtype.wire in (None, "BOOL", "BYTES"):
+        raise InvalidInput(
+            model,
+            f"{CLASSIFICATION_PARAM} (class_count) needs a numeric output, this one is {spec.dtype.wire}",
+            requested.name,
+        )
+    if target is not None:
+        raise InvalidInput(
+            model,
+            f"{CLASSIFICATION_PARAM} (class_count) answers BYTES strings, which cannot go to shared memory",
+            requested.name,
+        )
+    return k
+
+
+def classify(array: np.ndarray, batch_axis: int | None, k: int, labels: Sequence[str] = ()) -> np.ndarray:
+    """Triton's classification of an output: per batch row (or for the whole tensor when it has
+    no batch axis), the top `k` values over the other axes flattened, as "score:index[:label]"
+    strings, highest first; `k` is capped at the number of classes."""
+    rows = np.moveaxis(array, batch_axis, 0) if batch_axis is not None else array[np.newaxis]
+    flat = rows.reshape(rows.shape[0], -1)
+    k = min(k, flat.shape[1])
+    top = np.argsort(-flat.astype(np.float64), axis=1, kind="stable")[:, :k]
+    strings = [
+        [f"{float(row[i]):f}:{i}" + (f":{labels[i]}" if i < len(labels) else "") for i in indices]
+        for row, indices in zip(flat, top, strict=True)
+    ]
+    result = np.array(strings, dtype=object).reshape(flat.shape[0], k)
+    return result if batch_axis is not None else result[0]
+
+
+def bytes_contents(strings: np.ndarray) -> bytes:
+    """A BYTES tensor's raw contents: each element's UTF-8 length (4 bytes, little-endian), then it."""
+    parts = []
+    for item in strings.flat:
+        data = item.encode() if isinstance(item, str) else bytes(item)
+        parts += [len(data).to_bytes(4, "little"), data]
+    return b"".join(parts)
 
 
 def encode_response(
@@ -277,20 +378,32 @@ def encode_response(
     specs: Sequence[TensorSpec],
     decoded: DecodedRequest,
     arrays: Sequence[np.ndarray],
+    labels: Mapping[str, Sequence[str]] | None = None,
 ) -> Any:
     """A ModelInferResponse: outputs written to their shared-memory targets, the rest inline.
 
     Clients index `raw_output_contents` by output position (perf_analyzer crashes otherwise), so
     an output in shared memory keeps its place there with an empty entry, as Triton does.
     """
-    response = pb.ModelInferResponse(model_name=model, id=request.id)
+    labels = labels or {}
+    response = pb.ModelInferResponse(model_name=model, model_version="1", id=request.id)
     contents: list[bytes] = []
     for index, array in zip(decoded.outputs, arrays, strict=True):
         spec = specs[index]
         tensor = response.outputs.add()
         tensor.name = spec.name
+        k = decoded.class_counts.get(index)
+        if k is not None:
+            classes = classify(array, spec.batch_axis, k, labels.get(spec.name, ()))
+            tensor.datatype = "BYTES"
+            tensor.shape.extend(classes.shape)
+            contents.append(bytes_contents(classes))
+            continue
         tensor.datatype = spec.dtype.wire
         tensor.shape.extend(array.shape)
+        if spec.dtype is dtypes.BYTES:
+            contents.append(bytes_contents(array))
+            continue
         target = decoded.shm_outputs.get(index)
         if target is None:
             contents.append(array.tobytes())

@@ -12,7 +12,7 @@ from typing import Final
 import ml_dtypes
 import numpy as np
 
-__all__ = ["DTYPES", "DType", "by_mlir", "by_numpy", "by_token", "by_wire"]
+__all__ = ["BYTES", "DTYPES", "DType", "by_mlir", "by_numpy", "by_token", "by_wire"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,11 +54,15 @@ DTYPES: Final[tuple[DType, ...]] = (
     DType("f64", np.dtype(np.float64), "FP64", "f64", "fp64_contents"),
     DType("f8_e5m2", np.dtype(ml_dtypes.float8_e5m2), None, "f8E5M2", None),
     DType("f8_e4m3", np.dtype(ml_dtypes.float8_e4m3fn), None, "f8E4M3FN", None),
+    DType("bytes", np.dtype(object), "BYTES", "", "bytes_contents"),
 )
+"""`bytes` (KServe BYTES: strings, each element a Python `bytes`) has no MLIR type: it may
+appear on client tensors only, which a model.py turns into numbers and back."""
+BYTES: Final = DTYPES[-1]
 
 _BY_TOKEN: Final = {d.token: d for d in DTYPES}
 _BY_WIRE: Final = {d.wire: d for d in DTYPES if d.wire is not None}
-_BY_MLIR: Final = {d.mlir: d for d in DTYPES}
+_BY_MLIR: Final = {d.mlir: d for d in DTYPES if d.mlir}
 _BY_NUMPY: Final = {d.numpy: d for d in DTYPES}
 
 

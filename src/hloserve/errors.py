@@ -28,8 +28,10 @@ __all__ = [
     "ShmLimit",
     "ShmRegionError",
     "ShmRegionExists",
+    "ShmRegionNotFound",
     "ShuttingDown",
     "Unimplemented",
+    "UnknownTensor",
     "clip",
 ]
 
@@ -77,11 +79,16 @@ class ConfigError(HloserveError):
 
 
 class ModelNotFound(HloserveError):
-    """The request names a model the server does not serve (or no longer does)."""
+    """The request names a model (or version) the server does not serve, or no longer does.
 
-    def __init__(self, model: str, detail: str = "") -> None:
+    The message begins with Triton's words, which clients match on."""
+
+    def __init__(self, model: str, detail: str = "", version: str = "") -> None:
         self.model = model
-        super().__init__(f"unknown model {clip(model)}" + (f": {detail}" if detail else ""))
+        which = f"{clip(model)} version {version}" if version else clip(model)
+        super().__init__(
+            f"Request for unknown model: {which} is not found" + (f": {detail}" if detail else "")
+        )
 
 
 class ModelNotReady(HloserveError):
@@ -102,6 +109,18 @@ class InvalidInput(HloserveError):
         self.model, self.tensor, self.problem = model, tensor, problem
         where = f"model {clip(model)}" + (f", tensor {clip(tensor)}" if tensor else "")
         super().__init__(f"{where}: {problem}")
+
+
+class UnknownTensor(InvalidInput):
+    """A request names an input or requested output the model does not have; the message
+    begins with Triton's words, which clients match on."""
+
+    def __init__(self, model: str, kind: str, tensor: str, expected: list[str]) -> None:
+        self.model, self.tensor, self.problem = model, tensor, f"unknown {kind}"
+        HloserveError.__init__(
+            self,
+            f"unexpected inference {kind} {clip(tensor)} for model {clip(model)}: expected one of {expected}",
+        )
 
 
 class QueueFull(HloserveError):
@@ -196,6 +215,13 @@ class ShmRegionExists(ShmRegionError):
 
     def __init__(self, region: str) -> None:
         super().__init__(region, "is already registered; unregister it first to register it again")
+
+
+class ShmRegionNotFound(ShmRegionError):
+    """The status of a region that is not registered was asked for (as Triton: NOT_FOUND)."""
+
+    def __init__(self, region: str) -> None:
+        super().__init__(region, "is not registered")
 
 
 class ShmLimit(ShmRegionError):

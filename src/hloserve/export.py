@@ -64,6 +64,8 @@ class InputSpec:
     """A numpy dtype (or anything `np.dtype` takes; ml_dtypes for bf16 and fp8), not a token."""
     letters: str | None = None
     """Manifest letters for the non-batch axes in row-major order; generated when None."""
+    format: str | None = None
+    """An image input's layout, `NHWC` or `NCHW` (ModelConfig reports it, as Triton does)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +110,8 @@ def _tensor(name: str, dtype: Any, shape: tuple[int, ...], letters: str) -> dict
 
 
 def _spec_tensor(spec: InputSpec) -> dict[str, Any]:
-    return _tensor(spec.name, spec.dtype, spec.shape, _letters(spec.letters, len(spec.shape), spec.name))
+    tensor = _tensor(spec.name, spec.dtype, spec.shape, _letters(spec.letters, len(spec.shape), spec.name))
+    return tensor if spec.format is None else {**tensor, "format": spec.format}
 
 
 def _weight_name(path: Sequence[Any]) -> str:
@@ -363,7 +366,7 @@ def export_bundle(
         "name": directory.name,
         "description": description,
         "executable_inputs": [
-            _spec_tensor(InputSpec(i.name, i.shape, arg.dtype.numpy, i.letters))
+            _spec_tensor(InputSpec(i.name, i.shape, arg.dtype.numpy, i.letters, i.format))
             for i, arg in zip(inputs, signature.inputs, strict=False)
         ],
         "executable_outputs": [

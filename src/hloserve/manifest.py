@@ -42,7 +42,9 @@ _KEYS = frozenset(
         "meta",
     }
 )
-_TENSOR_KEYS = frozenset({"name", "dtype", "shape", "dims", "description"})
+_TENSOR_KEYS = frozenset({"name", "dtype", "shape", "dims", "description", "labels", "format"})
+FORMATS = ("NHWC", "NCHW")
+"""Image layouts an input may declare (`format`), which ModelConfig reports as Triton does."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +70,12 @@ class TensorSpec:
     name: str
     dtype: DType
     axes: tuple[Axis, ...]
+    labels: str | None = None
+    """An output's labels file in the bundle (one label per line, class index = line number),
+    which Triton's classification (`class_count`) appends to each "score:index"."""
+    format: str | None = None
+    """An image input's layout (`NHWC` or `NCHW`), for clients that read it from ModelConfig
+    (Triton's image client does); None: not an image."""
     batch_axis: int | None = field(init=False, compare=False, repr=False)
     """Index of the batch axis in wire order, or None for an unbatched tensor (read per
     request, so found once)."""
@@ -163,6 +171,12 @@ class _Reader:
             dtype = dtypes.by_token(str(token))
         except KeyError as e:
             raise self.fail(f"{where}.dtype", str(e.args[0])) from None
+        if not client and dtype is dtypes.BYTES:
+            raise self.fail(
+                f"{where}.dtype",
+                "bytes (BYTES) may appear only in client_inputs and client_outputs, "
+                "which a model.py turns into numbers and back",
+            )
         if client and dtype.wire is None:
             raise self.fail(
                 f"{where}.dtype", f"{token} has no KServe datatype; it may appear only on executable tensors"
@@ -206,7 +220,17 @@ class _Reader:
         extra = sorted(set(map(str, dims)) - set(shape))
         if extra:
             raise self.fail(f"{where}.dims.{extra[0]}", f"letter not in shape {shape!r}")
-        return TensorSpec(name, dtype, tuple(axes))
+        labels = data.get("labels")
+        if labels is not None and (
+            not isinstance(labels, str) or not labels or "/" in labels or labels.startswith(".")
+        ):
+            raise self.fail(f"{where}.labels", f"expected the name of a file in the bundle, got {labels!r}")
+        layout = data.get("format")
+        if layout is not None and layout not in FORMATS:
+            raise self.fail(f"{where}.format", f"expected one of {list(FORMATS)}, got {layout!r}")
+        if layout is not None and len(axes) - any(a.is_batch for a in axes) != 3:
+            raise self.fail(f"{where}.format", f"{layout} describes an image: three axes besides the batch")
+        return TensorSpec(name, dtype, tuple(axes), labels, layout)
 
     def tensors(self, data: Mapping[str, Any], key: str, *, required: bool) -> tuple[TensorSpec, ...] | None:
         value = data.get(key)

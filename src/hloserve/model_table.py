@@ -178,7 +178,7 @@ class ModelHost(Protocol):
     def weight_budget(self) -> int | None: ...
     @property
     def models(self) -> Mapping[str, ModelEntry]: ...
-    async def load_model(self, name: str) -> None: ...
+    async def load_model(self, name: str, settings: ModelSettings | None = None) -> None: ...
     async def unload_model(self, name: str) -> None: ...
     async def reload_model_py(self, name: str) -> None: ...
     def record_failure(self, name: str, reason: str) -> None: ...
@@ -300,11 +300,12 @@ class ModelTable:
         if not lock.locked() and self._turns.get(name) is lock:  # released, nobody waiting
             del self._turns[name]
 
-    async def load_model(self, name: str) -> None:
+    async def load_model(self, name: str, settings: ModelSettings | None = None) -> None:
         """Load the bundle `name` from the repository, or reload it: it is read and compiled
         outside the dispatch loop (other models keep serving), and only then replaces the old
         version, which keeps serving if the new one fails. `name` is a plain name (no path) and
-        the bundle must lie inside the repository."""
+        the bundle must lie inside the repository. `settings` (a load's config override)
+        replace the model's `scheduler.models` entry once the bundle is ready."""
         directory = bundle_directory(self.config.server.model_repository, name)
         async with self._turn(name):
             if not (directory / "manifest.yaml").is_file():
@@ -313,6 +314,10 @@ class ModelTable:
             prepared = await trio.to_thread.run_sync(prepare, bundle, self._cache)
             if bundle.manifest.is_meta:
                 _check_meta(bundle, {n: e.bundle for n, e in self._entries.items()})
+            if settings is not None:
+                _check_settings(name, settings, prepared.compiled)
+                models = {**self.config.scheduler.models, name: settings}
+                self.config = self.config.replace("scheduler", models=models)
             await self._put(name, prepared)
 
     async def _put(self, name: str, prepared: Prepared) -> None:
@@ -446,6 +451,19 @@ def _policy(scheduler: SchedulerConfig, model: str, costs: dict[int, float]) -> 
     return ModelPolicy(
         weight=settings.weight, cost=dict(costs), discipline=settings.discipline, latency_budget_s=budget
     )
+
+
+def _check_settings(name: str, settings: ModelSettings, compiled: CompiledModel | None) -> None:
+    """A load's settings fit the bundle: a batch limit needs a batch axis and a compiled size."""
+    if settings.max_batch_size is None:
+        return
+    sizes = () if compiled is None else tuple(b for b in compiled.batch_sizes if b > 0)
+    if not sizes or settings.max_batch_size < sizes[0]:
+        raise InvalidInput(
+            name,
+            f"load parameter 'config', field 'max_batch_size': {settings.max_batch_size} fits no "
+            f"compiled batch size (compiled: {list(sizes) or 'none, no batch axis'})",
+        )
 
 
 def _queue_settings(scheduler: SchedulerConfig, compiled: CompiledModel) -> QueueSettings:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hloserve import dtypes
 from hloserve.errors import HookFailed
 from hloserve.manifest import Manifest, TensorSpec
 from hloserve.model_py import Hook, ModelHooks, NamedTensor
@@ -45,6 +46,8 @@ def arrange(tensors: object, specs: Sequence[TensorSpec]) -> tuple[list[np.ndarr
     arrays, rows = [], None
     for spec in specs:
         array = by_name[spec.name]
+        if spec.dtype is dtypes.BYTES and array.dtype.kind in "OSU":  # strings, however held
+            array = array.astype(object)
         if array.dtype != spec.dtype.numpy:
             raise ValueError(
                 f"tensor {spec.name!r} is {array.dtype}, expected {spec.dtype.numpy} ({spec.dtype.token})"

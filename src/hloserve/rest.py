@@ -311,9 +311,19 @@ class _Routes:
         return JSONResponse(_to_json(reply)["models"])
 
     async def load(self, request: Request) -> Response:
-        await self._json(request)  # parameters (a config override, files) are not supported, as on gRPC
-        name = request.path_params["model"]
-        await self._service.repository_model_load(kserve.RepositoryModelLoadRequest(model_name=name))
+        parameters = (await self._json(request)).get("parameters", {})
+        if not isinstance(parameters, dict):
+            raise HttpRefusal("Invalid value for 'parameters': expected an object")
+        message = kserve.RepositoryModelLoadRequest(
+            model_name=request.path_params["model"],
+            parameters={  # a config is a JSON string, as on gRPC; anything else is refused there
+                str(key): kserve.ModelRepositoryParameter(string_param=value)
+                if isinstance(value, str)
+                else kserve.ModelRepositoryParameter(bool_param=bool(value))
+                for key, value in parameters.items()
+            },
+        )
+        await self._service.repository_model_load(message)
         return Response()
 
     async def unload(self, request: Request) -> Response:
@@ -347,8 +357,18 @@ class _Routes:
         await self._service.system_shared_memory_unregister(kserve.SystemSharedMemoryUnregisterRequest(name))
         return Response()
 
+    async def cuda_shm_status(self, request: Request) -> Response:
+        name = request.path_params.get("region", "")
+        await self._service.cuda_shared_memory_status(kserve.CudaSharedMemoryStatusRequest(name))
+        return JSONResponse([])
+
+    async def cuda_shm_unregister(self, request: Request) -> Response:
+        name = request.path_params.get("region", "")
+        await self._service.cuda_shared_memory_unregister(kserve.CudaSharedMemoryUnregisterRequest(name))
+        return Response()
+
     async def cuda_shm(self, request: Request) -> Response:
-        await self._service._unimplemented("CudaSharedMemoryStatus", None)  # raises the gRPC answer
+        await self._service._unimplemented("CudaSharedMemoryRegister", None)  # raises the gRPC answer
         raise AssertionError("unreachable")
 
 
@@ -403,6 +423,14 @@ def build_app(service: InferenceService, models: Mapping[str, ModelEntry], limit
             "SystemSharedMemoryUnregister",
         ),
         post("/v2/systemsharedmemory/unregister", r.shm_unregister, "SystemSharedMemoryUnregister"),
+        get("/v2/cudasharedmemory/status", r.cuda_shm_status, "CudaSharedMemoryStatus"),
+        get("/v2/cudasharedmemory/region/{region}/status", r.cuda_shm_status, "CudaSharedMemoryStatus"),
+        post("/v2/cudasharedmemory/unregister", r.cuda_shm_unregister, "CudaSharedMemoryUnregister"),
+        post(
+            "/v2/cudasharedmemory/region/{region}/unregister",
+            r.cuda_shm_unregister,
+            "CudaSharedMemoryUnregister",
+        ),
         Route(
             "/v2/cudasharedmemory/{rest:path}",
             _endpoint(r.cuda_shm, "CudaSharedMemory"),

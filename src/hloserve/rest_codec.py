@@ -21,7 +21,7 @@ import numpy as np
 
 from hloserve import dtypes
 from hloserve._proto.hot import hot_infer_pb2 as hot
-from hloserve.codec import SHM_REGION
+from hloserve.codec import SHM_REGION, bytes_contents
 from hloserve.errors import InvalidInput
 
 __all__ = ["BINARY_DATA_SIZE", "ChunkedBody", "RestInfer", "decode_infer", "encode_infer"]
@@ -120,12 +120,32 @@ def _shape(tensor: dict[str, Any], model: str, name: str) -> list[int]:
     return shape
 
 
+def _json_strings(model: str, name: str, data: Any, shape: list[int]) -> bytes:
+    """The raw contents of a BYTES tensor given as JSON strings (flat or nested)."""
+    flat: list[Any] = []
+    pending = [data]
+    while pending:  # iterative: a client's nesting depth costs no stack
+        item = pending.pop()
+        if isinstance(item, list):
+            pending.extend(reversed(item))
+        elif isinstance(item, str):
+            flat.append(item.encode())
+        else:
+            raise _fail(model, "'data' must hold JSON strings for BYTES", name)
+    count = math.prod(shape)
+    if len(flat) != count:
+        raise _fail(model, f"'data' holds {len(flat)} values, shape {shape} needs {count}", name)
+    return bytes_contents(np.array(flat, dtype=object))
+
+
 def _json_tensor(model: str, name: str, data: Any, wire: str, shape: list[int]) -> bytes:
     """The raw bytes of JSON `data` (flat or nested, row-major) as a `wire` tensor of `shape`."""
     try:
         dtype = dtypes.by_wire(wire)
     except KeyError as e:
         raise _fail(model, str(e.args[0]), name) from None
+    if dtype is dtypes.BYTES:
+        return _json_strings(model, name, data, shape)
     try:
         values = np.asarray(data)
     except ValueError:
@@ -230,6 +250,8 @@ def encode_infer(response: Any, decoded: RestInfer) -> tuple[bytes, int | None]:
         elif decoded.binary.get(tensor.name, decoded.binary_default):
             out["parameters"] = {BINARY_DATA_SIZE: len(raw)}
             blobs.append(raw)
+        elif tensor.datatype == "BYTES":  # classification strings
+            out["data"] = _strings(raw)
         else:
             array = np.frombuffer(raw, dtype=dtypes.by_wire(tensor.datatype).numpy)
             if array.dtype.kind == "V" or array.dtype == np.float16:  # bfloat16, float16: as floats
@@ -244,3 +266,13 @@ def encode_infer(response: Any, decoded: RestInfer) -> tuple[bytes, int | None]:
     if not blobs:
         return header, None
     return b"".join((header, *blobs)), len(header)
+
+
+def _strings(raw: bytes) -> list[str]:
+    """The elements of a BYTES tensor's raw contents (each 4-byte little-endian length first)."""
+    strings, offset = [], 0
+    while offset < len(raw):
+        length = int.from_bytes(raw[offset : offset + 4], "little")
+        strings.append(raw[offset + 4 : offset + 4 + length].decode("utf-8", "replace"))
+        offset += 4 + length
+    return strings

@@ -13,15 +13,17 @@ import asyncio
 import functools
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import betterproto2
 import trio
 import trio_asyncio
 from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError
 
 import hloserve
-from hloserve import _grpclib_patches, _xla
+from hloserve import _grpclib_patches, _xla, dtypes
 from hloserve._proto import inference as kserve
 from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve._status import grpc_errors as _rpc
@@ -30,7 +32,7 @@ from hloserve.actors.messages import Infer
 from hloserve.admission import Admission
 from hloserve.bundle import check_model_name
 from hloserve.codec import decode_request, encode_response, request_deadline
-from hloserve.config import Config
+from hloserve.config import Config, ModelSettings
 from hloserve.errors import (
     CannotMeetDeadline,
     InvalidInput,
@@ -38,14 +40,17 @@ from hloserve.errors import (
     ModelNotReady,
     Overloaded,
     ShmDisabled,
+    ShmRegionNotFound,
     Unimplemented,
     clip,
 )
+from hloserve.load_override import apply_config
+from hloserve.manifest import FILE as MANIFEST
 from hloserve.manifest import TensorSpec
 from hloserve.meta import MetaModels
 from hloserve.metrics import Metrics
 from hloserve.pipeline import Route
-from hloserve.shm_registry import ShmRegistry
+from hloserve.shm_registry import Region, ShmRegistry
 from hloserve.statistics import Duration, ExecutionTimes, Statistics
 
 if TYPE_CHECKING:
@@ -55,7 +60,7 @@ __all__ = ["EXTENSIONS", "InferenceService"]
 
 T = TypeVar("T")
 
-EXTENSIONS = ("model_configuration", "statistics", "system_shared_memory")
+EXTENSIONS = ("model_configuration", "model_repository", "statistics", "system_shared_memory")
 """Triton protocol extensions hloserve implements, reported by ServerMetadata."""
 
 _SERVICE = "/inference.GRPCInferenceService/"
@@ -64,9 +69,19 @@ _BUILT = {
     "ModelConfig", "ModelStatistics", "RepositoryIndex",
     "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
     "RepositoryModelLoad", "RepositoryModelUnload",
+    "CudaSharedMemoryStatus", "CudaSharedMemoryUnregister",
 }  # fmt: skip
-_CUDA_SHM = {"CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister"}
 _VERSIONS = ("", "1")  # every model has exactly one version, "1"
+
+
+def _check_version(model: str, version: str) -> None:
+    """As Triton: a version is empty (the latest) or an integer > 0, else INVALID_ARGUMENT."""
+    if version and not (version.isascii() and version.isdigit() and int(version) > 0):
+        raise InvalidInput(
+            model,
+            f"failed to get model version from specified version string {clip(version)}: "
+            "a version is an integer > 0 (hloserve serves version '1')",
+        )
 
 
 def _duration(d: Duration) -> kserve.StatisticDuration:
@@ -74,7 +89,7 @@ def _duration(d: Duration) -> kserve.StatisticDuration:
 
 
 def _data_type(spec: TensorSpec) -> kserve.DataType:
-    return kserve.DataType[f"TYPE_{spec.dtype.wire}"]
+    return kserve.DataType["TYPE_STRING" if spec.dtype is dtypes.BYTES else f"TYPE_{spec.dtype.wire}"]
 
 
 class InferenceService(kserve.GrpcInferenceServiceBase):
@@ -130,8 +145,9 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
 
     async def _unimplemented(self, rpc: str, stream: Any) -> None:
         detail = (
-            "hloserve has no CUDA shared memory; use system shared memory (--allow-client-shm)"
-            if rpc in _CUDA_SHM
+            "hloserve has no CUDA shared memory (as Triton built without GPU support); "
+            "use system shared memory (--allow-client-shm)"
+            if rpc == "CudaSharedMemoryRegister"
             else "not built in this version of hloserve"
         )
         raise GRPCError(Status.UNIMPLEMENTED, str(Unimplemented(rpc, detail)))
@@ -140,8 +156,9 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         entry = self._models.get(name)
         if entry is None:
             raise ModelNotFound(name, f"serving {sorted(self._models)}")
+        _check_version(name, version)
         if version not in _VERSIONS:
-            raise ModelNotFound(name, f"version {clip(version)} does not exist; the only version is '1'")
+            raise ModelNotFound(name, "the only version is '1'", version)
         return entry
 
     def _ready_entry(self, name: str, version: str = "") -> ModelEntry:
@@ -234,7 +251,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         finally:
             self._inflight -= 1
             self._admission.release(ticket)
-        return encode_response(request, entry.name, manifest.outputs, decoded, outputs)
+        return encode_response(request, entry.name, manifest.outputs, decoded, outputs, entry.bundle.labels)
 
     async def _execute(
         self,
@@ -268,6 +285,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
 
     @_rpc("ModelReady")
     async def model_ready(self, message: kserve.ModelReadyRequest) -> kserve.ModelReadyResponse:
+        _check_version(message.name, message.version)
         entry = self._models.get(message.name)
         return kserve.ModelReadyResponse(
             ready=entry is not None
@@ -335,15 +353,24 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
             shape = spec.metadata_shape
             return shape[1:] if max_batch and spec.batch_axis == 0 else shape
 
-        policy = self._config.scheduler.models.get(entry.name)
+        policy = self._worker.config.scheduler.models.get(entry.name)  # with load overrides
+        if policy is not None and policy.max_batch_size and max_batch:
+            max_batch = min(max_batch, policy.max_batch_size)
+            sizes = [b for b in sizes if b <= max_batch]
         return kserve.ModelConfigResponse(
             config=kserve.ModelConfig(
                 name=entry.name,
                 platform=_platform(),
                 backend="python" if manifest.is_meta else "jax",
                 max_batch_size=max_batch,
+                version_policy=kserve.ModelVersionPolicy(latest=kserve.ModelVersionPolicyLatest(1)),
                 input=[
-                    kserve.ModelInput(name=s.name, data_type=_data_type(s), dims=dims(s))
+                    kserve.ModelInput(
+                        name=s.name,
+                        data_type=_data_type(s),
+                        dims=dims(s),
+                        format=kserve.ModelInputFormat[s.format or "NONE"],
+                    )
                     for s in manifest.inputs
                 ],
                 output=[
@@ -363,7 +390,12 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
     async def model_statistics(
         self, message: kserve.ModelStatisticsRequest
     ) -> kserve.ModelStatisticsResponse:
-        names = [self._entry(message.name, message.version).name] if message.name else sorted(self._models)
+        try:
+            names = (
+                [self._entry(message.name, message.version).name] if message.name else sorted(self._models)
+            )
+        except ModelNotFound as e:  # as Triton: the statistics asked for are not available
+            raise InvalidInput(message.name, f"requested statistics are not available: {e}") from None
         stats = []
         for name in names:
             s = self._statistics[name]
@@ -403,6 +435,13 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
             raise ShmDisabled()
         return self._shm
 
+    def _registered(self, name: str) -> list[Region]:
+        """Every region, or the one named (as Triton: NOT_FOUND when it is not registered)."""
+        registry = self._registry()
+        if name and name not in {r.name for r in registry.status()}:
+            raise ShmRegionNotFound(name)
+        return registry.status(name)
+
     @_rpc("SystemSharedMemoryRegister")
     async def system_shared_memory_register(
         self, message: kserve.SystemSharedMemoryRegisterRequest
@@ -419,7 +458,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
                 r.name: kserve.SystemSharedMemoryStatusResponseRegionStatus(
                     name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size
                 )
-                for r in self._registry().status(message.name)
+                for r in self._registered(message.name)
             }
         )
 
@@ -430,6 +469,22 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         self._registry().unregister(message.name)
         return kserve.SystemSharedMemoryUnregisterResponse()
 
+    # -- CUDA shared memory: none, as Triton without a GPU (so clients can clean up) ----------
+
+    @_rpc("CudaSharedMemoryStatus")
+    async def cuda_shared_memory_status(
+        self, message: kserve.CudaSharedMemoryStatusRequest
+    ) -> kserve.CudaSharedMemoryStatusResponse:
+        if message.name:
+            raise ShmRegionNotFound(message.name)  # nothing is: hloserve has no CUDA shared memory
+        return kserve.CudaSharedMemoryStatusResponse()
+
+    @_rpc("CudaSharedMemoryUnregister")
+    async def cuda_shared_memory_unregister(
+        self, message: kserve.CudaSharedMemoryUnregisterRequest
+    ) -> kserve.CudaSharedMemoryUnregisterResponse:
+        return kserve.CudaSharedMemoryUnregisterResponse()  # nothing is registered: done
+
     # -- model repository ----------------------------------------------------------------------
 
     @_rpc("RepositoryModelLoad")
@@ -437,14 +492,16 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         self, message: kserve.RepositoryModelLoadRequest
     ) -> kserve.RepositoryModelLoadResponse:
         name = check_model_name(message.model_name)
-        if message.parameters:  # Triton's config and file: overrides would write the bundle
-            first = min(message.parameters)[:64]
-            raise InvalidInput(
-                name,
-                f"load parameters ({len(message.parameters)}, first {first!r}) are not supported: "
-                "a bundle loads as it is in the repository, with no config or file overrides",
+        parameters = {
+            key: value if kind == "string_param" else None
+            for key, (kind, value) in (
+                (key, betterproto2.which_one_of(p, "parameter_choice"))
+                for key, p in message.parameters.items()
             )
-        await trio_asyncio.trio_as_aio(self._worker.load_model)(name)
+        }
+        current = self._worker.config.scheduler.models.get(name, ModelSettings())
+        settings = apply_config(name, parameters, current)
+        await trio_asyncio.trio_as_aio(self._worker.load_model)(name, settings)
         return kserve.RepositoryModelLoadResponse()
 
     @_rpc("RepositoryModelUnload")
@@ -462,6 +519,16 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         # (still addressable by name).
         parts = {callee for e in self._models.values() if e.ready for callee in e.calls}
         index = []
+        if not message.ready:  # as Triton: bundles not being served are listed too
+            repository = self._config.server.model_repository
+            on_disk = await asyncio.to_thread(_bundle_names, repository)
+            index = [
+                kserve.RepositoryIndexResponseModelIndex(
+                    name=name, version="1", state="UNAVAILABLE", reason="unloaded"
+                )
+                for name in on_disk
+                if name not in self._models
+            ]
         for entry in sorted(self._models.values(), key=lambda e: e.name):
             if entry.name in parts:
                 continue
@@ -475,7 +542,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
                         reason=reason or "",
                     )
                 )
-        return kserve.RepositoryIndexResponse(models=index)
+        return kserve.RepositoryIndexResponse(models=sorted(index, key=lambda m: m.name))
 
 
 _in_thread = trio_asyncio.trio_as_aio(trio.to_thread.run_sync)
@@ -485,6 +552,14 @@ async def _run_hook(hook: object, step: Callable[..., T], *args: Any) -> T:
     """A pipeline step: in a worker thread when it runs a hook (arbitrary, blocking Python),
     inline when the hook is omitted and the step only checks tensors."""
     return await _in_thread(step, *args) if hook is not None else step(*args)
+
+
+def _bundle_names(repository: Path) -> list[str]:
+    """The names of the repository's bundle directories (each holding a manifest)."""
+    try:
+        return [p.name for p in repository.iterdir() if (p / MANIFEST).is_file()]
+    except OSError:
+        return []
 
 
 def _platform() -> str:

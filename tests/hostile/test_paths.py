@@ -118,15 +118,20 @@ def test_a_bundle_linked_from_outside_is_refused(site: Any) -> None:
     assert_serves(server.url)
 
 
-def test_load_refuses_config_and_file_overrides(site: Any) -> None:
-    """Triton's load may carry a config and files to write into the bundle; hloserve loads a
-    bundle only as it is in the repository and says so rather than ignore them."""
+def test_load_refuses_file_overrides_and_config_fields_it_cannot_apply(site: Any) -> None:
+    """Triton's load may carry files to write into the bundle: refused, nothing is written and
+    the files' model.py never runs; a config applies only serving settings, never the bundle."""
     server, client, repository, _, marker = site
     model_py = f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n".encode()
-    says = "are not supported: a bundle loads as it is in the repository"
-    _refused("INVALID_ARGUMENT", says, client.load_model, "mlp", files={"file:1/model.py": model_py})
-    _refused("INVALID_ARGUMENT", says, client.load_model, "mlp", config='{"max_batch_size": 1}')
+    says = "file overrides (a bundle sent in the request) is not supported"
+    for key in ("file:1/model.py", "file:../../escape/model.py", "file:/tmp/model.py"):
+        _refused("INVALID_ARGUMENT", says, client.load_model, "mlp", config="{}", files={key: model_py})
+    backend = '{"backend": "python"}'
+    _refused(
+        "INVALID_ARGUMENT", "field 'backend': is not supported", client.load_model, "mlp", config=backend
+    )
     assert not marker.exists() and not (repository / "mlp" / "1").exists()
+    assert not (repository.parent / "escape").exists()
     assert_serves(server.url)
 
 
@@ -142,7 +147,7 @@ def test_unload_and_control_names_are_checked(site: Any) -> None:
     server, client, _, _, marker = site
     _refused("INVALID_ARGUMENT", NOT_A_PATH, client.unload_model, "../repository/mlp")
     _refused("INVALID_ARGUMENT", "no NUL", client.unload_model, "mlp\x00")
-    _refused("NOT_FOUND", "unknown model 'nope'", client.unload_model, "nope")
+    _refused("NOT_FOUND", "unknown model: 'nope'", client.unload_model, "nope")
     calls = (
         lambda s: s.set_model_policy(hc.SetModelPolicyRequest(name="/mlp", has_weight=True, weight=1)),
         lambda s: s.set_model_residency(hc.SetModelResidencyRequest(name="a/b", target=hc.Residency.SYSTEM)),

@@ -115,7 +115,7 @@ def test_racing_load_and_unload_apply_in_order(busy: ServerThread) -> None:
         assert ready == (applied[-1] == "model loaded"), (applied, ready)
         assert (answer == "OK") == ready, answer
         if not ready:
-            assert answer.startswith("StatusCode.NOT_FOUND unknown model 'mlp'"), answer
+            assert answer.startswith("StatusCode.NOT_FOUND Request for unknown model: 'mlp'"), answer
         assert _policy(busy, "mlp") == (Status.OK if ready else Status.NOT_FOUND)
         last_applied.append(applied[-1])
         if not ready:
@@ -145,7 +145,7 @@ def test_control_naming_an_unloaded_model_is_not_found(busy: ServerThread) -> No
         lambda s: s.set_model_residency(hc.SetModelResidencyRequest(name="mlp", target=hc.Residency.DEVICE)),
         lambda s: s.compact_memory(hc.CompactMemoryRequest(reload_models=["pool", "mlp"])),
     )
-    assert_control_refused(busy, calls, Status.NOT_FOUND, "unknown model 'mlp'")
+    assert_control_refused(busy, calls, Status.NOT_FOUND, "unknown model: 'mlp'")
     client.load_model("mlp")
     client.close()
     assert_serves(busy.url)
@@ -171,7 +171,7 @@ def test_the_actors_answer_control_that_raced_past_the_check(busy: ServerThread)
     ):
         reply = busy.call(ask, message)
         assert isinstance(reply, ModelNotFound), reply
-        assert str(reply) == "unknown model 'gone': it was unloaded"
+        assert str(reply) == "Request for unknown model: 'gone' is not found: it was unloaded"
     assert_serves(busy.url)
 
 

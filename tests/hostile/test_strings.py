@@ -98,11 +98,11 @@ def _region_name() -> Any:
 
 
 INFER_CASES = {
-    "model name": (_model_name, grpc.StatusCode.NOT_FOUND, "unknown model 'hostile-x"),
-    "model version": (_version, grpc.StatusCode.NOT_FOUND, "version 'hostile-x"),
-    "input name": (_input_name, grpc.StatusCode.INVALID_ARGUMENT, "tensor 'hostile-x"),
+    "model name": (_model_name, grpc.StatusCode.NOT_FOUND, "unknown model: 'hostile-x"),
+    "model version": (_version, grpc.StatusCode.INVALID_ARGUMENT, "version string 'hostile-x"),
+    "input name": (_input_name, grpc.StatusCode.INVALID_ARGUMENT, "unexpected inference input 'hostile-x"),
     "datatype": (_datatype, grpc.StatusCode.INVALID_ARGUMENT, "datatype 'hostile-x"),
-    "output name": (_output_name, grpc.StatusCode.INVALID_ARGUMENT, "tensor 'hostile-x"),
+    "output name": (_output_name, grpc.StatusCode.INVALID_ARGUMENT, "unexpected inference output 'hostile-x"),
     "region name": (_region_name, grpc.StatusCode.INVALID_ARGUMENT, "shared memory region 'hostile-x"),
 }
 
@@ -110,17 +110,17 @@ RPC_CASES: dict[str, tuple[Callable[[Any], Any], grpc.StatusCode, str]] = {
     "ModelMetadata name": (
         lambda s: s.ModelMetadata(service_pb2.ModelMetadataRequest(name=LONG), timeout=10),
         grpc.StatusCode.NOT_FOUND,
-        "unknown model 'hostile-x",
+        "unknown model: 'hostile-x",
     ),
     "ModelConfig version": (
         lambda s: s.ModelConfig(service_pb2.ModelConfigRequest(name="mlp", version=LONG), timeout=10),
-        grpc.StatusCode.NOT_FOUND,
-        "version 'hostile-x",
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "version string 'hostile-x",
     ),
     "ModelStatistics name": (
         lambda s: s.ModelStatistics(service_pb2.ModelStatisticsRequest(name=LONG), timeout=10),
-        grpc.StatusCode.NOT_FOUND,
-        "unknown model 'hostile-x",
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "unknown model: 'hostile-x",
     ),
     "RepositoryModelUnload name": (  # a name that could never be a bundle: refused as such
         lambda s: s.RepositoryModelUnload(
@@ -148,7 +148,7 @@ RPC_CASES: dict[str, tuple[Callable[[Any], Any], grpc.StatusCode, str]] = {
         lambda s: s.SystemSharedMemoryStatus(
             service_pb2.SystemSharedMemoryStatusRequest(name=LONG), timeout=10
         ),
-        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
         "shared memory region 'hostile-x",
     ),
 }
@@ -193,7 +193,7 @@ def test_a_megabyte_of_non_ascii_is_cut_short_too(stub: Any, shm_server: ServerT
     message = _check(
         lambda: stub.ModelInfer(request, timeout=10),
         grpc.StatusCode.NOT_FOUND,
-        "unknown model 'é",
+        "unknown model: 'é",
         shm_server.url,
     )
     assert f"({(1 << 18) + 1} characters)" in message
@@ -281,7 +281,7 @@ def test_a_megabyte_of_unknown_fields_nested_in_a_map_value(shm_server: ServerTh
         _raw_call(shm_server, _INFERENCE + "RepositoryModelLoad", request)
     assert time.perf_counter() - started < 2.0
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # overrides are refused
-    assert "first 'k'" in (raised.value.details() or "")  # the entry's known key was read
+    assert "load parameter 'k'" in (raised.value.details() or "")  # the entry's known key was read
     assert_serves(shm_server.url)
 
 

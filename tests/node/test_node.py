@@ -104,10 +104,9 @@ def _wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _die_with_test() -> None:
-    import ctypes
-
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+DIE_WITH_TEST = ["setpriv", "--pdeathsig", "KILL", "--"]
+"""Run a command so it dies with this test process (a `preexec_fn` doing the same would fork a
+process that runs JAX's threads, which JAX warns about and the suite turns into an error)."""
 
 
 @pytest.fixture(scope="module")
@@ -124,10 +123,10 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     }
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "hloserve.cli", "node", "--cpu-workers", "2",
+            [*DIE_WITH_TEST, sys.executable, "-m", "hloserve.cli", "node", "--cpu-workers", "2",
              "--scheduling", "lpt_packing", "--grpc-port", str(grpc_port),
              "--metrics-port", str(metrics_port), "--allow-client-shm"],
-            stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_test,
+            stdout=out, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
     started = Node(process, grpc_port, metrics_port, log)
     try:
@@ -166,20 +165,17 @@ def _served(address: str) -> dict[str, int]:
 
 
 def test_grpc_health_says_serving_while_the_node_is_ready(node: Node) -> None:
-    from grpclib.health.v1.health_grpc import HealthStub
-    from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    async def check(service: str) -> int:
-        channel = Channel("127.0.0.1", node.grpc_port)
-        try:
-            return int(
-                (await HealthStub(channel).Check(HealthCheckRequest(service=service), timeout=10)).status
-            )
-        finally:
-            channel.close()
-
-    for service in ("", "inference.GRPCInferenceService"):
-        assert asyncio.run(check(service)) == HealthCheckResponse.SERVING
+    with grpc.insecure_channel(f"127.0.0.1:{node.grpc_port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "inference.GRPCInferenceService"):
+            answer = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.Check(health_pb2.HealthCheckRequest(service="no-such-service"), timeout=10)
+        assert raised.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 def test_every_example_model_answers_through_the_node_as_a_worker_does(node: Node) -> None:
@@ -459,9 +455,9 @@ def test_one_worker_serves_the_public_port_itself(tmp_path: Path) -> None:
     grpc_port = free_port()
     with (tmp_path / "node.log").open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "hloserve.cli", "node", "--cpu-workers", "1",
+            [*DIE_WITH_TEST, sys.executable, "-m", "hloserve.cli", "node", "--cpu-workers", "1",
              "--grpc-port", str(grpc_port), "--metrics-port", "-1"],
-            stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_test,
+            stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
     alone = Node(process, grpc_port, -1, tmp_path / "node.log")
     try:

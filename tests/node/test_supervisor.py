@@ -16,6 +16,12 @@ from hloserve.config import Config, NodeConfig
 from hloserve.errors import ConfigError
 from hloserve.node import Child, GaveUp, Supervisor, WorkerSpec, find_gpus, worker_child, worker_specs
 
+# The supervisor forks its children from the trio thread (see hloserve.node). In this test
+# process JAX may already be loaded by other tests, and JAX warns at every fork; the child execs
+# at once, so the warning's deadlock cannot happen here (`hloserve node` imports JAX but starts no
+# backend, so it has no JAX threads).
+pytestmark = pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
+
 
 def _python(code: str) -> list[str]:
     return [sys.executable, "-c", code]

@@ -46,17 +46,20 @@ def infer(
     client: grpcclient.InferenceServerClient,
     model: str,
     inputs: Mapping[str, np.ndarray],
-    outputs: Sequence[str] = (),
+    outputs: Sequence[str | grpcclient.InferRequestedOutput] = (),
     **kwargs: Any,
 ) -> grpcclient.InferResult:
     """One tritonclient request: `inputs` by name (datatype from the array), `outputs` requested
-    by name (all when empty), `kwargs` passed to `client.infer`."""
+    by name or as `InferRequestedOutput` (all when empty), `kwargs` passed to `client.infer`."""
     tensors = []
     for name, array in inputs.items():
         tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
         tensor.set_data_from_numpy(array)
         tensors.append(tensor)
-    requested = [grpcclient.InferRequestedOutput(name) for name in outputs] or None
+    requested = [
+        o if isinstance(o, grpcclient.InferRequestedOutput) else grpcclient.InferRequestedOutput(o)
+        for o in outputs
+    ] or None
     return client.infer(model, tensors, outputs=requested, **kwargs)
 
 

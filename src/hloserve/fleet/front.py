@@ -13,8 +13,6 @@ import structlog
 import trio
 import trio_asyncio
 from grpclib.config import Configuration
-from grpclib.health.check import ServiceCheck
-from grpclib.health.service import Health
 from grpclib.server import Server
 
 from hloserve.config import Config
@@ -22,11 +20,23 @@ from hloserve.fleet import envoy
 from hloserve.fleet.controller import Controller, WorkerLink
 from hloserve.fleet.http import NodeHttp
 from hloserve.fleet.services import ControlFront, GatewayFront, InferenceFront, node_readiness
+from hloserve.health import Health
 
 if TYPE_CHECKING:
     from hloserve.node import Supervisor, WorkerSpec
 
 __all__ = ["run_front"]
+
+NODE_SERVICES = frozenset(
+    {
+        "",
+        "inference.GRPCInferenceService",
+        "hloserve_control.ControlService",
+        "hloserve_gateway.GatewayControlService",
+        "grpc.health.v1.Health",
+    }
+)
+"""The names the node's health service answers: the node itself and the services of its port."""
 
 log = structlog.get_logger("hloserve.fleet")
 
@@ -87,11 +97,12 @@ async def run_front(
             controller.on_ready = inference.restore_regions
             window = 16 << 20
 
-            async def ready() -> bool:
-                return node_readiness(controller)[0]
+            async def serving(name: str) -> bool | None:
+                """grpc.health.v1 (Kubernetes' gRPC probes): the node, and each of its services,
+                SERVING while the node is ready; any other name is unknown."""
+                return node_readiness(controller)[0] if name in NODE_SERVICES else None
 
-            # grpc.health.v1 (Kubernetes' gRPC probes): SERVING while the node is ready.
-            health = Health({inference: [ServiceCheck(ready, check_ttl=1.0)]})
+            health = Health(serving, draining=lambda: False, max_watches=config.server.max_health_watches)
             server = Server(
                 [inference, ControlFront(controller), GatewayFront(controller), health],
                 config=Configuration(http2_connection_window_size=window, http2_stream_window_size=window),

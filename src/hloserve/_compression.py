@@ -1,0 +1,138 @@
+"""gRPC message compression (`grpc-encoding` gzip and deflate), which grpclib 0.4.9 lacks.
+
+Triton accepts compressed requests and compresses its replies for clients that compress theirs
+(tritonclient's `compression_algorithm`); grpclib refuses every compressed message. Here:
+
+* a compressed request is inflated with its output capped at `server.max_message_bytes`, so a
+  small message that inflates to gigabytes is refused (RESOURCE_EXHAUSTED) before more than
+  the limit is ever held; a message that does not inflate is INVALID_ARGUMENT; an encoding other
+  than gzip and deflate is UNIMPLEMENTED, as the gRPC spec says;
+* a reply is compressed with the request's encoding when the request was compressed and its
+  `grpc-accept-encoding` lists it (a client that compresses asks for it); replies say which
+  encodings are accepted.
+
+All of it applies to hloserve's own server only: its events processor keeps the two headers on
+each stream (`keep_headers`), and `_grpclib_patches.GuardedStream` calls `refused` and `inflate`
+when receiving and `send_initial_metadata` and `send_message` when replying.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+import zlib
+from typing import Any
+
+import grpclib.server
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError, ProtocolError
+from grpclib.metadata import encode_metadata
+from multidict import MultiDict
+
+__all__ = [
+    "ACCEPT_ENCODING",
+    "inflate",
+    "keep_headers",
+    "refused",
+    "send_compressed",
+    "send_initial_metadata",
+]
+
+_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+"""zlib's window bits for each encoding: gzip framing, or zlib framing (gRPC's "deflate")."""
+ACCEPT_ENCODING = "identity,deflate,gzip"
+_LEVEL = 1
+"""zlib's fastest level: replies are compressed on the event loop; most of the gain, least time."""
+
+
+_HEADERS = ("grpc-encoding", "grpc-accept-encoding")
+
+
+def _header(stream: Any, name: str) -> str:
+    """A request header of grpclib's server `stream` ("" when absent)."""
+    for key, value in stream._stream.headers or ():
+        if key == name:
+            return str(value)
+    return ""
+
+
+def keep_headers(stream: Any, headers: Any) -> None:
+    """Keep a request's encoding headers on its grpclib stream (grpclib's server keeps none that
+    start with "grpc-")."""
+    stream.headers = [(k, v) for k, v in headers or () if k in _HEADERS]
+
+
+def refused(stream: Any, flags: int) -> GRPCError | None:
+    """Why a message with these flags cannot be read (None: it can)."""
+    if not flags:
+        return None
+    encoding = _header(stream, "grpc-encoding") or "identity"
+    if encoding in _WBITS:
+        return None
+    return GRPCError(
+        Status.UNIMPLEMENTED,
+        f"message compressed with grpc-encoding {encoding[:64]!r}; hloserve accepts {ACCEPT_ENCODING}",
+    )
+
+
+def inflate(stream: Any, data: bytes, limit: int, rpc: str) -> bytes:
+    """A compressed message's bytes, inflated to at most `limit` bytes (more is refused)."""
+    encoding = _header(stream, "grpc-encoding")
+    inflater = zlib.decompressobj(_WBITS[encoding])
+    try:
+        message = inflater.decompress(data, limit + 1)
+    except zlib.error as e:
+        raise GRPCError(
+            Status.INVALID_ARGUMENT, f"{rpc}: the {encoding} message does not inflate ({e})"
+        ) from None
+    if len(message) > limit:
+        raise GRPCError(
+            Status.RESOURCE_EXHAUSTED,
+            f"request of {len(data)} {encoding} bytes inflates past server.max_message_bytes ({limit}); "
+            "send large tensors through system shared memory or raise the limit",
+        )
+    if not inflater.eof:
+        raise GRPCError(Status.INVALID_ARGUMENT, f"{rpc}: the {encoding} message is truncated")
+    return message
+
+
+def _reply_encoding(stream: Any) -> str | None:
+    encoding = _header(stream, "grpc-encoding")
+    accepted = {e.strip() for e in _header(stream, "grpc-accept-encoding").split(",")}
+    return encoding if encoding in _WBITS and encoding in accepted else None
+
+
+async def send_initial_metadata(self: grpclib.server.Stream[Any, Any], metadata: Any = None) -> None:
+    """grpclib's, plus `grpc-accept-encoding` and, when the reply is compressed, `grpc-encoding`."""
+    if self._send_initial_metadata_done:
+        raise ProtocolError("Initial metadata was already sent")
+    headers = [(":status", "200"), ("content-type", self._content_type)]
+    headers.append(("grpc-accept-encoding", ACCEPT_ENCODING))
+    encoding = _reply_encoding(self)
+    if encoding is not None:
+        headers.append(("grpc-encoding", encoding))
+    (metadata,) = await self._dispatch.send_initial_metadata(MultiDict(metadata or ()))
+    headers.extend(encode_metadata(metadata))
+    await self._stream.send_headers(headers)
+    self._send_initial_metadata_done = True
+
+
+async def send_compressed(self: grpclib.server.Stream[Any, Any], message: Any) -> bool:
+    """grpclib's `send_message`, compressing the message when the reply is compressed; False
+    (nothing sent) when it is not."""
+    encoding = _reply_encoding(self)
+    if encoding is None:
+        return False
+    if not self._send_initial_metadata_done:
+        await self.send_initial_metadata()
+    if not self._cardinality.server_streaming and self._send_message_done:
+        raise ProtocolError("Message was already sent")
+    (message,) = await self._dispatch.send_message(message)
+    packer = zlib.compressobj(_LEVEL, zlib.DEFLATED, _WBITS[encoding])
+    data = packer.compress(self._codec.encode(message, self._send_type)) + packer.flush()
+    await self._stream.send_data(struct.pack(">?I", True, len(data)) + data)
+    self._send_message_done = True
+    self._messages_sent += 1
+    self._stream.connection.messages_sent += 1
+    self._stream.connection.last_message_sent = time.monotonic()
+    return True
