@@ -223,6 +223,7 @@ class Controller:
         self.workers = workers
         self.by_name = {w.name: w for w in workers}
         log.info("discovered workers", workers=addresses, left=sorted(known))
+        self._route()  # no route (nor status page) names a worker that left
 
     async def _probe(self, worker: WorkerLink) -> None:
         timeout = self.node.probe_timeout_s
