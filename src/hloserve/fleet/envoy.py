@@ -220,7 +220,7 @@ def _cluster(name: str, addresses: Sequence[str], policy: str, window: int) -> d
     endpoints = []
     for address in addresses:
         host, _, port = address.rpartition(":")
-        endpoints.append({"endpoint": {"address": _address(host, int(port))}})
+        endpoints.append({"endpoint": {"address": _address(host.strip("[]"), int(port))}})
     return {
         "@type": "type.googleapis.com/envoy.config.cluster.v3.Cluster",
         "name": name,

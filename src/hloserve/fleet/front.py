@@ -1,5 +1,6 @@
-"""The front of a node of two workers or more: Envoy on the public gRPC port, the controller on a
-loopback port behind it and on the public metrics port. Started by `hloserve.node`."""
+"""The front of a node of two workers or more (or of the workers `node.workers_dns` names): Envoy
+on the public gRPC port, the controller on a loopback port behind it and on the public metrics
+port. Started by `hloserve.node`."""
 
 from __future__ import annotations
 
@@ -129,7 +130,7 @@ async def run_front(
                 grpc=f"{server_config.host}:{server_config.grpc_port}",
                 metrics=f"{server_config.host}:{server_config.metrics_port}",
                 controller=controller_address,
-                workers={s.name: s.address for s in specs},
+                workers={s.name: s.address for s in specs} or config.node.workers_dns,
                 scheduling=config.node.scheduling,
             )
             task_status.started()
