@@ -636,7 +636,7 @@ def test_perf_analyzer_over_http(server: ServerThread, concurrency: int) -> None
     assert perf_analyzer_path() is not None, "run `python benches/perf_analyzer.py --install`"
     result = run_perf_analyzer(
         ["-m", "mlp", "-u", server.http_url, "-i", "http", "--measurement-interval", "1000",
-         "--concurrency-range", f"{concurrency}:{concurrency}", "-s", "100", "--max-trials", "3"],
+         "--concurrency-range", f"{concurrency}:{concurrency}", "-s", "100", "--max-trials", "10"],
         timeout=180,
     )  # fmt: skip
     output = result.stdout + result.stderr

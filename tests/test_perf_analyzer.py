@@ -18,7 +18,7 @@ def _run_clean(url: str, model: str, *flags: str) -> str:
     )
     result = run_perf_analyzer(
         ["-m", model, "-u", url, "-i", "grpc", "--concurrency-range", "1:2", "-b", "2",
-         "--measurement-interval", "1000", "-s", "100", "--max-trials", "3", *flags],
+         "--measurement-interval", "1000", "-s", "100", "--max-trials", "10", *flags],
         timeout=180,
     )  # fmt: skip
     output = result.stdout + result.stderr

@@ -37,6 +37,11 @@ from hloserve.node import Supervisor
 
 NAME = "workers.fleet.svc"
 
+# The front started in this process forks Envoy with a preexec_fn (PR_SET_PDEATHSIG); other tests
+# may have started JAX here, which warns at every fork. The child execs at once, so the
+# deadlock the warning is about cannot happen.
+pytestmark = pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
+
 
 @pytest.mark.parametrize(
     "value", ["workers", "workers:", ":8001", "workers:0", "workers:65536", "workers:80a", "[]:8001"]
