@@ -24,7 +24,7 @@ import trio
 import tritonclient.grpc as triton
 from grpclib.client import Channel
 from structlog.testing import capture_logs
-from support.clients import assert_serves, free_port, infer, wait_ready
+from support.clients import assert_serves, free_port, infer, wait_ready, wait_until
 from support.servers import EXAMPLES, SERVE, make_config, start_worker
 
 from hloserve._proto import hloserve_gateway as gateway
@@ -280,18 +280,6 @@ def _poll(condition: Callable[[], bool], timeout: float, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _wait(condition: Callable[[], bool], timeout: float, what: str, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if condition():
-                return
-        except Exception:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}; the node said:\n{log.read_text()[-4000:]}")
-
-
 @pytest.mark.slow
 def test_a_node_given_workers_dns_starts_no_worker_and_serves_through_the_one_it_resolves(
     tmp_path: Path,
@@ -313,7 +301,12 @@ def test_a_node_given_workers_dns_starts_no_worker_and_serves_through_the_one_it
         client = triton.InferenceServerClient(f"127.0.0.1:{grpc_port}")
         direct = triton.InferenceServerClient(worker.url)
         try:
-            _wait(lambda: client.is_model_ready("mlp"), 60, "the node to route mlp", log)
+            wait_until(
+                lambda: client.is_model_ready("mlp"),
+                60,
+                "the node to route mlp",
+                lambda: f"the node said:\n{log.read_text()[-4000:]}",
+            )
             np.testing.assert_array_equal(_mlp(client), _mlp(direct))  # the worker's own answer
             said = log.read_text()
             assert "[worker" not in said  # no worker of its own

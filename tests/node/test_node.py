@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 from grpclib.client import Channel
+from support.clients import wait_until
 from support.servers import ROOT
 from tritonclient.utils import InferenceServerException
 from tritonclient.utils import shared_memory as shm
@@ -92,18 +93,6 @@ class Node:
         return {w.name: w.address for w in self.status().workers}
 
 
-def _wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if condition():
-                return
-        except Exception:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 DIE_WITH_TEST = ["setpriv", "--pdeathsig", "KILL", "--"]
 """Run a command so it dies with this test process (a `preexec_fn` doing the same would fork a
 process that runs JAX's threads, which JAX warns about and the suite turns into an error)."""
@@ -131,8 +120,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     started = Node(process, grpc_port, metrics_port, log)
     try:
         try:
-            _wait(lambda: started.client().is_server_ready(), 90, "the node to be ready")
-            _wait(lambda: started.status().repack.count >= 1, 30, "the startup placement")
+            wait_until(lambda: started.client().is_server_ready(), 90, "the node to be ready")
+            wait_until(lambda: started.status().repack.count >= 1, 30, "the startup placement")
         except AssertionError as e:
             raise AssertionError(f"{e}; the node said:\n{log.read_text()[-4000:]}") from None
         yield started
@@ -322,7 +311,7 @@ def test_a_model_loaded_on_one_worker_joins_the_union_and_becomes_routable(node:
         index = {m.name: m for m in public.get_model_repository_index().models}
         assert index["pool"].state == "UNAVAILABLE" and "no ready replica" in index["pool"].reason
         # Envoy takes the new routes within a second or so; then pool's requests reach the controller
-        _wait(
+        wait_until(
             lambda: (
                 _status_of(lambda: public.infer("pool", _inputs(public, "cnn")))[0] == "StatusCode.NOT_FOUND"
             ),
@@ -332,7 +321,7 @@ def test_a_model_loaded_on_one_worker_joins_the_union_and_becomes_routable(node:
         assert not public.is_model_ready("pool")
         assert public.is_server_ready()  # unloaded on purpose: no longer a model the node must serve
         triton.InferenceServerClient(workers["worker1"]).load_model("pool")  # directly, on one worker
-        _wait(lambda: public.is_model_ready("pool"), 10, "pool to be routable")
+        wait_until(lambda: public.is_model_ready("pool"), 10, "pool to be routable")
         before = _served(workers["worker1"])["pool"]
         assert _outputs(public, "pool")
         assert _served(workers["worker1"])["pool"] == before + 1
@@ -343,7 +332,7 @@ def test_a_model_loaded_on_one_worker_joins_the_union_and_becomes_routable(node:
     finally:
         for address in workers.values():  # back on every worker, for the tests after this one
             triton.InferenceServerClient(address).load_model("pool")
-        _wait(
+        wait_until(
             lambda: len(next(m for m in node.status().models if m.name == "pool").serving_workers) == 2,
             10,
             "pool on both workers",
@@ -418,7 +407,9 @@ def test_a_repack_separates_a_skewed_load_and_compacts_only_the_workers_that_cha
 def test_a_worker_killed_under_load_costs_no_request_and_comes_back(node: Node) -> None:
     node.gateway("set_model_replicas", gateway.SetModelReplicasRequest(name="mlp", replicas=-1))
     assert node.gateway("repack", gateway.RepackRequest(wait_seconds=30)).completed
-    _wait(lambda: len(next(m for m in node.status().models if m.name == "mlp").replicas) == 2, 10, "mlp x2")
+    wait_until(
+        lambda: len(next(m for m in node.status().models if m.name == "mlp").replicas) == 2, 10, "mlp x2"
+    )
     workers = node.workers()
     victim = node.worker_pid(int(workers["worker0"].rpartition(":")[2]))
     region = shm.create_shared_memory_region("kept", "/hloserve_node_test_kept", 4096)
@@ -434,8 +425,8 @@ def test_a_worker_killed_under_load_costs_no_request_and_comes_back(node: Node) 
         thread.join()
     assert not errors, errors[:3]
     assert len(count) > 100
-    _wait(lambda: node.worker_pid(int(workers["worker0"].rpartition(":")[2])) != victim, 10, "a restart")
-    _wait(
+    wait_until(lambda: node.worker_pid(int(workers["worker0"].rpartition(":")[2])) != victim, 10, "a restart")
+    wait_until(
         lambda: len(next(m for m in node.status().models if m.name == "mlp").replicas) == 2,
         60,
         "worker0 back in mlp's route",
@@ -461,7 +452,7 @@ def test_one_worker_serves_the_public_port_itself(tmp_path: Path) -> None:
         )  # fmt: skip
     alone = Node(process, grpc_port, -1, tmp_path / "node.log")
     try:
-        _wait(lambda: alone.client().is_server_ready(), 90, "the worker")
+        wait_until(lambda: alone.client().is_server_ready(), 90, "the worker")
         (child,) = alone.descendants()  # no Envoy, no controller port: the worker itself
         assert alone.worker_pid(grpc_port) == child
         assert _outputs(alone.client(), "mlp")

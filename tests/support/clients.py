@@ -32,6 +32,7 @@ __all__ = [
     "infer",
     "rss_bytes",
     "wait_ready",
+    "wait_until",
 ]
 
 T = TypeVar("T")
@@ -105,6 +106,22 @@ def assert_control_refused(
             control(worker, call)
         assert raised.value.status == status, raised.value
         assert says in (raised.value.message or "")
+
+
+def wait_until(
+    condition: Callable[[], object], timeout: float, what: str, output: Callable[[], str] = str
+) -> None:
+    """Poll `condition` (an exception counts as not yet) every 0.1 s until it holds; fail at
+    `timeout` naming `what`, with `output()` (a log's tail) to say what went wrong."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                return
+        except Exception:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}; {output()}")
 
 
 def wait_ready(
