@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-
 import export_examples
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from support.servers import ROOT
 
-sys.path.insert(0, str(ROOT))  # benches/ is not installed; pytest run by tox does not see it
 from benches.serving import _free_port, start_server
 
 
