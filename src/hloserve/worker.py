@@ -63,6 +63,12 @@ class Worker(ModelTable):
 async def serve(config: Config) -> AsyncIterator[Worker]:
     """Run a whole worker for the duration of the block; see the module docstring."""
     server_config = config.server
+    if server_config.frontends:
+        raise ConfigError(
+            "server.frontends",
+            f"got {server_config.frontends}; frontend processes are not built in this version yet "
+            "(docs/frontends.md describes the design): use 0",
+        )
     _grpclib_patches.install()  # checks grpclib, h2, hyperframe and hpack; replaces nothing
     _trio_asyncio_patches.install()
     await trio.to_thread.run_sync(_xla.warm_up)
