@@ -1,0 +1,393 @@
+"""The link between a frontend process and the engine (docs/frontends.md, "The link").
+
+One Unix stream socket per frontend carries frames: a `<IQ` header (payload length, request
+id), then the message pickled. Both ends are processes of one worker started from one
+installation over a socketpair nobody else holds, so the messages are trusted. Tensors never
+travel in a frame: the frontend owns an arena (a `BufferPool` in POSIX shared memory), copies a
+request's inputs into a slot once and names them by `TensorRef`; the engine maps the arena, queues
+views of it and writes the outputs back into the region of the slot the frontend reserved.
+
+`EngineLink` is the engine's actor for one frontend; `FrontendLink` is the frontend's end.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import pickle
+import struct
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, final
+
+import numpy as np
+import trio
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+
+from hloserve._status import to_grpc_error
+from hloserve.actors.messages import Infer
+from hloserve.buffer_pool import BufferPool, PoolSlot
+from hloserve.errors import ModelNotFound, ModelNotReady
+
+if TYPE_CHECKING:
+    from hloserve.model_table import ModelEntry
+
+__all__ = [
+    "MAX_FRAME_BYTES",
+    "EngineLink",
+    "Failed",
+    "FrontendLink",
+    "Hello",
+    "Ran",
+    "Released",
+    "Run",
+    "TensorRef",
+    "Withdraw",
+]
+
+HEADER = struct.Struct("<IQ")
+MAX_FRAME_BYTES = 64 << 20
+"""Largest payload; tensors are in the arena, so only an output that did not fit comes near it."""
+_ALIGNMENT = 64
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    """A tensor in the frontend's arena: `shape` of `dtype` at byte `offset`."""
+
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """frontend → engine, first frame: the arena to map (`/dev/shm` + `key`, `size` bytes)."""
+
+    key: str
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """frontend → engine: execute `inputs` on `model`'s queue; write outputs into `out`
+    (offset, bytes) of the arena. `timeout_s` is what remains of the client's deadline."""
+
+    model: str
+    inputs: list[TensorRef]
+    rows: int
+    outputs: list[int]
+    timeout_s: float | None
+    out: tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Withdraw:
+    """frontend → engine: the client of request `id` went away."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ran:
+    """engine → frontend: the outputs, each in the arena or (did not fit) inline."""
+
+    outputs: list[TensorRef | np.ndarray]
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """engine → frontend: the gRPC status and message the request fails with (as with K=0)."""
+
+    status: int
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    """engine → frontend: a withdrawn request was dropped; its slot is the frontend's again."""
+
+
+def frame(ident: int, message: object) -> bytes:
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    if len(payload) > MAX_FRAME_BYTES:
+        raise ValueError(f"link message of {len(payload)} bytes exceeds {MAX_FRAME_BYTES}")
+    return HEADER.pack(len(payload), ident) + payload
+
+
+@final
+class FrameReader:
+    """Frames from a stream, one at a time; None at the end of the stream."""
+
+    def __init__(self, stream: trio.abc.ReceiveStream) -> None:
+        self._stream = stream
+        self._buffer = bytearray()
+
+    async def _fill(self, n: int) -> bool:
+        while len(self._buffer) < n:
+            chunk = await self._stream.receive_some(max(n - len(self._buffer), 1 << 16))
+            if not chunk:
+                return False
+            self._buffer += chunk
+        return True
+
+    async def receive(self) -> tuple[int, Any] | None:
+        if not await self._fill(HEADER.size):
+            return None
+        length, ident = HEADER.unpack_from(self._buffer)
+        if length > MAX_FRAME_BYTES:
+            raise ValueError(f"link frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
+        if not await self._fill(HEADER.size + length):
+            return None
+        payload = bytes(self._buffer[HEADER.size : HEADER.size + length])
+        del self._buffer[: HEADER.size + length]
+        return ident, pickle.loads(payload)
+
+
+# -- the engine's end --------------------------------------------------------------------------
+
+
+@dataclass(eq=False, slots=True)
+class _LinkReply:
+    """The reply slot of an `Infer` from a frontend: its one final event (answered, failed, or
+    found withdrawn and dropped) goes to the link's sender, once."""
+
+    ident: int
+    out: tuple[int, int]
+    send: trio.MemorySendChannel[tuple[_LinkReply, object]]
+    withdrawn: bool = False
+    finished: bool = False
+
+    def _finish(self, event: object) -> None:
+        if not self.finished:
+            self.finished = True
+            self.send.send_nowait((self, event))
+
+    def set_result(self, result: Any, /) -> None:
+        self._finish(result)
+
+    def set_exception(self, exception: BaseException, /) -> None:
+        self._finish(exception)
+
+    def cancelled(self) -> bool:
+        # Asked only where a request is about to be dropped unread: that is its release.
+        if self.withdrawn:
+            self._finish(Released())
+        return self.withdrawn
+
+    def done(self) -> bool:
+        return self.finished
+
+
+@final
+class EngineLink:
+    """The engine's actor for one frontend: a trio task reading its frames, turning `Run` into
+    the `Infer` the in-process front end sends, and sending each request's one final frame.
+
+    A withdrawn request is marked and left to its queue, which drops it unread when it reaches
+    it (the reply's `cancelled()`), so the frontend reuses the slot only once nothing reads it.
+    """
+
+    def __init__(self, stream: trio.SocketStream, models: Mapping[str, ModelEntry]) -> None:
+        self._stream = stream
+        self._models = models
+        self._pending: dict[int, tuple[Infer, _LinkReply]] = {}
+        self._arena: np.ndarray | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        reader = FrameReader(self._stream)
+        send, receive = trio.open_memory_channel[tuple[_LinkReply, object]](math.inf)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._send_finals, receive)
+                task_status.started()
+                while (received := await reader.receive()) is not None:
+                    self._on_message(*received, send)
+                nursery.cancel_scope.cancel()
+        finally:
+            for _, reply in self._pending.values():
+                reply.withdrawn = True  # its frontend is gone: the queues drop them unread
+            self._pending.clear()
+            self._arena = None  # unmapped when the last view of it goes
+            await self._stream.aclose()
+
+    def _on_message(
+        self, ident: int, message: object, send: trio.MemorySendChannel[tuple[_LinkReply, object]]
+    ) -> None:
+        match message:
+            case Run():
+                reply = _LinkReply(ident, message.out, send)
+                try:
+                    request = self._submit(message, reply)
+                except Exception as e:
+                    reply.set_exception(e)
+                else:
+                    self._pending[ident] = (request, reply)
+            case Withdraw():
+                if (pending := self._pending.get(ident)) is not None:
+                    pending[1].withdrawn = True
+            case Hello(key=key, size=size):
+                self._arena = _map_arena(key, size)
+            case _:
+                raise TypeError(f"link got an unknown message {message!r}")
+
+    def _submit(self, run: Run, reply: _LinkReply) -> Infer:
+        entry = self._models.get(run.model)
+        if entry is None:
+            raise ModelNotFound(run.model, f"serving {sorted(self._models)}")
+        if not entry.ready or entry.queue is None:
+            raise ModelNotReady(run.model, entry.error or "not loaded")
+        assert self._arena is not None, "a frontend sends Hello before Run"
+        arena = self._arena
+        inputs = [arena[t.offset : t.offset + t.nbytes].view(t.dtype).reshape(t.shape) for t in run.inputs]
+        now = time.monotonic()
+        deadline = None if run.timeout_s is None else now + run.timeout_s
+        request = Infer(run.model, inputs, run.rows, run.outputs, reply, now, deadline)
+        entry.queue.submit_nowait(request)
+        return request
+
+    async def _send_finals(self, receive: trio.MemoryReceiveChannel[tuple[_LinkReply, object]]) -> None:
+        async for reply, event in receive:
+            self._pending.pop(reply.ident, None)
+            match event:
+                case Released():
+                    message: object = event
+                case BaseException():
+                    error = to_grpc_error(event, "ModelInfer")  # type: ignore[arg-type]
+                    message = Failed(error.status.value, error.message or "")
+                case list():
+                    message = Ran(self._write_outputs(event, reply.out))
+                case _:
+                    raise TypeError(f"a link reply got {event!r}")
+            await self._stream.send_all(frame(reply.ident, message))
+
+    def _write_outputs(self, outputs: list[np.ndarray], out: tuple[int, int]) -> list[TensorRef | np.ndarray]:
+        """Copy each output into the reserved region while it fits; the rest travel inline."""
+        written: list[TensorRef | np.ndarray] = []
+        cursor, end = out[0], out[0] + out[1]
+        for array in outputs:
+            array = np.ascontiguousarray(array)
+            cursor += -cursor % _ALIGNMENT
+            if self._arena is None or cursor + array.nbytes > end:
+                written.append(array)
+                continue
+            self._arena[cursor : cursor + array.nbytes] = array.reshape(-1).view(np.uint8)
+            written.append(TensorRef(cursor, array.dtype.str, array.shape))
+            cursor += array.nbytes
+        return written
+
+
+def _map_arena(key: str, size: int) -> np.ndarray:
+    fd = os.open(f"/dev/shm{key}", os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        return np.frombuffer(mmap.mmap(fd, size), dtype=np.uint8)
+    finally:
+        os.close(fd)
+
+
+# -- the frontend's end ------------------------------------------------------------------------
+
+
+@dataclass(eq=False, slots=True)
+class _Waiting:
+    slot: PoolSlot
+    done: trio.Event = field(default_factory=trio.Event)
+    answer: object = None
+
+
+@final
+class FrontendLink:
+    """A frontend's end of the link: `infer` stages inputs in the arena, sends `Run` and awaits
+    the answer; `run` (a task) reads the engine's frames. A cancelled `infer` sends `Withdraw`
+    and leaves its slot held until the engine says nothing reads it."""
+
+    def __init__(self, stream: trio.SocketStream, arena: BufferPool) -> None:
+        assert arena.key is not None, "the arena is shared memory the engine maps"
+        self._stream = stream
+        self._arena = arena
+        self._send_lock = trio.Lock()
+        self._waiting: dict[int, _Waiting] = {}
+        self._next_id = 1
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        assert self._arena.key is not None
+        try:
+            await self._stream.send_all(frame(0, Hello(self._arena.key, self._arena.n_bytes)))
+            task_status.started()
+            reader = FrameReader(self._stream)
+            while (received := await reader.receive()) is not None:
+                self._on_final(*received)
+        finally:
+            for waiting in self._waiting.values():
+                waiting.answer = Failed(Status.UNAVAILABLE.value, "the engine closed the link")
+                waiting.done.set()
+            await self._stream.aclose()
+
+    def _on_final(self, ident: int, message: object) -> None:
+        waiting = self._waiting.pop(ident, None)
+        if waiting is None:
+            return
+        if waiting.done.is_set() or isinstance(message, Released):  # its caller left
+            self._arena.release(waiting.slot)
+            return
+        waiting.answer = message
+        waiting.done.set()
+
+    async def _send(self, ident: int, message: object) -> None:
+        async with self._send_lock:
+            await self._stream.send_all(frame(ident, message))
+
+    async def infer(
+        self,
+        model: str,
+        inputs: list[np.ndarray],
+        rows: int,
+        outputs: list[int],
+        timeout_s: float | None,
+        out_nbytes: int,
+    ) -> list[np.ndarray]:
+        """Run `inputs` on the engine; the outputs are copies (the slot is reused at once)."""
+        specs = [(a.shape, a.dtype) for a in inputs] + [((out_nbytes,), np.uint8)]
+        slot = await self._arena.acquire_slot(self._arena.span_for(specs))
+        staged = self._arena.scratch(slot, specs)
+        for target, source in zip(staged, inputs, strict=False):
+            target[...] = source
+        refs = [TensorRef(self._arena.array_offset(a), a.dtype.str, a.shape) for a in staged[:-1]]
+        out = (self._arena.array_offset(staged[-1]), out_nbytes)
+        ident, self._next_id = self._next_id, self._next_id + 1
+        waiting = self._waiting[ident] = _Waiting(slot)
+        try:
+            with trio.CancelScope(shield=True):  # a frame is never left half-written
+                await self._send(ident, Run(model, refs, rows, outputs, timeout_s, out))
+            await waiting.done.wait()
+        except BaseException:
+            if ident in self._waiting:  # the engine still holds it: withdraw, release on its final frame
+                waiting.done.set()
+                with trio.CancelScope(shield=True):
+                    await self._send(ident, Withdraw())
+            else:
+                self._arena.release(slot)
+            raise
+        try:
+            match waiting.answer:
+                case Ran(outputs=results):
+                    memory = self._arena.view(slot)
+                    return [self._copy_out(r, memory, slot) for r in results]
+                case Failed(status=status, message=message):
+                    raise GRPCError(Status(status), message)
+                case other:
+                    raise TypeError(f"link answered {other!r}")
+        finally:
+            self._arena.release(slot)
+
+    @staticmethod
+    def _copy_out(result: TensorRef | np.ndarray, memory: np.ndarray, slot: PoolSlot) -> np.ndarray:
+        if isinstance(result, np.ndarray):
+            return result
+        start = result.offset - slot.offset
+        return memory[start : start + result.nbytes].view(result.dtype).reshape(result.shape).copy()
