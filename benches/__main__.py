@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from benches import breakdown, compare, overload, scheduler, serving, shared_memory, weight_cache
+from benches import breakdown, compare, frontends, overload, scheduler, serving, shared_memory, weight_cache
 from benches.charts import write_charts
 
 BENCHES = Path(__file__).resolve().parent
@@ -29,6 +29,7 @@ SUITES = {
     "weight_cache": weight_cache,
     "breakdown": breakdown,
     "overload": overload,
+    "frontends": frontends,
 }
 _BEGIN, _END = "<!-- latest compare run: begin -->", "<!-- latest compare run: end -->"
 
