@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, final
 
 import numpy as np
 import trio
+import trio_asyncio
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
@@ -34,6 +35,7 @@ from hloserve.errors import ModelNotFound, ModelNotReady
 
 if TYPE_CHECKING:
     from hloserve.model_table import ModelEntry
+    from hloserve.service import Execute
 
 __all__ = [
     "MAX_FRAME_BYTES",
@@ -46,6 +48,7 @@ __all__ = [
     "Run",
     "TensorRef",
     "Withdraw",
+    "execute_over",
 ]
 
 HEADER = struct.Struct("<IQ")
@@ -391,3 +394,36 @@ class FrontendLink:
             return result
         start = result.offset - slot.offset
         return memory[start : start + result.nbytes].view(result.dtype).reshape(result.shape).copy()
+
+
+def execute_over(link: FrontendLink) -> Execute:
+    """`InferenceService`'s execute step for a frontend: the inputs go to the engine over `link`
+    (called from the service's asyncio handlers), with room reserved for the outputs."""
+    infer = trio_asyncio.trio_as_aio(link.infer)
+
+    async def execute(
+        entry: ModelEntry,
+        inputs: list[Any],
+        rows: int,
+        outputs: list[int],
+        deadline: float | None,
+        now: float,
+    ) -> list[Any]:
+        assert entry.bundle is not None
+        specs = entry.bundle.manifest.executable_outputs
+        out_nbytes = sum(_nbytes_bound(specs[i], rows) for i in outputs)
+        timeout_s = None if deadline is None else deadline - time.monotonic()
+        arrays = [np.asarray(a) for a in inputs]
+        return list(await infer(entry.name, arrays, rows, outputs, timeout_s, out_nbytes))
+
+    return execute
+
+
+def _nbytes_bound(spec: Any, rows: int) -> int:
+    """The bytes of an output of `rows` rows, aligned; 0 when its shape depends on the data (it
+    then travels inline)."""
+    try:
+        shape = spec.wire_shape(rows)
+    except ValueError:
+        return 0
+    return math.prod(shape) * spec.dtype.itemsize + _ALIGNMENT

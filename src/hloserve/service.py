@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
@@ -51,9 +51,13 @@ from hloserve.statistics import Duration, ExecutionTimes, Statistics
 if TYPE_CHECKING:
     from hloserve.model_table import ModelEntry, ModelHost
 
-__all__ = ["EXTENSIONS", "InferenceService"]
+__all__ = ["EXTENSIONS", "Execute", "InferenceService"]
 
 T = TypeVar("T")
+
+Execute = Callable[["ModelEntry", list[Any], int, list[int], float | None, float], Awaitable[list[Any]]]
+"""How executable inputs reach the engine: `(entry, inputs, rows, outputs, deadline, now)` to the
+outputs; in-process, the model's queue (`InferenceService._execute`)."""
 
 EXTENSIONS = ("model_configuration", "statistics", "system_shared_memory")
 """Triton protocol extensions hloserve implements, reported by ServerMetadata."""
@@ -88,7 +92,10 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         metrics: Metrics,
         worker: ModelHost,
         metas: MetaModels,
+        execute: Execute | None = None,
     ) -> None:
+        if execute is not None:  # a frontend process: executable inputs go over its link
+            self._execute = execute  # type: ignore[method-assign,assignment]
         self._config = config
         self._models = models
         self._statistics = statistics
