@@ -43,6 +43,7 @@ __all__ = [
     "Failed",
     "FrontendLink",
     "Hello",
+    "Listening",
     "Ran",
     "Released",
     "Run",
@@ -76,6 +77,11 @@ class Hello:
 
     key: str
     size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Listening:
+    """frontend → engine: it listens on the public port (the engine is ready once all do)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +207,10 @@ class EngineLink:
         self._models = models
         self._pending: dict[int, tuple[Infer, _LinkReply]] = {}
         self._arena: np.ndarray | None = None
+        self.arena_key: str | None = None
+        """The frontend's arena (its `/dev/shm` name), once it said; the engine unlinks it if the
+        frontend dies."""
+        self.listening = trio.Event()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         reader = FrameReader(self._stream)
@@ -235,7 +245,9 @@ class EngineLink:
                 if (pending := self._pending.get(ident)) is not None:
                     pending[1].withdrawn = True
             case Hello(key=key, size=size):
-                self._arena = _map_arena(key, size)
+                self._arena, self.arena_key = _map_arena(key, size), key
+            case Listening():
+                self.listening.set()
             case _:
                 raise TypeError(f"link got an unknown message {message!r}")
 
@@ -316,6 +328,8 @@ class FrontendLink:
         self._send_lock = trio.Lock()
         self._waiting: dict[int, _Waiting] = {}
         self._next_id = 1
+        self.closed = trio.Event()
+        """Set when the engine's end is gone."""
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         assert self._arena.key is not None
@@ -329,7 +343,12 @@ class FrontendLink:
             for waiting in self._waiting.values():
                 waiting.answer = Failed(Status.UNAVAILABLE.value, "the engine closed the link")
                 waiting.done.set()
+            self.closed.set()
             await self._stream.aclose()
+
+    async def announce(self, message: object) -> None:
+        """Send a notice (no request of its own)."""
+        await self._send(0, message)
 
     def _on_final(self, ident: int, message: object) -> None:
         waiting = self._waiting.pop(ident, None)

@@ -33,6 +33,7 @@ from hloserve.config import Config
 from hloserve.control import ControlService
 from hloserve.errors import ConfigError
 from hloserve.executable_cache import ExecutableCache, default_directory
+from hloserve.frontends import Frontends
 from hloserve.health import worker_health
 from hloserve.meta import MetaModels
 from hloserve.metrics import Metrics
@@ -63,12 +64,6 @@ class Worker(ModelTable):
 async def serve(config: Config) -> AsyncIterator[Worker]:
     """Run a whole worker for the duration of the block; see the module docstring."""
     server_config = config.server
-    if server_config.frontends:
-        raise ConfigError(
-            "server.frontends",
-            f"got {server_config.frontends}; frontend processes are not built in this version yet "
-            "(docs/frontends.md describes the design): use 0",
-        )
     _grpclib_patches.install()  # checks grpclib, h2, hyperframe and hpack; replaces nothing
     _trio_asyncio_patches.install()
     await trio.to_thread.run_sync(_xla.warm_up)
@@ -148,14 +143,18 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
                     "server.http_port",
                     f"cannot listen on {server_config.host}:{server_config.http_port}: {e}",
                 ) from None
+        frontends = Frontends(config, entries) if server_config.frontends else None
         try:
-            await trio_asyncio.aio_as_trio(server.start)(server_config.host, server_config.grpc_port)
+            if frontends is not None:  # the engine: K processes serve gRPC, over links to it
+                worker.grpc_port = await nursery.start(frontends.run)
+            else:
+                await trio_asyncio.aio_as_trio(server.start)(server_config.host, server_config.grpc_port)
+                worker.grpc_port = server.port
         except OSError as e:
             metrics.close()
             raise ConfigError(
                 "server.grpc_port", f"cannot listen on {server_config.host}:{server_config.grpc_port}: {e}"
             ) from None
-        worker.grpc_port = server.port
         if server_config.reload:
             watcher = RepositoryWatcher(
                 worker,
@@ -180,7 +179,10 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
                 log.info("shutting down", grace_s=server_config.shutdown_grace_s)
                 if rest is not None:
                     rest.stop()
-                await trio_asyncio.aio_as_trio(server.shutdown)(server_config.shutdown_grace_s)
+                if frontends is not None:
+                    await frontends.drain()
+                else:
+                    await trio_asyncio.aio_as_trio(server.shutdown)(server_config.shutdown_grace_s)
                 if rest is not None:  # hypercorn gives its connections the same grace
                     with trio.move_on_after(server_config.shutdown_grace_s + 1):
                         await rest.stopped.wait()

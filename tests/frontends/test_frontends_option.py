@@ -1,16 +1,12 @@
-"""`server.frontends`: the key, its flag and environment override, its bounds, and (until the
-frontend process is built) a clear refusal of K > 0 before anything starts."""
+"""`server.frontends`: the key, its flag and environment override, and its bounds."""
 
 from __future__ import annotations
 
 import pytest
-import trio
-from support.servers import make_config
 
 from hloserve.cli import _apply_flags, _parser
 from hloserve.config import load_config
 from hloserve.errors import ConfigError
-from hloserve.worker import serve
 
 
 def test_default_is_one_process_and_flag_and_environment_set_it() -> None:
@@ -26,12 +22,3 @@ def test_default_is_one_process_and_flag_and_environment_set_it() -> None:
 def test_out_of_range_names_the_field(value: str) -> None:
     with pytest.raises(ConfigError, match=r"server\.frontends.*0 \(one process\) to 64"):
         load_config(environ={"HLOSERVE_SERVER_FRONTENDS": value})
-
-
-def test_frontends_not_built_yet_is_refused_before_anything_starts() -> None:
-    async def start() -> None:
-        async with serve(make_config(frontends=2)):
-            pytest.fail("a worker with frontends started, but the frontend process is not built")
-
-    with pytest.raises(ConfigError, match=r"server\.frontends.*not built in this version yet.*use 0"):
-        trio.run(start)

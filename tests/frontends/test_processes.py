@@ -1,0 +1,95 @@
+"""`--frontends 2`: a real engine process and two frontend processes on one port (SO_REUSEPORT),
+reached with tritonclient on many connections; a frontend killed with SIGKILL comes back and its
+arena leaves /dev/shm; the engine killed takes the frontends with it and frees the port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from export_examples import reference
+from support.clients import assert_serves, infer
+from support.servers import start_worker
+
+pytestmark = pytest.mark.slow
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and "hloserve.frontend" in _cmdline(int(stat.parent.name)):
+            found.append(int(stat.parent.name))
+    return sorted(found)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def arenas(pids: list[int]) -> list[str]:
+    return [
+        n for n in os.listdir("/dev/shm") if any(n.startswith("hloserve-f") and f"-{p}-" in n for p in pids)
+    ]
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def serve_many(url: str, connections: int = 8, requests: int = 5) -> None:
+    def one(seed: int) -> None:
+        x = np.random.default_rng(seed).random((1 + seed % 4, 16), dtype=np.float32)
+        with closing(grpcclient.InferenceServerClient(url)) as client:
+            for _ in range(requests):
+                answer = infer(client, "mlp", {"INPUT0": x}).as_numpy("OUTPUT0")
+                np.testing.assert_allclose(answer, reference("mlp", x), rtol=1e-5, atol=1e-6)
+
+    with ThreadPoolExecutor(connections) as pool:
+        list(pool.map(one, range(connections)))
+
+
+def test_two_frontends_serve_and_one_killed_comes_back() -> None:
+    with start_worker(process="subprocess", frontends=2) as worker:
+        frontends = children(worker.pid)
+        assert len(frontends) == 2, frontends
+        serve_many(worker.url, connections=16)
+        assert len(arenas(frontends)) == 2
+        os.kill(frontends[0], signal.SIGKILL)
+        serve_many(worker.url)  # the other keeps serving (clients on the dead one reconnect)
+        wait_for(lambda: len(children(worker.pid)) == 2 and frontends[0] not in children(worker.pid))
+        assert not arenas([frontends[0]]), "the killed frontend's arena was left in /dev/shm"
+        serve_many(worker.url, connections=16)
+
+
+def test_the_engine_killed_takes_its_frontends_and_frees_the_port() -> None:
+    with start_worker(process="subprocess", frontends=2) as worker:
+        frontends = children(worker.pid)
+        assert len(frontends) == 2
+        assert_serves(worker.url)
+        os.kill(worker.pid, signal.SIGKILL)
+        wait_for(
+            lambda: (
+                not any(Path(f"/proc/{p}").exists() and "hloserve.frontend" in _cmdline(p) for p in frontends)
+            )
+        )
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", worker.grpc_port))  # nothing holds the port
