@@ -93,3 +93,25 @@ def test_the_engine_killed_takes_its_frontends_and_frees_the_port() -> None:
         )
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", worker.grpc_port))  # nothing holds the port
+
+
+def test_sigterm_drains_requests_in_flight_then_every_process_exits(tmp_path: Path) -> None:
+    config = tmp_path / "hloserve.yaml"  # the queue holds lone rows a second: in flight at SIGTERM
+    config.write_text("scheduler:\n  models:\n    mlp: {max_queue_delay_us: 1000000}\n")
+    with start_worker(process="subprocess", frontends=2, args=["--config", str(config)]) as worker:
+        frontends = children(worker.pid)
+        x = np.random.default_rng(1).random((1, 16), dtype=np.float32)
+
+        def one(_: int) -> np.ndarray:
+            with closing(grpcclient.InferenceServerClient(worker.url)) as client:
+                return infer(client, "mlp", {"INPUT0": x}, client_timeout=20).as_numpy("OUTPUT0")
+
+        with ThreadPoolExecutor(6) as pool:
+            answers = pool.map(one, range(6))
+            time.sleep(0.5)
+            os.kill(worker.pid, signal.SIGTERM)
+            for answer in answers:
+                np.testing.assert_allclose(answer, reference("mlp", x), rtol=1e-5, atol=1e-6)
+        assert worker.process.wait(30) == 0
+        assert not any(Path(f"/proc/{p}").exists() for p in frontends)
+        assert not arenas(frontends)
