@@ -15,6 +15,7 @@ import pickle
 import signal
 import socket
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,8 @@ from typing import Any, cast
 
 import trio
 import trio_asyncio
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
 
 from hloserve import _grpclib_patches, _trio_asyncio_patches
 from hloserve._proto import inference as kserve
@@ -30,7 +33,7 @@ from hloserve.buffer_pool import BufferPool
 from hloserve.bundle import load_bundle
 from hloserve.config import Config
 from hloserve.errors import Unimplemented
-from hloserve.link import FrontendLink, Listening, execute_over
+from hloserve.link import Counted, FrontendLink, Listening, execute_over
 from hloserve.meta import MetaModels
 from hloserve.metrics import Metrics
 from hloserve.model_table import Failed, Loaded, ModelEntry, _registration
@@ -89,16 +92,31 @@ def _entry(summary: ModelSummary) -> ModelEntry:
 
 
 class FrontendService(InferenceService):
-    """The front end of one frontend: RPCs that act on the engine alone are not forwarded yet."""
+    """The front end of one frontend: ModelInfer over the link, its calls counted by the engine,
+    ModelStatistics answered by the engine; RPCs that change the engine are not forwarded yet."""
 
-    async def _on_engine(self, rpc: str) -> Any:
-        from grpclib.const import Status
-        from grpclib.exceptions import GRPCError
+    def __init__(
+        self,
+        link: FrontendLink,
+        config: Config,
+        models: Mapping[str, ModelEntry],
+        statistics: Statistics,
+        metrics: Metrics,
+        host: Any,
+        metas: MetaModels,
+    ) -> None:
+        super().__init__(config, models, statistics, metrics, host, metas, execute=execute_over(link))
+        self._link = link
+        self._call = trio_asyncio.trio_as_aio(link.call)
 
-        raise GRPCError(Status.UNIMPLEMENTED, str(Unimplemented(rpc, _NOT_YET)))
+    def _count(self, model: str, status: str, started: float, failed: bool) -> None:
+        self._link.notify(Counted(model, status, time.perf_counter() - started))
 
     async def model_statistics(self, message: kserve.ModelStatisticsRequest) -> Any:
-        return await self._on_engine("ModelStatistics")
+        return await self._call("model_statistics", message)
+
+    async def _on_engine(self, rpc: str) -> Any:
+        raise GRPCError(Status.UNIMPLEMENTED, str(Unimplemented(rpc, _NOT_YET)))
 
     async def repository_model_load(self, message: kserve.RepositoryModelLoadRequest) -> Any:
         return await self._on_engine("RepositoryModelLoad")
@@ -130,13 +148,13 @@ async def _serve(link_fd: int, port: int, setup: Setup) -> None:
             link = FrontendLink(trio.SocketStream(sock), arena)
             await nursery.start(link.run)
             service = FrontendService(
+                link,
                 config,
                 models,
                 statistics,
                 Metrics(statistics),
                 cast(Any, _Host(config, models, statistics)),
                 MetaModels(models, 1, None, statistics, PolicyParams()),
-                execute=execute_over(link),
             )
             server = _grpclib_patches.GracefulServer(
                 [service],

@@ -24,7 +24,7 @@ import trio
 
 from hloserve.config import Config
 from hloserve.frontend import ModelSummary, Setup
-from hloserve.link import EngineLink
+from hloserve.link import EngineLink, EngineServices
 from hloserve.model_table import ModelEntry
 
 __all__ = ["Frontends"]
@@ -55,9 +55,10 @@ def _summaries(models: Mapping[str, ModelEntry]) -> tuple[ModelSummary, ...]:
 class Frontends:
     """The K frontend processes of one engine; see the module docstring."""
 
-    def __init__(self, config: Config, models: Mapping[str, ModelEntry]) -> None:
+    def __init__(self, config: Config, models: Mapping[str, ModelEntry], services: EngineServices) -> None:
         self._config = config
         self._models = models
+        self._services = services
         self._processes: dict[int, trio.Process] = {}
         self._draining = False
 
@@ -106,7 +107,9 @@ class Frontends:
             raise
         finally:
             frontend_end.close()
-        link = EngineLink(trio.SocketStream(trio.socket.from_stdlib_socket(engine_end)), self._models)
+        link = EngineLink(
+            trio.SocketStream(trio.socket.from_stdlib_socket(engine_end)), self._models, self._services
+        )
         self._processes[index] = process
         try:
             assert process.stdin is not None

@@ -18,7 +18,7 @@ import os
 import pickle
 import struct
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, final
 
@@ -39,13 +39,17 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_FRAME_BYTES",
+    "Call",
+    "Counted",
     "EngineLink",
+    "EngineServices",
     "Failed",
     "FrontendLink",
     "Hello",
     "Listening",
     "Ran",
     "Released",
+    "Returned",
     "Run",
     "TensorRef",
     "Withdraw",
@@ -100,6 +104,32 @@ class Run:
 @dataclass(frozen=True, slots=True)
 class Withdraw:
     """frontend → engine: the client of request `id` went away."""
+
+
+@dataclass(frozen=True, slots=True)
+class Counted:
+    """frontend → engine, a notice: a ModelInfer call ended with `status` after `elapsed_s`
+    (the engine's statistics and metrics count every frontend's calls)."""
+
+    model: str
+    status: str
+    elapsed_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """frontend → engine: answer the engine's own `method` of the service for `message` (an
+    RPC whose answer is the engine's, such as ModelStatistics)."""
+
+    method: str
+    message: object
+
+
+@dataclass(frozen=True, slots=True)
+class Returned:
+    """engine → frontend: a `Call`'s answer."""
+
+    value: object
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +191,15 @@ class FrameReader:
 # -- the engine's end --------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class EngineServices:
+    """What a link reaches of the engine beyond its queues: `count` a frontend's finished call
+    (model, status, seconds), and the service methods a `Call` may name (asyncio coroutines)."""
+
+    count: Callable[[str, str, float], None]
+    calls: Mapping[str, Callable[[Any], Awaitable[Any]]]
+
+
 @dataclass(eq=False, slots=True)
 class _LinkReply:
     """The reply slot of an `Infer` from a frontend: its one final event (answered, failed, or
@@ -202,9 +241,16 @@ class EngineLink:
     it (the reply's `cancelled()`), so the frontend reuses the slot only once nothing reads it.
     """
 
-    def __init__(self, stream: trio.SocketStream, models: Mapping[str, ModelEntry]) -> None:
+    def __init__(
+        self,
+        stream: trio.SocketStream,
+        models: Mapping[str, ModelEntry],
+        services: EngineServices | None = None,
+    ) -> None:
         self._stream = stream
         self._models = models
+        self._services = services
+        self._nursery: trio.Nursery | None = None
         self._pending: dict[int, tuple[Infer, _LinkReply]] = {}
         self._arena: np.ndarray | None = None
         self.arena_key: str | None = None
@@ -218,6 +264,7 @@ class EngineLink:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._send_finals, receive)
+                self._nursery = nursery
                 task_status.started()
                 while (received := await reader.receive()) is not None:
                     self._on_message(*received, send)
@@ -248,8 +295,28 @@ class EngineLink:
                 self._arena, self.arena_key = _map_arena(key, size), key
             case Listening():
                 self.listening.set()
+            case Counted(model=model, status=status, elapsed_s=elapsed_s) if self._services is not None:
+                self._services.count(model, status, elapsed_s)
+            case Call(method=method, message=argument) if self._services is not None:
+                assert self._nursery is not None
+                self._nursery.start_soon(self._call, ident, method, argument, send)
             case _:
                 raise TypeError(f"link got an unknown message {message!r}")
+
+    async def _call(
+        self,
+        ident: int,
+        method: str,
+        argument: object,
+        send: trio.MemorySendChannel[tuple[_LinkReply, object]],
+    ) -> None:
+        assert self._services is not None
+        reply = _LinkReply(ident, (0, 0), send)
+        try:
+            handler = self._services.calls[method]
+            reply.set_result(Returned(await trio_asyncio.aio_as_trio(handler)(argument)))
+        except Exception as e:
+            reply.set_exception(e)
 
     def _submit(self, run: Run, reply: _LinkReply) -> Infer:
         entry = self._models.get(run.model)
@@ -270,7 +337,7 @@ class EngineLink:
         async for reply, event in receive:
             self._pending.pop(reply.ident, None)
             match event:
-                case Released():
+                case Released() | Returned():
                     message: object = event
                 case BaseException():
                     error = to_grpc_error(event, "ModelInfer")  # type: ignore[arg-type]
@@ -310,7 +377,7 @@ def _map_arena(key: str, size: int) -> np.ndarray:
 
 @dataclass(eq=False, slots=True)
 class _Waiting:
-    slot: PoolSlot
+    slot: PoolSlot | None
     done: trio.Event = field(default_factory=trio.Event)
     answer: object = None
 
@@ -330,15 +397,19 @@ class FrontendLink:
         self._next_id = 1
         self.closed = trio.Event()
         """Set when the engine's end is gone."""
+        self._notices, self._notice_queue = trio.open_memory_channel[object](math.inf)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         assert self._arena.key is not None
         try:
             await self._stream.send_all(frame(0, Hello(self._arena.key, self._arena.n_bytes)))
-            task_status.started()
-            reader = FrameReader(self._stream)
-            while (received := await reader.receive()) is not None:
-                self._on_final(*received)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._send_notices)
+                task_status.started()
+                reader = FrameReader(self._stream)
+                while (received := await reader.receive()) is not None:
+                    self._on_final(*received)
+                nursery.cancel_scope.cancel()
         finally:
             for waiting in self._waiting.values():
                 waiting.answer = Failed(Status.UNAVAILABLE.value, "the engine closed the link")
@@ -350,12 +421,40 @@ class FrontendLink:
         """Send a notice (no request of its own)."""
         await self._send(0, message)
 
+    def notify(self, message: object) -> None:
+        """Send a notice without waiting (from a synchronous caller): queued for `run`'s sender."""
+        self._notices.send_nowait(message)
+
+    async def _send_notices(self) -> None:
+        async for message in self._notice_queue:
+            with trio.CancelScope(shield=True):
+                await self._send(0, message)
+
+    async def call(self, method: str, message: object) -> object:
+        """The engine's answer to its service's `method` for `message`."""
+        ident, self._next_id = self._next_id, self._next_id + 1
+        waiting = self._waiting[ident] = _Waiting(None)
+        with trio.CancelScope(shield=True):
+            await self._send(ident, Call(method, message))
+        try:
+            await waiting.done.wait()
+        finally:
+            self._waiting.pop(ident, None)
+        match waiting.answer:
+            case Returned(value=value):
+                return value
+            case Failed(status=status, message=text):
+                raise GRPCError(Status(status), text)
+            case other:
+                raise TypeError(f"link answered {other!r}")
+
     def _on_final(self, ident: int, message: object) -> None:
         waiting = self._waiting.pop(ident, None)
         if waiting is None:
             return
         if waiting.done.is_set() or isinstance(message, Released):  # its caller left
-            self._arena.release(waiting.slot)
+            if waiting.slot is not None:
+                self._arena.release(waiting.slot)
             return
         waiting.answer = message
         waiting.done.set()

@@ -174,7 +174,11 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         await _grpclib_patches.send_reply(stream, response)
 
     def _count(self, model: str, status: str, started: float, failed: bool) -> None:
-        elapsed = time.perf_counter() - started
+        self.count_elapsed(model, status, time.perf_counter() - started)
+
+    def count_elapsed(self, model: str, status: str, elapsed: float) -> None:
+        """Count one ModelInfer call that ended with `status` (a frontend's, too)."""
+        failed = status != "OK"
         self._metrics.requests.labels(model, status).inc()
         self._metrics.request_seconds.labels(model).observe(elapsed)
         if model in self._models:

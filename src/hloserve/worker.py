@@ -35,6 +35,7 @@ from hloserve.errors import ConfigError
 from hloserve.executable_cache import ExecutableCache, default_directory
 from hloserve.frontends import Frontends
 from hloserve.health import worker_health
+from hloserve.link import EngineServices
 from hloserve.meta import MetaModels
 from hloserve.metrics import Metrics
 from hloserve.model_table import ModelTable, Prepared, prepare_repository
@@ -143,7 +144,10 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
                     "server.http_port",
                     f"cannot listen on {server_config.host}:{server_config.http_port}: {e}",
                 ) from None
-        frontends = Frontends(config, entries) if server_config.frontends else None
+        frontends = None
+        if server_config.frontends:
+            calls = {"model_statistics": service.model_statistics}
+            frontends = Frontends(config, entries, EngineServices(service.count_elapsed, calls))
         try:
             if frontends is not None:  # the engine: K processes serve gRPC, over links to it
                 worker.grpc_port = await nursery.start(frontends.run)

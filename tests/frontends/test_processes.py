@@ -19,6 +19,7 @@ import tritonclient.grpc as grpcclient
 from export_examples import reference
 from support.clients import assert_serves, infer
 from support.servers import start_worker
+from tritonclient.utils import InferenceServerException
 
 pytestmark = pytest.mark.slow
 
@@ -115,3 +116,17 @@ def test_sigterm_drains_requests_in_flight_then_every_process_exits(tmp_path: Pa
         assert worker.process.wait(30) == 0
         assert not any(Path(f"/proc/{p}").exists() for p in frontends)
         assert not arenas(frontends)
+
+
+def test_statistics_count_every_frontend_from_any_connection() -> None:
+    with start_worker(process="subprocess", frontends=2) as worker:
+        serve_many(worker.url, connections=16, requests=5)  # 80 calls, rows 1..4 by connection
+        rows = sum(5 * (1 + seed % 4) for seed in range(16))
+        for _ in range(4):  # fresh connections: the kernel spreads them over both frontends
+            with closing(grpcclient.InferenceServerClient(worker.url)) as client:
+                stats = client.get_inference_statistics("mlp", as_json=True)["model_stats"][0]
+                assert int(stats["inference_stats"]["success"]["count"]) == 80
+                assert int(stats["inference_count"]) == rows
+                with pytest.raises(InferenceServerException) as raised:
+                    infer(client, "nope", {"INPUT0": np.ones((1, 16), np.float32)})
+                assert raised.value.status() == "StatusCode.NOT_FOUND"
