@@ -1,12 +1,15 @@
-"""Frontends: what the engine costs per request when frontends feed it (`python -m benches frontends`).
+"""Frontends: the worker with K frontend processes, and the engine alone (`python -m benches frontends`).
 
-Today this measures the engine alone: an engine process (the worker's actors and models, pinned
-to core 0) accepting links on a Unix socket, fed at full speed by a driver in this process that
-writes requests into the link directly (`hloserve.link.FrontendLink`: inputs staged in its
-shared-memory arena, one frame per request). Per scenario: requests per second, p99 latency, the
-engine's CPU per request (from /proc) and the driver's (the link's share of a frontend's cost).
-The issue's target is the engine's CPU per tiny request at concurrency 16 at most a fifth of a
-frontend's. K=0/1/2 through gRPC come with the frontend process (docs/frontends.md).
+Through gRPC: `hloserve serve --frontends K` for K = 0, 1, 2 (not pinned: the point is using
+both cores) under perf_analyzer; per scenario, answers per second, p99, and CPU per request of the
+engine (the worker process itself) and of one frontend (its children's, over K), from /proc.
+With K=0 the engine column is the whole single-process server.
+
+The engine alone: an engine process (pinned to core 0) accepting links on a Unix socket, fed at
+full speed by a driver in this process that writes requests into the link directly
+(`hloserve.link.FrontendLink`); the frontend column is then the driver's CPU (the link's share of
+a frontend's cost). The issue's target: the engine's CPU per tiny request at concurrency 16 at
+most a fifth of a frontend's.
 """
 
 from __future__ import annotations
@@ -34,17 +37,109 @@ SCENARIOS = (
 OUT_BYTES = 4 << 10
 
 
+GRPC_SCENARIOS = (
+    ("mlp c=1", "mlp", 1, ["-b", "1"]),
+    ("mlp c=16", "mlp", 16, ["-b", "1"]),
+    ("mlp c=64", "mlp", 64, ["-b", "1"]),
+    ("4.8 MB c=1", "pool", 1, ["-b", "8"]),
+)
+FRONTENDS = (0, 1, 2)
+
+
 @dataclass(frozen=True)
 class Row:
+    setup: str
+    """`K=0`, `K=1`, `K=2` (through gRPC) or `engine alone` (the link driven directly)."""
     scenario: str
     throughput: float
     p99_ms: float
     engine_cpu_ms_per_request: float
-    driver_cpu_ms_per_request: float
+    frontend_cpu_ms_per_request: float | None
+    """One frontend's CPU per request it answered (the driver's, for the engine alone)."""
     requests: int
 
 
 def run(window_ms: int = 3000) -> list[Row]:
+    return [*_grpc(window_ms), *_engine_alone(window_ms)]
+
+
+def _grpc(window_ms: int) -> list[Row]:
+    import tritonclient.grpc as grpcclient
+
+    from benches.perf_analyzer import install
+    from benches.serving import _free_port, _successes
+
+    install()
+    rows = []
+    for k in FRONTENDS:
+        port = _free_port()
+        process = subprocess.Popen(
+            [sys.executable, "-m", "hloserve.cli", "serve", "--grpc-port", str(port), "--http-port", "-1",
+             "--metrics-port", "-1", "--frontends", str(k)],
+            cwd=ROOT, env={**os.environ, "HLOSERVE_LOGGING_LEVEL": "warning"}, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        url = f"127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                assert process.poll() is None and time.monotonic() < deadline, "the server did not start"
+                try:
+                    with grpcclient.InferenceServerClient(url) as client:
+                        if client.is_server_ready():
+                            break
+                except Exception:
+                    time.sleep(0.2)
+            for name, model, concurrency, extra in GRPC_SCENARIOS:
+                engine, whole, n = _own_cpu(process.pid), _cpu_seconds(process.pid), _successes(url, model)
+                p99_ms, throughput = _perf_analyzer(url, model, concurrency, extra, window_ms)
+                engine = _own_cpu(process.pid) - engine
+                frontends = _cpu_seconds(process.pid) - whole - engine
+                n = max(_successes(url, model) - n, 1)
+                rows.append(
+                    Row(
+                        f"K={k}",
+                        name,
+                        throughput,
+                        p99_ms,
+                        engine / n * 1e3,
+                        frontends / n * 1e3 if k else None,
+                        n,
+                    )
+                )
+        finally:
+            process.terminate()
+            process.wait(60)
+    return rows
+
+
+def _own_cpu(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _perf_analyzer(
+    url: str, model: str, concurrency: int, extra: list[str], window_ms: int
+) -> tuple[float, float]:
+    import csv
+    import io
+
+    from benches.perf_analyzer import run_perf_analyzer
+
+    with tempfile.TemporaryDirectory() as directory:
+        out = Path(directory) / "perf.csv"
+        args = [
+            "-m", model, "-u", url, "-i", "grpc", "--concurrency-range", f"{concurrency}:{concurrency}",
+            "--measurement-interval", str(window_ms), "-s", "100", "--max-trials", "8",
+            "-f", str(out), *extra,
+        ]  # fmt: skip
+        result = run_perf_analyzer(args, timeout=300)
+        if result.returncode != 0:
+            raise RuntimeError(f"perf_analyzer failed: {result.stdout[-2000:]} {result.stderr[-2000:]}")
+        row = next(csv.DictReader(io.StringIO(out.read_text())))
+    return float(row["p99 latency"]) / 1e3, float(row["Inferences/Second"])
+
+
+def _engine_alone(window_ms: int) -> list[Row]:
     with tempfile.TemporaryDirectory() as directory:
         path = str(Path(directory) / "engine.sock")
         engine = subprocess.Popen(
@@ -105,6 +200,7 @@ def _scenario(
     elapsed, engine_cpu, driver_cpu = trio.run(drive)
     n = max(len(latencies), 1)
     return Row(
+        "engine alone",
         name,
         len(latencies) / elapsed,
         float(np.percentile(latencies, 99)) * 1e3 if latencies else float("nan"),
@@ -116,12 +212,14 @@ def _scenario(
 
 def table(rows: list[Row]) -> str:
     lines = [
-        f"{'engine alone':<14} {'req/s':>9} {'p99 ms':>8} {'engine CPU ms/req':>18} {'driver CPU ms/req':>18}"
+        f"{'setup':<13} {'scenario':<11} {'req/s':>8} {'p99 ms':>8} {'engine CPU ms/req':>18} "
+        f"{'frontend CPU ms/req':>20}"
     ]
     for r in rows:
+        frontend = "-" if r.frontend_cpu_ms_per_request is None else f"{r.frontend_cpu_ms_per_request:.3f}"
         lines.append(
-            f"{r.scenario:<14} {r.throughput:>9.0f} {r.p99_ms:>8.2f} "
-            f"{r.engine_cpu_ms_per_request:>18.3f} {r.driver_cpu_ms_per_request:>18.3f}"
+            f"{r.setup:<13} {r.scenario:<11} {r.throughput:>8.0f} {r.p99_ms:>8.2f} "
+            f"{r.engine_cpu_ms_per_request:>18.3f} {frontend:>20}"
         )
     return "\n".join(lines)
 
