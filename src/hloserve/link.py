@@ -12,6 +12,7 @@ views of it and writes the outputs back into the region of the slot the frontend
 
 from __future__ import annotations
 
+import asyncio
 import math
 import mmap
 import os
@@ -380,31 +381,35 @@ class _Waiting:
     slot: PoolSlot | None
     done: trio.Event = field(default_factory=trio.Event)
     answer: object = None
+    future: asyncio.Future[list[np.ndarray]] | None = None
+    """Set for a request from asyncio (`submit`): resolved when the answer comes."""
+    left: bool = False
+    """Its caller went away: the slot is released when the engine's final frame comes."""
 
 
 @final
 class FrontendLink:
-    """A frontend's end of the link: `infer` stages inputs in the arena, sends `Run` and awaits
-    the answer; `run` (a task) reads the engine's frames. A cancelled `infer` sends `Withdraw`
-    and leaves its slot held until the engine says nothing reads it."""
+    """A frontend's end of the link: `submit` (from asyncio, no trio task per request) or `infer`
+    (from trio) stage inputs in the arena and send `Run`; `run` (a task) reads the engine's
+    frames and sends what is queued, in order. A caller that leaves sends `Withdraw` and leaves
+    its slot held until the engine says nothing reads it."""
 
     def __init__(self, stream: trio.SocketStream, arena: BufferPool) -> None:
         assert arena.key is not None, "the arena is shared memory the engine maps"
         self._stream = stream
         self._arena = arena
-        self._send_lock = trio.Lock()
         self._waiting: dict[int, _Waiting] = {}
         self._next_id = 1
         self.closed = trio.Event()
         """Set when the engine's end is gone."""
-        self._notices, self._notice_queue = trio.open_memory_channel[object](math.inf)
+        self._outbound, self._outbound_queue = trio.open_memory_channel[bytes](math.inf)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         assert self._arena.key is not None
         try:
             await self._stream.send_all(frame(0, Hello(self._arena.key, self._arena.n_bytes)))
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._send_notices)
+                nursery.start_soon(self._send_queued)
                 task_status.started()
                 reader = FrameReader(self._stream)
                 while (received := await reader.receive()) is not None:
@@ -412,30 +417,36 @@ class FrontendLink:
                 nursery.cancel_scope.cancel()
         finally:
             for waiting in self._waiting.values():
-                waiting.answer = Failed(Status.UNAVAILABLE.value, "the engine closed the link")
-                waiting.done.set()
+                self._answer(waiting, Failed(Status.UNAVAILABLE.value, "the engine closed the link"))
+            self._waiting.clear()
             self.closed.set()
             await self._stream.aclose()
 
-    async def announce(self, message: object) -> None:
-        """Send a notice (no request of its own)."""
-        await self._send(0, message)
+    async def _send_queued(self) -> None:
+        async for data in self._outbound_queue:
+            await self._stream.send_all(data)
+
+    def _post(self, ident: int, message: object) -> None:
+        """Queue a frame; the sender writes frames whole and in order."""
+        self._outbound.send_nowait(frame(ident, message))
 
     def notify(self, message: object) -> None:
-        """Send a notice without waiting (from a synchronous caller): queued for `run`'s sender."""
-        self._notices.send_nowait(message)
+        """Send a notice (no request of its own) without waiting."""
+        self._post(0, message)
 
-    async def _send_notices(self) -> None:
-        async for message in self._notice_queue:
-            with trio.CancelScope(shield=True):
-                await self._send(0, message)
+    async def announce(self, message: object) -> None:
+        self.notify(message)
+        await trio.lowlevel.checkpoint()
+
+    def _new_id(self) -> int:
+        ident, self._next_id = self._next_id, self._next_id + 1
+        return ident
 
     async def call(self, method: str, message: object) -> object:
         """The engine's answer to its service's `method` for `message`."""
-        ident, self._next_id = self._next_id, self._next_id + 1
+        ident = self._new_id()
         waiting = self._waiting[ident] = _Waiting(None)
-        with trio.CancelScope(shield=True):
-            await self._send(ident, Call(method, message))
+        self._post(ident, Call(method, message))
         try:
             await waiting.done.wait()
         finally:
@@ -452,48 +463,27 @@ class FrontendLink:
         waiting = self._waiting.pop(ident, None)
         if waiting is None:
             return
-        if waiting.done.is_set() or isinstance(message, Released):  # its caller left
+        if waiting.left or isinstance(message, Released):
             if waiting.slot is not None:
                 self._arena.release(waiting.slot)
             return
+        self._answer(waiting, message)
+
+    def _answer(self, waiting: _Waiting, message: object) -> None:
         waiting.answer = message
         waiting.done.set()
-
-    async def _send(self, ident: int, message: object) -> None:
-        async with self._send_lock:
-            await self._stream.send_all(frame(ident, message))
-
-    async def infer(
-        self,
-        model: str,
-        inputs: list[np.ndarray],
-        rows: int,
-        outputs: list[int],
-        timeout_s: float | None,
-        out_nbytes: int,
-    ) -> list[np.ndarray]:
-        """Run `inputs` on the engine; the outputs are copies (the slot is reused at once)."""
-        specs = [(a.shape, a.dtype) for a in inputs] + [((out_nbytes,), np.uint8)]
-        slot = await self._arena.acquire_slot(self._arena.span_for(specs))
-        staged = self._arena.scratch(slot, specs)
-        for target, source in zip(staged, inputs, strict=False):
-            target[...] = source
-        refs = [TensorRef(self._arena.array_offset(a), a.dtype.str, a.shape) for a in staged[:-1]]
-        out = (self._arena.array_offset(staged[-1]), out_nbytes)
-        ident, self._next_id = self._next_id, self._next_id + 1
-        waiting = self._waiting[ident] = _Waiting(slot)
+        future = waiting.future
+        if future is None or future.done():
+            return
         try:
-            with trio.CancelScope(shield=True):  # a frame is never left half-written
-                await self._send(ident, Run(model, refs, rows, outputs, timeout_s, out))
-            await waiting.done.wait()
-        except BaseException:
-            if ident in self._waiting:  # the engine still holds it: withdraw, release on its final frame
-                waiting.done.set()
-                with trio.CancelScope(shield=True):
-                    await self._send(ident, Withdraw())
-            else:
-                self._arena.release(slot)
-            raise
+            future.set_result(self._outputs(waiting))
+        except Exception as e:
+            future.set_exception(e)
+
+    def _outputs(self, waiting: _Waiting) -> list[np.ndarray]:
+        """The answer's outputs (copies; the slot is released here), or its error raised."""
+        slot = waiting.slot
+        assert slot is not None
         try:
             match waiting.answer:
                 case Ran(outputs=results):
@@ -506,6 +496,81 @@ class FrontendLink:
         finally:
             self._arena.release(slot)
 
+    def _stage(
+        self,
+        slot: PoolSlot,
+        model: str,
+        inputs: list[np.ndarray],
+        rows: int,
+        outputs: list[int],
+        timeout_s: float | None,
+        out_nbytes: int,
+    ) -> tuple[int, _Waiting]:
+        specs = [(a.shape, a.dtype) for a in inputs] + [((out_nbytes,), np.uint8)]
+        staged = self._arena.scratch(slot, specs)
+        for target, source in zip(staged, inputs, strict=False):
+            target[...] = source
+        refs = [TensorRef(self._arena.array_offset(a), a.dtype.str, a.shape) for a in staged[:-1]]
+        out = (self._arena.array_offset(staged[-1]), out_nbytes)
+        ident = self._new_id()
+        waiting = self._waiting[ident] = _Waiting(slot)
+        self._post(ident, Run(model, refs, rows, outputs, timeout_s, out))
+        return ident, waiting
+
+    def _span(self, inputs: list[np.ndarray], out_nbytes: int) -> int:
+        return self._arena.span_for([(a.shape, a.dtype) for a in inputs] + [((out_nbytes,), np.uint8)])
+
+    def _leave(self, ident: int) -> None:
+        """The caller of request `ident` went away: withdraw it; its slot waits for the engine."""
+        waiting = self._waiting.get(ident)
+        if waiting is not None:
+            waiting.left = True
+            self._post(ident, Withdraw())
+
+    def submit(
+        self,
+        model: str,
+        inputs: list[np.ndarray],
+        rows: int,
+        outputs: list[int],
+        timeout_s: float | None,
+        out_nbytes: int,
+        future: asyncio.Future[list[np.ndarray]],
+    ) -> bool:
+        """Send a request whose answer resolves `future` (cancelling it withdraws the request);
+        False, and nothing sent, when the arena has no room now (the caller waits with `infer`)."""
+        if self.closed.is_set():
+            raise GRPCError(Status.UNAVAILABLE, "the engine closed the link")
+        slot = self._arena.try_acquire_slot(self._span(inputs, out_nbytes))
+        if slot is None:
+            return False
+        ident, waiting = self._stage(slot, model, inputs, rows, outputs, timeout_s, out_nbytes)
+        waiting.future = future
+        future.add_done_callback(lambda f: self._leave(ident) if f.cancelled() else None)
+        return True
+
+    async def infer(
+        self,
+        model: str,
+        inputs: list[np.ndarray],
+        rows: int,
+        outputs: list[int],
+        timeout_s: float | None,
+        out_nbytes: int,
+    ) -> list[np.ndarray]:
+        """Run `inputs` on the engine, waiting in line for room in the arena; the outputs are
+        copies (the slot is reused at once)."""
+        if self.closed.is_set():
+            raise GRPCError(Status.UNAVAILABLE, "the engine closed the link")
+        slot = await self._arena.acquire_slot(self._span(inputs, out_nbytes))
+        ident, waiting = self._stage(slot, model, inputs, rows, outputs, timeout_s, out_nbytes)
+        try:
+            await waiting.done.wait()
+        except BaseException:
+            self._leave(ident)
+            raise
+        return self._outputs(waiting)
+
     @staticmethod
     def _copy_out(result: TensorRef | np.ndarray, memory: np.ndarray, slot: PoolSlot) -> np.ndarray:
         if isinstance(result, np.ndarray):
@@ -516,7 +581,8 @@ class FrontendLink:
 
 def execute_over(link: FrontendLink) -> Execute:
     """`InferenceService`'s execute step for a frontend: the inputs go to the engine over `link`
-    (called from the service's asyncio handlers), with room reserved for the outputs."""
+    (from the service's asyncio handlers, with no trio task unless the arena is full), with room
+    reserved for the outputs."""
     infer = trio_asyncio.trio_as_aio(link.infer)
 
     async def execute(
@@ -532,6 +598,9 @@ def execute_over(link: FrontendLink) -> Execute:
         out_nbytes = sum(_nbytes_bound(specs[i], rows) for i in outputs)
         timeout_s = None if deadline is None else deadline - time.monotonic()
         arrays = [np.asarray(a) for a in inputs]
+        future: asyncio.Future[list[np.ndarray]] = asyncio.get_running_loop().create_future()
+        if link.submit(entry.name, arrays, rows, outputs, timeout_s, out_nbytes, future):
+            return await future
         return list(await infer(entry.name, arrays, rows, outputs, timeout_s, out_nbytes))
 
     return execute
