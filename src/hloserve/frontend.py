@@ -45,7 +45,7 @@ __all__ = ["ModelSummary", "Setup"]
 
 ARENA_BYTES = 256 << 20
 """Each frontend's shared-memory arena (sparse: pages are used only as requests need them)."""
-ARENA_SLOTS = 64
+ARENA_SLOTS = 256
 _PR_SET_PDEATHSIG = 1
 _NOT_YET = "not served by a frontend yet (server.frontends > 0; docs/frontends.md); use frontends 0"
 

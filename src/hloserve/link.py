@@ -335,19 +335,29 @@ class EngineLink:
         return request
 
     async def _send_finals(self, receive: trio.MemoryReceiveChannel[tuple[_LinkReply, object]]) -> None:
-        async for reply, event in receive:
-            self._pending.pop(reply.ident, None)
-            match event:
-                case Released() | Returned():
-                    message: object = event
-                case BaseException():
-                    error = to_grpc_error(event, "ModelInfer")  # type: ignore[arg-type]
-                    message = Failed(error.status.value, error.message or "")
-                case list():
-                    message = Ran(self._write_outputs(event, reply.out))
-                case _:
-                    raise TypeError(f"a link reply got {event!r}")
-            await self._stream.send_all(frame(reply.ident, message))
+        """Each request's final frame; those that are ready together go in one write."""
+        async for first in receive:
+            frames = [self._final(*first)]
+            while True:
+                try:
+                    frames.append(self._final(*receive.receive_nowait()))
+                except trio.WouldBlock:
+                    break
+            await self._stream.send_all(b"".join(frames))
+
+    def _final(self, reply: _LinkReply, event: object) -> bytes:
+        self._pending.pop(reply.ident, None)
+        match event:
+            case Released() | Returned():
+                message: object = event
+            case BaseException():
+                error = to_grpc_error(event, "ModelInfer")  # type: ignore[arg-type]
+                message = Failed(error.status.value, error.message or "")
+            case list():
+                message = Ran(self._write_outputs(event, reply.out))
+            case _:
+                raise TypeError(f"a link reply got {event!r}")
+        return frame(reply.ident, message)
 
     def _write_outputs(self, outputs: list[np.ndarray], out: tuple[int, int]) -> list[TensorRef | np.ndarray]:
         """Copy each output into the reserved region while it fits; the rest travel inline."""
@@ -363,6 +373,17 @@ class EngineLink:
             written.append(TensorRef(cursor, array.dtype.str, array.shape))
             cursor += array.nbytes
         return written
+
+
+def _with_queued(first: bytes, queue: trio.MemoryReceiveChannel[bytes]) -> bytes:
+    """`first` and every frame queued behind it, for one write (one system call, not one per
+    frame, when requests arrive together)."""
+    frames = [first]
+    while True:
+        try:
+            frames.append(queue.receive_nowait())
+        except trio.WouldBlock:
+            return b"".join(frames) if len(frames) > 1 else first
 
 
 def _map_arena(key: str, size: int) -> np.ndarray:
@@ -424,7 +445,7 @@ class FrontendLink:
 
     async def _send_queued(self) -> None:
         async for data in self._outbound_queue:
-            await self._stream.send_all(data)
+            await self._stream.send_all(_with_queued(data, self._outbound_queue))
 
     def _post(self, ident: int, message: object) -> None:
         """Queue a frame; the sender writes frames whole and in order."""
