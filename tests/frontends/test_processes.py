@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from export_examples import reference
+from support.bundles import assert_affine_answers, write_affine
 from support.clients import assert_serves, infer
 from support.servers import start_worker
 from tritonclient.utils import InferenceServerException
@@ -78,10 +79,16 @@ def wait_for(condition: Callable[[], bool], timeout: float = 30) -> None:
         time.sleep(0.05)
 
 
+def connect(url: str) -> grpcclient.InferenceServerClient:
+    """A client on its own TCP connection (grpcio otherwise shares one among a process's channels
+    to one address, and so one frontend)."""
+    return grpcclient.InferenceServerClient(url, channel_args=[("grpc.use_local_subchannel_pool", 1)])
+
+
 def serve_many(url: str, connections: int = 8, requests: int = 5) -> None:
     def one(seed: int) -> None:
         x = np.random.default_rng(seed).random((1 + seed % 4, 16), dtype=np.float32)
-        with closing(grpcclient.InferenceServerClient(url)) as client:
+        with closing(connect(url)) as client:
             for _ in range(requests):
                 answer = infer(client, "mlp", {"INPUT0": x}).as_numpy("OUTPUT0")
                 np.testing.assert_allclose(answer, reference("mlp", x), rtol=1e-5, atol=1e-6)
@@ -124,7 +131,7 @@ def test_sigterm_drains_requests_in_flight_then_every_process_exits(tmp_path: Pa
         x = np.random.default_rng(1).random((1, 16), dtype=np.float32)
 
         def one(_: int) -> np.ndarray:
-            with closing(grpcclient.InferenceServerClient(worker.url)) as client:
+            with closing(connect(worker.url)) as client:
                 return infer(client, "mlp", {"INPUT0": x}, client_timeout=20).as_numpy("OUTPUT0")
 
         with ThreadPoolExecutor(6) as pool:
@@ -143,10 +150,50 @@ def test_statistics_count_every_frontend_from_any_connection() -> None:
         serve_many(worker.url, connections=16, requests=5)  # 80 calls, rows 1..4 by connection
         rows = sum(5 * (1 + seed % 4) for seed in range(16))
         for _ in range(4):  # fresh connections: the kernel spreads them over both frontends
-            with closing(grpcclient.InferenceServerClient(worker.url)) as client:
+            with closing(connect(worker.url)) as client:
                 stats = client.get_inference_statistics("mlp", as_json=True)["model_stats"][0]
                 assert int(stats["inference_stats"]["success"]["count"]) == 80
                 assert int(stats["inference_count"]) == rows
                 with pytest.raises(InferenceServerException) as raised:
                     infer(client, "nope", {"INPUT0": np.ones((1, 16), np.float32)})
                 assert raised.value.status() == "StatusCode.NOT_FOUND"
+
+
+TIMED_PY = """
+import os, time
+from hloserve import NamedTensor, register_model
+
+def preprocess(inputs):
+    started = time.time()
+    while time.time() < started + 0.5:  # holds its process's GIL throughout
+        pass
+    with open(os.environ["HOOK_LOG"], "a") as log:
+        log.write(f"{os.getpid()} {started} {time.time()}\\n")
+    return [NamedTensor("INPUT", inputs[0].data)]
+
+register_model("timed", preprocess=preprocess)
+"""
+
+
+def test_hooks_of_two_requests_run_at_the_same_time_in_two_processes(tmp_path: Path) -> None:
+    write_affine(tmp_path / "repository" / "timed", batch_sizes=(1, 2, 4))
+    (tmp_path / "repository" / "timed" / "model.py").write_text(TIMED_PY)
+    log = tmp_path / "hooks.log"
+    with start_worker(
+        process="subprocess", frontends=2, repository=tmp_path / "repository", env={"HOOK_LOG": str(log)}
+    ) as worker:
+        frontends = children(worker.pid)
+
+        def one(_: int) -> None:
+            with closing(connect(worker.url)) as client:
+                assert_affine_answers(client, "timed")
+
+        with ThreadPoolExecutor(8) as pool:  # 8 connections: the kernel spreads them over both
+            list(pool.map(one, range(8)))
+    runs = [
+        (int(pid), float(start), float(end))
+        for pid, start, end in (line.split() for line in log.read_text().splitlines())
+    ]
+    assert len(runs) == 8 and {pid for pid, _, _ in runs} == set(frontends)
+    overlapping = [(a, b) for a in runs for b in runs if a[0] != b[0] and a[1] < b[2] and b[1] < a[2]]
+    assert overlapping, f"no two hooks ran at once in two processes: {runs}"

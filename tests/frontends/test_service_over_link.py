@@ -87,7 +87,9 @@ class FrontEndOverLink:
         self._thread.join(30)
 
     def client(self) -> grpcclient.InferenceServerClient:
-        return grpcclient.InferenceServerClient(f"127.0.0.1:{self.port}")
+        # Its own TCP connection: grpcio otherwise shares one among a process's channels.
+        url = f"127.0.0.1:{self.port}"
+        return grpcclient.InferenceServerClient(url, channel_args=[("grpc.use_local_subchannel_pool", 1)])
 
 
 @pytest.fixture(scope="module", name="front")
