@@ -216,3 +216,20 @@ def test_perf_analyzer_runs_clean_against_two_frontends() -> None:
     assert "error" not in output.lower(), output
     # Server-side figures come from ModelStatistics, which the engine answers for every frontend.
     assert "Request concurrency: 8" in output and "Server:" in output and "compute infer" in output
+
+
+def test_a_deadline_passed_in_the_engine_queue_is_deadline_exceeded_as_with_one_process(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "hloserve.yaml"  # the queue holds a lone row 2 s; the client allows 0.3 s
+    config.write_text("scheduler:\n  models:\n    mlp: {max_queue_delay_us: 2000000}\n")
+    with start_worker(process="subprocess", frontends=2, args=["--config", str(config)]) as worker:
+        with closing(connect(worker.url)) as client:
+            started = time.monotonic()
+            with pytest.raises(InferenceServerException) as raised:
+                infer(client, "mlp", {"INPUT0": np.ones((1, 16), np.float32)}, client_timeout=0.3)
+            assert raised.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+            assert time.monotonic() - started < 1.5
+            x = np.ones((16, 16), np.float32)  # a full batch runs at once: nothing left stuck
+            answer = infer(client, "mlp", {"INPUT0": x}, client_timeout=10).as_numpy("OUTPUT0")
+            np.testing.assert_allclose(answer, reference("mlp", x), rtol=1e-5, atol=1e-6)
