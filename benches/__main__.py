@@ -16,7 +16,17 @@ import sys
 import time
 from pathlib import Path
 
-from benches import breakdown, compare, node, overload, scheduler, serving, shared_memory, weight_cache
+from benches import (
+    breakdown,
+    compare,
+    frontends,
+    node,
+    overload,
+    scheduler,
+    serving,
+    shared_memory,
+    weight_cache,
+)
 from benches.charts import write_charts
 
 BENCHES = Path(__file__).resolve().parent
@@ -30,6 +40,7 @@ SUITES = {
     "breakdown": breakdown,
     "overload": overload,
     "node": node,
+    "frontends": frontends,
 }
 _BEGIN, _END = "<!-- latest compare run: begin -->", "<!-- latest compare run: end -->"
 

@@ -134,10 +134,8 @@ class BufferPool:
         if not 1 <= span <= self.n_slots:
             raise ValueError(f"span {span} must be between 1 and the pool's {self.n_slots} slots")
         await trio.lowlevel.checkpoint_if_cancelled()
-        if not self._waiters:
-            index = self._find(span)
-            if index is not None:
-                return self._take(index, span)
+        if (slot := self.try_acquire_slot(span)) is not None:
+            return slot
         waiter = _Waiter(span)
         self._waiters.append(waiter)
         started = trio.current_time()
@@ -155,6 +153,14 @@ class BufferPool:
         if waiter.slot is None:
             raise PoolAcquireTimeout(span, trio.current_time() - started)
         return waiter.slot
+
+    def try_acquire_slot(self, span: int = 1) -> PoolSlot | None:
+        """`span` contiguous slots if they are free now and nobody waits in line, else None
+        (for a caller outside trio, which cannot wait in line)."""
+        if self._waiters:
+            return None
+        index = self._find(span)
+        return None if index is None else self._take(index, span)
 
     def release(self, slot: PoolSlot) -> None:
         """Free every slot of the run; RuntimeError if any of them is already free."""

@@ -68,6 +68,11 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         help="how often --reload scans the repository (default 1; as Triton's flag, implies --reload)",
     )
+    serve.add_argument(
+        "--frontends",
+        type=int,
+        help="frontend processes sharing the public ports in front of this engine (default 0: one process)",
+    )
     _add_export_command(commands)
     _add_node_command(commands)
     return parser
@@ -108,6 +113,7 @@ SERVER_FLAGS = {
     "allow_client_shm": "--allow-client-shm",
     "reload": "--reload",
     "repository_poll_s": "--repository-poll-secs",
+    "frontends": "--frontends",
 }
 """The `server` fields `hloserve serve` takes as flags (the configuration reference lists them)."""
 

@@ -142,6 +142,11 @@ class ServerConfig:
     reload_debounce_s: float = 0.5
     """A changed bundle is reloaded once its files have stayed unchanged this long (a half-written
     file is never loaded)."""
+    frontends: int = 0
+    """Frontend processes (docs/frontends.md): with K >= 1 this process becomes the engine (the
+    actors, the only one touching the device) and K processes sharing the public ports parse,
+    check and run `model.py` hooks, handing it tensors over shared memory. 0: one process (the
+    default, from measurement; docs/frontends.md says what K >= 1 serves today)."""
     max_health_watches: int = 256
     """`grpc.health.v1.Health/Watch` streams held open at once (a gRPC client's health checking
     holds one per connection); past it, RESOURCE_EXHAUSTED. Check is not counted."""
@@ -193,6 +198,7 @@ class ServerConfig:
         _check(self.shm_max_bytes >= 0, "server.shm_max_bytes", "must be >= 0")
         _check(self.repository_poll_s > 0, "server.repository_poll_s", "must be > 0")
         _check(self.reload_debounce_s >= 0, "server.reload_debounce_s", "must be >= 0")
+        _check(0 <= self.frontends <= 64, "server.frontends", "must be 0 (one process) to 64")
         _check(self.max_health_watches >= 0, "server.max_health_watches", "must be >= 0 (0: Check only)")
 
 

@@ -248,12 +248,12 @@ class _Routes:
             content, binary_length = encode_infer(await self._service._infer(decoded.request, None), decoded)
         except Exception as e:
             status, message, extra = _error(e, "ModelInfer")
-            self._service._count(label, status.name, started, failed=True)
+            self._service._count(label, status.name, started)
             body = json.dumps({"error": message}).encode()
             extra_headers = [(k.lower().encode(), v.encode()) for k, v in extra.items()]
             await _respond(send, HTTP_STATUS.get(status, 400), body, _JSON + extra_headers)
             return
-        self._service._count(label, "OK", started, failed=False)
+        self._service._count(label, "OK", started)
         response_headers = _JSON if binary_length is None else _BINARY
         if binary_length is not None:
             response_headers = [*response_headers, (_HEADER_LENGTH_OUT, str(binary_length).encode())]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -56,9 +56,13 @@ from hloserve.statistics import Duration, ExecutionTimes, Statistics
 if TYPE_CHECKING:
     from hloserve.model_table import ModelEntry, ModelHost
 
-__all__ = ["EXTENSIONS", "InferenceService"]
+__all__ = ["EXTENSIONS", "Execute", "InferenceService"]
 
 T = TypeVar("T")
+
+Execute = Callable[["ModelEntry", list[Any], int, list[int], float | None, float], Awaitable[list[Any]]]
+"""How executable inputs reach the engine: `(entry, inputs, rows, outputs, deadline, now)` to the
+outputs; in-process, the model's queue (`InferenceService._execute`)."""
 
 EXTENSIONS = ("model_configuration", "model_repository", "statistics", "system_shared_memory")
 """Triton protocol extensions hloserve implements, reported by ServerMetadata."""
@@ -103,7 +107,10 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         metrics: Metrics,
         worker: ModelHost,
         metas: MetaModels,
+        execute: Execute | None = None,
     ) -> None:
+        if execute is not None:  # a frontend process: executable inputs go over its link
+            self._execute = execute  # type: ignore[method-assign,assignment]
         self._config = config
         self._models = models
         self._statistics = statistics
@@ -178,13 +185,17 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
             response = await self._infer(request, stream.deadline)
         except Exception as e:
             error = to_grpc_error(e, "ModelInfer")
-            self._count(label, error.status.name, started, failed=True)
+            self._count(label, error.status.name, started)
             raise error from None
-        self._count(label, "OK", started, failed=False)
+        self._count(label, "OK", started)
         await _grpclib_patches.send_reply(stream, response)
 
-    def _count(self, model: str, status: str, started: float, failed: bool) -> None:
-        elapsed = time.perf_counter() - started
+    def _count(self, model: str, status: str, started: float) -> None:
+        self.count_elapsed(model, status, time.perf_counter() - started)
+
+    def count_elapsed(self, model: str, status: str, elapsed: float) -> None:
+        """Count one ModelInfer call that ended with `status` (a frontend's, too)."""
+        failed = status != "OK"
         self._metrics.requests.labels(model, status).inc()
         self._metrics.request_seconds.labels(model).observe(elapsed)
         if model in self._models:

@@ -33,7 +33,9 @@ from hloserve.config import Config
 from hloserve.control import ControlService
 from hloserve.errors import ConfigError
 from hloserve.executable_cache import ExecutableCache, default_directory
+from hloserve.frontends import Frontends
 from hloserve.health import worker_health
+from hloserve.link import EngineServices
 from hloserve.meta import MetaModels
 from hloserve.metrics import Metrics
 from hloserve.model_table import ModelTable, Prepared, prepare_repository
@@ -142,14 +144,21 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
                     "server.http_port",
                     f"cannot listen on {server_config.host}:{server_config.http_port}: {e}",
                 ) from None
+        frontends = None
+        if server_config.frontends:
+            calls = {"model_statistics": service.model_statistics}
+            frontends = Frontends(config, entries, EngineServices(service.count_elapsed, calls))
         try:
-            await trio_asyncio.aio_as_trio(server.start)(server_config.host, server_config.grpc_port)
+            if frontends is not None:  # the engine: K processes serve gRPC, over links to it
+                worker.grpc_port = await nursery.start(frontends.run)
+            else:
+                await trio_asyncio.aio_as_trio(server.start)(server_config.host, server_config.grpc_port)
+                worker.grpc_port = server.port
         except OSError as e:
             metrics.close()
             raise ConfigError(
                 "server.grpc_port", f"cannot listen on {server_config.host}:{server_config.grpc_port}: {e}"
             ) from None
-        worker.grpc_port = server.port
         if server_config.reload:
             watcher = RepositoryWatcher(
                 worker,
@@ -174,7 +183,10 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
                 log.info("shutting down", grace_s=server_config.shutdown_grace_s)
                 if rest is not None:
                     rest.stop()
-                await trio_asyncio.aio_as_trio(server.shutdown)(server_config.shutdown_grace_s)
+                if frontends is not None:
+                    await frontends.drain()
+                else:
+                    await trio_asyncio.aio_as_trio(server.shutdown)(server_config.shutdown_grace_s)
                 if rest is not None:  # hypercorn gives its connections the same grace
                     with trio.move_on_after(server_config.shutdown_grace_s + 1):
                         await rest.stopped.wait()

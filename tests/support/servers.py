@@ -72,17 +72,19 @@ def start_worker(
     `--model-repository repository` (none when None), and `env` over this process's environment
     (a None value removes a variable); it is for what can kill, starve or signal a process.
 
-    `frontends` is the number of frontend processes (`--frontends` / `server.frontends`); 0 is
-    today's single process. Until the frontends feature exists a nonzero value raises
-    NotImplementedError.
+    `frontends` is the number of frontend processes (`server.frontends`, `--frontends`); 0 is
+    the single process.
     """
-    if frontends:
-        raise NotImplementedError(f"frontends={frontends}: the worker has no frontends option yet; use 0")
     if process == "thread":
         assert not (args or env or preexec_fn), "a thread worker takes a Config, not flags or environment"
-        return ServerThread(config or make_config()).start(timeout)
+        config = config or make_config()
+        if frontends:
+            config = config.replace("server", frontends=frontends)
+        return ServerThread(config).start(timeout)
     assert config is None, "a subprocess worker is configured by `args` and `env`, not a Config"
     flags = [*args] if repository is None else ["--model-repository", str(repository), *args]
+    if frontends:
+        flags += ["--frontends", str(frontends)]
     return ServerProcess.start(command, flags, env or {}, cwd, preexec_fn, timeout)
 
 

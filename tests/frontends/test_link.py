@@ -1,0 +1,155 @@
+"""The link's engine side, fed by a driver that writes requests into it directly (the frontend's
+end, `FrontendLink`, over a real socketpair and a real /dev/shm arena), in front of a real
+in-process engine: answers equal the model's, errors carry K=0's statuses, a withdrawn request
+gives its slot back, and a closed link fails what waits on it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+from export_examples import reference
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+from support.servers import make_config
+
+from hloserve.buffer_pool import BufferPool
+from hloserve.config import ModelSettings
+from hloserve.link import HEADER, MAX_FRAME_BYTES, EngineLink, FrameReader, FrontendLink, Hello, Run
+from hloserve.worker import Worker, serve
+
+OUT_BYTES = 4 << 10
+
+
+@asynccontextmanager
+async def linked(**scheduler: Any) -> AsyncIterator[tuple[Worker, FrontendLink, BufferPool]]:
+    config = make_config(http_port=-1, metrics_port=-1, scheduler=scheduler or None)
+    async with serve(config) as worker, trio.open_nursery() as nursery:
+        engine_end, frontend_end = trio.socket.socketpair()
+        with BufferPool(1 << 20, 8, name="hloserve-test-link") as arena:
+            await nursery.start(EngineLink(trio.SocketStream(engine_end), worker.models).run)
+            link = FrontendLink(trio.SocketStream(frontend_end), arena)
+            await nursery.start(link.run)
+            yield worker, link, arena
+            nursery.cancel_scope.cancel()
+
+
+def run(test: Callable[[], Awaitable[None]]) -> None:
+    trio.run(test)
+
+
+def test_concurrent_requests_answer_what_the_model_computes() -> None:
+    async def test() -> None:
+        async with linked() as (_, link, arena):
+            rng = np.random.default_rng(0)
+            xs = [rng.random((rows, 16), dtype=np.float32) for rows in (1, 2, 3, 5, 8, 2, 1, 4)]
+            answers: list[np.ndarray | None] = [None] * len(xs)
+
+            async def one(i: int) -> None:
+                (answers[i],) = await link.infer("mlp", [xs[i]], len(xs[i]), [0], 10.0, OUT_BYTES)
+
+            async with trio.open_nursery() as requests:
+                for i in range(len(xs)):
+                    requests.start_soon(one, i)
+            for x, answer in zip(xs, answers, strict=True):
+                np.testing.assert_allclose(answer, reference("mlp", x), rtol=1e-5, atol=1e-6)
+            assert arena.statistics().free_slots == arena.n_slots  # every slot came back
+
+    run(test)
+
+
+def test_an_output_that_does_not_fit_travels_inline() -> None:
+    async def test() -> None:
+        async with linked() as (_, link, _arena):
+            x = np.ones((3, 16), np.float32)
+            (answer,) = await link.infer("mlp", [x], 3, [0], None, 8)
+            np.testing.assert_allclose(answer, reference("mlp", x), rtol=1e-5, atol=1e-6)
+
+    run(test)
+
+
+@pytest.mark.parametrize(
+    ("model", "status", "says"),
+    [("nope", Status.NOT_FOUND, "nope"), ("mlp", Status.DEADLINE_EXCEEDED, "mlp")],
+)
+def test_errors_carry_the_single_process_status(model: str, status: Status, says: str) -> None:
+    async def test() -> None:
+        async with linked() as (_, link, arena):
+            with pytest.raises(GRPCError) as raised:
+                await link.infer(model, [np.ones((2, 16), np.float32)], 2, [0], -1.0, OUT_BYTES)
+            assert raised.value.status == status and says in (raised.value.message or "")
+            (answer,) = await link.infer("mlp", [np.ones((1, 16), np.float32)], 1, [0], None, OUT_BYTES)
+            assert answer.shape == (1, 4)
+            assert arena.statistics().free_slots == arena.n_slots
+
+    run(test)
+
+
+def test_a_cancelled_request_is_withdrawn_and_its_slot_comes_back() -> None:
+    async def test() -> None:
+        # The queue holds a lone request half a second for a fuller batch: cancelled meanwhile.
+        async with linked(models={"mlp": ModelSettings(max_queue_delay_us=500_000)}) as (worker, link, arena):
+            x = np.ones((2, 16), np.float32)
+            with trio.move_on_after(0.1) as scope:
+                await link.infer("mlp", [x], 2, [0], None, OUT_BYTES)
+            assert scope.cancelled_caught
+            assert arena.statistics().free_slots == arena.n_slots - 1  # held while the engine may read it
+            with trio.fail_after(10):
+                while arena.statistics().free_slots != arena.n_slots:
+                    await trio.sleep(0.01)
+            assert worker.statistics["mlp"].drops["cancelled"] == 1
+            (answer,) = await link.infer("mlp", [x], 2, [0], None, OUT_BYTES)
+            np.testing.assert_allclose(answer, reference("mlp", x), rtol=1e-5, atol=1e-6)
+
+    run(test)
+
+
+def test_an_engine_that_goes_away_fails_waiting_requests_as_unavailable() -> None:
+    async def test() -> None:
+        engine_end, frontend_end = trio.socket.socketpair()
+        engine = trio.SocketStream(engine_end)
+        with BufferPool(1 << 16, 2, name="hloserve-test-link") as arena:
+            link = FrontendLink(trio.SocketStream(frontend_end), arena)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(link.run)
+
+                async def engine_reads_then_dies() -> None:
+                    reader = FrameReader(engine)
+                    for expected in (Hello, Run):
+                        received = await reader.receive()
+                        assert received is not None and isinstance(received[1], expected)
+                    await engine.aclose()
+
+                nursery.start_soon(engine_reads_then_dies)
+                with pytest.raises(GRPCError) as raised:
+                    await link.infer("mlp", [np.ones((1, 16), np.float32)], 1, [0], None, OUT_BYTES)
+                assert raised.value.status == Status.UNAVAILABLE
+                assert "engine closed the link" in (raised.value.message or "")
+            assert arena.statistics().free_slots == arena.n_slots
+
+    run(test)
+
+
+def test_frames_are_bounded() -> None:
+    async def test() -> None:
+        a, b = trio.socket.socketpair()
+        async with trio.SocketStream(a) as sender, trio.SocketStream(b) as receiver:
+            await sender.send_all(HEADER.pack(MAX_FRAME_BYTES + 1, 7))
+            with pytest.raises(ValueError, match="exceeds"):
+                await FrameReader(receiver).receive()
+
+    run(test)
+
+
+def test_no_arena_is_left_in_dev_shm() -> None:
+    before = set(os.listdir("/dev/shm"))
+    test_concurrent_requests_answer_what_the_model_computes()
+    left = {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("hloserve-test-link")}
+    assert not left, f"arenas left behind: {sorted(left)}"
+    assert Path("/dev/shm").is_dir()
