@@ -33,6 +33,7 @@ from hloserve.buffer_pool import BufferPool
 from hloserve.bundle import load_bundle
 from hloserve.config import Config
 from hloserve.errors import Unimplemented
+from hloserve.health import worker_health
 from hloserve.link import Counted, FrontendLink, Listening, execute_over
 from hloserve.meta import MetaModels
 from hloserve.metrics import Metrics
@@ -147,17 +148,18 @@ async def _serve(link_fd: int, port: int, setup: Setup) -> None:
         with BufferPool(ARENA_BYTES, ARENA_SLOTS, name=name) as arena:
             link = FrontendLink(trio.SocketStream(sock), arena)
             await nursery.start(link.run)
+            host = cast(Any, _Host(config, models, statistics))
             service = FrontendService(
                 link,
                 config,
                 models,
                 statistics,
                 Metrics(statistics),
-                cast(Any, _Host(config, models, statistics)),
+                host,
                 MetaModels(models, 1, None, statistics, PolicyParams()),
             )
             server = _grpclib_patches.GracefulServer(
-                [service],
+                [service, worker_health(host, service, draining=lambda: server.draining)],
                 codec=KnownFieldsCodec(),
                 limits=_grpclib_patches.TransportLimits.from_config(config.server),
             )

@@ -160,6 +160,25 @@ def test_statistics_count_every_frontend_from_any_connection() -> None:
                 assert raised.value.status() == "StatusCode.NOT_FOUND"
 
 
+def test_every_frontend_answers_grpc_health_for_kubernetes_probes() -> None:
+    """Each frontend serves grpc.health.v1 on the public port as the single process does: the
+    server, its gRPC services and each model by name; an unknown name is NOT_FOUND."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    serving = health_pb2.HealthCheckResponse.SERVING
+    with start_worker(process="subprocess", frontends=2) as worker:
+        for _ in range(6):  # fresh connections: the kernel spreads them over both frontends
+            with grpc.insecure_channel(worker.url) as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                for name in ("", "inference.GRPCInferenceService", "mlp"):
+                    check = health_pb2.HealthCheckRequest(service=name)
+                    assert stub.Check(check, timeout=10).status == serving
+                with pytest.raises(grpc.RpcError) as raised:
+                    stub.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=10)
+                assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+
+
 TIMED_PY = """
 import os, time
 from hloserve import NamedTensor, register_model
