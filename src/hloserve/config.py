@@ -147,6 +147,12 @@ class ServerConfig:
     actors, the only one touching the device) and K processes sharing the public ports parse,
     check and run `model.py` hooks, handing it tensors over shared memory. 0: one process (the
     default, from measurement; docs/frontends.md says what K >= 1 serves today)."""
+    max_load_files: int = 64
+    """Files one RepositoryModelLoad may send as a bundle (Triton's `file:` parameters, written
+    into a private directory the server owns); 0 turns loading from sent files off."""
+    max_load_file_bytes: int = 1 << 30
+    """Bytes of those files together (they are written to disk while the model serves from them;
+    a gRPC message is bounded by `max_message_bytes` as well)."""
     max_health_watches: int = 256
     """`grpc.health.v1.Health/Watch` streams held open at once (a gRPC client's health checking
     holds one per connection); past it, RESOURCE_EXHAUSTED. Check is not counted."""
@@ -199,6 +205,8 @@ class ServerConfig:
         _check(self.repository_poll_s > 0, "server.repository_poll_s", "must be > 0")
         _check(self.reload_debounce_s >= 0, "server.reload_debounce_s", "must be >= 0")
         _check(0 <= self.frontends <= 64, "server.frontends", "must be 0 (one process) to 64")
+        _check(self.max_load_files >= 0, "server.max_load_files", "must be >= 0 (0: off)")
+        _check(self.max_load_file_bytes >= 0, "server.max_load_file_bytes", "must be >= 0")
         _check(self.max_health_watches >= 0, "server.max_health_watches", "must be >= 0 (0: Check only)")
 
 

@@ -4,7 +4,7 @@ A Triton client reloads a model with a JSON ModelConfig in the load parameter `c
 applies the fields that map onto a bundle's serving settings (`scheduler.models.<name>`) and
 refuses, naming the field, everything else rather than ignore it: a bundle's tensors, backend
 and version are fixed by its manifest. `file:` overrides (a bundle sent in the request) are
-refused as well.
+`hloserve.load_files`'.
 """
 
 from __future__ import annotations
@@ -39,11 +39,10 @@ def apply_config(
     `parameters` maps each parameter's key to its string value (None: not a string)."""
     for key in sorted(parameters):
         if key != CONFIG_PARAM:
-            what = "file overrides (a bundle sent in the request)" if key.startswith("file:") else "it"
             raise InvalidInput(
                 model,
-                f"load parameter {clip(key, 64)}: {what} is not supported; hloserve takes only "
-                f"{CONFIG_PARAM!r}, a JSON model config, and loads the bundle as it is in the repository",
+                f"load parameter {clip(key, 64)} is not supported; hloserve takes {CONFIG_PARAM!r}, "
+                "a JSON model config, and 'file:<path>' parameters, a bundle's files",
             )
     if CONFIG_PARAM not in parameters:
         return None

@@ -14,6 +14,7 @@ The front ends (gRPC services, health, the repository watcher) see a worker as a
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -50,6 +51,7 @@ from hloserve.compiled import CompiledModel, compile_bundle
 from hloserve.config import Config, ModelSettings, SchedulerConfig
 from hloserve.errors import BundleError, ConfigError, InvalidInput, ModelNotFound
 from hloserve.executable_cache import ExecutableCache
+from hloserve.load_files import remove, write_bundle
 from hloserve.model_py import MetaRun, ModelHooks, Registration, load_model_py
 from hloserve.policy import ModelPolicy
 from hloserve.statistics import Statistics
@@ -178,7 +180,10 @@ class ModelHost(Protocol):
     def weight_budget(self) -> int | None: ...
     @property
     def models(self) -> Mapping[str, ModelEntry]: ...
-    async def load_model(self, name: str, settings: ModelSettings | None = None) -> None: ...
+    def from_files(self, name: str) -> bool: ...
+    async def load_model(
+        self, name: str, settings: ModelSettings | None = None, files: Mapping[str, bytes] | None = None
+    ) -> None: ...
     async def unload_model(self, name: str) -> None: ...
     async def reload_model_py(self, name: str) -> None: ...
     def record_failure(self, name: str, reason: str) -> None: ...
@@ -269,6 +274,10 @@ class ModelTable:
         self._cache = cache
         self._turns: dict[str, trio.Lock] = {}
         """Per model name while a load, unload, reload or control call for it is under way."""
+        self._loads: Path | None = None
+        """Where bundles sent in load requests are written (created at the first; `close`)."""
+        self._private: dict[str, Path] = {}
+        """The private directory of each model serving from files sent in its load."""
 
     @property
     def models(self) -> Mapping[str, ModelEntry]:
@@ -300,25 +309,70 @@ class ModelTable:
         if not lock.locked() and self._turns.get(name) is lock:  # released, nobody waiting
             del self._turns[name]
 
-    async def load_model(self, name: str, settings: ModelSettings | None = None) -> None:
+    @property
+    def loads_directory(self) -> Path | None:
+        """Where the private directories of bundles sent in load requests are (None: none yet)."""
+        return self._loads
+
+    def from_files(self, name: str) -> bool:
+        """Whether `name` serves a bundle sent in its load request (not the repository's)."""
+        return name in self._private
+
+    async def load_model(
+        self, name: str, settings: ModelSettings | None = None, files: Mapping[str, bytes] | None = None
+    ) -> None:
         """Load the bundle `name` from the repository, or reload it: it is read and compiled
         outside the dispatch loop (other models keep serving), and only then replaces the old
         version, which keeps serving if the new one fails. `name` is a plain name (no path) and
         the bundle must lie inside the repository. `settings` (a load's config override)
-        replace the model's `scheduler.models` entry once the bundle is ready."""
+        replace the model's `scheduler.models` entry once the bundle is ready.
+
+        `files` (checked by `load_files.check_files`) is a bundle sent in the request: written
+        into a private directory, loaded from there, which lives while the model serves from it
+        (removed at its unload, its replacement, a failed load, `close`)."""
         directory = bundle_directory(self.config.server.model_repository, name)
         async with self._turn(name):
-            if not (directory / "manifest.yaml").is_file():
-                raise ModelNotFound(name, f"the repository has no bundle {name!r}")
-            bundle = await trio.to_thread.run_sync(load_bundle, directory)
-            prepared = await trio.to_thread.run_sync(prepare, bundle, self._cache)
-            if bundle.manifest.is_meta:
-                _check_meta(bundle, {n: e.bundle for n, e in self._entries.items()})
-            if settings is not None:
-                _check_settings(name, settings, prepared.compiled)
-                models = {**self.config.scheduler.models, name: settings}
-                self.config = self.config.replace("scheduler", models=models)
-            await self._put(name, prepared)
+            private = None
+            if files is not None:
+                private = await trio.to_thread.run_sync(write_bundle, self._loads_root(), name, files)
+                directory = private / name
+            try:
+                if not (directory / "manifest.yaml").is_file():
+                    where = "the files sent have" if private else "the repository has"
+                    raise ModelNotFound(name, f"{where} no bundle {name!r} (no manifest.yaml)")
+                bundle = await trio.to_thread.run_sync(load_bundle, directory)
+                prepared = await trio.to_thread.run_sync(prepare, bundle, self._cache)
+                if bundle.manifest.is_meta:
+                    _check_meta(bundle, {n: e.bundle for n, e in self._entries.items()})
+                if settings is not None:
+                    _check_settings(name, settings, prepared.compiled)
+                    models = {**self.config.scheduler.models, name: settings}
+                    self.config = self.config.replace("scheduler", models=models)
+                await self._put(name, prepared)
+            except BaseException:
+                if private is not None:
+                    remove(private)
+                raise
+            self._forget_files(name)
+            if private is not None:
+                self._private[name] = private
+
+    def _loads_root(self) -> Path:
+        if self._loads is None:
+            self._loads = Path(tempfile.mkdtemp(prefix="hloserve-loads-"))
+        return self._loads
+
+    def _forget_files(self, name: str) -> None:
+        """Remove the private directory `name` served from, if any."""
+        private = self._private.pop(name, None)
+        if private is not None:
+            remove(private)
+
+    def close(self) -> None:
+        """Remove every private directory of a bundle sent in a load (at shutdown)."""
+        self._private.clear()
+        if self._loads is not None:
+            remove(self._loads)
 
     async def _put(self, name: str, prepared: Prepared) -> None:
         """Add a prepared model, or replace the version served: a model served already is
@@ -388,6 +442,7 @@ class ModelTable:
         entry = self._entries.pop(name, None)
         if entry is None:
             raise ModelNotFound(name)
+        self._forget_files(name)
         if isinstance(entry.state, Loaded):
             await self._ask(lambda reply: RemoveModel(name, reply))
         log.info("model unloaded", model=name)
