@@ -228,6 +228,9 @@ class ModelSettings:
     finish within their deadline."""
     max_batch_size: int | None = None
     """At most this many rows joined into one execution (None: the largest compiled size)."""
+    preferred_batch_sizes: tuple[int, ...] | None = None
+    """The compiled batch sizes this model runs, padding a batch up to one of them (Triton's
+    `dynamic_batching.preferred_batch_size`); None: every compiled size. Each must be compiled."""
     residency: Residency | None = None
     """Residency floor: `system` (default) keeps weights in host RAM, `device` pins them on the
     device, `unpinned` re-reads the file at each load."""
@@ -470,6 +473,11 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
         if hint is int and isinstance(value, float) and value != number:
             raise ConfigError(where, f"got {value!r}; expected an integer")
         return number
+    if origin is tuple:  # tuple[T, ...]: a YAML list
+        if not isinstance(value, list | tuple):
+            raise ConfigError(where, f"got {value!r}; expected a list")
+        item = typing.get_args(hint)[0]
+        return tuple(_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value))
     if hint is str:
         if not isinstance(value, str):
             raise ConfigError(where, f"got {value!r}; expected a string")

@@ -79,11 +79,11 @@ def _dynamic_batching(model: str, value: Any) -> dict[str, Any]:
         field = f"dynamic_batching.{key}"
         if key == "max_queue_delay_microseconds":
             changes["max_queue_delay_us"] = _count(model, field, item, minimum=0)
-        elif key == "preferred_batch_size":  # hloserve's batcher always prefers the compiled sizes
+        elif key == "preferred_batch_size":  # checked against the compiled sizes once compiled
             if not isinstance(item, list):
                 raise _field(model, field, "must be a list of integers")
-            for size in item:
-                _count(model, field, size, minimum=1)
+            sizes = sorted({_count(model, field, size, minimum=1) for size in item})
+            changes["preferred_batch_sizes"] = tuple(sizes) or None  # empty: no preference
         elif key == "default_queue_policy" and isinstance(item, dict) and set(item) <= {"max_queue_size"}:
             if "max_queue_size" in item:
                 depth = _count(model, f"{field}.max_queue_size", item["max_queue_size"], minimum=0)

@@ -287,6 +287,13 @@ class ModelTable:
     async def start(self, prepared: Mapping[str, Prepared | Failed]) -> None:
         """Serve what start-up prepared, through the path every load takes."""
         for name, model in prepared.items():
+            if isinstance(model, Prepared):
+                try:
+                    _check_settings(
+                        name, self.config.scheduler.models.get(name, ModelSettings()), model.compiled
+                    )
+                except InvalidInput as e:
+                    model = Failed(f"scheduler.models.{name}: {e.problem}")
             if isinstance(model, Failed):
                 self._entries[name] = ModelEntry(name, model)
             else:
@@ -344,8 +351,12 @@ class ModelTable:
                 prepared = await trio.to_thread.run_sync(prepare, bundle, self._cache)
                 if bundle.manifest.is_meta:
                     _check_meta(bundle, {n: e.bundle for n, e in self._entries.items()})
+                _check_settings(
+                    name,
+                    settings or self.config.scheduler.models.get(name, ModelSettings()),
+                    prepared.compiled,
+                )
                 if settings is not None:
-                    _check_settings(name, settings, prepared.compiled)
                     models = {**self.config.scheduler.models, name: settings}
                     self.config = self.config.replace("scheduler", models=models)
                 await self._put(name, prepared)
@@ -509,22 +520,33 @@ def _policy(scheduler: SchedulerConfig, model: str, costs: dict[int, float]) -> 
 
 
 def _check_settings(name: str, settings: ModelSettings, compiled: CompiledModel | None) -> None:
-    """A load's settings fit the bundle: a batch limit needs a batch axis and a compiled size."""
-    if settings.max_batch_size is None:
-        return
+    """A model's settings fit its bundle: a batch limit needs a batch axis and a compiled size;
+    preferred sizes must be compiled sizes, within the limit, of requests that can be joined."""
     sizes = () if compiled is None else tuple(b for b in compiled.batch_sizes if b > 0)
-    if not sizes or settings.max_batch_size < sizes[0]:
+    compiled_sizes = f"compiled: {list(sizes) or 'none, no batch axis'}"
+    limit = settings.max_batch_size
+    if limit is not None and (not sizes or limit < sizes[0]):
+        raise InvalidInput(name, f"{_MAX_BATCH}: {limit} fits no compiled batch size ({compiled_sizes})")
+    preferred = settings.preferred_batch_sizes or ()
+    wrong = [s for s in preferred if s not in sizes]
+    if wrong:
+        raise InvalidInput(name, f"{_PREFERRED}: {wrong} are not compiled batch sizes ({compiled_sizes})")
+    if preferred and limit is not None and preferred[-1] > limit:
+        raise InvalidInput(name, f"{_PREFERRED}: {preferred[-1]} exceeds max_batch_size {limit}")
+    if preferred and compiled is not None and not compiled.coalescable:
         raise InvalidInput(
-            name,
-            f"load parameter 'config', field 'max_batch_size': {settings.max_batch_size} fits no "
-            f"compiled batch size (compiled: {list(sizes) or 'none, no batch axis'})",
+            name, f"{_PREFERRED}: requests to it cannot be joined (an output has no batch axis)"
         )
+
+
+_MAX_BATCH = "load parameter 'config', field 'max_batch_size'"
+_PREFERRED = "field 'dynamic_batching.preferred_batch_size' (scheduler.models preferred_batch_sizes)"
 
 
 def _queue_settings(scheduler: SchedulerConfig, compiled: CompiledModel) -> QueueSettings:
     settings = scheduler.models.get(compiled.name, ModelSettings())
     return QueueSettings(
-        batch_sizes=compiled.batch_sizes,
+        batch_sizes=settings.preferred_batch_sizes or compiled.batch_sizes,
         coalescable=compiled.coalescable,
         max_depth=settings.max_queue_depth or scheduler.max_queue_depth,
         max_batch_size=settings.max_batch_size,

@@ -369,6 +369,8 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         if policy is not None and policy.max_batch_size and max_batch:
             max_batch = min(max_batch, policy.max_batch_size)
             sizes = [b for b in sizes if b <= max_batch]
+        if policy is not None and policy.preferred_batch_sizes:  # the sizes it runs
+            sizes = [b for b in sizes if b in policy.preferred_batch_sizes]
         return kserve.ModelConfigResponse(
             config=kserve.ModelConfig(
                 name=entry.name,
