@@ -4,7 +4,7 @@ A Triton client reloads a model with a JSON ModelConfig in the load parameter `c
 applies the fields that map onto a bundle's serving settings (`scheduler.models.<name>`) and
 refuses, naming the field, everything else rather than ignore it: a bundle's tensors, backend
 and version are fixed by its manifest. `file:` overrides (a bundle sent in the request) are
-`hloserve.load_files`'.
+`hloserve.load_files`'s.
 """
 
 from __future__ import annotations
