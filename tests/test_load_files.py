@@ -128,6 +128,8 @@ def raw_load(server: Any, parameters: dict[str, service_pb2.ModelRepositoryParam
         ({"file:": b"x"}, "file:", "the path is empty"),
         ({"file:bad\x07name": b"x"}, "file:bad\x07name", "only printable characters"),
         ({"file:manifest.yaml/x": b"x"}, "file:manifest.yaml/x", "a file and a directory"),
+        ({"file:" + "x" * 256: b"x"}, "file:" + "x" * 75, "at most 8 parts of at most 255 bytes each"),
+        ({"file:" + "d/" * 8 + "f": b"x"}, "file:" + "d/" * 8 + "f", "at most 8 parts"),
         ({"file:model.py": b"import os"}, "file:model.py", "no code from a client runs"),
         ({"file:sub/model.py": b"import os"}, "file:sub/model.py", "no code from a client runs"),
         ({"file:extra": b""}, None, f"5 files sent; at most {MAX_FILES} (server.max_load_files)"),

@@ -15,12 +15,14 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 
-from hloserve.bundle import MODEL_PY
+from hloserve.bundle import MAX_NAME_BYTES, MODEL_PY
 from hloserve.errors import InvalidInput, clip
 
 __all__ = ["FILE_PREFIX", "check_files", "remove", "write_bundle"]
 
 FILE_PREFIX = "file:"
+_MAX_DEPTH = 8
+"""Directories a sent file may lie in, nested (a bundle is flat but for its label files)."""
 
 
 def check_files(
@@ -73,8 +75,11 @@ def _path_problem(path: str) -> str | None:
         return "the path may hold only printable characters"
     if path.startswith("/") or "\\" in path:
         return "the path must be relative to the bundle directory, with '/' between its parts"
-    if any(part in ("", ".", "..") for part in path.split("/")):
+    parts = path.split("/")
+    if any(part in ("", ".", "..") for part in parts):
         return "the path may not hold '..', '.' or empty parts: it must stay inside the bundle"
+    if len(parts) > _MAX_DEPTH or any(len(part.encode()) > MAX_NAME_BYTES for part in parts):
+        return f"the path may have at most {_MAX_DEPTH} parts of at most {MAX_NAME_BYTES} bytes each"
     return None
 
 

@@ -337,8 +337,9 @@ class ModelTable:
         `files` (checked by `load_files.check_files`) is a bundle sent in the request: written
         into a private directory, loaded from there, which lives while the model serves from it
         (removed at its unload, its replacement, a failed load, `close`)."""
-        directory = bundle_directory(self.config.server.model_repository, name)
-        async with self._turn(name):
+        if files is None:
+            directory = bundle_directory(self.config.server.model_repository, name)
+        async with self._turn(check_model_name(name)):
             private = None
             if files is not None:
                 private = await trio.to_thread.run_sync(write_bundle, self._loads_root(), name, files)
