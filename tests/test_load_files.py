@@ -15,6 +15,7 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 from support.bundles import (
     PARAMS,
     X,
@@ -185,7 +186,7 @@ def test_loading_from_files_can_be_turned_off(tmp_path: Path) -> None:
 
 
 def test_rest_load_takes_files_in_base64(served: Any) -> None:
-    server, client, files, _ = served
+    server, client, files, tmp_path = served
     body = {"config": "{}", **{k: base64.b64encode(v).decode() for k, v in files.items()}}
     url = f"http://{server.http_url}/v2/repository/models/sent/load"
 
@@ -195,6 +196,10 @@ def test_rest_load_takes_files_in_base64(served: Any) -> None:
     with urllib.request.urlopen(post(), timeout=60) as reply:
         assert reply.status == 200
     assert_affine_answers(client, "sent")
+    rest = httpclient.InferenceServerClient(server.http_url)  # Triton's own REST client
+    rest.load_model("again", config="{}", files=bundle_files(tmp_path / "again"))
+    rest.close()
+    assert_affine_answers(client, "again")
     body["file:manifest.yaml"] = "not base64!"
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(post(), timeout=60)
