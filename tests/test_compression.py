@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import gzip
+import socket
+import struct
+import time
 import zlib
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
+import h2.config
+import h2.connection
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from export_examples import reference
 from support.raw_grpc import frame, raw_call
 from support.servers import ServerThread, make_config
-from tritonclient.grpc import service_pb2
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 LIMIT = 1 << 20
@@ -118,3 +124,85 @@ def test_compressed_inference_of_a_large_request_is_refused_by_its_inflated_size
     finally:
         client.close()
     _infer(small.url, None)
+
+
+MiB = 1 << 20
+
+
+@pytest.fixture(name="budgeted")
+def _budgeted() -> Iterator[ServerThread]:
+    """Messages up to 8 MiB, but 2 MiB of messages being received at once (per connection and
+    in all): the budgets, not the message limit, are what a compressed request meets."""
+    config = make_config(
+        max_message_bytes=8 * MiB, max_receiving_bytes=2 * MiB, max_receiving_bytes_per_connection=2 * MiB
+    )
+    server = ServerThread(config).start()
+    yield server
+    server.stop()
+
+
+def _mlp_request(rows: int) -> service_pb2.ModelInferRequest:
+    """An mlp request of `rows` rows of zeros: 64 bytes a row, all but nothing once gzipped."""
+    request = service_pb2.ModelInferRequest(model_name="mlp")
+    request.inputs.add(name="INPUT0", datatype="FP32", shape=[rows, 16])
+    request.raw_input_contents.append(bytes(64 * rows))
+    return request
+
+
+def _grpcio_infer(
+    url: str, request: service_pb2.ModelInferRequest, gzip: bool
+) -> tuple[grpc.StatusCode, str]:
+    """grpcio's ModelInfer, gzip-compressed or not: the status and its message."""
+    with grpc.insecure_channel(url, options=[("grpc.max_send_message_length", 16 * MiB)]) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        compression = grpc.Compression.Gzip if gzip else grpc.Compression.NoCompression
+        try:
+            stub.ModelInfer(request, timeout=60, compression=compression)
+        except grpc.RpcError as e:
+            return e.code(), e.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+def test_inflated_bytes_count_against_the_connection_s_receiving_budget(budgeted: ServerThread) -> None:
+    """3 MiB inflated from a few kilobytes is refused as the same 3 MiB sent plainly is."""
+    request = _mlp_request(3 * MiB // 64)
+    for gzip_it in (False, True):
+        status, details = _grpcio_infer(budgeted.url, request, gzip_it)
+        assert status == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+        assert "server.max_receiving_bytes_per_connection" in details
+    assert _grpcio_infer(budgeted.url, _mlp_request(MiB // 64), True)[0] == grpc.StatusCode.OK
+
+
+def test_inflated_bytes_count_against_the_server_s_receiving_budget(budgeted: ServerThread) -> None:
+    """With 1.5 MiB of a message being received on another connection, 1 MiB inflated from a
+    small gzip message would pass the server's 2 MiB: UNAVAILABLE, served once it is gone."""
+    request = _mlp_request(MiB // 64)
+    with socket.create_connection(("127.0.0.1", budgeted.worker.grpc_port), timeout=10) as holder:
+        peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        peer.initiate_connection()
+        peer.send_headers(
+            1,
+            [
+                (":method", "POST"),
+                (":scheme", "http"),
+                (":path", "/inference.GRPCInferenceService/ModelInfer"),
+                (":authority", "localhost"),
+                ("content-type", "application/grpc"),
+                ("te", "trailers"),
+            ],
+        )
+        peer.send_data(1, struct.pack(">?I", False, 3 * MiB // 2))  # announced, never sent
+        holder.sendall(peer.data_to_send())
+        deadline = time.monotonic() + 10
+        status, details = grpc.StatusCode.OK, ""
+        while time.monotonic() < deadline and status != grpc.StatusCode.UNAVAILABLE:
+            time.sleep(0.05)  # until the server holds the announced bytes
+            status, details = _grpcio_infer(budgeted.url, request, True)
+        assert status == grpc.StatusCode.UNAVAILABLE, details
+        assert "server.max_receiving_bytes" in details and "inflating past" in details
+    for _ in range(100):  # the holder gone, its bytes are freed
+        if _grpcio_infer(budgeted.url, request, True)[0] == grpc.StatusCode.OK:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the compressed request was not served once the budget was free")

@@ -27,7 +27,8 @@ def test_yaml_then_environment_then_flags(tmp_path: Path) -> None:
     path = tmp_path / "hloserve.yaml"
     path.write_text(
         "server:\n  grpc_port: 9001\n  host: 0.0.0.0\n"
-        "scheduler:\n  max_queue_depth: 8\n  models:\n    mlp: {weight: 3, max_queue_delay_us: 500}\n"
+        "scheduler:\n  max_queue_depth: 8\n  models:\n"
+        "    mlp: {weight: 3, max_queue_delay_us: 500, preferred_batch_sizes: [4, 8]}\n"
     )
     config = load_config(
         path, environ={"HLOSERVE_SERVER_GRPC_PORT": "9002", "HLOSERVE_LOGGING_LEVEL": "debug"}
@@ -37,6 +38,7 @@ def test_yaml_then_environment_then_flags(tmp_path: Path) -> None:
     assert config.scheduler.max_queue_depth == 8
     assert config.scheduler.models["mlp"].weight == 3.0
     assert config.scheduler.models["mlp"].max_queue_delay_us == 500
+    assert config.scheduler.models["mlp"].preferred_batch_sizes == (4, 8)
     assert config.logging.level == "debug"
     args = _parser().parse_args(["serve", "--grpc-port", "9003", "--model-repository", str(tmp_path)])
     flagged = _apply_flags(config, args)
@@ -76,6 +78,16 @@ def test_bad_environment_value_names_the_field(environ: dict[str, str], field: s
         ("server: {colour: red}\n", "server.colour", "unknown field"),
         ("scheduler: {models: {mlp: {weight: 0}}}\n", "scheduler.models.mlp.weight", "> 0"),
         ("scheduler: {models: {mlp: {speed: 2}}}\n", "scheduler.models.mlp.speed", "unknown field"),
+        (
+            "scheduler: {models: {m: {preferred_batch_sizes: 4}}}\n",
+            "m.preferred_batch_sizes",
+            "expected a list",
+        ),
+        (
+            "scheduler: {models: {m: {preferred_batch_sizes: [x]}}}\n",
+            r"preferred_batch_sizes\[0\]",
+            "an integer",
+        ),
         ("gateway: {}\n", "gateway", "unknown section"),
         ("- 1\n", "", "expected a mapping"),
     ],

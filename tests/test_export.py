@@ -19,6 +19,7 @@ from safetensors import safe_open
 from support.bundles import PARAMS as AFFINE
 from support.bundles import affine
 from support.servers import EXAMPLES, make_config, start_worker
+from tritonclient.utils import InferenceServerException
 
 from hloserve import _xla
 from hloserve.bundle import load_bundle, read_weights
@@ -322,6 +323,11 @@ def broken():
 
 def misspelled():
     return {"fn": lambda p, x: x, "params": {}, "input": []}
+
+def whole():
+    params = {"w": np.arange(12, dtype=np.float32).reshape(4, 3)}
+    return {"fn": lambda p, x: (x @ p["w"]).sum(axis=0), "params": params,
+            "inputs": [InputSpec("X", (5, 4))], "outputs": [OutputSpec("Y")]}
 """
 
 
@@ -413,3 +419,66 @@ def test_export_writes_an_image_input_s_format(tmp_path: Path) -> None:
     manifest = yaml.safe_load((directory / "manifest.yaml").read_text())
     assert manifest["executable_inputs"][0]["format"] == "NHWC"
     assert "format" not in manifest["executable_outputs"][0]
+
+
+def column_sums(params: dict, x: np.ndarray) -> Any:  # type: ignore[type-arg]
+    """A function of a whole [5, 4] input with no row to batch: x @ w summed over its rows, plus b."""
+    return (x @ params["w"]).sum(axis=0) + params["b"]
+
+
+def test_a_bundle_without_a_batch_axis_serves_as_triton_s_max_batch_size_0(tmp_path: Path) -> None:
+    """Exported with batch_axis=False (verified in a fresh process), it has one model.mlir and
+    no n axis; served, ModelConfig says max_batch_size 0 with whole dims, ModelMetadata has no
+    -1, each request is one execution, and a batched shape is INVALID_ARGUMENT."""
+    export_bundle(
+        column_sums,
+        AFFINE,
+        [InputSpec("X", (5, 4), letters="rf")],
+        tmp_path / "sums",
+        batch_axis=False,
+        outputs=[OutputSpec("Y", letters="k")],
+    )
+    bundle = load_bundle(tmp_path / "sums")
+    assert [m.path.name for m in bundle.modules] == ["model.mlir"]
+    manifest = yaml.safe_load((tmp_path / "sums" / "manifest.yaml").read_text())
+    assert [t["shape"] for t in manifest["executable_inputs"] + manifest["executable_outputs"]] == ["fr", "k"]
+    assert "batching" not in manifest
+    with pytest.raises(ValueError, match="batch_sizes need a batch axis"):
+        export_bundle(
+            column_sums, AFFINE, [InputSpec("X", (5, 4))], tmp_path / "x", batch_axis=False, batch_sizes=[2]
+        )
+    with start_worker(make_config(tmp_path)) as server:
+        client = grpcclient.InferenceServerClient(server.url)
+        config = client.get_model_config("sums").config
+        assert config.max_batch_size == 0
+        assert [list(t.dims) for t in (*config.input, *config.output)] == [[5, 4], [3]]
+        assert not config.HasField("dynamic_batching")
+        metadata = client.get_model_metadata("sums")
+        assert [list(t.shape) for t in (*metadata.inputs, *metadata.outputs)] == [[5, 4], [3]]
+        for k in range(3):
+            x = np.random.default_rng(k).standard_normal((5, 4)).astype(np.float32)
+            tensor = grpcclient.InferInput("X", [5, 4], "FP32")
+            tensor.set_data_from_numpy(x)
+            served = client.infer("sums", [tensor]).as_numpy("Y")
+            np.testing.assert_allclose(served, column_sums(AFFINE, x), rtol=1e-5, atol=1e-5)
+        stats = client.get_inference_statistics("sums").model_stats[0]
+        assert (stats.inference_count, stats.execution_count) == (3, 3)
+        batched = grpcclient.InferInput("X", [1, 5, 4], "FP32")
+        batched.set_data_from_numpy(np.zeros((1, 5, 4), np.float32))
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer("sums", [batched])
+        assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+        served = client.infer("sums", [tensor]).as_numpy("Y")  # the next good request
+        np.testing.assert_allclose(served, column_sums(AFFINE, x), rtol=1e-5, atol=1e-5)
+        client.close()
+
+
+def test_cli_export_no_batch_axis(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "spec.py").write_text(SPEC)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the spec's folder is put on it
+    out = tmp_path / "whole"
+    assert main(["export", f"{tmp_path / 'spec.py'}:whole", "--out", str(out), "--no-batch-axis"]) == 0
+    bundle = load_bundle(out)
+    assert not bundle.manifest.batched
+    assert [m.batch_size for m in bundle.modules] == [0]
+    assert main(["export", f"{tmp_path / 'spec.py'}:make", "--out", str(out), "--no-batch-axis"]) == 1

@@ -139,3 +139,33 @@ def test_cli_refuses_a_torch_spec_with_an_option_neither_exporter_takes(
         f"hloserve export: {tmp_path / 'spec.py'}:make returned arguments export_torch_bundle cannot take: "
         "unexpected keyword argument(s) ['rtool']\n"
     )
+
+
+class Gram(torch.nn.Module):
+    """A function of one whole matrix (no rows to batch): its Gram matrix, scaled by a weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.T @ x) * self.scale
+
+
+def test_torch_export_without_a_batch_axis_serves_what_torch_computes(tmp_path: Path) -> None:
+    """batch_axis=False: the examples are whole inputs; one model.mlir, verified, served with
+    max_batch_size 0."""
+    model = Gram()
+    x = torch.randn(4, 3)
+    export_torch_bundle(model, (x,), tmp_path / "gram", inputs=[InputSpec("X", (4, 3))], batch_axis=False)
+    assert [m.batch_size for m in load_bundle(tmp_path / "gram").modules] == [0]
+    with start_worker(make_config(tmp_path)) as server:
+        client = grpcclient.InferenceServerClient(server.url)
+        assert client.get_model_config("gram").config.max_batch_size == 0
+        other = np.random.default_rng(1).standard_normal((4, 3)).astype(np.float32)
+        tensor = grpcclient.InferInput("X", [4, 3], "FP32")
+        tensor.set_data_from_numpy(other)
+        with torch.no_grad():
+            expected = model(torch.from_numpy(other)).numpy()
+        np.testing.assert_allclose(client.infer("gram", [tensor]).as_numpy("output_0"), expected, rtol=1e-5)
+        client.close()

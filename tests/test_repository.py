@@ -224,3 +224,67 @@ def test_a_batch_limit_below_every_compiled_size_is_refused(repo: Any) -> None:
     ):
         client.load_model("big", config='{"max_batch_size": 2}')
     affine_output(client, "steady")
+
+
+def test_preferred_batch_sizes_are_the_only_sizes_run(repo: Any) -> None:
+    """Triton's dynamic_batching.preferred_batch_size: the model runs only those compiled sizes,
+    a lone row padded up to one; ModelConfig lists them."""
+    path, _, client = repo
+    write_affine(path / "padded", batch_sizes=(1, 2, 4))
+    client.load_model("padded", config='{"dynamic_batching": {"preferred_batch_size": [4]}}')
+    assert list(client.get_model_config("padded").config.dynamic_batching.preferred_batch_size) == [4]
+    for _ in range(3):
+        np.testing.assert_allclose(affine_output(client, "padded"), affine(PARAMS, X), rtol=1e-6)
+    stats = client.get_inference_statistics("padded").model_stats[0]
+    assert (stats.inference_count, stats.execution_count) == (3, 3)
+    assert [b.batch_size for b in stats.batch_stats] == [4]
+    client.load_model("padded", config='{"dynamic_batching": {"preferred_batch_size": []}}')  # all again
+    assert list(client.get_model_config("padded").config.dynamic_batching.preferred_batch_size) == [1, 2, 4]
+
+
+@pytest.mark.parametrize(
+    ("config", "says"),
+    [
+        (
+            '{"dynamic_batching": {"preferred_batch_size": [3, 4]}}',
+            "[3] are not compiled batch sizes (compiled: [1, 2, 4])",
+        ),
+        (
+            '{"max_batch_size": 2, "dynamic_batching": {"preferred_batch_size": [4]}}',
+            "4 exceeds max_batch_size 2",
+        ),
+        ('{"dynamic_batching": {"preferred_batch_size": [0]}}', "must be an integer >= 1"),
+    ],
+)
+def test_a_preferred_batch_size_not_compiled_is_refused(repo: Any, config: str, says: str) -> None:
+    path, _, client = repo
+    write_affine(path / "padded", batch_sizes=(1, 2, 4))
+    client.load_model("padded")
+    with pytest.raises(InferenceServerException) as raised:
+        client.load_model("padded", config=config)
+    assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert says in (raised.value.message() or "")
+    assert "preferred_batch_size" in (raised.value.message() or "")
+    assert list(client.get_model_config("padded").config.dynamic_batching.preferred_batch_size) == [1, 2, 4]
+    affine_output(client, "padded")
+
+
+def test_preferred_batch_sizes_in_the_config_file_must_be_compiled(tmp_path: Path) -> None:
+    write_affine(tmp_path / "steady")
+    write_affine(tmp_path / "padded", batch_sizes=(1, 2, 4))
+    settings = {
+        "steady": ModelSettings(preferred_batch_sizes=(8,)),
+        "padded": ModelSettings(preferred_batch_sizes=(2,)),
+    }
+    with start_worker(make_config(tmp_path, scheduler={"models": settings})) as server:
+        client = grpcclient.InferenceServerClient(server.url)
+        assert not client.is_model_ready("steady")
+        with grpc.insecure_channel(server.url) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            index = stub.RepositoryIndex(service_pb2.RepositoryIndexRequest())
+        [reason] = [m.reason for m in index.models if m.name == "steady"]
+        assert "scheduler.models.steady" in reason and "[8] are not compiled batch sizes" in reason
+        affine_output(client, "padded")
+        stats = client.get_inference_statistics("padded").model_stats[0]
+        assert [b.batch_size for b in stats.batch_stats] == [2]
+        client.close()

@@ -5,7 +5,10 @@ Triton accepts compressed requests and compresses its replies for clients that c
 
 * a compressed request is inflated with its output capped at `server.max_message_bytes`, so a
   small message that inflates to gigabytes is refused (RESOURCE_EXHAUSTED) before more than
-  the limit is ever held; a message that does not inflate is INVALID_ARGUMENT; an encoding other
+  the limit is ever held; its inflated bytes count against the budgets of messages being
+  received (`server.max_receiving_bytes`, per connection and in all), as an uncompressed
+  message's bytes do, so small compressed messages cannot make the server hold more than they
+  allow; a message that does not inflate is INVALID_ARGUMENT; an encoding other
   than gzip and deflate is UNIMPLEMENTED, as the gRPC spec says;
 * a reply is compressed with the request's encoding when the request was compressed and its
   `grpc-accept-encoding` lists it (a client that compresses asks for it); replies say which
@@ -21,7 +24,7 @@ from __future__ import annotations
 import struct
 import time
 import zlib
-from typing import Any
+from typing import Any, Protocol
 
 import grpclib.server
 from grpclib.const import Status
@@ -46,6 +49,13 @@ _LEVEL = 1
 
 
 _HEADERS = ("grpc-encoding", "grpc-accept-encoding")
+
+
+class Budget(Protocol):
+    """The budgets of messages being received (`_h2_protocol.GuardedProtocol`'s)."""
+
+    def receiving_room(self) -> int: ...
+    def refusal(self, length: int, rpc: str, what: str = "") -> GRPCError | None: ...
 
 
 def _header(stream: Any, name: str) -> str:
@@ -75,12 +85,15 @@ def refused(stream: Any, flags: int) -> GRPCError | None:
     )
 
 
-def inflate(stream: Any, data: bytes, limit: int, rpc: str) -> bytes:
-    """A compressed message's bytes, inflated to at most `limit` bytes (more is refused)."""
+def inflate(stream: Any, data: bytes, limit: int, rpc: str, budget: Budget) -> bytes:
+    """A compressed message's bytes, inflated to at most `limit` bytes and what `budget` can
+    hold (more is refused before it is inflated further)."""
     encoding = _header(stream, "grpc-encoding")
     inflater = zlib.decompressobj(_WBITS[encoding])
+    room = budget.receiving_room()
+    cap = min(limit, room)
     try:
-        message = inflater.decompress(data, limit + 1)
+        message = inflater.decompress(data, cap + 1)
     except zlib.error as e:
         raise GRPCError(
             Status.INVALID_ARGUMENT, f"{rpc}: the {encoding} message does not inflate ({e})"
@@ -91,6 +104,11 @@ def inflate(stream: Any, data: bytes, limit: int, rpc: str) -> bytes:
             f"request of {len(data)} {encoding} bytes inflates past server.max_message_bytes ({limit}); "
             "send large tensors through system shared memory or raise the limit",
         )
+    if len(message) > room:  # held as received bytes are: the same budgets
+        what = f"a request of {len(data)} {encoding} bytes inflating past {room} bytes"
+        refused = budget.refusal(len(message), rpc, what)
+        assert refused is not None  # past the room
+        raise refused
     if not inflater.eof:
         raise GRPCError(Status.INVALID_ARGUMENT, f"{rpc}: the {encoding} message is truncated")
     return message

@@ -206,8 +206,8 @@ class GuardedStream(grpclib.server.Stream[Any, Any]):
             )
         with protocol.receiving(length, rpc):
             data = await stream.recv_data(length)
-        if meta[0]:
-            data = _compression.inflate(self, data, limit, rpc)
+            if meta[0]:  # while the compressed bytes are held: the inflated ones count too
+                data = _compression.inflate(self, data, limit, rpc, protocol)
         try:
             message = self._codec.decode(data, self._recv_type)
         except GRPCError:

@@ -344,26 +344,48 @@ class GuardedProtocol(grpclib.protocol.H2Protocol):
 
     # -- messages being received -----------------------------------------------------------------
 
-    @contextmanager
-    def receiving(self, length: int, rpc: str) -> Iterator[None]:
-        """Hold `length` bytes of a message being received against the connection's and the
-        server's budgets, refusing the call when either would overflow."""
+    def receiving_room(self) -> int:
+        """Bytes of messages the connection's and the server's budgets can still hold now."""
         limits, guard = self.guard.limits, self.guard
+        return max(
+            0,
+            min(
+                limits.max_receiving_bytes_per_connection - self._receiving,
+                limits.max_receiving_bytes - guard.receiving,
+            ),
+        )
+
+    def refusal(self, length: int, rpc: str, what: str = "") -> GRPCError | None:
+        """Why `length` more bytes of messages (`what`: a message of that many bytes) cannot be
+        held now, over the connection's or the server's budget; None when they can."""
+        limits, guard = self.guard.limits, self.guard
+        what = what or f"a message of {length} bytes"
         held = self._receiving
         if held + length > limits.max_receiving_bytes_per_connection:
-            raise GRPCError(
+            return GRPCError(
                 Status.RESOURCE_EXHAUSTED,
-                f"{rpc}: a message of {length} bytes would hold {held + length} bytes of messages "
+                f"{rpc}: {what} would hold {held + length} bytes of messages "
                 "being received on this connection, over server.max_receiving_bytes_per_connection "
                 f"({limits.max_receiving_bytes_per_connection}); send large tensors through shared memory",
             )
         if guard.receiving + length > limits.max_receiving_bytes:
-            raise GRPCError(
+            return GRPCError(
                 Status.UNAVAILABLE,
                 f"{rpc}: the server is receiving {guard.receiving} bytes of messages already; "
-                f"a message of {length} bytes would pass server.max_receiving_bytes "
+                f"{what} would pass server.max_receiving_bytes "
                 f"({limits.max_receiving_bytes}); retry later",
             )
+        return None
+
+    @contextmanager
+    def receiving(self, length: int, rpc: str) -> Iterator[None]:
+        """Hold `length` bytes of a message being received against the connection's and the
+        server's budgets, refusing the call when either would overflow."""
+        guard = self.guard
+        refused = self.refusal(length, rpc)
+        if refused is not None:
+            raise refused
+        held = self._receiving
         self._receiving = held + length
         guard.receiving += length
         try:

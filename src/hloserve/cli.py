@@ -218,6 +218,11 @@ def _add_export_command(commands: Any) -> None:
     export.add_argument(
         "--batch-sizes", type=_batch_sizes, help="compiled batch sizes, e.g. 1,4,8 (default 1)"
     )
+    export.add_argument(
+        "--no-batch-axis",
+        action="store_true",
+        help="the inputs' shapes are whole: no batch axis, one module, each request run alone",
+    )
     export.add_argument("--platform", choices=["cpu", "cuda"], help="platform to lower for (default cpu)")
     export.add_argument(
         "--bytecode", action="store_true", help="write StableHLO portable artifacts instead of text"
@@ -263,6 +268,7 @@ def _export(args: argparse.Namespace) -> int:
         return 2
     for option, value in (
         ("batch_sizes", args.batch_sizes),
+        ("batch_axis", False if args.no_batch_axis else None),
         ("platform", args.platform),
         ("module_format", "bytecode" if args.bytecode else None),
         ("verify", False if args.no_verify else None),

@@ -147,6 +147,12 @@ class ServerConfig:
     actors, the only one touching the device) and K processes sharing the public ports parse,
     check and run `model.py` hooks, handing it tensors over shared memory. 0: one process (the
     default, from measurement; docs/frontends.md says what K >= 1 serves today)."""
+    max_load_files: int = 64
+    """Files one RepositoryModelLoad may send as a bundle (Triton's `file:` parameters, written
+    into a private directory the server owns); 0 turns loading from sent files off."""
+    max_load_file_bytes: int = 1 << 30
+    """Bytes of those files together (they are written to disk while the model serves from them;
+    a gRPC message is bounded by `max_message_bytes` as well)."""
     max_health_watches: int = 256
     """`grpc.health.v1.Health/Watch` streams held open at once (a gRPC client's health checking
     holds one per connection); past it, RESOURCE_EXHAUSTED. Check is not counted."""
@@ -199,6 +205,8 @@ class ServerConfig:
         _check(self.repository_poll_s > 0, "server.repository_poll_s", "must be > 0")
         _check(self.reload_debounce_s >= 0, "server.reload_debounce_s", "must be >= 0")
         _check(0 <= self.frontends <= 64, "server.frontends", "must be 0 (one process) to 64")
+        _check(self.max_load_files >= 0, "server.max_load_files", "must be >= 0 (0: off)")
+        _check(self.max_load_file_bytes >= 0, "server.max_load_file_bytes", "must be >= 0")
         _check(self.max_health_watches >= 0, "server.max_health_watches", "must be >= 0 (0: Check only)")
 
 
@@ -220,6 +228,9 @@ class ModelSettings:
     finish within their deadline."""
     max_batch_size: int | None = None
     """At most this many rows joined into one execution (None: the largest compiled size)."""
+    preferred_batch_sizes: tuple[int, ...] | None = None
+    """The compiled batch sizes this model runs, padding a batch up to one of them (Triton's
+    `dynamic_batching.preferred_batch_size`); None: every compiled size. Each must be compiled."""
     residency: Residency | None = None
     """Residency floor: `system` (default) keeps weights in host RAM, `device` pins them on the
     device, `unpinned` re-reads the file at each load."""
@@ -462,6 +473,11 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
         if hint is int and isinstance(value, float) and value != number:
             raise ConfigError(where, f"got {value!r}; expected an integer")
         return number
+    if origin is tuple:  # tuple[T, ...]: a YAML list
+        if not isinstance(value, list | tuple):
+            raise ConfigError(where, f"got {value!r}; expected a list")
+        item = typing.get_args(hint)[0]
+        return tuple(_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value))
     if hint is str:
         if not isinstance(value, str):
             raise ConfigError(where, f"got {value!r}; expected a string")

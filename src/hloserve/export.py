@@ -43,6 +43,8 @@ jnp = jax.numpy
 log = structlog.get_logger("hloserve.export")
 
 _LETTERS = [c for c in string.ascii_lowercase if c not in "nb"]
+UNBATCHED = 0
+"""The batch size of a bundle without a batch axis (its one module, `model.mlir`)."""
 _OLD_FILES = re.compile(rf"^(model(\.b[0-9]+)?\.mlir|{re.escape(WEIGHTS)})$")
 _VALUE_DEPENDENT = (
     jax.errors.ConcretizationTypeError,  # includes TracerBoolConversionError (`if x > 0:`)
@@ -53,7 +55,8 @@ _VALUE_DEPENDENT = (
 
 @dataclass(frozen=True, slots=True)
 class InputSpec:
-    """One input: its name, its shape without the batch axis (row-major), its dtype.
+    """One input: its name, its shape without the batch axis (row-major; its whole shape in a
+    bundle exported with `batch_axis=False`), its dtype.
 
     Also describes `client_inputs` and `client_outputs`, where a size of -1 marks a variable axis.
     """
@@ -99,18 +102,21 @@ def _letters(given: str | None, rank: int, where: str) -> str:
     return letters
 
 
-def _tensor(name: str, dtype: Any, shape: tuple[int, ...], letters: str) -> dict[str, Any]:
-    """A manifest tensor: letters reversed to column-major, batch axis `n` last."""
+def _tensor(
+    name: str, dtype: Any, shape: tuple[int, ...], letters: str, batch_axis: bool = True
+) -> dict[str, Any]:
+    """A manifest tensor: letters reversed to column-major, batch axis `n` last (if it has one)."""
     return {
         "name": name,
         "dtype": dtypes.by_numpy(np.dtype(dtype)).token,
-        "shape": letters[::-1] + "n",
+        "shape": letters[::-1] + ("n" if batch_axis else ""),
         "dims": dict(zip(letters, shape, strict=True)),
     }
 
 
-def _spec_tensor(spec: InputSpec) -> dict[str, Any]:
-    tensor = _tensor(spec.name, spec.dtype, spec.shape, _letters(spec.letters, len(spec.shape), spec.name))
+def _spec_tensor(spec: InputSpec, batch_axis: bool = True) -> dict[str, Any]:
+    letters = _letters(spec.letters, len(spec.shape), spec.name)
+    tensor = _tensor(spec.name, spec.dtype, spec.shape, letters, batch_axis)
     return tensor if spec.format is None else {**tensor, "format": spec.format}
 
 
@@ -245,7 +251,8 @@ def export_bundle(
     directory: Path,
     *,
     name: str | None = None,
-    batch_sizes: Sequence[int] = (1,),
+    batch_sizes: Sequence[int] | None = None,
+    batch_axis: bool = True,
     outputs: Sequence[OutputSpec] | None = None,
     platform: Literal["cpu", "cuda"] = "cpu",
     module_format: Literal["text", "bytecode"] = "text",
@@ -262,8 +269,10 @@ def export_bundle(
 
     `fn` is a JAX function of a parameter pytree (a Flax linen `apply` is one), or a
     `flax.nnx.Module` called on the inputs (then `params` is None; it is exported in eval mode).
-    Every input and output gets a leading batch axis. `platform` is `cpu` or `cuda` (no GPU is
-    needed to lower for cuda; a module lowered for one may not run on the other).
+    Every input and output gets a leading batch axis, compiled at `batch_sizes` (default 1);
+    with `batch_axis=False` none does: the shapes are whole, one module `model.mlir` is written,
+    and the server runs each request alone (Triton's max_batch_size 0). `platform` is `cpu` or
+    `cuda` (no GPU is needed to lower for cuda; a module lowered for one may not run on the other).
     `module_format="bytecode"` writes StableHLO portable artifacts, which newer jaxlibs promise
     to read. `client_inputs`/`client_outputs` describe what clients send and get when the
     `model_py` file (copied in as `model.py`) transforms them; the server allows them only then.
@@ -283,7 +292,9 @@ def export_bundle(
     directory = Path(directory)
     if name is not None and name != directory.name:
         raise ValueError(f"bundle name {name!r} must equal its directory's name {directory.name!r}")
-    sizes = _check_batch_sizes(batch_sizes)
+    if not batch_axis and batch_sizes is not None:
+        raise ValueError("batch_sizes need a batch axis; a bundle with batch_axis=False has one module")
+    sizes = _check_batch_sizes(batch_sizes or (1,)) if batch_axis else [UNBATCHED]
     if platform not in ("cpu", "cuda"):
         raise ValueError(f"platform must be 'cpu' or 'cuda', got {platform!r}")
     if module_format not in ("text", "bytecode"):
@@ -296,7 +307,11 @@ def export_bundle(
         if len(sample_inputs) != len(inputs):
             raise ValueError(f"{len(sample_inputs)} sample inputs for {len(inputs)} inputs")
         for spec, rows in zip(inputs, sample_inputs, strict=True):
-            if np.shape(rows)[1:] != tuple(spec.shape) or not len(rows):
+            if not batch_axis and np.shape(rows) != tuple(spec.shape):
+                raise ValueError(
+                    f"sample input {spec.name!r} has shape {np.shape(rows)}, expected {list(spec.shape)}"
+                )
+            if batch_axis and (np.shape(rows)[1:] != tuple(spec.shape) or not len(rows)):
                 raise ValueError(
                     f"sample input {spec.name!r} has shape {np.shape(rows)}, "
                     f"expected [rows, *{list(spec.shape)}]"
@@ -317,14 +332,16 @@ def export_bundle(
     traced_outputs: list[tuple[tuple[int, ...], np.dtype]] = []
     for step, size in enumerate(sizes, 1):
         started = time.perf_counter()
-        in_specs = [jax.ShapeDtypeStruct((size, *i.shape), np.dtype(i.dtype)) for i in inputs]
+        batch = (size,) if batch_axis else ()
+        in_specs = [jax.ShapeDtypeStruct((*batch, *i.shape), np.dtype(i.dtype)) for i in inputs]
         out_info, lowered = _lower(traceable.function_for(size), [*in_specs, *weight_specs], platform)
         for k, out in enumerate(out_info):
-            if not out.shape or out.shape[0] != size:
+            if batch_axis and (not out.shape or out.shape[0] != size):
                 raise ValueError(
-                    f"output {k} has shape {out.shape}; hloserve needs a leading batch axis of {size}"
+                    f"output {k} has shape {out.shape}; hloserve needs a leading batch axis of {size} "
+                    "(or export with batch_axis=False)"
                 )
-        outputs_here = [(tuple(out.shape[1:]), np.dtype(out.dtype)) for out in out_info]
+        outputs_here = [(tuple(out.shape[len(batch) :]), np.dtype(out.dtype)) for out in out_info]
         if traced_outputs and outputs_here != traced_outputs:
             raise ValueError(
                 f"outputs (shape after the batch axis, dtype) {outputs_here} at batch size {size} "
@@ -356,7 +373,7 @@ def export_bundle(
         if _OLD_FILES.match(path.name):  # a module left from other batch sizes would be loaded too
             path.unlink()
     for size, source in modules.items():
-        module = directory / f"model.b{size}.mlir"
+        module = directory / (f"model.b{size}.mlir" if batch_axis else "model.mlir")
         if isinstance(source, bytes):
             module.write_bytes(source)
         else:
@@ -366,11 +383,11 @@ def export_bundle(
         "name": directory.name,
         "description": description,
         "executable_inputs": [
-            _spec_tensor(InputSpec(i.name, i.shape, arg.dtype.numpy, i.letters, i.format))
+            _spec_tensor(InputSpec(i.name, i.shape, arg.dtype.numpy, i.letters, i.format), batch_axis)
             for i, arg in zip(inputs, signature.inputs, strict=False)
         ],
         "executable_outputs": [
-            _tensor(o.name, dtype, shape, _letters(o.letters, len(shape), o.name))
+            _tensor(o.name, dtype, shape, _letters(o.letters, len(shape), o.name), batch_axis)
             for o, (shape, dtype) in zip(out_specs, traced_outputs, strict=True)
         ],
     }
@@ -378,7 +395,8 @@ def export_bundle(
         manifest["client_inputs"] = [_spec_tensor(t) for t in client_inputs]
     if client_outputs is not None:
         manifest["client_outputs"] = [_spec_tensor(t) for t in client_outputs]
-    manifest["batching"] = {"compiled_batch_sizes": sizes}
+    if batch_axis:
+        manifest["batching"] = {"compiled_batch_sizes": sizes}
     manifest["provenance"] = {
         "exporter": f"hloserve {hloserve.__version__}",
         "jax_version": jax.__version__,
@@ -386,7 +404,7 @@ def export_bundle(
         "module_format": module_format,
         "source_framework": traceable.framework,
         **traceable.versions,
-        "batch_sizes": list(sizes),
+        "batch_sizes": list(sizes) if batch_axis else [],
         "exported_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     (directory / "manifest.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
@@ -407,7 +425,7 @@ def export_bundle(
     if model_py is not None and Path(model_py).resolve() != (directory / MODEL_PY).resolve():
         shutil.copyfile(model_py, directory / MODEL_PY)  # (re-exporting beside its own model.py)
     if verify:
-        _verify_export(directory, traceable, inputs, sizes, platform, sample_inputs, rtol, atol)
+        _verify_export(directory, traceable, inputs, sizes, platform, sample_inputs, rtol, atol, batch_axis)
     return directory
 
 
@@ -420,6 +438,7 @@ def _verify_export(
     sample_inputs: Sequence[np.ndarray] | None,
     rtol: float,
     atol: float,
+    batch_axis: bool,
 ) -> None:
     local = "cpu" if _xla.device().platform == "cpu" else "cuda"
     if platform != local:
@@ -431,7 +450,7 @@ def _verify_export(
         )
         return
     rng = np.random.default_rng(0)
-    given = {size: _samples(inputs, sample_inputs, size, rng) for size in sizes}
+    given = {size: _samples(inputs, sample_inputs, size, rng, batch_axis) for size in sizes}
     expected = {
         size: [np.asarray(o) for o in _as_tuple(traceable.reference(*a))] for size, a in given.items()
     }
@@ -444,16 +463,20 @@ def _verify_export(
 
 
 def _samples(
-    inputs: Sequence[InputSpec], given: Sequence[np.ndarray] | None, size: int, rng: np.random.Generator
+    inputs: Sequence[InputSpec],
+    given: Sequence[np.ndarray] | None,
+    size: int,
+    rng: np.random.Generator,
+    batch_axis: bool = True,
 ) -> list[np.ndarray]:
     """One batch of `size` rows per input: the given rows repeated, else seeded random data
-    (small integers, so that ids and indices stay in range)."""
+    (small integers, so that ids and indices stay in range); without a batch axis, one sample."""
     arrays = []
     for k, spec in enumerate(inputs):
-        dtype, shape = np.dtype(spec.dtype), (size, *spec.shape)
+        dtype, shape = np.dtype(spec.dtype), ((size,) if batch_axis else ()) + tuple(spec.shape)
         if given is not None:
             rows = np.asarray(given[k])
-            array = rows[np.arange(size) % len(rows)].astype(dtype)
+            array = (rows[np.arange(size) % len(rows)] if batch_axis else rows).astype(dtype)
         elif dtype.kind in "biu":
             array = rng.integers(0, 2, shape).astype(dtype)
         else:

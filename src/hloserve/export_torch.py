@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from hloserve.export import InputSpec, Traceable, _check_batch_sizes, export_bundle
+from hloserve.export import UNBATCHED, InputSpec, Traceable, _check_batch_sizes, export_bundle
 
 __all__ = ["export_torch_bundle"]
 
@@ -101,7 +101,7 @@ def _to_jax(
 ) -> tuple[list[str], list[Any], Any]:
     """torch.export at one batch size, then torchax: weight names, their tensors, the JAX function."""
     torchax = _import_torchax()
-    rows = tuple(_to_torch(a[np.arange(size) % len(a)]) for a in examples)
+    rows = tuple(_to_torch(a[np.arange(size) % len(a)] if size != UNBATCHED else a) for a in examples)
     try:
         with _quiet():
             program = torch.export.export(module, rows)
@@ -124,15 +124,17 @@ def export_torch_bundle(
     directory: Path,
     *,
     inputs: Sequence[InputSpec] | None = None,
-    batch_sizes: Sequence[int] = (1,),
+    batch_sizes: Sequence[int] | None = None,
+    batch_axis: bool = True,
     **options: Any,
 ) -> Path:
     """Export `module(*example_inputs)` (in eval mode) as the bundle `directory`; returns it.
 
     `example_inputs` has one tensor per input, each with a leading batch axis of any size: they
     fix shapes and dtypes, their rows are repeated to fill each batch size for torch.export, and
-    they are what verification runs unless `sample_inputs` is given. `inputs` names them and
-    sets their letters (default `input_0`, `input_1`... with generated letters). Weights are
+    they are what verification runs unless `sample_inputs` is given (with `batch_axis=False`
+    they are whole inputs, traced as they are, and the bundle has no batch axis). `inputs`
+    names them and sets their letters (default `input_0`, `input_1`... with generated letters). Weights are
     named by the module's state (`conv.weight`, `bn.running_mean`) in torch.export's order:
     parameters, buffers, lifted constants; a 0-dim float64 one is demoted to float32, as x64
     would otherwise promote the f32 computation it meets. Other keyword options are
@@ -144,18 +146,21 @@ def export_torch_bundle(
         hloserve.export.VerificationError: the bundle does not reproduce the torch module.
     """
     examples = [_to_numpy(t) for t in example_inputs]
+    skip = 1 if batch_axis else 0  # the batch axis, not part of an input's shape
     specs = (
         list(inputs)
         if inputs is not None
-        else [InputSpec(f"input_{k}", a.shape[1:], a.dtype) for k, a in enumerate(examples)]
+        else [InputSpec(f"input_{k}", a.shape[skip:], a.dtype) for k, a in enumerate(examples)]
     )
     for k, (spec, array) in enumerate(zip(specs, examples, strict=True)):
-        if tuple(spec.shape) != array.shape[1:] or np.dtype(spec.dtype) != array.dtype:
+        if tuple(spec.shape) != array.shape[skip:] or np.dtype(spec.dtype) != array.dtype:
             raise ValueError(
                 f"input {k} ({spec.name!r}) is {np.dtype(spec.dtype)}{list(spec.shape)} but its example "
-                f"is {array.dtype}{list(array.shape[1:])} (after the batch axis)"
+                f"is {array.dtype}{list(array.shape[skip:])}{' (after the batch axis)' if skip else ''}"
             )
-    sizes = _check_batch_sizes(batch_sizes)
+    if not batch_axis and batch_sizes is not None:
+        raise ValueError("batch_sizes need a batch axis; a bundle with batch_axis=False has one module")
+    sizes = _check_batch_sizes(batch_sizes or (1,)) if batch_axis else [UNBATCHED]
     n_inputs = len(specs)
     was_training = module.training
     module.eval()
@@ -193,6 +198,14 @@ def export_torch_bundle(
         versions = {"torch_version": str(torch.__version__), "torchax_version": str(torchax.__version__)}
         traceable = Traceable("torch", names, weights, function_for, reference, versions)
         options.setdefault("sample_inputs", examples)
-        return export_bundle(traceable, None, specs, directory, batch_sizes=sizes, **options)
+        return export_bundle(
+            traceable,
+            None,
+            specs,
+            directory,
+            batch_sizes=sizes if batch_axis else None,
+            batch_axis=batch_axis,
+            **options,
+        )
     finally:
         module.train(was_training)

@@ -4,7 +4,7 @@ A Triton client reloads a model with a JSON ModelConfig in the load parameter `c
 applies the fields that map onto a bundle's serving settings (`scheduler.models.<name>`) and
 refuses, naming the field, everything else rather than ignore it: a bundle's tensors, backend
 and version are fixed by its manifest. `file:` overrides (a bundle sent in the request) are
-refused as well.
+`hloserve.load_files`'s.
 """
 
 from __future__ import annotations
@@ -39,11 +39,10 @@ def apply_config(
     `parameters` maps each parameter's key to its string value (None: not a string)."""
     for key in sorted(parameters):
         if key != CONFIG_PARAM:
-            what = "file overrides (a bundle sent in the request)" if key.startswith("file:") else "it"
             raise InvalidInput(
                 model,
-                f"load parameter {clip(key, 64)}: {what} is not supported; hloserve takes only "
-                f"{CONFIG_PARAM!r}, a JSON model config, and loads the bundle as it is in the repository",
+                f"load parameter {clip(key, 64)} is not supported; hloserve takes {CONFIG_PARAM!r}, "
+                "a JSON model config, and 'file:<path>' parameters, a bundle's files",
             )
     if CONFIG_PARAM not in parameters:
         return None
@@ -80,11 +79,11 @@ def _dynamic_batching(model: str, value: Any) -> dict[str, Any]:
         field = f"dynamic_batching.{key}"
         if key == "max_queue_delay_microseconds":
             changes["max_queue_delay_us"] = _count(model, field, item, minimum=0)
-        elif key == "preferred_batch_size":  # hloserve's batcher always prefers the compiled sizes
+        elif key == "preferred_batch_size":  # checked against the compiled sizes once compiled
             if not isinstance(item, list):
                 raise _field(model, field, "must be a list of integers")
-            for size in item:
-                _count(model, field, size, minimum=1)
+            sizes = sorted({_count(model, field, size, minimum=1) for size in item})
+            changes["preferred_batch_sizes"] = tuple(sizes) or None  # empty: no preference
         elif key == "default_queue_policy" and isinstance(item, dict) and set(item) <= {"max_queue_size"}:
             if "max_queue_size" in item:
                 depth = _count(model, f"{field}.max_queue_size", item["max_queue_size"], minimum=0)

@@ -14,6 +14,7 @@ The front ends (gRPC services, health, the repository watcher) see a worker as a
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -50,6 +51,7 @@ from hloserve.compiled import CompiledModel, compile_bundle
 from hloserve.config import Config, ModelSettings, SchedulerConfig
 from hloserve.errors import BundleError, ConfigError, InvalidInput, ModelNotFound
 from hloserve.executable_cache import ExecutableCache
+from hloserve.load_files import remove, write_bundle
 from hloserve.model_py import MetaRun, ModelHooks, Registration, load_model_py
 from hloserve.policy import ModelPolicy
 from hloserve.statistics import Statistics
@@ -178,7 +180,10 @@ class ModelHost(Protocol):
     def weight_budget(self) -> int | None: ...
     @property
     def models(self) -> Mapping[str, ModelEntry]: ...
-    async def load_model(self, name: str, settings: ModelSettings | None = None) -> None: ...
+    def from_files(self, name: str) -> bool: ...
+    async def load_model(
+        self, name: str, settings: ModelSettings | None = None, files: Mapping[str, bytes] | None = None
+    ) -> None: ...
     async def unload_model(self, name: str) -> None: ...
     async def reload_model_py(self, name: str) -> None: ...
     def record_failure(self, name: str, reason: str) -> None: ...
@@ -269,6 +274,10 @@ class ModelTable:
         self._cache = cache
         self._turns: dict[str, trio.Lock] = {}
         """Per model name while a load, unload, reload or control call for it is under way."""
+        self._loads: Path | None = None
+        """Where bundles sent in load requests are written (created at the first; `close`)."""
+        self._private: dict[str, Path] = {}
+        """The private directory of each model serving from files sent in its load."""
 
     @property
     def models(self) -> Mapping[str, ModelEntry]:
@@ -278,6 +287,13 @@ class ModelTable:
     async def start(self, prepared: Mapping[str, Prepared | Failed]) -> None:
         """Serve what start-up prepared, through the path every load takes."""
         for name, model in prepared.items():
+            if isinstance(model, Prepared):
+                try:
+                    _check_settings(
+                        name, self.config.scheduler.models.get(name, ModelSettings()), model.compiled
+                    )
+                except InvalidInput as e:
+                    model = Failed(f"scheduler.models.{name}: {e.problem}")
             if isinstance(model, Failed):
                 self._entries[name] = ModelEntry(name, model)
             else:
@@ -300,25 +316,75 @@ class ModelTable:
         if not lock.locked() and self._turns.get(name) is lock:  # released, nobody waiting
             del self._turns[name]
 
-    async def load_model(self, name: str, settings: ModelSettings | None = None) -> None:
+    @property
+    def loads_directory(self) -> Path | None:
+        """Where the private directories of bundles sent in load requests are (None: none yet)."""
+        return self._loads
+
+    def from_files(self, name: str) -> bool:
+        """Whether `name` serves a bundle sent in its load request (not the repository's)."""
+        return name in self._private
+
+    async def load_model(
+        self, name: str, settings: ModelSettings | None = None, files: Mapping[str, bytes] | None = None
+    ) -> None:
         """Load the bundle `name` from the repository, or reload it: it is read and compiled
         outside the dispatch loop (other models keep serving), and only then replaces the old
         version, which keeps serving if the new one fails. `name` is a plain name (no path) and
         the bundle must lie inside the repository. `settings` (a load's config override)
-        replace the model's `scheduler.models` entry once the bundle is ready."""
-        directory = bundle_directory(self.config.server.model_repository, name)
-        async with self._turn(name):
-            if not (directory / "manifest.yaml").is_file():
-                raise ModelNotFound(name, f"the repository has no bundle {name!r}")
-            bundle = await trio.to_thread.run_sync(load_bundle, directory)
-            prepared = await trio.to_thread.run_sync(prepare, bundle, self._cache)
-            if bundle.manifest.is_meta:
-                _check_meta(bundle, {n: e.bundle for n, e in self._entries.items()})
-            if settings is not None:
-                _check_settings(name, settings, prepared.compiled)
-                models = {**self.config.scheduler.models, name: settings}
-                self.config = self.config.replace("scheduler", models=models)
-            await self._put(name, prepared)
+        replace the model's `scheduler.models` entry once the bundle is ready.
+
+        `files` (checked by `load_files.check_files`) is a bundle sent in the request: written
+        into a private directory, loaded from there, which lives while the model serves from it
+        (removed at its unload, its replacement, a failed load, `close`)."""
+        if files is None:
+            directory = bundle_directory(self.config.server.model_repository, name)
+        async with self._turn(check_model_name(name)):
+            private = None
+            if files is not None:
+                private = await trio.to_thread.run_sync(write_bundle, self._loads_root(), name, files)
+                directory = private / name
+            try:
+                if not (directory / "manifest.yaml").is_file():
+                    where = "the files sent have" if private else "the repository has"
+                    raise ModelNotFound(name, f"{where} no bundle {name!r} (no manifest.yaml)")
+                bundle = await trio.to_thread.run_sync(load_bundle, directory)
+                prepared = await trio.to_thread.run_sync(prepare, bundle, self._cache)
+                if bundle.manifest.is_meta:
+                    _check_meta(bundle, {n: e.bundle for n, e in self._entries.items()})
+                _check_settings(
+                    name,
+                    settings or self.config.scheduler.models.get(name, ModelSettings()),
+                    prepared.compiled,
+                )
+                if settings is not None:
+                    models = {**self.config.scheduler.models, name: settings}
+                    self.config = self.config.replace("scheduler", models=models)
+                await self._put(name, prepared)
+            except BaseException:
+                if private is not None:
+                    remove(private)
+                raise
+            self._forget_files(name)
+            if private is not None:
+                self._private[name] = private
+
+    def _loads_root(self) -> Path:
+        if self._loads is None:
+            self._loads = Path(tempfile.mkdtemp(prefix="hloserve-loads-"))
+        return self._loads
+
+    def _forget_files(self, name: str) -> None:
+        """Remove the private directory `name` served from, if any."""
+        private = self._private.pop(name, None)
+        if private is not None:
+            remove(private)
+
+    def close(self) -> None:
+        """Remove every private directory of a bundle sent in a load (at shutdown)."""
+        self._private.clear()
+        if self._loads is not None:
+            remove(self._loads)
 
     async def _put(self, name: str, prepared: Prepared) -> None:
         """Add a prepared model, or replace the version served: a model served already is
@@ -388,6 +454,7 @@ class ModelTable:
         entry = self._entries.pop(name, None)
         if entry is None:
             raise ModelNotFound(name)
+        self._forget_files(name)
         if isinstance(entry.state, Loaded):
             await self._ask(lambda reply: RemoveModel(name, reply))
         log.info("model unloaded", model=name)
@@ -454,22 +521,33 @@ def _policy(scheduler: SchedulerConfig, model: str, costs: dict[int, float]) -> 
 
 
 def _check_settings(name: str, settings: ModelSettings, compiled: CompiledModel | None) -> None:
-    """A load's settings fit the bundle: a batch limit needs a batch axis and a compiled size."""
-    if settings.max_batch_size is None:
-        return
+    """A model's settings fit its bundle: a batch limit needs a batch axis and a compiled size;
+    preferred sizes must be compiled sizes, within the limit, of requests that can be joined."""
     sizes = () if compiled is None else tuple(b for b in compiled.batch_sizes if b > 0)
-    if not sizes or settings.max_batch_size < sizes[0]:
+    compiled_sizes = f"compiled: {list(sizes) or 'none, no batch axis'}"
+    limit = settings.max_batch_size
+    if limit is not None and (not sizes or limit < sizes[0]):
+        raise InvalidInput(name, f"{_MAX_BATCH}: {limit} fits no compiled batch size ({compiled_sizes})")
+    preferred = settings.preferred_batch_sizes or ()
+    wrong = [s for s in preferred if s not in sizes]
+    if wrong:
+        raise InvalidInput(name, f"{_PREFERRED}: {wrong} are not compiled batch sizes ({compiled_sizes})")
+    if preferred and limit is not None and preferred[-1] > limit:
+        raise InvalidInput(name, f"{_PREFERRED}: {preferred[-1]} exceeds max_batch_size {limit}")
+    if preferred and compiled is not None and not compiled.coalescable:
         raise InvalidInput(
-            name,
-            f"load parameter 'config', field 'max_batch_size': {settings.max_batch_size} fits no "
-            f"compiled batch size (compiled: {list(sizes) or 'none, no batch axis'})",
+            name, f"{_PREFERRED}: requests to it cannot be joined (an output has no batch axis)"
         )
+
+
+_MAX_BATCH = "load parameter 'config', field 'max_batch_size'"
+_PREFERRED = "field 'dynamic_batching.preferred_batch_size' (scheduler.models preferred_batch_sizes)"
 
 
 def _queue_settings(scheduler: SchedulerConfig, compiled: CompiledModel) -> QueueSettings:
     settings = scheduler.models.get(compiled.name, ModelSettings())
     return QueueSettings(
-        batch_sizes=compiled.batch_sizes,
+        batch_sizes=settings.preferred_batch_sizes or compiled.batch_sizes,
         coalescable=compiled.coalescable,
         max_depth=settings.max_queue_depth or scheduler.max_queue_depth,
         max_batch_size=settings.max_batch_size,

@@ -7,7 +7,10 @@ for `server.reload_debounce_s`, so a file still being written is never loaded:
 
 - only `model.py` changed: it is executed again and its hooks swapped in (no recompilation);
 - anything else changed: the bundle is reloaded (`ModelHost.load_model`), the others serving on;
-- a new bundle is loaded, a removed one unloaded.
+- a new bundle is loaded, a removed one unloaded;
+- a model serving a bundle sent in its load request (`file:` parameters) is left alone: the
+  client chose it over the repository's copy, and only its next load or unload replaces it
+  (Triton refuses explicit loads while it polls, so it has no rule to follow here).
 
 A reload that fails leaves the old version serving and logs why. A directory whose name is not
 a plain model name (`hloserve.bundle.check_model_name`) is ignored, with one log line. Polling,
@@ -115,6 +118,9 @@ class RepositoryWatcher:
             self._applied[name] = after
         else:
             self._applied.pop(name, None)
+        if worker.from_files(name):  # a client's explicit load wins over the poller
+            log.info("repository change ignored: the model serves files sent in its load", model=name)
+            return
         try:
             if after is None:
                 with contextlib.suppress(ModelNotFound):  # a client unloaded it already

@@ -18,6 +18,8 @@ compressed).
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import functools
 import json
 import re
@@ -316,12 +318,7 @@ class _Routes:
             raise HttpRefusal("Invalid value for 'parameters': expected an object")
         message = kserve.RepositoryModelLoadRequest(
             model_name=request.path_params["model"],
-            parameters={  # a config is a JSON string, as on gRPC; anything else is refused there
-                str(key): kserve.ModelRepositoryParameter(string_param=value)
-                if isinstance(value, str)
-                else kserve.ModelRepositoryParameter(bool_param=bool(value))
-                for key, value in parameters.items()
-            },
+            parameters={str(key): _load_parameter(str(key), value) for key, value in parameters.items()},
         )
         await self._service.repository_model_load(message)
         return Response()
@@ -517,3 +514,16 @@ class RestServer:
             await trio_asyncio.aio_as_trio(serve)()
         finally:
             self.stopped.set()
+
+
+def _load_parameter(key: str, value: Any) -> kserve.ModelRepositoryParameter:
+    """A load parameter as on gRPC: a config is a JSON string, a `file:` one the file's bytes in
+    base64 (as Triton's REST load takes them); anything else is refused by the service."""
+    if not isinstance(value, str):
+        return kserve.ModelRepositoryParameter(bool_param=bool(value))
+    if not key.startswith("file:"):
+        return kserve.ModelRepositoryParameter(string_param=value)
+    try:
+        return kserve.ModelRepositoryParameter(bytes_param=base64.b64decode(value, validate=True))
+    except binascii.Error:
+        raise HttpRefusal(f"Invalid value for {key[:80]!r}: expected the file's bytes in base64") from None

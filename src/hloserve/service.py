@@ -44,7 +44,8 @@ from hloserve.errors import (
     Unimplemented,
     clip,
 )
-from hloserve.load_override import apply_config
+from hloserve.load_files import FILE_PREFIX, check_files
+from hloserve.load_override import CONFIG_PARAM, apply_config
 from hloserve.manifest import FILE as MANIFEST
 from hloserve.manifest import TensorSpec
 from hloserve.meta import MetaModels
@@ -368,6 +369,8 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         if policy is not None and policy.max_batch_size and max_batch:
             max_batch = min(max_batch, policy.max_batch_size)
             sizes = [b for b in sizes if b <= max_batch]
+        if policy is not None and policy.preferred_batch_sizes:  # the sizes it runs
+            sizes = [b for b in sizes if b in policy.preferred_batch_sizes]
         return kserve.ModelConfigResponse(
             config=kserve.ModelConfig(
                 name=entry.name,
@@ -503,16 +506,34 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         self, message: kserve.RepositoryModelLoadRequest
     ) -> kserve.RepositoryModelLoadResponse:
         name = check_model_name(message.model_name)
+        chosen = {
+            key: betterproto2.which_one_of(p, "parameter_choice") for key, p in message.parameters.items()
+        }
         parameters = {
             key: value if kind == "string_param" else None
-            for key, (kind, value) in (
-                (key, betterproto2.which_one_of(p, "parameter_choice"))
-                for key, p in message.parameters.items()
-            )
+            for key, (kind, value) in chosen.items()
+            if not key.startswith(FILE_PREFIX)
         }
         current = self._worker.config.scheduler.models.get(name, ModelSettings())
         settings = apply_config(name, parameters, current)
-        await trio_asyncio.trio_as_aio(self._worker.load_model)(name, settings)
+        sent = {
+            key.removeprefix(FILE_PREFIX): value if kind == "bytes_param" else None
+            for key, (kind, value) in chosen.items()
+            if key.startswith(FILE_PREFIX)
+        }
+        server = self._config.server
+        files = (
+            check_files(
+                name,
+                sent,
+                has_config=CONFIG_PARAM in parameters,
+                max_files=server.max_load_files,
+                max_bytes=server.max_load_file_bytes,
+            )
+            if sent
+            else None
+        )
+        await trio_asyncio.trio_as_aio(self._worker.load_model)(name, settings, files)
         return kserve.RepositoryModelLoadResponse()
 
     @_rpc("RepositoryModelUnload")

@@ -193,4 +193,5 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
                 metrics.close()
                 service.close()
                 metas.close()
+                worker.close()  # the bundles sent in loads: nothing left in the temp directory
             nursery.cancel_scope.cancel()

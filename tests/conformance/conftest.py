@@ -1,8 +1,9 @@
 """The two servers of the differential suite: hloserve and Triton 2.51 serving equivalent models.
 
 Both serve `mlp` (the example bundle; Triton runs the same maths in its Python backend, from
-`benches.peers.models`), and `identity` and `identity_fp16`: one input and output per KServe
-datatype (BF16 aside: Triton's Python backend has no numpy type for it). Triton is installed
+`benches.peers.models`), `identity` and `identity_fp16`: one input and output per KServe
+datatype (BF16 aside: Triton's Python backend has no numpy type for it), and `doubled`: a model
+without a batch axis (Triton's max_batch_size 0) doubling one whole [2, 4] tensor. Triton is installed
 into .tools/peers/triton when absent (a few minutes, said loudly on the terminal, bounded by
 INSTALL_SECONDS) and runs with explicit model control, so that load and unload work as hloserve's.
 """
@@ -77,6 +78,26 @@ class TritonPythonModel:
 """
 
 
+_DOUBLED_PY = """
+import sys
+
+sys.path.insert(0, {site!r})
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse(
+                [pb_utils.Tensor("OUTPUT", 2 * pb_utils.get_input_tensor_by_name(r, "INPUT").as_numpy())]
+            )
+            for r in requests
+        ]
+"""
+DOUBLED_SHAPE = (2, 4)
+"""The whole input and output of `doubled`, which has no batch axis."""
+
+
 def _say(line: str) -> None:
     """A line on the terminal, past pytest's capture."""
     print(f"\n[conformance] {line}", file=sys.__stderr__, flush=True)
@@ -113,6 +134,16 @@ def _triton_repository(directory: Path) -> Path:
         (directory / model / "1" / "model.py").write_text(
             _IDENTITY_PY.format(site=str(site_packages(peer.VENV)), names=wires)
         )
+    (directory / "doubled" / "1").mkdir(parents=True)
+    (directory / "doubled" / "config.pbtxt").write_text(
+        'name: "doubled"\nbackend: "python"\nmax_batch_size: 0\n'
+        'input [ { name: "INPUT", data_type: TYPE_FP32, dims: [2, 4] } ]\n'
+        'output [ { name: "OUTPUT", data_type: TYPE_FP32, dims: [2, 4] } ]\n'
+        "instance_group [ { kind: KIND_CPU, count: 1 } ]\n"
+    )
+    (directory / "doubled" / "1" / "model.py").write_text(
+        _DOUBLED_PY.format(site=str(site_packages(peer.VENV)))
+    )
     return directory
 
 
@@ -128,6 +159,15 @@ def _hloserve_repository(directory: Path) -> Path:
             outputs=[OutputSpec(f"OUTPUT_{w}", letters="f") for w in wires],
             verify=False,
         )
+    export_bundle(
+        lambda _, x: 2 * x,
+        {},
+        [InputSpec("INPUT", DOUBLED_SHAPE, np.float32, letters="rf")],
+        directory / "doubled",
+        batch_axis=False,
+        outputs=[OutputSpec("OUTPUT", letters="rf")],
+        verify=False,
+    )
     return directory
 
 

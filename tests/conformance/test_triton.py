@@ -20,7 +20,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from benches.peers.models import MLP, reference, sample
-from conformance.conftest import DTYPES, IDENTITY
+from conformance.conftest import DOUBLED_SHAPE, DTYPES, IDENTITY
 
 pytestmark = pytest.mark.slow
 
@@ -151,6 +151,32 @@ def test_model_config(clients: dict[str, Any]) -> None:
         assert [(t.name, t.data_type, list(t.dims)) for t in a] == [
             (t.name, t.data_type, list(t.dims)) for t in b
         ]
+
+
+def test_a_model_without_a_batch_axis(clients: dict[str, Any]) -> None:
+    """Triton's max_batch_size 0: config and metadata shapes are whole (no -1), a request is
+    the whole tensor, and a request with a batch axis added is refused by both."""
+    results = same_status(clients, lambda c: c.get_model_config("doubled"))
+    ours, theirs = results["hloserve"].config, results["triton"].config
+    assert ours.max_batch_size == theirs.max_batch_size == 0
+    for a, b in ((ours.input, theirs.input), (ours.output, theirs.output)):
+        assert [(t.name, t.data_type, list(t.dims)) for t in a] == [
+            (t.name, t.data_type, list(t.dims)) for t in b
+        ]
+    results = same_status(clients, lambda c: c.get_model_metadata("doubled"))
+    shapes = {n: [list(t.shape) for t in (*m.inputs, *m.outputs)] for n, m in results.items()}
+    assert shapes["hloserve"] == shapes["triton"] == [list(DOUBLED_SHAPE)] * 2
+    x = np.arange(8, dtype=np.float32).reshape(DOUBLED_SHAPE)
+
+    def infer(shape: tuple[int, ...]) -> Callable[[Any], Any]:
+        tensor = grpcclient.InferInput("INPUT", list(shape), "FP32")
+        tensor.set_data_from_numpy(x.reshape(shape))
+        return lambda c: c.infer("doubled", [tensor]).as_numpy("OUTPUT")
+
+    for answer in same_status(clients, infer(DOUBLED_SHAPE)).values():
+        np.testing.assert_array_equal(answer, 2 * x)
+    same_status(clients, infer((1, *DOUBLED_SHAPE)))
+    same_status(clients, infer(DOUBLED_SHAPE))
 
 
 def test_statistics(clients: dict[str, Any]) -> None:

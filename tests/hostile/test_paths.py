@@ -118,13 +118,19 @@ def test_a_bundle_linked_from_outside_is_refused(site: Any) -> None:
     assert_serves(server.url)
 
 
-def test_load_refuses_file_overrides_and_config_fields_it_cannot_apply(site: Any) -> None:
-    """Triton's load may carry files to write into the bundle: refused, nothing is written and
-    the files' model.py never runs; a config applies only serving settings, never the bundle."""
+def test_load_refuses_a_model_py_or_a_path_leaving_the_bundle_and_config_fields_it_cannot_apply(
+    site: Any,
+) -> None:
+    """Triton's load may carry files to load the model from: a model.py, or a path leading out
+    of the bundle, is refused, nothing is written and the model.py never runs; a config applies
+    only serving settings, never the bundle."""
     server, client, repository, _, marker = site
     model_py = f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n".encode()
-    says = "file overrides (a bundle sent in the request) is not supported"
-    for key in ("file:1/model.py", "file:../../escape/model.py", "file:/tmp/model.py"):
+    for key, says in (
+        ("file:1/model.py", "no code from a client runs in the server"),
+        ("file:../../escape/model.py", "may not hold '..'"),
+        ("file:/tmp/model.py", "must be relative to the bundle directory"),
+    ):
         _refused("INVALID_ARGUMENT", says, client.load_model, "mlp", config="{}", files={key: model_py})
     backend = '{"backend": "python"}'
     _refused(
