@@ -317,3 +317,25 @@ def test_control_status_is_merged_over_workers() -> None:
     assert (mlp.total_compute_seconds, mlp.requests_served, mlp.device_resident, mlp.weight_nbytes) == (
         2.0, 4, True, 10,
     )  # fmt: skip
+
+
+def test_least_outstanding_weighs_each_worker_by_the_compute_other_models_keep_it_busy_with() -> None:
+    from hloserve.fleet.balance import Traffic
+
+    w0 = WorkerLink(
+        "worker0", "127.0.0.1:1", None, True, {"mlp": "READY", "cnn": "READY"}, http="127.0.0.1:3"
+    )
+    w1 = WorkerLink("worker1", "127.0.0.1:2", None, True, {"mlp": "READY"}, http="127.0.0.1:4")
+    for mode, expected in (("least_outstanding", (40, 100)), ("round_robin", (100, 100))):
+        published: list[Any] = []
+        controller = Controller(NodeConfig(scheduling=mode), [w0, w1], published.append)
+        controller.known = {"mlp", "cnn"}
+        # cnn keeps worker0 60% busy (30 requests/s of 20 ms); mlp's own load is Envoy's to count
+        controller.traffic = {
+            "cnn": Traffic(0.02, {"worker0": 30.0}),
+            "mlp": Traffic(0.001, {"worker0": 100.0}),
+        }
+        controller._route()
+        (routes,) = published
+        assert tuple(e.weight for e in routes["mlp"]) == expected, mode
+        assert [e.http for e in routes["mlp"]] == ["127.0.0.1:3", "127.0.0.1:4"]

@@ -104,8 +104,12 @@ class WorkerLink:
 
     @property
     def executables(self) -> set[str]:
-        """The models it serves that have weights of their own (a meta has none)."""
-        return self.serving - self.parts.keys()
+        """The models it has loaded that have weights of their own (a meta has none), on its
+        device or not (an externally managed worker lists a model off its device UNAVAILABLE)."""
+        if self.status is None:
+            return set()
+        models = self.status.models
+        return {m.name for m in models if not m.meta} | {p for m in models if m.meta for p in m.ready_parts}
 
 
 @dataclass
