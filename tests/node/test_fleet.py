@@ -68,22 +68,40 @@ def test_routes_match_the_model_header_and_fall_back_to_the_controller() -> None
     assert window["explicit_http_config"]["http2_protocol_options"]["initial_stream_window_size"] > 1 << 30
 
 
-def test_envoy_accepts_the_bootstrap(tmp_path: Path) -> None:
-    envoy.write_atomically(tmp_path / "routing.pb", envoy.descriptor_set())
-    mlp = {"mlp": [envoy.Endpoint("127.0.0.1:1", "127.0.0.1:2", weight=40)]}
-    envoy.write_atomically(tmp_path / "routes.json", envoy.routes(mlp))
-    envoy.write_atomically(tmp_path / "routes_http.json", envoy.http_routes(mlp))
-    envoy.write_atomically(
-        tmp_path / "clusters.json",
-        envoy.clusters(mlp, "127.0.0.1:9", "LEAST_REQUEST", 1 << 20, controller_http="127.0.0.1:10"),
-    )
-    bootstrap = tmp_path / "envoy.json"
-    bootstrap.write_text(json.dumps(envoy.bootstrap(tmp_path, "127.0.0.1", 0, 0, 0, 1 << 30)))
+def _validate(bootstrap: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps(bootstrap))
     checked = subprocess.run(
-        [envoy.find_envoy(), "--mode", "validate", "-c", str(bootstrap), "--disable-hot-restart"],
+        [envoy.find_envoy(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_envoy_accepts_the_bootstrap_routes_and_clusters(tmp_path: Path) -> None:
+    envoy.write_atomically(tmp_path / "routing.pb", envoy.descriptor_set())
+    mlp = {
+        "mlp": [
+            envoy.Endpoint("127.0.0.1:1", "127.0.0.1:2", weight=40),
+            envoy.Endpoint("127.0.0.1:3", "127.0.0.1:4"),
+        ]
+    }
+    clusters = envoy.clusters(mlp, "127.0.0.1:9", "LEAST_REQUEST", 1 << 30, controller_http="127.0.0.1:10")
+    envoy.write_atomically(tmp_path / "routes.json", envoy.routes(mlp))
+    envoy.write_atomically(tmp_path / "routes_http.json", envoy.http_routes(mlp))
+    envoy.write_atomically(tmp_path / "clusters.json", clusters)
+    bootstrap = envoy.bootstrap(tmp_path, "127.0.0.1", 0, 0, 0, 1 << 30)
+    _validate(bootstrap, tmp_path / "envoy.json")
+    # validation does not read the watched files: the same routes and clusters again, given inline
+    del bootstrap["dynamic_resources"]
+    bootstrap["static_resources"]["clusters"] = [
+        {k: v for k, v in c.items() if k != "@type"} for c in clusters["resources"]
+    ]
+    for listener in bootstrap["static_resources"]["listeners"]:
+        manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        name = manager.pop("rds")["route_config_name"]
+        (config,) = json.loads((tmp_path / f"{name}.json").read_text())["resources"]
+        manager["route_config"] = {k: v for k, v in config.items() if k != "@type"}
+    _validate(bootstrap, tmp_path / "inline.json")
 
 
 def test_a_missing_envoy_says_how_to_install_it(tmp_path: Path) -> None:
