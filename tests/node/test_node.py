@@ -330,6 +330,31 @@ def test_rest_shared_memory_goes_to_every_worker(node: Node) -> None:
         shm.destroy_shared_memory_region(handle)
 
 
+def test_rest_load_and_unload_go_through_the_controller(node: Node) -> None:
+    public = node.http()
+    workers = node.workers()
+    try:
+        public.unload_model("pool")  # from every worker that lists it
+        wait_until(lambda: not public.is_model_ready("pool"), 5, "pool's REST route to go")
+        index = {m["name"]: m for m in public.get_model_repository_index()}
+        assert index["pool"]["state"] == "UNAVAILABLE" and "no ready replica" in index["pool"]["reason"]
+        body = {"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [0.0]}]}
+        url = f"http://127.0.0.1:{node.http_port}/v2/models/pool/infer"
+        code, said = _http_status(url, "POST", json.dumps(body).encode())
+        assert code == 404 and "not served by any worker" in said
+        public.load_model("pool")  # on the workers it is placed on
+        wait_until(lambda: public.is_model_ready("pool"), 10, "pool routable again")
+        assert _http_outputs(public, "pool", binary=True)
+    finally:
+        for address in workers.values():  # back on every worker, for the tests after this one
+            triton.InferenceServerClient(address).load_model("pool")
+        wait_until(
+            lambda: len(next(m for m in node.status().models if m.name == "pool").serving_workers) == 2,
+            10,
+            "pool on both workers",
+        )
+
+
 def _control(address: str, method: str, request: Any) -> Any:
     async def call() -> Any:
         host, _, port = address.rpartition(":")
@@ -710,10 +735,11 @@ def test_metrics_merge_every_worker_with_a_worker_label(node: Node) -> None:
     assert urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/healthz").read() == b"ok\n"
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_perf_analyzer_runs_clean_through_the_node(node: Node, model: str) -> None:
+@pytest.mark.parametrize(("model", "protocol"), [*((m, "grpc") for m in MODELS), ("mlp", "http")])
+def test_perf_analyzer_runs_clean_through_the_node(node: Node, model: str, protocol: str) -> None:
+    url = node.url if protocol == "grpc" else f"127.0.0.1:{node.http_port}"
     result = run_perf_analyzer(
-        ["-m", model, "-u", node.url, "-i", "grpc", "--concurrency-range", "2",
+        ["-m", model, "-u", url, "-i", protocol, "--concurrency-range", "2",
          "--measurement-interval", "500", "-s", "1000", "--max-trials", "5"],  # runs clean, not steady
         timeout=120,
     )  # fmt: skip

@@ -59,6 +59,7 @@ _EXTRACTION = "envoy.filters.http.grpc_field_extraction"
 _LUA_FILTER = "envoy.filters.http.lua"
 _MAX_WINDOW = (1 << 31) - 1  # HTTP/2's largest window
 _MAX_WEIGHT = 100
+_HTTP1_IDLE = "3s"
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,6 +261,9 @@ def _cluster(
             {"endpoint": {"address": _address(host.strip("[]"), int(port))}, "load_balancing_weight": weight}
         )
     protocol = {"http2_protocol_options": _http2(window)} if http2 else {"http_protocol_options": {}}
+    # HTTP/1.1 connections are dropped before hypercorn's keep-alive (5 s) closes them, so that
+    # Envoy never sends a request on a connection the worker is closing.
+    idle = {} if http2 else {"common_http_protocol_options": {"idle_timeout": _HTTP1_IDLE}}
     return {
         "@type": "type.googleapis.com/envoy.config.cluster.v3.Cluster",
         "name": name,
@@ -272,6 +276,7 @@ def _cluster(
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
                 "explicit_http_config": protocol,
+                **idle,
             }
         },
         # A worker whose connection fails or resets is left out for a while; a worker that
