@@ -294,23 +294,29 @@ def test_bad_rest_requests_get_the_same_status_through_envoy_as_direct(node: Nod
     public = f"http://127.0.0.1:{node.http_port}"
     direct = f"http://{node.worker_http(node.workers()['worker0'])}"
     wrong_dtype = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "INT32", "data": [0] * 16}]}
-    cases = [
-        ("POST", "/v2/models/mlp/infer", b"{not json"),
-        ("POST", "/v2/models/mlp/infer", json.dumps(wrong_dtype).encode()),
-        ("POST", "/v2/models/nosuch/infer", json.dumps(wrong_dtype).encode()),
-        ("GET", "/v2/models/nosuch", None),
-        ("GET", "/v2/models/nosuch/config", None),
-        ("POST", "/v2/repository/models/no..such/load", b""),
-        ("GET", "/v2/nowhere", None),
+    cases = [  # (method, path, body, whether the controller's message is the worker's own)
+        ("POST", "/v2/models/mlp/infer", b"{not json", True),
+        ("POST", "/v2/models/mlp/infer", json.dumps(wrong_dtype).encode(), True),
+        (
+            "POST",
+            "/v2/cudasharedmemory/region/r/register",
+            b'{"raw_handle": {"b64": ""}, "byte_size": 4}',
+            True,
+        ),
+        ("GET", "/v2/nowhere", None, True),
+        ("POST", "/v2/models/nosuch/infer", json.dumps(wrong_dtype).encode(), False),  # no worker has it
+        ("GET", "/v2/models/nosuch", None, False),
+        ("GET", "/v2/models/nosuch/config", None, False),
+        ("POST", "/v2/repository/models/no..such/load", b"", False),  # named by the worker that refused
     ]
-    for method, path, body in cases:
-        (through, said), (alone, _) = (
+    for method, path, body, same_message in cases:
+        (through, said), (alone, direct_said) = (
             _http_status(public + path, method, body),
             _http_status(direct + path, method, body),
         )
         assert through == alone and through >= 400, (path, through, alone, said)
-        if path != "/v2/nowhere":
-            assert "error" in json.loads(said), said
+        assert (said == direct_said) == same_message, (path, said, direct_said)
+        assert "error" in json.loads(said), said
     assert _http_outputs(node.http(), "mlp", binary=True)  # still serving
 
 

@@ -182,7 +182,17 @@ class InferenceFront(kserve.GrpcInferenceServiceBase):
         """Nothing: the workers count the requests they serve."""
 
     async def _unimplemented(self, rpc: str, stream: Any) -> None:
+        if rpc == "CudaSharedMemoryRegister":
+            await self.cuda_shared_memory_register(kserve.CudaSharedMemoryRegisterRequest())
         raise grpclib.GRPCError(Status.UNIMPLEMENTED, f"{rpc} is not served by a node")
+
+    async def cuda_shared_memory_register(
+        self, message: kserve.CudaSharedMemoryRegisterRequest
+    ) -> kserve.CudaSharedMemoryRegisterResponse:
+        """Answered as a worker answers it (hloserve has no CUDA shared memory)."""
+        return await _ready(self._controller)[0].inference.cuda_shared_memory_register(
+            message, timeout=self._controller.node.probe_timeout_s
+        )
 
     async def cuda_shared_memory_status(
         self, message: kserve.CudaSharedMemoryStatusRequest
