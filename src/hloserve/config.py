@@ -345,8 +345,9 @@ class NodeConfig:
     """Deadline of the controller's calls to a worker (CompactMemory gets 60 times this)."""
     scheduling: Literal["round_robin", "least_outstanding", "lpt_packing"] = "round_robin"
     """How a model's requests are spread: over every worker serving it in turn (`round_robin`),
-    to the one with the fewest requests in flight (`least_outstanding`), or over the workers a
-    placement by load and memory gave it (`lpt_packing`)."""
+    to the one with the least compute in flight (`least_outstanding`: its own requests in flight,
+    each worker weighted by what its other models leave free), or over the workers a placement by
+    load and memory gave it (`lpt_packing`, the same way among them)."""
     rebalance_compute_s: float = 300.0
     """`lpt_packing` repacks after the workers have computed this many seconds since the last."""
     first_rebalance_compute_s: float = 60.0
