@@ -75,7 +75,7 @@ def _start_node(
     }
     command = [sys.executable, "-m", "hloserve.cli", "node", "--cpu-workers", "2",
                "--scheduling", "lpt_packing", "--grpc-port", str(port), "--metrics-port", "-1",
-               "--allow-client-shm"]  # fmt: skip
+               "--http-port", "-1", "--allow-client-shm"]  # fmt: skip
     if repository is not None:
         command += ["--model-repository", str(repository)]
     process = subprocess.Popen(

@@ -83,14 +83,17 @@ def _add_node_command(commands: Any) -> None:
         "node",
         help="serve a repository from one worker per GPU (or N CPU workers) behind one endpoint",
         description="Run a node: one worker per GPU (or --cpu-workers N), restarted when it dies. With two "
-        "workers or more, Envoy serves the public gRPC port, routing each request by its model, and a "
-        "controller places models and answers the RPCs that span workers (needs hloserve[node]). "
+        "workers or more, Envoy serves the public gRPC and REST ports, routing each request by its model, "
+        "and a controller places models and answers the RPCs that span workers (needs hloserve[node]). "
         "Settings as for `serve`, plus the `node` section (HLOSERVE_NODE_<FIELD>).",
     )
     node.add_argument("--config", type=Path, help="YAML configuration file (read by every worker too)")
     node.add_argument("--model-repository", type=Path, help="directory of bundles, served by every worker")
     node.add_argument("--host", help="public listen address (default 127.0.0.1)")
     node.add_argument("--grpc-port", type=int, help="public gRPC port (default 8001)")
+    node.add_argument(
+        "--http-port", type=int, help="public KServe V2 REST port (default 8000; -1 turns it off)"
+    )
     node.add_argument("--metrics-port", type=int, help="public metrics, /healthz and /readyz (default 8002)")
     node.add_argument(
         "--allow-client-shm", action="store_true", default=None, help="as for `serve`, on every worker"

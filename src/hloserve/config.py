@@ -339,7 +339,8 @@ class NodeConfig:
     cpu_workers: int = 0
     """Start this many CPU workers instead of one per GPU (0: use GPUs)."""
     worker_base_port: int = 0
-    """Worker i serves gRPC on this port + i, on 127.0.0.1 (0: free ports picked at start)."""
+    """Worker i serves gRPC on this port + 3i, its metrics on + 3i + 1 and REST on + 3i + 2, on
+    127.0.0.1 (0: free ports picked at start)."""
     max_restarts: int = 0
     """Restarts of one worker in a row (each within `restart_reset_s` of the last) after which
     the node gives up and exits (0: never give up)."""
@@ -355,8 +356,9 @@ class NodeConfig:
     """Deadline of the controller's calls to a worker (CompactMemory gets 60 times this)."""
     scheduling: Literal["round_robin", "least_outstanding", "lpt_packing"] = "round_robin"
     """How a model's requests are spread: over every worker serving it in turn (`round_robin`),
-    to the one with the fewest requests in flight (`least_outstanding`), or over the workers a
-    placement by load and memory gave it (`lpt_packing`)."""
+    to the one with the least compute in flight (`least_outstanding`: its own requests in flight,
+    each worker weighted by what its other models leave free), or over the workers a placement by
+    load and memory gave it (`lpt_packing`, the same way among them)."""
     rebalance_compute_s: float = 300.0
     """`lpt_packing` repacks after the workers have computed this many seconds since the last."""
     first_rebalance_compute_s: float = 60.0
@@ -370,9 +372,10 @@ class NodeConfig:
     """Workers each model is placed on by `lpt_packing` (-1: all)."""
     forbid_memory_oversubscription: bool = True
     """`lpt_packing` puts a model only on workers whose weight budget still fits it, while any does."""
-    compaction: Literal["off", "eager", "scheduled"] = "eager"
-    """After a repack, compact the workers whose placement changed: `eager` (reload nothing),
-    `scheduled` (reload the models now placed there) or `off`."""
+    compaction: Literal["off", "eager", "scheduled"] = "scheduled"
+    """After a repack, compact the workers whose placement changed: `scheduled` (then reload the
+    models now placed there: the worker warms what it was given), `eager` (reload nothing) or
+    `off`."""
     compaction_interval: int = 1
     """Compact at most once every this many repacks."""
     envoy: str = ""
@@ -382,6 +385,8 @@ class NodeConfig:
     A/AAAA record, on `port`), resolved again each discovery round (a headless Service's name)."""
     workers_metrics_port: int = 8002
     """The metrics port of each worker found through `workers_dns`."""
+    workers_http_port: int = 8000
+    """The REST port of each worker found through `workers_dns`."""
 
     def validate(self) -> None:
         _check(
@@ -414,7 +419,8 @@ class NodeConfig:
                 "node.workers_dns",
                 f"got {self.workers_dns[:256]!r}; expected host:port, such as workers.ns.svc:8001",
             )
-        _check(1 <= self.workers_metrics_port <= 65535, "node.workers_metrics_port", "must be a port number")
+        for key in ("workers_metrics_port", "workers_http_port"):
+            _check(1 <= getattr(self, key) <= 65535, f"node.{key}", "must be a port number")
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,8 +71,11 @@ class ControlService(hc.ControlServiceBase):
                 evictions=s.weight_evictions,
                 discipline=(policy.discipline if policy else None) or "",
             )
-            calls = [worker.statistics[c] for c in entry.calls if c in ready]
-            if entry.compiled is None and calls:
+            status.meta = entry.compiled is None
+            status.parts = list(entry.calls)
+            status.ready_parts = [c for c in entry.calls if c in ready]
+            calls = [worker.statistics[c] for c in status.ready_parts]
+            if status.meta and calls:
                 status.weight_nbytes = sum(c.weight_bytes for c in calls)
                 status.residency = min(
                     (_RESIDENCY.get(c.residency, hc.Residency.RESIDENCY_UNSPECIFIED) for c in calls),

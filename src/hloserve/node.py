@@ -74,6 +74,7 @@ class WorkerSpec:
     name: str
     grpc_port: int
     metrics_port: int
+    http_port: int
     devices: str | None  # CUDA_VISIBLE_DEVICES, or None for a CPU worker
 
     @property
@@ -128,9 +129,12 @@ def worker_specs(node: NodeConfig, environ: Mapping[str, str]) -> list[WorkerSpe
     specs = []
     for i, device in enumerate(devices):
         base = node.worker_base_port
-        grpc_port = base + 2 * i if base else free_port()
-        metrics_port = base + 2 * i + 1 if base else free_port()
-        specs.append(WorkerSpec(f"worker{i}", grpc_port, metrics_port, device))
+        grpc_port, metrics_port, http_port = (
+            (base + 3 * i, base + 3 * i + 1, base + 3 * i + 2)
+            if base
+            else (free_port(), free_port(), free_port())
+        )
+        specs.append(WorkerSpec(f"worker{i}", grpc_port, metrics_port, http_port, device))
     return specs
 
 
@@ -249,10 +253,11 @@ def worker_child(spec: WorkerSpec, config: Config, config_path: Path | None, pub
         argv += ["--config", str(config_path)]
     if public:
         argv += ["--host", server.host, "--grpc-port", str(server.grpc_port)]
-        argv += ["--metrics-port", str(server.metrics_port)]
-    else:
+        argv += ["--metrics-port", str(server.metrics_port), "--http-port", str(server.http_port)]
+    else:  # REST on its own port behind Envoy's, when the node serves REST
         argv += ["--host", "127.0.0.1", "--grpc-port", str(spec.grpc_port)]
         argv += ["--metrics-port", str(spec.metrics_port)]
+        argv += ["--http-port", str(spec.http_port if server.http_port >= 0 else -1)]
     if server.allow_client_shm:
         argv.append("--allow-client-shm")
     if spec.devices is None:

@@ -163,7 +163,10 @@ def test_discovered_workers_join_and_leave_the_routes_and_a_failed_resolution_ke
 
     asyncio.run(rounds())
     assert resolver.calls == 5
-    assert [routes["mlp"] for routes in published] == [tuple(both), tuple(both[:1]), tuple(both)]
+    assert [tuple(e.grpc for e in routes["mlp"]) for routes in published] == [
+        tuple(both), tuple(both[:1]), tuple(both),
+    ]  # fmt: skip
+    assert published[0]["mlp"][0].http == "127.0.0.1:8000"  # node.workers_http_port
     for address in both:  # and both still serve
         assert_serves(address)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -14,14 +15,21 @@ import pytest
 from google.protobuf import descriptor_pb2
 from grpclib.const import Status
 
+from hloserve._proto import hloserve_control as control
 from hloserve._proto import hloserve_gateway as gateway
 from hloserve._proto import inference as kserve
 from hloserve.config import NodeConfig
 from hloserve.errors import ConfigError
 from hloserve.fleet import envoy
-from hloserve.fleet.controller import Controller, WorkerLink
+from hloserve.fleet.controller import Controller, WorkerLink, with_parts
 from hloserve.fleet.http import merge_expositions
-from hloserve.fleet.services import GatewayFront, merge_statistics, node_readiness
+from hloserve.fleet.services import (
+    GatewayFront,
+    InferenceFront,
+    merge_control_status,
+    merge_statistics,
+    node_readiness,
+)
 
 
 def test_the_descriptor_set_names_each_routed_rpc_and_its_model_field() -> None:
@@ -41,7 +49,8 @@ def test_the_descriptor_set_names_each_routed_rpc_and_its_model_field() -> None:
 
 
 def test_routes_match_the_model_header_and_fall_back_to_the_controller() -> None:
-    (config,) = envoy.routes({"mlp": ["127.0.0.1:1", "127.0.0.1:2"], "gone": []})["resources"]
+    mlp = [envoy.Endpoint("127.0.0.1:1"), envoy.Endpoint("127.0.0.1:2")]
+    (config,) = envoy.routes({"mlp": mlp, "gone": []})["resources"]
     routes = config["virtual_hosts"][0]["routes"]
     assert len(routes) == 2  # mlp, then everything else
     assert routes[0]["match"]["headers"] == [{"name": "x-model-name", "string_match": {"exact": "mlp"}}]
@@ -49,9 +58,7 @@ def test_routes_match_the_model_header_and_fall_back_to_the_controller() -> None
     assert "unavailable" in routes[0]["route"]["retry_policy"]["retry_on"]
     assert routes[1] == {"match": {"prefix": "/"}, "route": routes[1]["route"]}
     assert routes[1]["route"]["cluster"] == "controller"
-    clusters = envoy.clusters(
-        {"mlp": ["127.0.0.1:1", "127.0.0.1:2"]}, "127.0.0.1:9", "LEAST_REQUEST", 1 << 30
-    )
+    clusters = envoy.clusters({"mlp": mlp}, "127.0.0.1:9", "LEAST_REQUEST", 1 << 30)
     model = next(c for c in clusters["resources"] if c["name"] == "model_mlp")
     assert model["lb_policy"] == "LEAST_REQUEST"
     assert len(model["load_assignment"]["endpoints"][0]["lb_endpoints"]) == 2
@@ -61,19 +68,40 @@ def test_routes_match_the_model_header_and_fall_back_to_the_controller() -> None
     assert window["explicit_http_config"]["http2_protocol_options"]["initial_stream_window_size"] > 1 << 30
 
 
-def test_envoy_accepts_the_bootstrap(tmp_path: Path) -> None:
-    envoy.write_atomically(tmp_path / "routing.pb", envoy.descriptor_set())
-    envoy.write_atomically(tmp_path / "routes.json", envoy.routes({}))
-    envoy.write_atomically(
-        tmp_path / "clusters.json", envoy.clusters({}, "127.0.0.1:9", "ROUND_ROBIN", 1 << 20)
-    )
-    bootstrap = tmp_path / "envoy.json"
-    bootstrap.write_text(json.dumps(envoy.bootstrap(tmp_path, "127.0.0.1", 0, 0, 1 << 30)))
+def _validate(bootstrap: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps(bootstrap))
     checked = subprocess.run(
-        [envoy.find_envoy(), "--mode", "validate", "-c", str(bootstrap), "--disable-hot-restart"],
+        [envoy.find_envoy(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_envoy_accepts_the_bootstrap_routes_and_clusters(tmp_path: Path) -> None:
+    envoy.write_atomically(tmp_path / "routing.pb", envoy.descriptor_set())
+    mlp = {
+        "mlp": [
+            envoy.Endpoint("127.0.0.1:1", "127.0.0.1:2", weight=40),
+            envoy.Endpoint("127.0.0.1:3", "127.0.0.1:4"),
+        ]
+    }
+    clusters = envoy.clusters(mlp, "127.0.0.1:9", "LEAST_REQUEST", 1 << 30, controller_http="127.0.0.1:10")
+    envoy.write_atomically(tmp_path / "routes.json", envoy.routes(mlp))
+    envoy.write_atomically(tmp_path / "routes_http.json", envoy.http_routes(mlp))
+    envoy.write_atomically(tmp_path / "clusters.json", clusters)
+    bootstrap = envoy.bootstrap(tmp_path, "127.0.0.1", 0, 0, 0, 1 << 30)
+    _validate(bootstrap, tmp_path / "envoy.json")
+    # validation does not read the watched files: the same routes and clusters again, given inline
+    del bootstrap["dynamic_resources"]
+    bootstrap["static_resources"]["clusters"] = [
+        {k: v for k, v in c.items() if k != "@type"} for c in clusters["resources"]
+    ]
+    for listener in bootstrap["static_resources"]["listeners"]:
+        manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        name = manager.pop("rds")["route_config_name"]
+        (config,) = json.loads((tmp_path / f"{name}.json").read_text())["resources"]
+        manager["route_config"] = {k: v for k, v in config.items() if k != "@type"}
+    _validate(bootstrap, tmp_path / "inline.json")
 
 
 def test_a_missing_envoy_says_how_to_install_it(tmp_path: Path) -> None:
@@ -204,6 +232,7 @@ def test_a_removed_models_cluster_outlives_its_route_by_one_update(tmp_path: Pat
     from hloserve.fleet.front import _Publisher
 
     publish = _Publisher(tmp_path, "127.0.0.1:9", Config())
+    publish.controller_http = "127.0.0.1:10"
 
     def names(file: str) -> set[str]:
         resources = json.loads((tmp_path / file).read_text())["resources"]
@@ -211,9 +240,120 @@ def test_a_removed_models_cluster_outlives_its_route_by_one_update(tmp_path: Pat
             return {c["name"] for c in resources}
         return {r["route"]["cluster"] for r in resources[0]["virtual_hosts"][0]["routes"]}
 
-    publish({"a": ["127.0.0.1:1"], "b": ["127.0.0.1:2"]})
-    publish({"a": ["127.0.0.1:1"]})
+    a, b = envoy.Endpoint("127.0.0.1:1", "127.0.0.1:3"), envoy.Endpoint("127.0.0.1:2", "127.0.0.1:4")
+    publish({"a": [a], "b": [b]})
+    publish({"a": [a]})
     assert names("routes.json") == {"model_a", "controller"}
-    assert names("clusters.json") == {"model_a", "model_b", "controller"}  # b's route may still be live
-    publish({"a": ["127.0.0.1:1"]})
-    assert names("clusters.json") == {"model_a", "controller"}
+    assert names("routes_http.json") == {"http_a", "controller_http"}
+    assert names("clusters.json") == {  # b's routes may still be live
+        "model_a", "model_b", "http_a", "http_b", "controller", "controller_http",
+    }  # fmt: skip
+    publish({"a": [a]})
+    assert names("clusters.json") == {"model_a", "http_a", "controller", "controller_http"}
+
+
+def _http_route(routes: list[dict[str, Any]], path: str) -> str:
+    """The cluster Envoy's REST routes give `path` (its regular expressions read by Python's `re`,
+    which agrees with RE2 on these)."""
+    for route in routes:
+        match = route["match"]
+        if (
+            match.get("path") == path
+            or ("safe_regex" in match and re.fullmatch(match["safe_regex"]["regex"], path))
+            or path.startswith(match.get("prefix", "\0"))
+        ):
+            return str(route["route"]["cluster"])
+    raise AssertionError(f"no route for {path}")
+
+
+def test_rest_is_routed_by_path_to_the_models_workers_and_the_rest_to_the_controller() -> None:
+    endpoints = [envoy.Endpoint("127.0.0.1:1", "127.0.0.1:2")]
+    (config,) = envoy.http_routes(
+        {"mlp": endpoints, "my model": endpoints, "grpc_only": [envoy.Endpoint("x:1")]}
+    )["resources"]
+    routes = config["virtual_hosts"][0]["routes"]
+    for path in (
+        "/v2/models/mlp", "/v2/models/mlp/ready", "/v2/models/mlp/config", "/v2/models/mlp/infer",
+        "/v2/models/mlp/versions/1/infer", "/v2/models/my%20model/infer", "/v2/models/my model/ready",
+    ):  # fmt: skip
+        assert _http_route(routes, path) in ("http_mlp", "http_my model"), path
+    for path in (
+        "/v2/models/mlp/stats", "/v2/models/mlp/versions/1/stats", "/v2/models/stats",
+        "/v2/models/mlpx/infer", "/v2/health/ready", "/v2", "/v2/repository/index",
+        "/v2/repository/models/mlp/load", "/v2/systemsharedmemory/region/r/register",
+        "/v2/models/grpc_only/infer",
+    ):  # fmt: skip
+        assert _http_route(routes, path) == "controller_http", path
+    retry = next(r for r in routes if r["route"]["cluster"] == "http_mlp")["route"]["retry_policy"]
+    assert retry["retriable_status_codes"] == [503] and "reset" in retry["retry_on"]
+
+
+def test_a_meta_is_routed_only_to_workers_that_serve_its_parts_and_its_parts_go_where_it_is_placed() -> None:
+    status = control.ModelControlStatusResponse(
+        models=[
+            control.ModelStatus(name="meta", meta=True, parts=["part"], ready_parts=["part"]),
+            control.ModelStatus(name="mlp"),
+        ]
+    )
+    index = kserve.RepositoryIndexResponse(
+        models=[kserve.RepositoryIndexResponseModelIndex(name=m, state="READY") for m in ("meta", "mlp")]
+    )
+    w0 = WorkerLink("worker0", "127.0.0.1:1", None, True)
+    w1 = WorkerLink("worker1", "127.0.0.1:2", None, True)
+    for worker in (w0, w1):
+        worker.take(index, status)
+    assert w0.models == {"meta": "READY", "mlp": "READY", "part": "READY"}
+    assert w0.executables == {"mlp", "part"}
+    assert with_parts({"meta": ("worker1",), "mlp": ("worker0",)}, [w0, w1]) == {
+        "meta": ("worker1",), "mlp": ("worker0",), "part": ("worker1",),
+    }  # fmt: skip
+    published: list[Any] = []
+    controller = Controller(NodeConfig(), [w0, w1], published.append)
+    controller.known = {"meta", "mlp", "part"}
+    controller._route()
+    assert controller.routes["meta"] == ("127.0.0.1:1", "127.0.0.1:2")
+    w1.models["part"] = "UNAVAILABLE"  # unloaded there: the meta cannot run on worker1
+    controller._route()
+    assert controller.routes["meta"] == ("127.0.0.1:1",) and controller.routes["part"] == ("127.0.0.1:1",)
+    index_answer = asyncio.run(InferenceFront(controller).repository_index(kserve.RepositoryIndexRequest()))
+    assert [m.name for m in index_answer.models] == ["meta", "mlp"]  # a part is listed through its meta
+
+
+def test_control_status_is_merged_over_workers() -> None:
+    def answer(compute: float, resident: bool) -> control.ModelControlStatusResponse:
+        return control.ModelControlStatusResponse(
+            residency_mode="self_managed", weight_cache_max_bytes=100, resident_bytes=10, compactions=1,
+            models=[control.ModelStatus(
+                name="mlp", total_compute_seconds=compute, requests_served=2, device_resident=resident,
+                weight_nbytes=10,
+            )],
+        )  # fmt: skip
+
+    merged = merge_control_status([answer(1.5, False), answer(0.5, True)])
+    assert (merged.weight_cache_max_bytes, merged.resident_bytes, merged.compactions) == (200, 20, 2)
+    (mlp,) = merged.models
+    assert (mlp.total_compute_seconds, mlp.requests_served, mlp.device_resident, mlp.weight_nbytes) == (
+        2.0, 4, True, 10,
+    )  # fmt: skip
+
+
+def test_least_outstanding_weighs_each_worker_by_the_compute_other_models_keep_it_busy_with() -> None:
+    from hloserve.fleet.balance import Traffic
+
+    w0 = WorkerLink(
+        "worker0", "127.0.0.1:1", None, True, {"mlp": "READY", "cnn": "READY"}, http="127.0.0.1:3"
+    )
+    w1 = WorkerLink("worker1", "127.0.0.1:2", None, True, {"mlp": "READY"}, http="127.0.0.1:4")
+    for mode, expected in (("least_outstanding", (40, 100)), ("round_robin", (100, 100))):
+        published: list[Any] = []
+        controller = Controller(NodeConfig(scheduling=mode), [w0, w1], published.append)
+        controller.known = {"mlp", "cnn"}
+        # cnn keeps worker0 60% busy (30 requests/s of 20 ms); mlp's own load is Envoy's to count
+        controller.traffic = {
+            "cnn": Traffic(0.02, {"worker0": 30.0}),
+            "mlp": Traffic(0.001, {"worker0": 100.0}),
+        }
+        controller._route()
+        (routes,) = published
+        assert tuple(e.weight for e in routes["mlp"]) == expected, mode
+        assert [e.http for e in routes["mlp"]] == ["127.0.0.1:3", "127.0.0.1:4"]

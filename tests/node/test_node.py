@@ -1,28 +1,36 @@
 """`hloserve node --cpu-workers 2` end to end: real workers, real Envoy, unmodified tritonclient
-and perf_analyzer on the public port, the controller's RPCs, a worker killed under load, and a
-clean stop."""
+(gRPC and REST) and perf_analyzer on the public ports, the controller's RPCs, a meta model and
+its part, a worker killed under load, and a clean stop."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpclib
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
+import tritonclient.http as triton_http
+import yaml
 from grpclib.client import Channel
+from grpclib.const import Status
+from support.bundles import PARAMS, X, affine, write_affine
 from support.clients import wait_until
-from support.servers import ROOT
+from support.servers import EXAMPLES, ROOT
 from tritonclient.utils import InferenceServerException
 from tritonclient.utils import shared_memory as shm
 
@@ -37,6 +45,35 @@ from perf_analyzer import run_perf_analyzer
 pytestmark = pytest.mark.slow
 
 MODELS = ("cnn", "mlp", "pool", "severity_grader")
+META, PART = "doubled", "part"
+"""A meta model of the fixture's repository, and the model it calls (listed through it alone)."""
+
+META_PY = """
+from hloserve import NamedTensor, register_meta_model
+
+def run(inputs, call):
+    out = call("part", [NamedTensor("INPUT", inputs[0].data)])[0].data
+    return [NamedTensor("score", 2 * out)]
+
+register_meta_model("doubled", run=run)
+"""
+
+
+def _repository(directory: Path) -> Path:
+    """The example repository, plus `part` (an affine bundle) and `doubled`, a meta calling it."""
+    shutil.copytree(EXAMPLES, directory, ignore=shutil.ignore_patterns("__init__.py", "__pycache__"))
+    write_affine(directory / PART)
+    (directory / META).mkdir()
+    manifest = {
+        "format_version": "2.0",
+        "kind": "meta",
+        "meta": {"calls": [PART]},
+        "client_inputs": [{"name": "x", "dtype": "f32", "shape": "fn", "dims": {"f": 4}}],
+        "client_outputs": [{"name": "score", "dtype": "f32", "shape": "kn", "dims": {"k": 3}}],
+    }
+    (directory / META / "manifest.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
+    (directory / META / "model.py").write_text(META_PY)
+    return directory
 
 
 @dataclass
@@ -45,6 +82,7 @@ class Node:
     grpc_port: int
     metrics_port: int
     log: Path
+    http_port: int = -1
 
     @property
     def url(self) -> str:
@@ -52,6 +90,15 @@ class Node:
 
     def client(self) -> triton.InferenceServerClient:
         return triton.InferenceServerClient(self.url)
+
+    def http(self) -> triton_http.InferenceServerClient:
+        return triton_http.InferenceServerClient(f"127.0.0.1:{self.http_port}")
+
+    def worker_http(self, grpc_address: str) -> str:
+        """The REST address of the worker serving gRPC at `grpc_address` (from its command line)."""
+        pid = self.worker_pid(int(grpc_address.rpartition(":")[2]))
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        return f"127.0.0.1:{argv[argv.index('--http-port') + 1]}"
 
     def descendants(self) -> set[int]:
         found, pending = set(), [self.process.pid]
@@ -101,7 +148,8 @@ process that runs JAX's threads, which JAX warns about and the suite turns into 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     log = tmp_path_factory.mktemp("node") / "node.log"
-    grpc_port, metrics_port = free_port(), free_port()
+    repository = _repository(tmp_path_factory.mktemp("repository") / "models")
+    grpc_port, metrics_port, http_port = free_port(), free_port(), free_port()
     env = {
         **os.environ,
         "HLOSERVE_NODE_DISCOVERY_INTERVAL_S": "0.3",
@@ -113,14 +161,18 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     with log.open("wb") as out:
         process = subprocess.Popen(
             [*DIE_WITH_TEST, sys.executable, "-m", "hloserve.cli", "node", "--cpu-workers", "2",
-             "--scheduling", "lpt_packing", "--grpc-port", str(grpc_port),
-             "--metrics-port", str(metrics_port), "--allow-client-shm"],
+             "--scheduling", "lpt_packing", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
+             "--metrics-port", str(metrics_port), "--allow-client-shm",
+             "--model-repository", str(repository)],
             stdout=out, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
-    started = Node(process, grpc_port, metrics_port, log)
+    started = Node(process, grpc_port, metrics_port, log, http_port)
     try:
         try:
-            wait_until(lambda: started.client().is_server_ready(), 90, "the node to be ready")
+            wait_until(
+                lambda: process.poll() is not None or started.client().is_server_ready(), 90, "the node"
+            )
+            assert process.poll() is None, "the node exited"
             wait_until(lambda: started.status().repack.count >= 1, 30, "the startup placement")
         except AssertionError as e:
             raise AssertionError(f"{e}; the node said:\n{log.read_text()[-4000:]}") from None
@@ -172,8 +224,8 @@ def test_every_example_model_answers_through_the_node_as_a_worker_does(node: Nod
     public = node.client()
     assert public.is_server_live() and public.is_server_ready()
     assert {m.name: m.state for m in public.get_model_repository_index().models} == dict.fromkeys(
-        MODELS, "READY"
-    )
+        (*MODELS, META), "READY"
+    )  # the meta's part is listed through it, as a worker lists it
     for model in MODELS:
         assert public.is_model_ready(model)
         assert public.get_model_metadata(model) == direct.get_model_metadata(model)
@@ -182,6 +234,213 @@ def test_every_example_model_answers_through_the_node_as_a_worker_does(node: Nod
         assert ours.keys() == theirs.keys()
         for name in ours:
             np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5, atol=1e-6)
+
+
+def _http_outputs(
+    client: triton_http.InferenceServerClient, model: str, binary: bool
+) -> dict[str, np.ndarray]:
+    """What `client` answers for `model` on fixed inputs (JSON or binary tensors)."""
+    rng = np.random.default_rng(0)
+    metadata = client.get_model_metadata(model)
+    inputs = []
+    for tensor in metadata["inputs"]:
+        shape = [2 if s == -1 else s for s in tensor["shape"]]
+        value = rng.integers(0, 255, shape) if tensor["datatype"] == "UINT8" else rng.standard_normal(shape)
+        x = triton_http.InferInput(tensor["name"], shape, tensor["datatype"])
+        x.set_data_from_numpy(
+            value.astype(triton_http.triton_to_np_dtype(tensor["datatype"])), binary_data=binary
+        )
+        inputs.append(x)
+    result = client.infer(model, inputs)
+    return {t["name"]: result.as_numpy(t["name"]) for t in metadata["outputs"]}
+
+
+def test_rest_through_the_node_answers_as_a_worker_does(node: Node) -> None:
+    public = node.http()
+    direct = triton_http.InferenceServerClient(node.worker_http(node.workers()["worker0"]))
+    assert public.is_server_live() and public.is_server_ready()
+    assert public.get_server_metadata()["name"] == "hloserve"
+    index = {m["name"]: m["state"] for m in public.get_model_repository_index()}
+    assert index == dict.fromkeys((*MODELS, META), "READY")  # the union, the meta's part through it
+    for model in (*MODELS, META):
+        assert public.is_model_ready(model)
+        assert public.get_model_metadata(model) == direct.get_model_metadata(model)
+        assert public.get_model_config(model) == direct.get_model_config(model)
+        for binary in (False, True):
+            ours, theirs = _http_outputs(public, model, binary), _http_outputs(direct, model, binary)
+            assert ours.keys() == theirs.keys()
+            for name in ours:
+                np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(  # the meta through the node: twice its part
+        _http_outputs(public, META, True)["score"],
+        2 * affine(PARAMS, np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)),
+        rtol=1e-5,
+    )
+    stats = public.get_inference_statistics("mlp")["model_stats"]  # summed by the controller
+    assert stats[0]["name"] == "mlp" and int(stats[0]["inference_stats"]["success"]["count"]) >= 4
+    assert not public.is_model_ready("nosuch")
+
+
+def _http_status(url: str, method: str = "GET", body: bytes | None = None) -> tuple[int, str]:
+    request = urllib.request.Request(url, data=body, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_bad_rest_requests_get_the_same_status_through_envoy_as_direct(node: Node) -> None:
+    public = f"http://127.0.0.1:{node.http_port}"
+    direct = f"http://{node.worker_http(node.workers()['worker0'])}"
+    wrong_dtype = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "INT32", "data": [0] * 16}]}
+    cases = [  # (method, path, body, whether the controller's message is the worker's own)
+        ("POST", "/v2/models/mlp/infer", b"{not json", True),
+        ("POST", "/v2/models/mlp/infer", json.dumps(wrong_dtype).encode(), True),
+        (
+            "POST",
+            "/v2/cudasharedmemory/region/r/register",
+            b'{"raw_handle": {"b64": ""}, "byte_size": 4}',
+            True,
+        ),
+        ("GET", "/v2/nowhere", None, True),
+        ("POST", "/v2/models/nosuch/infer", json.dumps(wrong_dtype).encode(), False),  # no worker has it
+        ("GET", "/v2/models/nosuch", None, False),
+        ("GET", "/v2/models/nosuch/config", None, False),
+        ("POST", "/v2/repository/models/no..such/load", b"", False),  # named by the worker that refused
+    ]
+    for method, path, body, same_message in cases:
+        (through, said), (alone, direct_said) = (
+            _http_status(public + path, method, body),
+            _http_status(direct + path, method, body),
+        )
+        assert through == alone and through >= 400, (path, through, alone, said)
+        assert (said == direct_said) == same_message, (path, said, direct_said)
+        assert "error" in json.loads(said), said
+    assert _http_outputs(node.http(), "mlp", binary=True)  # still serving
+
+
+def test_rest_shared_memory_goes_to_every_worker(node: Node) -> None:
+    public = node.http()
+    handle = shm.create_shared_memory_region("rest_in", "/hloserve_node_test_rest", 4096)
+    try:
+        public.register_system_shared_memory("rest_in", "/hloserve_node_test_rest", 4096)
+        for address in node.workers().values():
+            assert "rest_in" in str(triton.InferenceServerClient(address).get_system_shared_memory_status())
+        public.unregister_system_shared_memory("rest_in")
+        for address in node.workers().values():
+            assert "rest_in" not in str(
+                triton.InferenceServerClient(address).get_system_shared_memory_status()
+            )
+    finally:
+        shm.destroy_shared_memory_region(handle)
+
+
+def test_rest_load_and_unload_go_through_the_controller(node: Node) -> None:
+    public = node.http()
+    workers = node.workers()
+    try:
+        public.unload_model("pool")  # from every worker that lists it
+        wait_until(lambda: not public.is_model_ready("pool"), 5, "pool's REST route to go")
+        index = {m["name"]: m for m in public.get_model_repository_index()}
+        assert index["pool"]["state"] == "UNAVAILABLE" and "no ready replica" in index["pool"]["reason"]
+        body = {"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [0.0]}]}
+        url = f"http://127.0.0.1:{node.http_port}/v2/models/pool/infer"
+        code, said = _http_status(url, "POST", json.dumps(body).encode())
+        assert code == 404 and "not served by any worker" in said
+        public.load_model("pool")  # on the workers it is placed on
+        wait_until(lambda: public.is_model_ready("pool"), 10, "pool routable again")
+        assert _http_outputs(public, "pool", binary=True)
+    finally:
+        for address in workers.values():  # back on every worker, for the tests after this one
+            triton.InferenceServerClient(address).load_model("pool")
+        wait_until(
+            lambda: len(next(m for m in node.status().models if m.name == "pool").serving_workers) == 2,
+            10,
+            "pool on both workers",
+        )
+
+
+def _control(address: str, method: str, request: Any) -> Any:
+    async def call() -> Any:
+        host, _, port = address.rpartition(":")
+        channel = Channel(host, int(port))
+        try:
+            return await getattr(control.ControlServiceStub(channel), method)(request, timeout=60)
+        finally:
+            channel.close()
+
+    return asyncio.run(call())
+
+
+def test_control_calls_naming_a_model_reach_its_workers_and_the_others_every_worker(node: Node) -> None:
+    workers = node.workers()
+    public = node.url
+    serving = next(m for m in node.status().models if m.name == "cnn").serving_workers
+    try:
+        _control(
+            public, "set_model_policy", control.SetModelPolicyRequest("cnn", has_weight=True, weight=3.0)
+        )
+        for worker, address in workers.items():
+            weights = {
+                m.name: m.weight
+                for m in _control(address, "model_control_status", control.ModelControlStatusRequest()).models
+            }
+            assert (weights["cnn"] == 3.0) == (worker in serving), (worker, weights)
+    finally:
+        _control(
+            public, "set_model_policy", control.SetModelPolicyRequest("cnn", has_weight=True, weight=1.0)
+        )
+    with pytest.raises(grpclib.GRPCError) as raised:
+        _control(
+            public, "set_model_policy", control.SetModelPolicyRequest("nosuch", has_weight=True, weight=2.0)
+        )
+    assert raised.value.status == Status.NOT_FOUND
+    # whole-server: every worker's status, summed per model
+    each = [
+        _control(a, "model_control_status", control.ModelControlStatusRequest()) for a in workers.values()
+    ]
+    merged = _control(public, "model_control_status", control.ModelControlStatusRequest())
+    served = {m.name: m.requests_served for m in merged.models}
+    assert served["mlp"] >= sum(m.requests_served for s in each for m in s.models if m.name == "mlp")
+    assert {m.name for m in merged.models} == {*MODELS, META}
+
+
+def test_a_meta_goes_only_to_workers_that_serve_its_part(node: Node) -> None:
+    workers = node.workers()
+    public = node.client()
+    x = triton.InferInput("x", [1, 4], "FP32")
+    x.set_data_from_numpy(X)
+    np.testing.assert_allclose(public.infer(META, [x]).as_numpy("score"), 2 * affine(PARAMS, X), rtol=1e-6)
+    assert public.is_model_ready(PART)  # listed through the meta, routable by its own name
+    rows = {m.name: m for m in node.status().models}
+    assert [r.worker for r in rows[PART].replicas] == [
+        r.worker for r in rows[META].replicas
+    ]  # placed together
+    lone = triton.InferenceServerClient(workers["worker1"])
+    try:
+        lone.unload_model(PART)  # worker1 can no longer run the meta
+        wait_until(
+            lambda: (
+                [r.worker for r in next(m for m in node.status().models if m.name == META).replicas]
+                == ["worker0"]
+            ),
+            10,
+            "the meta's route to leave worker1",
+        )
+        before = _served(workers["worker0"])[META]
+        for _ in range(4):
+            np.testing.assert_allclose(
+                public.infer(META, [x]).as_numpy("score"), 2 * affine(PARAMS, X), rtol=1e-6
+            )
+        assert _served(workers["worker0"])[META] == before + 4
+    finally:
+        lone.load_model(PART)
+        wait_until(
+            lambda: PART in {m.name for m in node.status().models if len(m.serving_workers) == 2},
+            10,
+            "part back",
+        )
 
 
 def test_requests_reach_the_worker_the_model_is_placed_on(node: Node) -> None:
@@ -196,14 +455,15 @@ def test_requests_reach_the_worker_the_model_is_placed_on(node: Node) -> None:
             public.infer(model, _inputs(public, model))
         public.infer(model, _inputs(public, model), headers={"x-model-name": model})  # routed on it
     after = {w: _served(a) for w, a in workers.items()}
-    for model, (home,) in placed.items():
+    for model in MODELS:
+        (home,) = placed[model]
         for worker in workers:
             assert after[worker][model] - before[worker][model] == (3 if worker == home else 0), (
                 model,
                 worker,
             )
     merged = {s.name: s.inference_stats.success.count for s in public.get_inference_statistics().model_stats}
-    assert merged == {m: sum(after[w][m] for w in workers) for m in MODELS}  # summed over workers
+    assert {m: merged[m] for m in MODELS} == {m: sum(after[w][m] for w in workers) for m in MODELS}
 
 
 def _status_of(call: Callable[[], Any]) -> tuple[str, str]:
@@ -397,6 +657,11 @@ def test_a_repack_separates_a_skewed_load_and_compacts_only_the_workers_that_cha
     assert changed
     for worker, address in workers.items():
         assert (_compactions(address) > compactions[worker]) == (worker in changed), (worker, changed)
+    # and each worker that changed warmed what it was given (compaction `scheduled`, the default)
+    for worker in changed:
+        status = _control(workers[worker], "model_control_status", control.ModelControlStatusRequest())
+        resident = {m.name: m.device_resident for m in status.models if m.weight_nbytes}
+        assert resident == {m: worker in after[m] for m in resident}, (worker, after)
     # the same load again: the placement stays, and nothing is compacted
     again = node.gateway("repack", gateway.RepackRequest(wait_seconds=30))
     assert again.completed and again.status.models_moved == 0
@@ -476,10 +741,11 @@ def test_metrics_merge_every_worker_with_a_worker_label(node: Node) -> None:
     assert urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/healthz").read() == b"ok\n"
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_perf_analyzer_runs_clean_through_the_node(node: Node, model: str) -> None:
+@pytest.mark.parametrize(("model", "protocol"), [*((m, "grpc") for m in MODELS), ("mlp", "http")])
+def test_perf_analyzer_runs_clean_through_the_node(node: Node, model: str, protocol: str) -> None:
+    url = node.url if protocol == "grpc" else f"127.0.0.1:{node.http_port}"
     result = run_perf_analyzer(
-        ["-m", model, "-u", node.url, "-i", "grpc", "--concurrency-range", "2",
+        ["-m", model, "-u", url, "-i", protocol, "--concurrency-range", "2",
          "--measurement-interval", "500", "-s", "1000", "--max-trials", "5"],  # runs clean, not steady
         timeout=120,
     )  # fmt: skip

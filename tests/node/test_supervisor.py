@@ -133,9 +133,17 @@ def test_workers_get_their_own_device_and_ports() -> None:
     with pytest.raises(ConfigError, match="--cpu-workers"):
         worker_specs(NodeConfig(gpus="auto"), {"CUDA_VISIBLE_DEVICES": ""})
     specs = worker_specs(NodeConfig(gpus="2", worker_base_port=9100), {})
-    assert specs == [WorkerSpec("worker0", 9100, 9101, "0"), WorkerSpec("worker1", 9102, 9103, "1")]
+    assert specs == [
+        WorkerSpec("worker0", 9100, 9101, 9102, "0"),
+        WorkerSpec("worker1", 9103, 9104, 9105, "1"),
+    ]
     gpu = worker_child(specs[1], Config(), None, public=False)
-    assert gpu.env == {"CUDA_VISIBLE_DEVICES": "1"} and "9102" in gpu.argv
+    assert gpu.env == {"CUDA_VISIBLE_DEVICES": "1"}
+    assert [gpu.argv[gpu.argv.index(f) + 1] for f in ("--grpc-port", "--metrics-port", "--http-port")] == [
+        "9103", "9104", "9105",
+    ]  # fmt: skip
+    no_rest = worker_child(specs[1], Config().replace("server", http_port=-1), None, public=False)
+    assert no_rest.argv[no_rest.argv.index("--http-port") + 1] == "-1"
     cpu = worker_specs(NodeConfig(cpu_workers=3), {})
     assert [s.devices for s in cpu] == [None] * 3 and len({s.grpc_port for s in cpu}) == 3
     assert worker_child(cpu[0], Config(), None, public=False).env["JAX_PLATFORMS"] == "cpu"

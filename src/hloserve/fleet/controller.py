@@ -3,13 +3,17 @@ to repack. Off the byte path: Envoy forwards requests; this rewrites Envoy's rou
 
 Each round (every `node.discovery_interval_s`, or at once when something asks) it first, given
 `node.workers_dns`, resolves that name again: the workers are then the addresses it names (pods
-behind a headless Service come and go). Then it calls ServerReady and RepositoryIndex on every
-worker; a worker that does not answer is out of every route until it answers again. Under
-`lpt_packing` it also reads each worker's ModelControlStatus (compute per model, weight bytes,
-the weight budget), learns each model's utilisation (compute seconds per wall second, an average
-whose half-life is measured in fleet compute), repacks when enough compute has passed (or at
-startup, or when an operator asks), and sends CompactMemory to the workers whose placement
-changed.
+behind a headless Service come and go). Then it calls ServerReady, RepositoryIndex and
+ModelControlStatus on every worker; a worker that does not answer is out of every route until it
+answers again. From the status's counters it learns each model's cost per request and arrival
+rate on each worker (`balance`), which weigh the workers in Envoy's least-request balancing, and
+its utilisation (compute seconds per wall second). Under `lpt_packing` it repacks when enough
+compute has passed (or at startup, or when an operator asks), sends CompactMemory to the workers
+whose placement changed, and pins what it placed on workers whose residency is externally
+managed (SetModelResidency).
+
+A meta model and the parts it calls are one unit, as ModelControlStatus reports them: the parts
+go where the meta is placed, and a meta's requests go only to workers that serve every part.
 
 Runs on asyncio (grpclib); `hloserve node` hosts it in trio through trio-asyncio.
 """
@@ -31,13 +35,16 @@ from grpclib.config import Configuration
 from hloserve._proto import hloserve_control as control
 from hloserve._proto import inference as kserve
 from hloserve.config import NodeConfig
+from hloserve.fleet import balance
 from hloserve.fleet import placement as lpt
+from hloserve.fleet.envoy import Endpoint
 
 __all__ = ["Controller", "RepackRecord", "WorkerLink"]
 
 log = structlog.get_logger("hloserve.fleet")
 
 READY = "READY"
+_Status = control.ModelControlStatusResponse  # (WorkerLink.control hides the module in its class)
 
 
 @dataclass(eq=False)
@@ -48,8 +55,10 @@ class WorkerLink:
     address: str  # host:port of its gRPC
     metrics: str | None  # host:port of its Prometheus endpoint
     ready: bool = False
-    models: dict[str, str] = field(default_factory=dict)  # name -> state, from RepositoryIndex
+    models: dict[str, str] = field(default_factory=dict)  # name -> state (a meta's parts READY)
     status: control.ModelControlStatusResponse | None = None
+    http: str | None = None  # host:port of its REST
+    parts: dict[str, tuple[str, ...]] = field(default_factory=dict)  # meta -> the parts it serves
     _channel: Channel | None = None
 
     @property
@@ -82,6 +91,26 @@ class WorkerLink:
     def serving(self) -> set[str]:
         return {m for m, state in self.models.items() if state == READY} if self.ready else set()
 
+    def take(self, index: kserve.RepositoryIndexResponse, status: _Status) -> None:
+        """What the worker serves: its index, and the parts of its metas (which it lists only
+        through them)."""
+        self.status = status
+        self.parts = {s.name: tuple(s.parts) for s in status.models if s.meta}
+        self.models = {m.name: m.state for m in index.models}
+        for meta in status.models:
+            self.models.update(
+                (part, READY if part in meta.ready_parts else "UNAVAILABLE") for part in meta.parts
+            )
+
+    @property
+    def executables(self) -> set[str]:
+        """The models it has loaded that have weights of their own (a meta has none), on its
+        device or not (an externally managed worker lists a model off its device UNAVAILABLE)."""
+        if self.status is None:
+            return set()
+        models = self.status.models
+        return {m.name for m in models if not m.meta} | {p for m in models if m.meta for p in m.ready_parts}
+
 
 @dataclass
 class RepackRecord:
@@ -110,7 +139,7 @@ class Controller:
         self,
         node: NodeConfig,
         workers: Sequence[WorkerLink],
-        publish: Callable[[Mapping[str, Sequence[str]]], None],
+        publish: Callable[[Mapping[str, Sequence[Endpoint]]], None],
     ) -> None:
         self.node = node
         self.policy: dict[str, Any] = {
@@ -126,7 +155,8 @@ class Controller:
         self.workers = list(workers)
         self.by_name = {w.name: w for w in self.workers}
         self._publish = publish
-        self.routes: dict[str, tuple[str, ...]] = {}
+        self._published: dict[str, tuple[Endpoint, ...]] = {}
+        self.routes: dict[str, tuple[str, ...]] = {}  # model -> the gRPC addresses of its workers
         self.known: set[str] = set()  # every model any worker has listed (the union)
         self.placed: dict[str, tuple[str, ...]] = {}  # model -> worker names (lpt_packing)
         self.plan = lpt.Placement()
@@ -139,6 +169,9 @@ class Controller:
         self.rounds = 0  # the number of the last round finished
         self._started = 0
         self._baseline: dict[tuple[str, str], float] = {}  # (worker, model) -> compute seconds
+        self._counters: dict[tuple[str, str], balance.Counters] = {}
+        self.traffic: dict[str, balance.Traffic] = {}  # learned per model, for the endpoint weights
+        self._hints_due: set[str] = set()  # workers to tell their placement (externally managed)
         self._last_poll: float | None = None
         self._wake = asyncio.Event()
         self._round_done = asyncio.Condition()
@@ -178,8 +211,10 @@ class Controller:
         await asyncio.gather(*(self._probe(w) for w in self.workers))
         for worker in self.workers:
             self.known |= set(worker.models)
+        fleet = self._learn()
         if self.node.scheduling == "lpt_packing":
-            await self._place()
+            await self._place(fleet)
+            await self._hint()
         self._route()
         self.rounds = number
         async with self._round_done:
@@ -209,12 +244,19 @@ class Controller:
         the others dropped with their connections."""
         known = {w.address: w for w in self.workers}
         metrics_port = self.node.workers_metrics_port
-        workers = [
-            known.pop(a)
-            if a in known
-            else WorkerLink(a, a, _join(a.rpartition(":")[0].strip("[]"), metrics_port))
-            for a in addresses
-        ]
+        workers = []
+        for address in addresses:
+            host = address.rpartition(":")[0].strip("[]")
+            workers.append(
+                known.pop(address)
+                if address in known
+                else WorkerLink(
+                    address,
+                    address,
+                    _join(host, metrics_port),
+                    http=_join(host, self.node.workers_http_port),
+                )
+            )
         if not known and len(workers) == len(self.workers):
             return
         for gone in known.values():
@@ -231,13 +273,14 @@ class Controller:
         try:
             ready = (await worker.inference.server_ready(kserve.ServerReadyRequest(), timeout=timeout)).ready
             index = await worker.inference.repository_index(kserve.RepositoryIndexRequest(), timeout=timeout)
-            worker.models = {m.name: m.state for m in index.models}
-            if self.node.scheduling == "lpt_packing" and ready:
-                worker.status = await worker.control.model_control_status(
-                    control.ModelControlStatusRequest(), timeout=timeout
-                )
-            if ready and not was_ready and self.on_ready is not None:
-                await self.on_ready(worker)
+            status = await worker.control.model_control_status(
+                control.ModelControlStatusRequest(), timeout=timeout
+            )
+            worker.take(index, status)
+            if ready and not was_ready:
+                self._hints_due.add(worker.name)  # a worker that restarted has its own floors again
+                if self.on_ready is not None:
+                    await self.on_ready(worker)
             worker.ready = ready
         except Exception as e:  # whatever it was, the worker is out until it answers
             worker.ready = False
@@ -257,30 +300,43 @@ class Controller:
         return found
 
     def _route(self) -> None:
-        routes = {}
+        weighted = self.node.scheduling != "round_robin"
+        loads = balance.worker_loads(self.traffic) if weighted else {}
+        endpoints: dict[str, tuple[Endpoint, ...]] = {}
         for model, names in self.serving().items():
+            # a meta only where every part it calls is served too
+            names = [n for n in names if set(self.by_name[n].parts.get(model, ())) <= self.by_name[n].serving]
             placed = [n for n in self.placed.get(model, ()) if n in names]
-            chosen = placed or names  # no placement yet, or its workers are down: all that serve it
-            routes[model] = tuple(sorted(self.by_name[n].address for n in chosen))
+            chosen = sorted(placed or names)  # no placement yet, or its workers are down: all that serve it
+            weights = balance.endpoint_weights(model, chosen, loads) if weighted else {}
+            endpoints[model] = tuple(
+                Endpoint(self.by_name[n].address, self.by_name[n].http, weights.get(n, balance.MAX_WEIGHT))
+                for n in chosen
+            )
+        routes = {m: tuple(sorted(e.grpc for e in es)) for m, es in endpoints.items()}
+        if endpoints != self._published:
+            self._published = endpoints
+            self._publish(endpoints)
         if routes != self.routes:
             self.routes = routes
-            self._publish(routes)
             log.info("routes", routes={m: len(a) for m, a in sorted(routes.items())})
 
     # -- lpt_packing ------------------------------------------------------------------------
 
     def _learn(self) -> float:
-        """Fold the latest counters into each model's utilisation; returns the fleet compute
-        seconds since the previous poll."""
+        """Fold the latest counters into each model's utilisation, cost per request and arrival
+        rates; returns the fleet compute seconds since the previous poll."""
         now = time.monotonic()
         elapsed = 0.0 if self._last_poll is None else now - self._last_poll
         self._last_poll = now
         delta: dict[str, float] = {}
+        counters: dict[tuple[str, str], balance.Counters] = {}
         for worker in self.workers:
             if not worker.ready or worker.status is None:
                 continue
             for status in worker.status.models:
                 key = (worker.name, status.name)
+                counters[key] = balance.Counters(status.total_compute_seconds, status.requests_served)
                 before = self._baseline.get(key)
                 self._baseline[key] = status.total_compute_seconds
                 learned = self.learned.setdefault(status.name, _Learned())
@@ -288,19 +344,20 @@ class Controller:
                 if before is not None and status.total_compute_seconds >= before:  # < : it restarted
                     delta[status.name] = delta.get(status.name, 0.0) + status.total_compute_seconds - before
         fleet = sum(delta.values())
+        halflife = self.node.ema_halflife_compute_s or self.policy["rebalance_compute_seconds"]
         if elapsed > 0:
-            halflife = self.node.ema_halflife_compute_s or self.policy["rebalance_compute_seconds"]
             for model, learned in self.learned.items():
                 sample = delta.get(model, 0.0) / elapsed
                 learned.utilization = lpt.ewma(learned.utilization, sample, fleet, halflife)
+        self.traffic = balance.learn(self.traffic, self._counters, counters, elapsed, halflife)
+        self._counters = counters
         return fleet
 
     def threshold(self) -> float:
         first = self.policy["first_rebalance_compute_seconds"]
         return first if first > 0 and not self.compute_repacked else self.policy["rebalance_compute_seconds"]
 
-    async def _place(self) -> None:
-        fleet = self._learn()
+    async def _place(self, fleet: float) -> None:
         self.compute_accumulated += fleet
         polled = [w for w in self.workers if w.ready and w.status is not None]
         if not polled:
@@ -347,7 +404,7 @@ class Controller:
         for model, workers in drifted.items():
             plan.workers[model] = tuple(sorted(workers))
         previous = self.placed
-        self.placed, self.plan = dict(plan.workers), plan
+        self.placed, self.plan = with_parts(plan.workers, polled), plan
         self.warnings = [
             f"model {m!r} is not served by every worker; placed on {ws}" for m, ws in drifted.items()
         ]
@@ -375,8 +432,43 @@ class Controller:
         )
         for warning in self.warnings:
             log.warning(warning)
+        changed = changed_workers(previous, self.placed) if previous else {w.name for w in polled}
+        self._hints_due |= changed
         if previous:
-            await self._compact(changed_workers(previous, self.placed))
+            await self._compact(changed)
+
+    def given(self, worker: WorkerLink) -> list[str]:
+        """The models with weights placed on `worker` (a meta's parts, not the meta)."""
+        return sorted(m for m, ws in self.placed.items() if worker.name in ws and m in worker.executables)
+
+    async def _hint(self) -> None:
+        """Pin on each due worker whose residency is externally managed (it loads nothing by
+        itself) the models placed on it, after releasing the others to its host floor. A
+        self-managed worker warms what it was given through the reload list of its compaction."""
+        due = [
+            self.by_name[n]
+            for n in sorted(self._hints_due & self.by_name.keys())
+            if self.by_name[n].ready and self.by_name[n].status is not None and self.placed
+        ]
+        for worker in due:
+            assert worker.status is not None
+            if worker.status.residency_mode != "externally_managed":
+                self._hints_due.discard(worker.name)
+                continue
+            given = set(self.given(worker))
+            targets = [(m, control.Residency.SYSTEM) for m in sorted(worker.executables - given)]
+            targets += [(m, control.Residency.DEVICE) for m in sorted(given)]
+            try:
+                for model, target in targets:
+                    await worker.control.set_model_residency(
+                        control.SetModelResidencyRequest(name=model, target=target),
+                        timeout=60 * self.node.probe_timeout_s,
+                    )
+            except Exception as e:  # tried again next round
+                log.warning("residency hint failed", worker=worker.name, model=model, error=repr(e))
+                continue
+            self._hints_due.discard(worker.name)
+            log.info("residency hints", worker=worker.name, pinned=sorted(given))
 
     async def _compact(self, changed: set[str]) -> None:
         mode = self.policy["compaction_mode"]
@@ -387,7 +479,7 @@ class Controller:
         if self.repack.repacks_since_compaction < self.policy["compaction_interval"] or not changed:
             return
         self.repack.repacks_since_compaction = 0
-        models_of = {w: sorted(m for m, ws in self.placed.items() if w in ws) for w in changed}
+        models_of = {w: self.given(self.by_name[w]) for w in changed}
 
         async def compact(name: str) -> None:
             reload = models_of[name] if mode == "scheduled" else []
@@ -421,6 +513,18 @@ class Controller:
 def _join(host: str, port: int) -> str:
     """`host:port`, an IPv6 host in brackets."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def with_parts(
+    placement: Mapping[str, Sequence[str]], workers: Sequence[WorkerLink]
+) -> dict[str, tuple[str, ...]]:
+    """`placement` with each meta's parts placed where the meta is (beside their own places)."""
+    placed = {m: tuple(ws) for m, ws in placement.items()}
+    for worker in workers:
+        for meta, parts in worker.parts.items():
+            for part in parts:
+                placed[part] = tuple(sorted({*placed.get(part, ()), *placement.get(meta, ())}))
+    return placed
 
 
 def changed_workers(before: Mapping[str, Sequence[str]], after: Mapping[str, Sequence[str]]) -> set[str]:

@@ -7,7 +7,11 @@ are chosen before the body is read, so they can only match on a header. A client
 header itself is routed on it. Requests no route claims (RPCs that span workers, ModelStatistics,
 models no worker serves) go to the controller.
 
-Routes and clusters are two files Envoy watches (file-based RDS and CDS); the controller replaces
+REST (when the node serves it) has its own listener, routed by path: `/v2/models/{m}/...` to
+the model's REST cluster (the same workers, at their REST ports), except a model's statistics,
+which the controller sums, as it answers everything else.
+
+Routes and clusters are files Envoy watches (file-based RDS and CDS); the controller replaces
 them atomically (write, then rename) and Envoy swaps them in without a restart.
 """
 
@@ -16,8 +20,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
+import urllib.parse
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +34,19 @@ from hloserve.errors import ConfigError
 
 __all__ = [
     "MODEL_HEADER",
+    "Endpoint",
     "bootstrap",
     "clusters",
     "descriptor_set",
     "find_envoy",
+    "http_routes",
     "routes",
     "write_atomically",
 ]
 
 MODEL_HEADER = "x-model-name"
 CONTROLLER = "controller"
+CONTROLLER_HTTP = "controller_http"
 ROUTED_RPCS = {  # rpc: the request field naming the model (field 1 in each)
     "ModelInfer": "model_name",
     "ModelMetadata": "name",
@@ -48,6 +58,20 @@ _SERVICE = "inference.GRPCInferenceService"
 _EXTRACTION = "envoy.filters.http.grpc_field_extraction"
 _LUA_FILTER = "envoy.filters.http.lua"
 _MAX_WINDOW = (1 << 31) - 1  # HTTP/2's largest window
+_MAX_WEIGHT = 100
+_HTTP1_IDLE = "3s"
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """A worker in a model's clusters: where its gRPC and REST listen, and its share under
+    least-request balancing (`weight`, 1 to 100: Envoy prefers a worker with a higher weight
+    among those with as many requests in flight)."""
+
+    grpc: str
+    http: str | None = None
+    weight: int = _MAX_WEIGHT
+
 
 _LUA = f"""
 function envoy_on_request(handle)
@@ -126,42 +150,20 @@ def _watched(path: Path) -> dict[str, Any]:
     }
 
 
-def bootstrap(
-    directory: Path, host: str, port: int, admin_port: int, max_message_bytes: int
+def _manager(
+    stat_prefix: str, codec: str, window: int, routes: str, directory: Path, filters: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """Envoy's static configuration: the public listener with its filters, the admin interface,
-    and where the routes (`routes.json`) and clusters (`clusters.json`) are."""
-    window = _window(max_message_bytes)
-    descriptors = directory / "routing.pb"
-    manager = {
+    return {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
         ".HttpConnectionManager",
-        "stat_prefix": "public",
-        "codec_type": "HTTP2",
+        "stat_prefix": stat_prefix,
+        "codec_type": codec,
         "http2_protocol_options": _http2(window),
         "stream_idle_timeout": "0s",
         "request_timeout": "0s",
-        "rds": {"route_config_name": "node", "config_source": _watched(directory / "routes.json")},
+        "rds": {"route_config_name": routes, "config_source": _watched(directory / f"{routes}.json")},
         "http_filters": [
-            {
-                "name": _EXTRACTION,
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.http.grpc_field_extraction.v3"
-                    ".GrpcFieldExtractionConfig",
-                    "descriptor_set": {"filename": str(descriptors)},
-                    "extractions_by_method": {
-                        f"{_SERVICE}.{rpc}": {"request_field_extractions": {field: {}}}
-                        for rpc, field in ROUTED_RPCS.items()
-                    },
-                },
-            },
-            {
-                "name": _LUA_FILTER,
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
-                    "default_source_code": {"inline_string": _LUA},
-                },
-            },
+            *filters,
             {
                 "name": "envoy.filters.http.router",
                 "typed_config": {
@@ -170,28 +172,60 @@ def bootstrap(
             },
         ],
     }
+
+
+def _listener(name: str, host: str, port: int, window: int, manager: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "address": _address(host, port),
+        "per_connection_buffer_limit_bytes": window,
+        "filter_chains": [
+            {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}
+        ],
+    }
+
+
+def bootstrap(
+    directory: Path, host: str, port: int, http_port: int, admin_port: int, max_message_bytes: int
+) -> dict[str, Any]:
+    """Envoy's static configuration: the public gRPC listener with its filters, the public REST
+    listener (`http_port` -1: none), the admin interface, and where the routes (`routes.json`,
+    `routes_http.json`) and clusters (`clusters.json`) are."""
+    window = _window(max_message_bytes)
+    descriptors = directory / "routing.pb"
+    extraction = [
+        {
+            "name": _EXTRACTION,
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.grpc_field_extraction.v3"
+                ".GrpcFieldExtractionConfig",
+                "descriptor_set": {"filename": str(descriptors)},
+                "extractions_by_method": {
+                    f"{_SERVICE}.{rpc}": {"request_field_extractions": {field: {}}}
+                    for rpc, field in ROUTED_RPCS.items()
+                },
+            },
+        },
+        {
+            "name": _LUA_FILTER,
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+                "default_source_code": {"inline_string": _LUA},
+            },
+        },
+    ]
+    listeners = [
+        _listener(
+            "public", host, port, window, _manager("public", "HTTP2", window, "routes", directory, extraction)
+        )
+    ]
+    if http_port >= 0:  # HTTP/1.1, or HTTP/2 for a client that starts with it
+        manager = _manager("public_http", "AUTO", window, "routes_http", directory, [])
+        listeners.append(_listener("public_http", host, http_port, window, manager))
     return {
         "node": {"id": "hloserve-node", "cluster": "hloserve"},
         "admin": {"address": _address("127.0.0.1", admin_port)},
-        "static_resources": {
-            "listeners": [
-                {
-                    "name": "public",
-                    "address": _address(host, port),
-                    "per_connection_buffer_limit_bytes": window,
-                    "filter_chains": [
-                        {
-                            "filters": [
-                                {
-                                    "name": "envoy.filters.network.http_connection_manager",
-                                    "typed_config": manager,
-                                }
-                            ]
-                        }
-                    ],
-                }
-            ]
-        },
+        "static_resources": {"listeners": listeners},
         "dynamic_resources": {"cds_config": _watched(directory / "clusters.json")},
         "overload_manager": {  # a bound on connections, which Envoy warns about when unset
             "resource_monitors": [
@@ -212,15 +246,24 @@ def _address(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
-def cluster_name(model: str) -> str:
-    return f"model_{model}"
+def cluster_name(model: str, http: bool = False) -> str:
+    return f"{'http' if http else 'model'}_{model}"
 
 
-def _cluster(name: str, addresses: Sequence[str], policy: str, window: int) -> dict[str, Any]:
-    endpoints = []
-    for address in addresses:
+def _cluster(
+    name: str, endpoints: Sequence[tuple[str, int]], policy: str, window: int, http2: bool
+) -> dict[str, Any]:
+    """A cluster of `endpoints` (address, weight), spoken to in HTTP/2 or else HTTP/1.1."""
+    members = []
+    for address, weight in endpoints:
         host, _, port = address.rpartition(":")
-        endpoints.append({"endpoint": {"address": _address(host.strip("[]"), int(port))}})
+        members.append(
+            {"endpoint": {"address": _address(host.strip("[]"), int(port))}, "load_balancing_weight": weight}
+        )
+    protocol = {"http2_protocol_options": _http2(window)} if http2 else {"http_protocol_options": {}}
+    # HTTP/1.1 connections are dropped before hypercorn's keep-alive (5 s) closes them, so that
+    # Envoy never sends a request on a connection the worker is closing.
+    idle = {} if http2 else {"common_http_protocol_options": {"idle_timeout": _HTTP1_IDLE}}
     return {
         "@type": "type.googleapis.com/envoy.config.cluster.v3.Cluster",
         "name": name,
@@ -228,11 +271,12 @@ def _cluster(name: str, addresses: Sequence[str], policy: str, window: int) -> d
         "connect_timeout": "1s",
         "lb_policy": policy,
         "per_connection_buffer_limit_bytes": window,
-        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": endpoints}]},
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": members}]},
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": _http2(window)},
+                "explicit_http_config": protocol,
+                **idle,
             }
         },
         # A worker whose connection fails or resets is left out for a while; a worker that
@@ -267,27 +311,37 @@ def _cluster(name: str, addresses: Sequence[str], policy: str, window: int) -> d
 
 
 def clusters(
-    placement: Mapping[str, Sequence[str]], controller: str, balance: str, max_message_bytes: int
+    placement: Mapping[str, Sequence[Endpoint]],
+    controller: str,
+    balance: str,
+    max_message_bytes: int,
+    controller_http: str | None = None,
 ) -> dict[str, Any]:
-    """One cluster per model (the workers its requests go to, balanced by `balance`: Envoy's
-    ROUND_ROBIN or LEAST_REQUEST), and the controller's."""
+    """Per model, a cluster of the workers its requests go to (balanced by `balance`: Envoy's
+    ROUND_ROBIN or LEAST_REQUEST) and, with REST, one of the same workers' REST ports; and the
+    controller's."""
     window = _window(max_message_bytes)
-    resources = [_cluster(CONTROLLER, [controller], "ROUND_ROBIN", window)]
-    resources += [
-        _cluster(cluster_name(model), addresses, balance, window)
-        for model, addresses in sorted(placement.items())
-        if addresses
-    ]
+    resources = [_cluster(CONTROLLER, [(controller, 1)], "ROUND_ROBIN", window, http2=True)]
+    if controller_http is not None:
+        resources.append(
+            _cluster(CONTROLLER_HTTP, [(controller_http, 1)], "ROUND_ROBIN", window, http2=False)
+        )
+    for model, endpoints in sorted(placement.items()):
+        if not endpoints:
+            continue
+        grpc = [(e.grpc, e.weight) for e in endpoints]
+        resources.append(_cluster(cluster_name(model), grpc, balance, window, http2=True))
+        http = [(e.http, e.weight) for e in endpoints if e.http is not None]
+        if controller_http is not None and http:
+            resources.append(_cluster(cluster_name(model, http=True), http, balance, window, http2=False))
     return {"resources": resources}
 
 
-def routes(placement: Mapping[str, Sequence[str]]) -> dict[str, Any]:
-    """Per-model RPCs to the model's cluster by the `x-model-name` header; the rest to the
-    controller. A request that fails because its worker is gone or refused it as UNAVAILABLE is
-    retried once on another worker of the cluster."""
-    paths = "|".join(ROUTED_RPCS)
-    retry = {
-        "retry_on": "connect-failure,refused-stream,reset,unavailable",
+def _retry(on: str, **more: Any) -> dict[str, Any]:
+    """Retried (twice at most) on another worker of the cluster when `on` happens."""
+    return {
+        "retry_on": on,
+        **more,
         "num_retries": 2,
         "retry_host_predicate": [
             {
@@ -301,6 +355,29 @@ def routes(placement: Mapping[str, Sequence[str]]) -> dict[str, Any]:
         "host_selection_retry_max_attempts": 5,
         "per_try_timeout": "0s",
     }
+
+
+def _route_config(name: str, routes: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "resources": [
+            {
+                "@type": "type.googleapis.com/envoy.config.route.v3.RouteConfiguration",
+                "name": name,
+                "virtual_hosts": [{"name": name, "domains": ["*"], "routes": routes}],
+            }
+        ]
+    }
+
+
+_UNTIMED = {"timeout": "0s", "max_stream_duration": {"grpc_timeout_header_max": "0s"}}
+
+
+def routes(placement: Mapping[str, Sequence[Endpoint]]) -> dict[str, Any]:
+    """Per-model RPCs to the model's cluster by the `x-model-name` header; the rest to the
+    controller. A request that fails because its worker is gone or refused it as UNAVAILABLE is
+    retried on another worker of the cluster."""
+    paths = "|".join(ROUTED_RPCS)
+    retry = _retry("connect-failure,refused-stream,reset,unavailable")
     model_routes = [
         {
             "match": {
@@ -308,12 +385,7 @@ def routes(placement: Mapping[str, Sequence[str]]) -> dict[str, Any]:
                 "headers": [{"name": MODEL_HEADER, "string_match": {"exact": model}}],
                 "grpc": {},
             },
-            "route": {
-                "cluster": cluster_name(model),
-                "timeout": "0s",
-                "max_stream_duration": {"grpc_timeout_header_max": "0s"},
-                "retry_policy": retry,
-            },
+            "route": {"cluster": cluster_name(model), **_UNTIMED, "retry_policy": retry},
             # A request that arrives with the header matches here first: nothing reads its body,
             # which streams through instead of being held whole by the field extraction.
             "typed_per_filter_config": {
@@ -321,26 +393,45 @@ def routes(placement: Mapping[str, Sequence[str]]) -> dict[str, Any]:
                 for name in (_EXTRACTION, _LUA_FILTER)
             },
         }
-        for model, addresses in sorted(placement.items())
-        if addresses
+        for model, endpoints in sorted(placement.items())
+        if endpoints
     ]
-    fallback = {
-        "match": {"prefix": "/"},
-        "route": {
-            "cluster": CONTROLLER,
-            "timeout": "0s",
-            "max_stream_duration": {"grpc_timeout_header_max": "0s"},
+    fallback = {"match": {"prefix": "/"}, "route": {"cluster": CONTROLLER, **_UNTIMED}}
+    return _route_config("routes", [*model_routes, fallback])
+
+
+def _path_name(model: str) -> str:
+    """A regular expression (RE2) for `model` as a path segment: as sent, or percent-encoded."""
+    forms = dict.fromkeys((model, urllib.parse.quote(model, safe="")))
+    return "(?:" + "|".join(re.escape(f) for f in forms) + ")"
+
+
+def http_routes(placement: Mapping[str, Sequence[Endpoint]]) -> dict[str, Any]:
+    """REST by path: `/v2/models/{m}[/versions/{v}]/...` to the model's REST cluster (statistics
+    excepted: the controller sums them over the workers), everything else to the controller.
+    Retried on another worker as gRPC is: on a lost worker, and on 503 (which is also how REST
+    says UNAVAILABLE)."""
+    retry = _retry(
+        "connect-failure,refused-stream,reset,retriable-status-codes", retriable_status_codes=[503]
+    )
+    version = "(?:/versions/[^/]+)?"
+    statistics = [
+        {"match": {"path": "/v2/models/stats"}, "route": {"cluster": CONTROLLER_HTTP, **_UNTIMED}},
+        {
+            "match": {"safe_regex": {"regex": f"/v2/models/[^/]+{version}/stats"}},
+            "route": {"cluster": CONTROLLER_HTTP, **_UNTIMED},
         },
-    }
-    return {
-        "resources": [
-            {
-                "@type": "type.googleapis.com/envoy.config.route.v3.RouteConfiguration",
-                "name": "node",
-                "virtual_hosts": [{"name": "node", "domains": ["*"], "routes": [*model_routes, fallback]}],
-            }
-        ]
-    }
+    ]
+    model_routes = [
+        {
+            "match": {"safe_regex": {"regex": f"/v2/models/{_path_name(model)}{version}(?:/[^/]*)?"}},
+            "route": {"cluster": cluster_name(model, http=True), **_UNTIMED, "retry_policy": retry},
+        }
+        for model, endpoints in sorted(placement.items())
+        if any(e.http is not None for e in endpoints)
+    ]
+    fallback = {"match": {"prefix": "/"}, "route": {"cluster": CONTROLLER_HTTP, **_UNTIMED}}
+    return _route_config("routes_http", [*statistics, *model_routes, fallback])
 
 
 def write_atomically(path: Path, data: bytes | dict[str, Any]) -> None:

@@ -1,9 +1,10 @@
 """The front of a node of two workers or more (or of the workers `node.workers_dns` names): Envoy
-on the public gRPC port, the controller on a loopback port behind it and on the public metrics
-port. Started by `hloserve.node`."""
+on the public gRPC and REST ports, the controller on loopback ports behind it (gRPC and REST) and
+on the public metrics port. Started by `hloserve.node`."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -16,6 +17,7 @@ import trio_asyncio
 from grpclib.config import Configuration
 from grpclib.server import Server
 
+from hloserve import rest
 from hloserve.config import Config
 from hloserve.fleet import envoy
 from hloserve.fleet.controller import Controller, WorkerLink
@@ -50,19 +52,29 @@ class _Publisher:
     def __init__(self, directory: Path, controller_address: str, config: Config) -> None:
         self._directory = directory
         self._controller = controller_address
+        self.controller_http: str | None = None
+        """The controller's REST address, with REST (set before the first call)."""
         self._balance = "ROUND_ROBIN" if config.node.scheduling == "round_robin" else "LEAST_REQUEST"
         self._max_message_bytes = config.server.max_message_bytes
-        self._previous: Mapping[str, Sequence[str]] = {}
+        self._previous: Mapping[str, Sequence[envoy.Endpoint]] = {}
 
-    def __call__(self, routes: Mapping[str, Sequence[str]]) -> None:
+    def __call__(self, routes: Mapping[str, Sequence[envoy.Endpoint]]) -> None:
         # Clusters first, and a model's cluster outlives its route by one update: Envoy applies
         # each file on its own, and a route must never name a cluster it does not have.
         kept = {m: a for m, a in self._previous.items() if a and not routes.get(m)}
         envoy.write_atomically(
             self._directory / "clusters.json",
-            envoy.clusters({**kept, **routes}, self._controller, self._balance, self._max_message_bytes),
+            envoy.clusters(
+                {**kept, **routes},
+                self._controller,
+                self._balance,
+                self._max_message_bytes,
+                self.controller_http,
+            ),
         )
         envoy.write_atomically(self._directory / "routes.json", envoy.routes(routes))
+        if self.controller_http is not None:
+            envoy.write_atomically(self._directory / "routes_http.json", envoy.http_routes(routes))
         self._previous = routes
 
 
@@ -80,22 +92,40 @@ async def run_front(
     directory = Path(tempfile.mkdtemp(prefix="hloserve-node-"))
     try:
         controller_address = f"127.0.0.1:{free_port()}"
-        publish = _Publisher(directory, controller_address, config)
         envoy.write_atomically(directory / "routing.pb", envoy.descriptor_set())
-        publish({})
-        admin = free_port()
-        bootstrap = envoy.bootstrap(
-            directory, server_config.host, server_config.grpc_port, admin, server_config.max_message_bytes
-        )
-        envoy.write_atomically(directory / "envoy.json", bootstrap)
+        serves_http = server_config.http_port >= 0
         workers = [
-            WorkerLink(s.name, s.address, f"127.0.0.1:{s.metrics_port}" if s.metrics_port else None)
+            WorkerLink(
+                s.name,
+                s.address,
+                f"127.0.0.1:{s.metrics_port}" if s.metrics_port else None,
+                http=f"127.0.0.1:{s.http_port}" if serves_http else None,
+            )
             for s in specs
         ]
         async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
+            publish = _Publisher(directory, controller_address, config)
             controller = Controller(config.node, workers, publish)
             inference = InferenceFront(controller)
             controller.on_ready = inference.restore_regions
+            rest_server = None
+            if serves_http:  # the controller's REST: what Envoy's REST routes give no worker
+                # The REST routes call the same methods on InferenceFront as on a worker's service.
+                app = rest.build_app(inference, {}, server_config.max_message_bytes)  # type: ignore[arg-type]
+                settings = dataclasses.replace(server_config, host="127.0.0.1", http_port=0)
+                rest_server = rest.RestServer(app, settings)
+                publish.controller_http = f"127.0.0.1:{await nursery.start(rest_server.run)}"
+            publish({})
+            admin = free_port()
+            bootstrap = envoy.bootstrap(
+                directory,
+                server_config.host,
+                server_config.grpc_port,
+                server_config.http_port if serves_http else -1,
+                admin,
+                server_config.max_message_bytes,
+            )
+            envoy.write_atomically(directory / "envoy.json", bootstrap)
             window = 16 << 20
 
             async def serving(name: str) -> bool | None:
@@ -128,6 +158,7 @@ async def run_front(
             log.info(
                 "node front listening",
                 grpc=f"{server_config.host}:{server_config.grpc_port}",
+                http=f"{server_config.host}:{server_config.http_port}" if serves_http else None,
                 metrics=f"{server_config.host}:{server_config.metrics_port}",
                 controller=controller_address,
                 workers={s.name: s.address for s in specs} or config.node.workers_dns,
@@ -141,5 +172,7 @@ async def run_front(
                     server.close()
                     if http is not None:
                         http.close()
+                    if rest_server is not None:
+                        rest_server.stop()
     finally:
         shutil.rmtree(directory, ignore_errors=True)

@@ -1,9 +1,10 @@
 """The RPCs no single worker can answer, served by the controller behind the node's public port.
 
 Envoy sends here every request its routes do not give to a model's workers: the server-wide
-RPCs, the fan-outs, the GatewayControlService, and requests for a model no worker serves. A
-worker's error reaches the client with the worker's status and message (prefixed with the
-worker's name where several answered).
+RPCs, the fan-outs, the control services, and requests for a model no worker serves; over REST
+too, where `rest.build_app` serves `InferenceFront` as it serves a worker's service. A worker's
+error reaches the client with the worker's status and message (prefixed with the worker's name
+where several answered).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from hloserve._proto import inference as kserve
 from hloserve.fleet import placement as lpt
 from hloserve.fleet.controller import Controller, WorkerLink
 
-__all__ = ["ControlFront", "GatewayFront", "InferenceFront", "node_readiness"]
+__all__ = ["ControlFront", "GatewayFront", "InferenceFront", "merge_control_status", "node_readiness"]
 
 T = TypeVar("T")
 _MAX_REPACK_WAIT_S = 120.0
@@ -138,9 +139,11 @@ class InferenceFront(kserve.GrpcInferenceServiceBase):
     async def repository_index(
         self, message: kserve.RepositoryIndexRequest
     ) -> kserve.RepositoryIndexResponse:
+        """The union; as on a worker, a meta's parts are listed through the meta alone."""
         serving = self._controller.serving()
+        parts = {p for w in self._controller.workers for ps in w.parts.values() for p in ps}
         index = []
-        for model in sorted(serving):
+        for model in sorted(serving.keys() - parts):
             if serving[model]:
                 index.append(kserve.RepositoryIndexResponseModelIndex(name=model, version="1", state="READY"))
             elif not message.ready:
@@ -169,6 +172,41 @@ class InferenceFront(kserve.GrpcInferenceServiceBase):
 
     async def model_infer(self, message: kserve.ModelInferRequest) -> kserve.ModelInferResponse:
         raise _not_served(message.model_name)
+
+    # What the REST routes call besides the RPCs above.
+
+    async def _infer(self, request: Any, grpc_deadline: Any) -> Any:
+        raise _not_served(request.model_name)
+
+    def _count(self, model: str, status: str, started: float) -> None:
+        """Nothing: the workers count the requests they serve."""
+
+    async def _unimplemented(self, rpc: str, stream: Any) -> None:
+        if rpc == "CudaSharedMemoryRegister":
+            await self.cuda_shared_memory_register(kserve.CudaSharedMemoryRegisterRequest())
+        raise grpclib.GRPCError(Status.UNIMPLEMENTED, f"{rpc} is not served by a node")
+
+    async def cuda_shared_memory_register(
+        self, message: kserve.CudaSharedMemoryRegisterRequest
+    ) -> kserve.CudaSharedMemoryRegisterResponse:
+        """Answered as a worker answers it (hloserve has no CUDA shared memory)."""
+        return await _ready(self._controller)[0].inference.cuda_shared_memory_register(
+            message, timeout=self._controller.node.probe_timeout_s
+        )
+
+    async def cuda_shared_memory_status(
+        self, message: kserve.CudaSharedMemoryStatusRequest
+    ) -> kserve.CudaSharedMemoryStatusResponse:
+        return await _ready(self._controller)[0].inference.cuda_shared_memory_status(
+            message, timeout=self._controller.node.probe_timeout_s
+        )
+
+    async def cuda_shared_memory_unregister(
+        self, message: kserve.CudaSharedMemoryUnregisterRequest
+    ) -> kserve.CudaSharedMemoryUnregisterResponse:
+        return await _ready(self._controller)[0].inference.cuda_shared_memory_unregister(
+            message, timeout=self._controller.node.probe_timeout_s
+        )
 
     async def model_statistics(
         self, message: kserve.ModelStatisticsRequest
@@ -268,11 +306,87 @@ class InferenceFront(kserve.GrpcInferenceServiceBase):
                     raise
 
 
+def merge_control_status(
+    answers: Iterable[control.ModelControlStatusResponse],
+) -> control.ModelControlStatusResponse:
+    """A node's status: per model, the workers' counters summed (resident where any holds it);
+    budgets, resident bytes and compactions summed."""
+    merged: dict[str, control.ModelStatus] = {}
+    total = control.ModelControlStatusResponse()
+    for answer in answers:
+        total.residency_mode = total.residency_mode or answer.residency_mode
+        total.discipline = total.discipline or answer.discipline
+        total.weight_cache_max_bytes += answer.weight_cache_max_bytes
+        total.resident_bytes += answer.resident_bytes
+        total.compactions += answer.compactions
+        for model in answer.models:
+            into = merged.get(model.name)
+            if into is None:
+                merged[model.name] = control.ModelStatus().from_dict(model.to_dict())  # a copy
+                continue
+            for counter in (
+                "queue_depth", "total_compute_seconds", "requests_served", "dispatch_count",
+                "rows_served", "loads", "evictions",
+            ):  # fmt: skip
+                setattr(into, counter, getattr(into, counter) + getattr(model, counter))
+            into.device_resident |= model.device_resident
+            into.host_resident |= model.host_resident
+            into.weight_nbytes = max(into.weight_nbytes, model.weight_nbytes)
+            into.max_batch_size = max(into.max_batch_size, model.max_batch_size)
+            into.parts = sorted({*into.parts, *model.parts})
+    total.models = [merged[m] for m in sorted(merged)]
+    return total
+
+
 class ControlFront(control.ControlServiceBase):
-    """hloserve's control service for the whole node: CompactMemory on every worker."""
+    """hloserve's control service for the whole node: the calls that name a model go to the
+    workers that serve it, the others to every ready worker."""
 
     def __init__(self, controller: Controller) -> None:
         self._controller = controller
+
+    def _serving(self, name: str) -> list[WorkerLink]:
+        targets = [w for w in _ready(self._controller) if name in w.serving]
+        if not targets:
+            raise _not_served(name)
+        return targets
+
+    async def _all(self, targets: list[WorkerLink], call: Callable[[WorkerLink], Awaitable[T]]) -> list[T]:
+        """Every target's answer; the first failure (naming its worker) if any failed."""
+        results = await _fan_out(targets, call)
+        if error := _failure(results):
+            raise error
+        return [r for _, r in results if not isinstance(r, grpclib.GRPCError)]
+
+    async def model_control_status(
+        self, message: control.ModelControlStatusRequest
+    ) -> control.ModelControlStatusResponse:
+        timeout = self._controller.node.probe_timeout_s
+        answers = await self._all(
+            _ready(self._controller), lambda w: w.control.model_control_status(message, timeout=timeout)
+        )
+        return merge_control_status(answers)
+
+    async def set_model_policy(
+        self, message: control.SetModelPolicyRequest
+    ) -> control.SetModelPolicyResponse:
+        """A model's policy on the workers that serve it; the global discipline (no name) on all."""
+        targets = self._serving(message.name) if message.name else _ready(self._controller)
+        timeout = self._controller.node.probe_timeout_s
+        await self._all(targets, lambda w: w.control.set_model_policy(message, timeout=timeout))
+        return control.SetModelPolicyResponse()
+
+    async def set_model_residency(
+        self, message: control.SetModelResidencyRequest
+    ) -> control.SetModelResidencyResponse:
+        """On every worker that serves the model; on the device if it is on any of them."""
+        timeout = 60 * self._controller.node.probe_timeout_s
+        answers = await self._all(
+            self._serving(message.name), lambda w: w.control.set_model_residency(message, timeout=timeout)
+        )
+        return control.SetModelResidencyResponse(
+            residency=answers[0].residency, device_resident=any(a.device_resident for a in answers)
+        )
 
     async def compact_memory(self, message: control.CompactMemoryRequest) -> control.CompactMemoryResponse:
         timeout = 60 * self._controller.node.probe_timeout_s

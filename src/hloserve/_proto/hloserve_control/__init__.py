@@ -147,6 +147,21 @@ class ModelStatus(betterproto2.Message):
 
     discipline: "str" = betterproto2.field(15, betterproto2.TYPE_STRING)
 
+    meta: "bool" = betterproto2.field(16, betterproto2.TYPE_BOOL)
+    """
+    a meta model: no executable of its own; residency is its parts'
+    """
+
+    parts: "list[str]" = betterproto2.field(17, betterproto2.TYPE_STRING, repeated=True)
+    """
+    a meta model's parts: the models it calls (not listed alone)
+    """
+
+    ready_parts: "list[str]" = betterproto2.field(18, betterproto2.TYPE_STRING, repeated=True)
+    """
+    those of its parts being served
+    """
+
 
 default_message_pool.register_message("hloserve_control", "ModelStatus", ModelStatus)
 
