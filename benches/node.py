@@ -6,6 +6,14 @@ run, directly against the worker the model is placed on: the tiny MLP at concurr
 and the 4.8 MB `pool` request (8 images) at concurrency 1 inline and through system shared
 memory. "proxy CPU" is Envoy's user+system time per request through the node.
 
+Machine CPU: every figure also counts the CPU of everything that ran (the client and every
+process of the node: Envoy, the workers, the controller) per request, and the cores it kept
+busy. When the node run keeps all the machine's cores busy, the throughput it can reach is
+bounded by that CPU, not by the node's design: "ceiling" is the most the node run could
+serve on this machine (its cores over its CPU per request) against the direct run's measured
+throughput, the best ratio this machine allows, against which the measured ratio and the
+target are read.
+
 Catalogue: ten models of 8 MB of weights, four Python clients picking models by a Zipf law (as
 the weight-cache suite); one worker with a budget of a fifth of the catalogue against the node's
 two workers, each with that budget, after the controller has learned the load and repacked.
@@ -18,19 +26,21 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from benches.loadgen import python_loop
-from benches.serving import ROOT, _free_port, install, measure, start_server
+from benches.serving import ROOT, _cpu_seconds, _free_port, install, measure, start_server
 from benches.weight_cache import MODELS, WEIGHT_FLOATS, _catalogue, _residency_counts
 
 SCENARIOS = (
@@ -53,6 +63,11 @@ class Row:
     proxy_cpu_ms_per_request: float | None
     direct_loads: int | None = None  # the catalogue: weight loads during the measured run
     node_loads: int | None = None
+    direct_cpu_ms: float = 0.0
+    """CPU of the client and every server process per request, direct (the catalogue: one worker)."""
+    node_cpu_ms: float = 0.0
+    node_busy_cores: float = 0.0
+    """Cores kept busy during the node run, the client included."""
 
     @property
     def added_p50_ms(self) -> float:
@@ -61,6 +76,38 @@ class Row:
     @property
     def throughput_ratio(self) -> float:
         return self.node_throughput / self.direct_throughput if self.direct_throughput else 0.0
+
+    @property
+    def ceiling_ratio(self) -> float:
+        """The node run's most on this machine (every core busy at its CPU per request) over
+        the direct run's measured throughput."""
+        if not self.node_cpu_ms or not self.direct_throughput:
+            return 0.0
+        return (os.cpu_count() or 1) * 1e3 / self.node_cpu_ms / self.direct_throughput
+
+
+@dataclass(frozen=True)
+class MachineCpu:
+    cpu_ms_per_request: float
+    busy_cores: float
+
+
+def _requests(result: Any) -> int:
+    return int(result.requests)
+
+
+def _machine_cpu(pid: int, run: Any, requests: Any) -> tuple[Any, MachineCpu]:
+    """`run()`'s result, and the CPU that the process tree of `pid`, this process and its waited
+    children (perf_analyzer) spent per request (`requests(result)`) while it ran."""
+
+    def client() -> float:
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+    started, before = time.monotonic(), _cpu_seconds(pid) + client()
+    result = run()
+    cpu, wall = _cpu_seconds(pid) + client() - before, time.monotonic() - started
+    return result, MachineCpu(cpu / max(requests(result), 1) * 1e3, cpu / wall)
 
 
 def _start_node(
@@ -143,8 +190,14 @@ def run_overhead(window_ms: int) -> list[Row]:
         rows = []
         for name, model, concurrency, extra in SCENARIOS:
             direct_url = addresses[placed[model]]
-            direct = measure(direct_url, children[direct_url], name, model, concurrency, extra, window_ms)
-            node = measure(f"127.0.0.1:{port}", children["envoy"], name, model, concurrency, extra, window_ms)
+            scenario = (name, model, concurrency, extra, window_ms)
+            direct, direct_cpu = _machine_cpu(
+                process.pid, partial(measure, direct_url, children[direct_url], *scenario), _requests
+            )
+            node_url = f"127.0.0.1:{port}"
+            node, node_cpu = _machine_cpu(
+                process.pid, partial(measure, node_url, children["envoy"], *scenario), _requests
+            )
             rows.append(
                 Row(
                     name,
@@ -153,6 +206,9 @@ def run_overhead(window_ms: int) -> list[Row]:
                     direct.throughput,
                     node.throughput,
                     round(node.server_cpu_ms_per_request, 3),
+                    direct_cpu_ms=round(direct_cpu.cpu_ms_per_request, 3),
+                    node_cpu_ms=round(node_cpu.cpu_ms_per_request, 3),
+                    node_busy_cores=round(node_cpu.busy_cores, 2),
                 )
             )
         return rows
@@ -164,14 +220,14 @@ def _loads(ports: list[int]) -> int:
     return sum(_residency_counts(port)[0] for port in ports)
 
 
-def _zipf_load(url: str) -> float:
+def _zipf_load(url: str) -> Any:
     def pick(rng: np.random.Generator) -> str:
         return f"m{rng.choice(MODELS, p=ZIPF / ZIPF.sum())}"
 
     result = python_loop(url, pick, "INPUT0", np.ones((1, 16), np.float32), 4, CATALOGUE_SECONDS)
     if result.errors:
         raise RuntimeError(f"catalogue load failed: {result.first_error}")
-    return result.throughput
+    return result
 
 
 def run_catalogue() -> Row:
@@ -187,7 +243,7 @@ def run_catalogue() -> Row:
         server = start_server(port, settings=settings)
         try:
             before = _loads([port])
-            one = _zipf_load(f"127.0.0.1:{port}")
+            one, one_cpu = _machine_cpu(server.pid, partial(_zipf_load, f"127.0.0.1:{port}"), _requests)
             one_loads = _loads([port]) - before
         finally:
             server.terminate()
@@ -202,11 +258,16 @@ def run_catalogue() -> Row:
             _gateway(node_port, "repack", gateway.RepackRequest(wait_seconds=60))  # ...and places it
             workers = [int(w.address.rpartition(":")[2]) for w in _status(node_port).workers]
             before = _loads(workers)
-            two = _zipf_load(url)
+            two, two_cpu = _machine_cpu(process.pid, partial(_zipf_load, url), _requests)
             two_loads = _loads(workers) - before
         finally:
             _stop(process)
-    return Row("catalogue", 0.0, 0.0, one, two, None, one_loads, two_loads)
+    return Row(
+        "catalogue", 0.0, 0.0, one.throughput, two.throughput, None, one_loads, two_loads,
+        direct_cpu_ms=round(one_cpu.cpu_ms_per_request, 3),
+        node_cpu_ms=round(two_cpu.cpu_ms_per_request, 3),
+        node_busy_cores=round(two_cpu.busy_cores, 2),
+    )  # fmt: skip
 
 
 def run(window_ms: int = 3000) -> list[Row]:
@@ -215,25 +276,36 @@ def run(window_ms: int = 3000) -> list[Row]:
 
 
 def table(rows: list[Row]) -> str:
-    header = ("scenario", "direct p50", "node p50", "added", "direct /s", "node /s", "ratio", "proxy CPU ms")
-    lines = ["{:<14} {:>10} {:>9} {:>7} {:>10} {:>9} {:>6} {:>12}".format(*header)]
+    header = ("scenario", "direct p50", "node p50", "added", "direct /s", "node /s", "ratio", "proxy CPU ms",
+              "CPU ms direct", "node", "busy", "ceiling")  # fmt: skip
+    lines = ["{:<14} {:>10} {:>9} {:>7} {:>10} {:>9} {:>6} {:>12} {:>13} {:>6} {:>5} {:>7}".format(*header)]
     for r in rows:
-        cpu = "" if r.proxy_cpu_ms_per_request is None else f"{r.proxy_cpu_ms_per_request:12.3f}"
+        cpu = "" if r.proxy_cpu_ms_per_request is None else f"{r.proxy_cpu_ms_per_request:.3f}"
+        machine = (
+            f"{r.direct_cpu_ms:13.3f} {r.node_cpu_ms:6.3f} {r.node_busy_cores:5.2f} {r.ceiling_ratio:6.2f}x"
+        )
         if r.scenario == "catalogue":
             lines.append(
                 f"{'catalogue':<14} {'1 worker':>10} {'2 workers':>9} {'':>7} {r.direct_throughput:10.1f} "
-                f"{r.node_throughput:9.1f} {r.throughput_ratio:5.2f}x   weight loads {r.direct_loads} -> "
-                f"{r.node_loads}"
+                f"{r.node_throughput:9.1f} {r.throughput_ratio:5.2f}x {'':>12} {machine}   weight loads "
+                f"{r.direct_loads} -> {r.node_loads}"
             )
             continue
         lines.append(
             f"{r.scenario:<14} {r.direct_p50_ms:10.3f} {r.node_p50_ms:9.3f} {r.added_p50_ms:7.3f} "
-            f"{r.direct_throughput:10.1f} {r.node_throughput:9.1f} {r.throughput_ratio:5.2f}x {cpu}"
+            f"{r.direct_throughput:10.1f} {r.node_throughput:9.1f} {r.throughput_ratio:5.2f}x {cpu:>12} "
+            f"{machine}"
         )
     return "\n".join(lines)
 
 
 def as_json(rows: list[Row]) -> list[dict[str, Any]]:
     return [
-        {**asdict(r), "added_p50_ms": r.added_p50_ms, "throughput_ratio": r.throughput_ratio} for r in rows
+        {
+            **asdict(r),
+            "added_p50_ms": r.added_p50_ms,
+            "throughput_ratio": r.throughput_ratio,
+            "ceiling_ratio": r.ceiling_ratio,
+        }
+        for r in rows
     ]
