@@ -1,11 +1,12 @@
 """The engine's frontend processes (docs/frontends.md, "Lifecycle").
 
-`Frontends.run` reserves the public gRPC port (a bound, never listening, SO_REUSEPORT socket: it
-keeps the port and takes no connection), starts `server.frontends` processes of
+`Frontends.run` reserves the public gRPC and REST ports (bound, never listening, SO_REUSEPORT
+sockets: they keep the ports and take no connection), starts `server.frontends` processes of
 `hloserve.frontend`, each with its link (an `EngineLink` actor), and reports started once every
 one listens. A frontend that dies is restarted with backoff, its arena unlinked and its in-flight
-requests forgotten. `drain` sends SIGTERM and waits: each frontend answers what it has in flight,
-then exits.
+requests forgotten. `publish` pushes a change of the model table to every frontend and waits
+for each to apply it; a frontend started later gets the table as it is. `drain` sends SIGTERM
+and waits: each frontend answers what it has in flight, then exits.
 """
 
 from __future__ import annotations
@@ -17,73 +18,120 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable
+from contextlib import ExitStack
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import trio
+from grpclib.metadata import Deadline
 
-from hloserve.config import Config
+from hloserve._proto.hot import hot_infer_pb2 as hot
+from hloserve.errors import Overloaded
 from hloserve.frontend import ModelSummary, Setup
-from hloserve.link import EngineLink, EngineServices
-from hloserve.model_table import ModelEntry
+from hloserve.link import FORWARD, EngineLink, EngineServices, TableChanged
+
+if TYPE_CHECKING:
+    from hloserve.model_table import ModelEntry, ModelHost
+    from hloserve.service import InferenceService
 
 __all__ = ["Frontends"]
 
 log = structlog.get_logger("hloserve.frontends")
 
 _START_TIMEOUT_S = 120.0
+_APPLY_TIMEOUT_S = 60.0
+"""How long a table change waits for a frontend to apply it (it runs the bundle's model.py)."""
 _BACKOFF_S = (0.1, 5.0)
 
 
-def _summaries(models: Mapping[str, ModelEntry]) -> tuple[ModelSummary, ...]:
-    summaries = []
-    for entry in models.values():
-        bundle, compiled = entry.bundle, entry.compiled
-        summaries.append(
-            ModelSummary(
-                entry.name,
-                None if bundle is None else bundle.path,
-                entry.error,
-                () if compiled is None else compiled.batch_sizes,
-                compiled is not None and compiled.coalescable,
-                bundle is not None and bundle.manifest.is_meta,
-            )
-        )
-    return tuple(summaries)
+def _summary(host: ModelHost, entry: ModelEntry) -> ModelSummary:
+    compiled = entry.compiled
+    return ModelSummary(
+        entry.name,
+        entry.bundle,
+        entry.error,
+        () if compiled is None else compiled.batch_sizes,
+        compiled is not None and compiled.coalescable,
+        host.config.scheduler.models.get(entry.name),
+    )
+
+
+def engine_calls(service: InferenceService) -> dict[str, Callable[[Any], Awaitable[Any]]]:
+    """The engine's service methods a frontend's `Call` may name."""
+
+    async def forwarded(argument: tuple[bytes, float | None]) -> bytes:
+        data, remaining = argument
+        deadline = None if remaining is None else Deadline.from_timeout(remaining)
+        response = await service._infer(hot.ModelInferRequest.FromString(data), deadline)
+        return bytes(response.SerializeToString())
+
+    methods = (
+        "model_statistics",
+        "repository_model_load",
+        "repository_model_unload",
+        "system_shared_memory_register",
+        "system_shared_memory_status",
+        "system_shared_memory_unregister",
+    )
+    return {FORWARD: forwarded} | {name: getattr(service, name) for name in methods}
 
 
 class Frontends:
     """The K frontend processes of one engine; see the module docstring."""
 
-    def __init__(self, config: Config, models: Mapping[str, ModelEntry], services: EngineServices) -> None:
-        self._config = config
-        self._models = models
-        self._services = services
+    def __init__(self, host: ModelHost, service: InferenceService) -> None:
+        self._host = host
+        self._config = host.config
+        self._services = EngineServices(service.count_elapsed, engine_calls(service), self._admit)
         self._processes: dict[int, trio.Process] = {}
+        self._links: set[EngineLink] = set()
         self._draining = False
 
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._processes.values()]
 
-    async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+    def _admit(self) -> None:
+        """`server.max_inflight_requests` holds for the worker: every frontend's requests count."""
+        limit = self._config.server.max_inflight_requests
+        if sum(link.inflight for link in self._links) >= limit:
+            raise Overloaded(limit)
+
+    def post(self, name: str) -> list[trio.Event]:
+        """Push model `name`'s entry as it is now to every frontend (those started later get
+        the whole table); the events are set as each has applied it."""
+        entry = self._host.models.get(name)
+        change = TableChanged(name, None if entry is None else _summary(self._host, entry))
+        return [link.push(change) for link in self._links]
+
+    async def publish(self, name: str) -> None:
+        """`post`, and wait until every frontend serves the change (or a bounded time)."""
+        with trio.move_on_after(_APPLY_TIMEOUT_S) as waited:
+            for applied in self.post(name):
+                await applied.wait()
+        if waited.cancelled_caught:
+            log.warning("a frontend did not apply a model table change in time", model=name)
+
+    async def run(self, *, task_status: trio.TaskStatus[tuple[int, int]] = trio.TASK_STATUS_IGNORED) -> None:
+        """Reserve the ports and keep the frontends; started with (gRPC port, REST port or -1)."""
         server = self._config.server
-        family = socket.AF_INET6 if ":" in server.host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as holder:
-            holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            holder.bind((server.host, server.grpc_port))
-            port = int(holder.getsockname()[1])
+        with ExitStack() as stack:
+            port = _reserve(stack, server.host, server.grpc_port)
+            http_port = -1 if server.http_port < 0 else _reserve(stack, server.host, server.http_port)
             async with trio.open_nursery() as nursery:
                 for index in range(server.frontends):
-                    await nursery.start(self._keep, index, port)
-                task_status.started(port)
+                    await nursery.start(self._keep, index, port, http_port)
+                task_status.started((port, http_port))
 
-    async def _keep(self, index: int, port: int, *, task_status: trio.TaskStatus[None]) -> None:
+    async def _keep(
+        self, index: int, port: int, http_port: int, *, task_status: trio.TaskStatus[None]
+    ) -> None:
         """Run frontend `index` for as long as the engine does, restarting it when it dies."""
         backoff = _BACKOFF_S[0]
         started = False
         while not self._draining:
-            listened = await self._run_once(index, port, None if started else task_status)
+            listened = await self._run_once(index, port, http_port, None if started else task_status)
             started = True
             if self._draining:
                 return
@@ -93,12 +141,15 @@ class Frontends:
             await trio.sleep(backoff)
             backoff = min(backoff * 2, _BACKOFF_S[1])
 
-    async def _run_once(self, index: int, port: int, task_status: trio.TaskStatus[None] | None) -> bool:
+    async def _run_once(
+        self, index: int, port: int, http_port: int, task_status: trio.TaskStatus[None] | None
+    ) -> bool:
         """One life of a frontend; whether it got to listen."""
         engine_end, frontend_end = socket.socketpair()
+        argv = [str(frontend_end.fileno()), str(port), str(http_port)]
         try:
             process = await trio.lowlevel.open_process(
-                [sys.executable, "-m", "hloserve.frontend", str(frontend_end.fileno()), str(port)],
+                [sys.executable, "-m", "hloserve.frontend", *argv],
                 stdin=subprocess.PIPE,
                 pass_fds=(frontend_end.fileno(),),
             )
@@ -107,13 +158,16 @@ class Frontends:
             raise
         finally:
             frontend_end.close()
+        models = self._host.models
         link = EngineLink(
-            trio.SocketStream(trio.socket.from_stdlib_socket(engine_end)), self._models, self._services
+            trio.SocketStream(trio.socket.from_stdlib_socket(engine_end)), models, self._services
         )
         self._processes[index] = process
+        self._links.add(link)  # from here on it gets every change, after the table as it is now
         try:
+            summaries = tuple(_summary(self._host, entry) for entry in models.values())
             assert process.stdin is not None
-            await process.stdin.send_all(pickle.dumps(Setup(self._config, _summaries(self._models), index)))
+            await process.stdin.send_all(pickle.dumps(Setup(self._host.config, summaries, index)))
             await process.stdin.aclose()
             async with trio.open_nursery() as nursery:
 
@@ -131,6 +185,7 @@ class Frontends:
                 nursery.cancel_scope.cancel()
             return link.listening.is_set()
         finally:
+            self._links.discard(link)
             with trio.CancelScope(shield=True):
                 await _stop(process, self._config.server.shutdown_grace_s + 5)
                 if link.arena_key is not None:
@@ -144,6 +199,16 @@ class Frontends:
         async with trio.open_nursery() as nursery:
             for process in list(self._processes.values()):
                 nursery.start_soon(_stop, process, self._config.server.shutdown_grace_s + 5)
+
+
+def _reserve(stack: ExitStack, host: str, port: int) -> int:
+    """Hold `port` for the frontends with a bound SO_REUSEPORT socket that never listens (it
+    takes no connection); the bound port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    holder = stack.enter_context(socket.socket(family, socket.SOCK_STREAM))
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    holder.bind((host, port))
+    return int(holder.getsockname()[1])
 
 
 async def _stop(process: trio.Process, grace_s: float) -> None:

@@ -39,7 +39,9 @@ if TYPE_CHECKING:
     from hloserve.service import Execute
 
 __all__ = [
+    "FORWARD",
     "MAX_FRAME_BYTES",
+    "Applied",
     "Call",
     "Counted",
     "EngineLink",
@@ -52,14 +54,18 @@ __all__ = [
     "Released",
     "Returned",
     "Run",
+    "TableChanged",
     "TensorRef",
     "Withdraw",
     "execute_over",
 ]
 
 HEADER = struct.Struct("<IQ")
-MAX_FRAME_BYTES = 64 << 20
-"""Largest payload; tensors are in the arena, so only an output that did not fit comes near it."""
+MAX_FRAME_BYTES = 3 << 30
+"""Largest payload: tensors are in the arena, so only a request forwarded whole (a meta model's,
+bounded by `server.max_message_bytes`) or an output that did not fit comes near it."""
+FORWARD = "model_infer"
+"""The `Call` that forwards a whole ModelInfer to the engine (meta models, client regions)."""
 _ALIGNMENT = 64
 
 
@@ -124,6 +130,20 @@ class Call:
 
     method: str
     message: object
+
+
+@dataclass(frozen=True, slots=True)
+class TableChanged:
+    """engine → frontend, with an id of the engine's: `name`'s entry of the engine's model table
+    is now `summary` (None: unloaded). The frontend applies it, then answers `Applied`."""
+
+    name: str
+    summary: object | None
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """frontend → engine: the `TableChanged` of this id is applied."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,10 +215,13 @@ class FrameReader:
 @dataclass(frozen=True, slots=True)
 class EngineServices:
     """What a link reaches of the engine beyond its queues: `count` a frontend's finished call
-    (model, status, seconds), and the service methods a `Call` may name (asyncio coroutines)."""
+    (model, status, seconds), the service methods a `Call` may name (asyncio coroutines), and
+    `admit`, which raises `Overloaded` when the worker holds `server.max_inflight_requests`
+    requests from all its frontends together."""
 
     count: Callable[[str, str, float], None]
     calls: Mapping[str, Callable[[Any], Awaitable[Any]]]
+    admit: Callable[[], None] = lambda: None
 
 
 @dataclass(eq=False, slots=True)
@@ -208,7 +231,7 @@ class _LinkReply:
 
     ident: int
     out: tuple[int, int]
-    send: trio.MemorySendChannel[tuple[_LinkReply, object]]
+    send: trio.MemorySendChannel[tuple[_LinkReply, object] | bytes]
     withdrawn: bool = False
     finished: bool = False
 
@@ -253,36 +276,60 @@ class EngineLink:
         self._services = services
         self._nursery: trio.Nursery | None = None
         self._pending: dict[int, tuple[Infer, _LinkReply]] = {}
+        self._calls: dict[int, trio.CancelScope] = {}
+        self._forwarded = 0
+        self._pushes: dict[int, trio.Event] = {}
+        self._next_push = 1
+        self._closed = False
+        self._send, self._outbound = trio.open_memory_channel[tuple[_LinkReply, object] | bytes](math.inf)
         self._arena: np.ndarray | None = None
         self.arena_key: str | None = None
         """The frontend's arena (its `/dev/shm` name), once it said; the engine unlinks it if the
         frontend dies."""
         self.listening = trio.Event()
 
+    @property
+    def inflight(self) -> int:
+        """Requests of this frontend the engine holds: queued or running, and forwarded whole."""
+        return len(self._pending) + self._forwarded
+
+    def push(self, message: object) -> trio.Event:
+        """Send the frontend `message` (after everything sent before it); the event is set once
+        it answers `Applied`, or once the link is closed."""
+        done = trio.Event()
+        if self._closed:
+            done.set()
+            return done
+        ident, self._next_push = self._next_push, self._next_push + 1
+        self._pushes[ident] = done
+        self._send.send_nowait(frame(ident, message))
+        return done
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         reader = FrameReader(self._stream)
-        send, receive = trio.open_memory_channel[tuple[_LinkReply, object]](math.inf)
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._send_finals, receive)
+                nursery.start_soon(self._send_finals, self._outbound)
                 self._nursery = nursery
                 task_status.started()
                 while (received := await reader.receive()) is not None:
-                    self._on_message(*received, send)
+                    self._on_message(*received)
                 nursery.cancel_scope.cancel()
         finally:
+            self._closed = True
             for _, reply in self._pending.values():
                 reply.withdrawn = True  # its frontend is gone: the queues drop them unread
             self._pending.clear()
+            for done in self._pushes.values():
+                done.set()
+            self._pushes.clear()
             self._arena = None  # unmapped when the last view of it goes
             await self._stream.aclose()
 
-    def _on_message(
-        self, ident: int, message: object, send: trio.MemorySendChannel[tuple[_LinkReply, object]]
-    ) -> None:
+    def _on_message(self, ident: int, message: object) -> None:
         match message:
             case Run():
-                reply = _LinkReply(ident, message.out, send)
+                reply = _LinkReply(ident, message.out, self._send)
                 try:
                     request = self._submit(message, reply)
                 except Exception as e:
@@ -292,32 +339,44 @@ class EngineLink:
             case Withdraw():
                 if (pending := self._pending.get(ident)) is not None:
                     pending[1].withdrawn = True
+                if (scope := self._calls.get(ident)) is not None:
+                    scope.cancel()
             case Hello(key=key, size=size):
                 self._arena, self.arena_key = _map_arena(key, size), key
             case Listening():
                 self.listening.set()
+            case Applied():
+                if (done := self._pushes.pop(ident, None)) is not None:
+                    done.set()
             case Counted(model=model, status=status, elapsed_s=elapsed_s) if self._services is not None:
                 self._services.count(model, status, elapsed_s)
             case Call(method=method, message=argument) if self._services is not None:
                 assert self._nursery is not None
-                self._nursery.start_soon(self._call, ident, method, argument, send)
+                self._nursery.start_soon(self._call, ident, method, argument)
             case _:
                 raise TypeError(f"link got an unknown message {message!r}")
 
-    async def _call(
-        self,
-        ident: int,
-        method: str,
-        argument: object,
-        send: trio.MemorySendChannel[tuple[_LinkReply, object]],
-    ) -> None:
+    async def _call(self, ident: int, method: str, argument: object) -> None:
+        """Answer a `Call`; a forwarded ModelInfer counts as in flight, and the frontend's
+        `Withdraw` (its client went away) cancels it as a cancelled handler is at K=0."""
         assert self._services is not None
-        reply = _LinkReply(ident, (0, 0), send)
-        try:
-            handler = self._services.calls[method]
-            reply.set_result(Returned(await trio_asyncio.aio_as_trio(handler)(argument)))
-        except Exception as e:
-            reply.set_exception(e)
+        reply = _LinkReply(ident, (0, 0), self._send)
+        forwarded = method == FORWARD
+        with trio.CancelScope() as scope:
+            self._calls[ident] = scope
+            try:
+                if forwarded:
+                    self._services.admit()
+                    self._forwarded += 1
+                try:
+                    handler = self._services.calls[method]
+                    reply.set_result(Returned(await trio_asyncio.aio_as_trio(handler)(argument)))
+                finally:
+                    self._forwarded -= forwarded
+            except Exception as e:
+                reply.set_exception(e)
+            finally:
+                del self._calls[ident]
 
     def _submit(self, run: Run, reply: _LinkReply) -> Infer:
         entry = self._models.get(run.model)
@@ -325,6 +384,8 @@ class EngineLink:
             raise ModelNotFound(run.model, f"serving {sorted(self._models)}")
         if not entry.ready or entry.queue is None:
             raise ModelNotReady(run.model, entry.error or "not loaded")
+        if self._services is not None:
+            self._services.admit()
         assert self._arena is not None, "a frontend sends Hello before Run"
         arena = self._arena
         inputs = [arena[t.offset : t.offset + t.nbytes].view(t.dtype).reshape(t.shape) for t in run.inputs]
@@ -334,18 +395,27 @@ class EngineLink:
         entry.queue.submit_nowait(request)
         return request
 
-    async def _send_finals(self, receive: trio.MemoryReceiveChannel[tuple[_LinkReply, object]]) -> None:
-        """Each request's final frame; those that are ready together go in one write."""
+    async def _send_finals(
+        self, receive: trio.MemoryReceiveChannel[tuple[_LinkReply, object] | bytes]
+    ) -> None:
+        """Each request's final frame and each push; those ready together go in one write."""
         async for first in receive:
-            frames = [self._final(*first)]
+            frames = [self._final(*first) if isinstance(first, tuple) else first]
             while True:
                 try:
-                    frames.append(self._final(*receive.receive_nowait()))
+                    item = receive.receive_nowait()
                 except trio.WouldBlock:
                     break
+                frames.append(self._final(*item) if isinstance(item, tuple) else item)
             await self._stream.send_all(b"".join(frames))
 
     def _final(self, reply: _LinkReply, event: object) -> bytes:
+        try:
+            return self._final_frame(reply, event)
+        except ValueError as e:  # too large for a frame: said, not a dead link
+            return frame(reply.ident, Failed(Status.RESOURCE_EXHAUSTED.value, str(e)))
+
+    def _final_frame(self, reply: _LinkReply, event: object) -> bytes:
         self._pending.pop(reply.ident, None)
         match event:
             case Released() | Returned():
@@ -424,6 +494,9 @@ class FrontendLink:
         self.closed = trio.Event()
         """Set when the engine's end is gone."""
         self._outbound, self._outbound_queue = trio.open_memory_channel[bytes](math.inf)
+        self._pushed, self.pushes = trio.open_memory_channel[tuple[int, TableChanged]](math.inf)
+        """The engine's `TableChanged` notices (with their ids), in order; answer each with
+        `applied`."""
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         assert self._arena.key is not None
@@ -463,13 +536,28 @@ class FrontendLink:
         ident, self._next_id = self._next_id, self._next_id + 1
         return ident
 
+    def applied(self, ident: int) -> None:
+        """Tell the engine its `TableChanged` `ident` is applied."""
+        self._post(ident, Applied())
+
     async def call(self, method: str, message: object) -> object:
-        """The engine's answer to its service's `method` for `message`."""
+        """The engine's answer to its service's `method` for `message`; a caller that leaves
+        withdraws the call."""
+        if self.closed.is_set():
+            raise GRPCError(Status.UNAVAILABLE, "the engine closed the link")
         ident = self._new_id()
+        try:
+            data = frame(ident, Call(method, message))
+        except ValueError as e:
+            raise GRPCError(Status.RESOURCE_EXHAUSTED, str(e)) from None
         waiting = self._waiting[ident] = _Waiting(None)
-        self._post(ident, Call(method, message))
+        self._outbound.send_nowait(data)
         try:
             await waiting.done.wait()
+        except BaseException:
+            if self._waiting.pop(ident, None) is not None:
+                self._post(ident, Withdraw())
+            raise
         finally:
             self._waiting.pop(ident, None)
         match waiting.answer:
@@ -481,6 +569,9 @@ class FrontendLink:
                 raise TypeError(f"link answered {other!r}")
 
     def _on_final(self, ident: int, message: object) -> None:
+        if isinstance(message, TableChanged):
+            self._pushed.send_nowait((ident, message))
+            return
         waiting = self._waiting.pop(ident, None)
         if waiting is None:
             return
