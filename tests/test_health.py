@@ -79,13 +79,15 @@ def watch(channel: grpc.Channel, name: str) -> Any:
     return health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=name), timeout=30)
 
 
-@pytest.fixture(scope="module", name="mixed")
-def _mixed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+@pytest.fixture(scope="module", name="mixed", params=[0, 2], ids=["frontends0", "frontends2"])
+def _mixed(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[ServerThread]:
     """A worker with one good bundle and one that fails to load."""
     repository = tmp_path_factory.mktemp("mixed")
     write_affine(repository / "good")
     edit_manifest(write_affine(repository / "bad"), lambda m: m.update(format_version="9.9"))
-    with start_worker(make_config(repository)) as server:
+    with start_worker(make_config(repository), frontends=request.param) as server:
         yield server
 
 

@@ -39,8 +39,8 @@ def _pair(params: Any, a: Any, b: Any) -> tuple[Any, Any]:
     return a + b.astype(a.dtype) * params["k"], b * 2
 
 
-@pytest.fixture(scope="module", name="rest")
-def _rest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+@pytest.fixture(scope="module", name="rest", params=[0, 2], ids=["frontends0", "frontends2"])
+def _rest(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[ServerThread]:
     """A worker with a two-input model, the MLP and severity grader, shared memory allowed and
     a 1 MiB body limit."""
     repository = tmp_path_factory.mktemp("repository")
@@ -55,7 +55,8 @@ def _rest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     )
     for name in ("mlp", "severity_grader"):
         shutil.copytree(EXAMPLES / name, repository / name)
-    with start_worker(make_config(repository, allow_client_shm=True, max_message_bytes=LIMIT)) as server:
+    config = make_config(repository, allow_client_shm=True, max_message_bytes=LIMIT)
+    with start_worker(config, frontends=request.param) as server:
         yield server
 
 

@@ -28,6 +28,7 @@ import trio
 import trio_asyncio
 
 from hloserve import _grpclib_patches, _trio_asyncio_patches
+from hloserve._proto import hloserve_control as hc
 from hloserve._proto import inference as kserve
 from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve._proto_codec import KnownFieldsCodec
@@ -159,6 +160,26 @@ class FrontendService(InferenceService):
         return await self._call("system_shared_memory_unregister", message)
 
 
+class ControlOverLink(hc.ControlServiceBase):
+    """`hloserve_control.ControlService` on a frontend: every call is the engine's, answered by
+    its own control service over the link (`control.` and the method's name)."""
+
+    def __init__(self, link: FrontendLink) -> None:
+        self._call = trio_asyncio.trio_as_aio(link.call)
+
+    async def model_control_status(self, message: hc.ModelControlStatusRequest) -> Any:
+        return await self._call("control.model_control_status", message)
+
+    async def set_model_residency(self, message: hc.SetModelResidencyRequest) -> Any:
+        return await self._call("control.set_model_residency", message)
+
+    async def set_model_policy(self, message: hc.SetModelPolicyRequest) -> Any:
+        return await self._call("control.set_model_policy", message)
+
+    async def compact_memory(self, message: hc.CompactMemoryRequest) -> Any:
+        return await self._call("control.compact_memory", message)
+
+
 class _Host:
     """The `ModelHost` a frontend's service reads: its configuration and its model table."""
 
@@ -211,7 +232,11 @@ async def _serve(link_fd: int, port: int, http_port: int, setup: Setup) -> None:
                 MetaModels(models, 1, None, statistics, PolicyParams()),
             )
             server = _grpclib_patches.GracefulServer(
-                [service, worker_health(cast(Any, host), service, draining=lambda: server.draining)],
+                [
+                    service,
+                    ControlOverLink(link),
+                    worker_health(cast(Any, host), service, draining=lambda: server.draining),
+                ],
                 codec=KnownFieldsCodec(),
                 limits=_grpclib_patches.TransportLimits.from_config(config.server),
             )

@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,8 @@ import trio
 from grpclib.metadata import Deadline
 
 from hloserve._proto.hot import hot_infer_pb2 as hot
+from hloserve.admission import Ticket
+from hloserve.control import ControlService
 from hloserve.errors import Overloaded
 from hloserve.frontend import ModelSummary, Setup
 from hloserve.link import FORWARD, EngineLink, EngineServices, TableChanged
@@ -57,8 +60,9 @@ def _summary(host: ModelHost, entry: ModelEntry) -> ModelSummary:
     )
 
 
-def engine_calls(service: InferenceService) -> dict[str, Callable[[Any], Awaitable[Any]]]:
-    """The engine's service methods a frontend's `Call` may name."""
+def engine_calls(host: ModelHost, service: InferenceService) -> dict[str, Callable[[Any], Awaitable[Any]]]:
+    """The engine's service methods a frontend's `Call` may name: the inference service's that
+    only the engine can answer, a whole ModelInfer (`FORWARD`), and the control service's."""
 
     async def forwarded(argument: tuple[bytes, float | None]) -> bytes:
         data, remaining = argument
@@ -74,7 +78,13 @@ def engine_calls(service: InferenceService) -> dict[str, Callable[[Any], Awaitab
         "system_shared_memory_status",
         "system_shared_memory_unregister",
     )
-    return {FORWARD: forwarded} | {name: getattr(service, name) for name in methods}
+    control = ControlService(host)
+    controls = ("model_control_status", "set_model_residency", "set_model_policy", "compact_memory")
+    return (
+        {FORWARD: forwarded}
+        | {name: getattr(service, name) for name in methods}
+        | {f"control.{name}": getattr(control, name) for name in controls}
+    )
 
 
 class Frontends:
@@ -83,7 +93,10 @@ class Frontends:
     def __init__(self, host: ModelHost, service: InferenceService) -> None:
         self._host = host
         self._config = host.config
-        self._services = EngineServices(service.count_elapsed, engine_calls(service), self._admit)
+        self._service = service
+        self._services = EngineServices(
+            service.count_elapsed, engine_calls(host, service), self._admit, self._release
+        )
         self._processes: dict[int, trio.Process] = {}
         self._links: set[EngineLink] = set()
         self._draining = False
@@ -92,11 +105,18 @@ class Frontends:
     def pids(self) -> list[int]:
         return [p.pid for p in self._processes.values()]
 
-    def _admit(self) -> None:
-        """`server.max_inflight_requests` holds for the worker: every frontend's requests count."""
+    def _admit(self, entry: ModelEntry | None, rows: int, deadline: float | None) -> Ticket | None:
+        """Admission for the worker, in the one place every frontend's requests reach:
+        `server.max_inflight_requests` counts them all, and a request that cannot meet its
+        deadline behind the rows the engine holds is refused (`InferenceService.admit`)."""
         limit = self._config.server.max_inflight_requests
         if sum(link.inflight for link in self._links) >= limit:
             raise Overloaded(limit)
+        return None if entry is None else self._service.admit(entry, rows, time.monotonic(), deadline)
+
+    def _release(self, ticket: object) -> None:
+        if isinstance(ticket, Ticket):
+            self._service.release(ticket)
 
     def post(self, name: str) -> list[trio.Event]:
         """Push model `name`'s entry as it is now to every frontend (those started later get

@@ -221,7 +221,12 @@ class EngineServices:
 
     count: Callable[[str, str, float], None]
     calls: Mapping[str, Callable[[Any], Awaitable[Any]]]
-    admit: Callable[[], None] = lambda: None
+    admit: Callable[[ModelEntry | None, int, float | None], object] = lambda entry, rows, deadline: None
+    """Count a request in (a `Run` on `entry` of `rows` with a deadline, or with None a whole
+    forwarded ModelInfer, which the engine's service admits itself) and return its ticket, or
+    raise why not (`Overloaded`, `CannotMeetDeadline`)."""
+    release: Callable[[object], None] = lambda ticket: None
+    """Count a `Run`'s ticket out (answered, failed or dropped)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -232,6 +237,8 @@ class _LinkReply:
     ident: int
     out: tuple[int, int]
     send: trio.MemorySendChannel[tuple[_LinkReply, object] | bytes]
+    ticket: object = None
+    """Its admission ticket, released with its final event."""
     withdrawn: bool = False
     finished: bool = False
 
@@ -319,6 +326,8 @@ class EngineLink:
             self._closed = True
             for _, reply in self._pending.values():
                 reply.withdrawn = True  # its frontend is gone: the queues drop them unread
+                if self._services is not None:
+                    self._services.release(reply.ticket)
             self._pending.clear()
             for done in self._pushes.values():
                 done.set()
@@ -366,7 +375,7 @@ class EngineLink:
             self._calls[ident] = scope
             try:
                 if forwarded:
-                    self._services.admit()
+                    self._services.admit(None, 0, None)
                     self._forwarded += 1
                 try:
                     handler = self._services.calls[method]
@@ -384,15 +393,20 @@ class EngineLink:
             raise ModelNotFound(run.model, f"serving {sorted(self._models)}")
         if not entry.ready or entry.queue is None:
             raise ModelNotReady(run.model, entry.error or "not loaded")
-        if self._services is not None:
-            self._services.admit()
         assert self._arena is not None, "a frontend sends Hello before Run"
         arena = self._arena
         inputs = [arena[t.offset : t.offset + t.nbytes].view(t.dtype).reshape(t.shape) for t in run.inputs]
         now = time.monotonic()
         deadline = None if run.timeout_s is None else now + run.timeout_s
+        if self._services is not None:
+            reply.ticket = self._services.admit(entry, run.rows, deadline)
         request = Infer(run.model, inputs, run.rows, run.outputs, reply, now, deadline)
-        entry.queue.submit_nowait(request)
+        try:
+            entry.queue.submit_nowait(request)
+        except BaseException:
+            if self._services is not None:
+                self._services.release(reply.ticket)
+            raise
         return request
 
     async def _send_finals(
@@ -416,7 +430,8 @@ class EngineLink:
             return frame(reply.ident, Failed(Status.RESOURCE_EXHAUSTED.value, str(e)))
 
     def _final_frame(self, reply: _LinkReply, event: object) -> bytes:
-        self._pending.pop(reply.ident, None)
+        if self._pending.pop(reply.ident, None) is not None and self._services is not None:
+            self._services.release(reply.ticket)
         match event:
             case Released() | Returned():
                 message: object = event
