@@ -105,12 +105,22 @@ class Frontends:
     def pids(self) -> list[int]:
         return [p.pid for p in self._processes.values()]
 
+    @property
+    def listening(self) -> int:
+        """How many frontends listen now (a restarted one once it listens again)."""
+        return sum(link.listening.is_set() for link in self._links)
+
+    @property
+    def inflight(self) -> int:
+        """Requests the engine holds from all its frontends."""
+        return sum(link.inflight for link in self._links)
+
     def _admit(self, entry: ModelEntry | None, rows: int, deadline: float | None) -> Ticket | None:
         """Admission for the worker, in the one place every frontend's requests reach:
         `server.max_inflight_requests` counts them all, and a request that cannot meet its
         deadline behind the rows the engine holds is refused (`InferenceService.admit`)."""
         limit = self._config.server.max_inflight_requests
-        if sum(link.inflight for link in self._links) >= limit:
+        if self.inflight >= limit:
             raise Overloaded(limit)
         return None if entry is None else self._service.admit(entry, rows, time.monotonic(), deadline)
 
@@ -206,6 +216,7 @@ class Frontends:
             return link.listening.is_set()
         finally:
             self._links.discard(link)
+            link.close_pushes()
             with trio.CancelScope(shield=True):
                 await _stop(process, self._config.server.shutdown_grace_s + 5)
                 if link.arena_key is not None:

@@ -323,17 +323,21 @@ class EngineLink:
                     self._on_message(*received)
                 nursery.cancel_scope.cancel()
         finally:
-            self._closed = True
+            self.close_pushes()
             for _, reply in self._pending.values():
                 reply.withdrawn = True  # its frontend is gone: the queues drop them unread
                 if self._services is not None:
                     self._services.release(reply.ticket)
             self._pending.clear()
-            for done in self._pushes.values():
-                done.set()
-            self._pushes.clear()
             self._arena = None  # unmapped when the last view of it goes
             await self._stream.aclose()
+
+    def close_pushes(self) -> None:
+        """The frontend is gone (or never came): nothing pushed waits on it any more."""
+        self._closed = True
+        for done in self._pushes.values():
+            done.set()
+        self._pushes.clear()
 
     def _on_message(self, ident: int, message: object) -> None:
         match message:

@@ -10,6 +10,7 @@ connection is a socket that exactly one frontend holds.
 from __future__ import annotations
 
 import os
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -129,6 +130,29 @@ def test_a_load_on_one_connection_is_served_by_every_frontend_at_once_and_an_unl
         assert_affine_answers(client, "first")  # the next good request is served
 
 
+def test_a_frontend_started_later_gets_the_table_as_it_is(engine: ServerThread) -> None:
+    """A model loaded (with a config override) before a frontend restarts is served by the new
+    process with its settings."""
+    write_affine(Path(engine.config.server.model_repository) / "later", batch_sizes=(1, 2, 4))
+    with closing(connect(engine.url)) as client:
+        client.load_model("later", config='{"max_batch_size": 2}')
+    killed = frontend_pids(engine)[0]
+    os.kill(killed, signal.SIGKILL)
+    wait_until(
+        lambda: (
+            killed not in frontend_pids(engine)
+            and engine.call(lambda: engine.worker.frontends.listening) == 2
+        ),
+        30,
+        "the killed frontend restarted and listening",
+    )
+    for client, _ in fresh_clients(engine):
+        assert_affine_answers(client, "later")
+        assert client.get_model_config("later").config.max_batch_size == 2
+    with closing(connect(engine.url)) as client:
+        client.unload_model("later")
+
+
 def test_load_and_unload_errors_keep_their_status_codes_through_the_link(engine: ServerThread) -> None:
     with closing(connect(engine.url)) as client:
         for call, name, status in [
@@ -221,7 +245,7 @@ def test_max_inflight_requests_holds_for_the_worker_across_frontends(tmp_path: P
     with start_worker(config) as server:
 
         def held() -> int:
-            return int(server.call(lambda: sum(link.inflight for link in server.worker.frontends._links)))
+            return int(server.call(lambda: server.worker.frontends.inflight))
 
         def one(client: grpcclient.InferenceServerClient) -> np.ndarray:
             return infer(client, "mlp", {"INPUT0": x}, client_timeout=20).as_numpy("OUTPUT0")
