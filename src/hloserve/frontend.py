@@ -142,6 +142,16 @@ class FrontendService(InferenceService):
     async def model_statistics(self, message: kserve.ModelStatisticsRequest) -> Any:
         return await self._call("model_statistics", message)
 
+    async def model_ready(self, message: kserve.ModelReadyRequest) -> Any:
+        if self._config.weights.externally_managed:  # ready means resident: the engine knows
+            return await self._call("model_ready", message)
+        return await super().model_ready(message)
+
+    async def repository_index(self, message: kserve.RepositoryIndexRequest) -> Any:
+        if self._config.weights.externally_managed:
+            return await self._call("repository_index", message)
+        return await super().repository_index(message)
+
     async def repository_model_load(self, message: kserve.RepositoryModelLoadRequest) -> Any:
         return await self._call("repository_model_load", message)
 

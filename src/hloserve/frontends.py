@@ -72,6 +72,8 @@ def engine_calls(host: ModelHost, service: InferenceService) -> dict[str, Callab
 
     methods = (
         "model_statistics",
+        "model_ready",
+        "repository_index",
         "repository_model_load",
         "repository_model_unload",
         "system_shared_memory_register",
