@@ -99,7 +99,7 @@ class Frontends:
         self._services = EngineServices(
             service.count_elapsed, engine_calls(host, service), self._admit, self._release
         )
-        self._processes: dict[int, trio.Process] = {}
+        self._processes: dict[int, _Child] = {}
         self._links: set[EngineLink] = set()
         self._draining = False
 
@@ -180,27 +180,21 @@ class Frontends:
         engine_end, frontend_end = socket.socketpair()
         argv = [str(frontend_end.fileno()), str(port), str(http_port)]
         try:
-            process = await trio.lowlevel.open_process(
-                [sys.executable, "-m", "hloserve.frontend", *argv],
-                stdin=subprocess.PIPE,
-                pass_fds=(frontend_end.fileno(),),
-            )
+            process = _Child([sys.executable, "-m", "hloserve.frontend", *argv], frontend_end.fileno())
         except BaseException:
             engine_end.close()
             raise
         finally:
             frontend_end.close()
         models = self._host.models
-        link = EngineLink(
-            trio.SocketStream(trio.socket.from_stdlib_socket(engine_end)), models, self._services
-        )
+        stream = trio.SocketStream(trio.socket.from_stdlib_socket(engine_end))
+        link = EngineLink(stream, models, self._services)
         self._processes[index] = process
         self._links.add(link)  # from here on it gets every change, after the table as it is now
         try:
             summaries = tuple(_summary(self._host, entry) for entry in models.values())
-            assert process.stdin is not None
-            await process.stdin.send_all(pickle.dumps(Setup(self._host.config, summaries, index)))
-            await process.stdin.aclose()
+            async with process.stdin:
+                await process.stdin.send_all(pickle.dumps(Setup(self._host.config, summaries, index)))
             async with trio.open_nursery() as nursery:
 
                 async def serve_link() -> None:
@@ -220,7 +214,9 @@ class Frontends:
             self._links.discard(link)
             link.close_pushes()
             with trio.CancelScope(shield=True):
+                await stream.aclose()  # (the link closes it too, if it ran)
                 await _stop(process, self._config.server.shutdown_grace_s + 5)
+                process.close()
                 if link.arena_key is not None:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(f"/dev/shm{link.arena_key}")
@@ -244,7 +240,46 @@ def _reserve(stack: ExitStack, host: str, port: int) -> int:
     return int(holder.getsockname()[1])
 
 
-async def _stop(process: trio.Process, grace_s: float) -> None:
+class _Child:
+    """A frontend process, forked by the engine's own trio thread.
+
+    PR_SET_PDEATHSIG, which takes a frontend down with the engine, fires when the *thread* that
+    forked it exits; trio's `open_process` forks in a worker thread that exits after 10 s idle,
+    which killed every frontend of an idle engine. So the fork happens here (a vfork-style
+    spawn, brief), and the exit is awaited on a pidfd.
+    """
+
+    def __init__(self, argv: list[str], link_fd: int) -> None:
+        self._popen = subprocess.Popen(argv, stdin=subprocess.PIPE, pass_fds=(link_fd,))
+        assert self._popen.stdin is not None
+        self.pid = self._popen.pid
+        self.stdin = trio.lowlevel.FdStream(os.dup(self._popen.stdin.fileno()))
+        self._popen.stdin.close()
+        self._pidfd = os.pidfd_open(self.pid)
+        self._waiting = trio.Lock()
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.poll()
+
+    async def wait(self) -> int:
+        async with self._waiting:  # one task at a time waits on the pidfd
+            if self._popen.poll() is None:
+                await trio.lowlevel.wait_readable(self._pidfd)
+        return self._popen.wait()
+
+    def send_signal(self, sig: int) -> None:
+        self._popen.send_signal(sig)
+
+    def kill(self) -> None:
+        self._popen.kill()
+
+    def close(self) -> None:
+        """Once it has exited: release the pidfd."""
+        os.close(self._pidfd)
+
+
+async def _stop(process: _Child, grace_s: float) -> None:
     if process.returncode is None:
         with contextlib.suppress(ProcessLookupError):
             process.send_signal(signal.SIGTERM)

@@ -130,6 +130,16 @@ def test_a_load_on_one_connection_is_served_by_every_frontend_at_once_and_an_unl
         assert_affine_answers(client, "first")  # the next good request is served
 
 
+def test_an_idle_engine_keeps_its_frontends(engine: ServerThread) -> None:
+    """PR_SET_PDEATHSIG fires when the thread that forked a frontend exits; trio's worker threads
+    exit after 10 s idle, so frontends forked in one died with it (and were restarted)."""
+    before = frontend_pids(engine)
+    time.sleep(11)
+    assert frontend_pids(engine) == before
+    for client, _ in fresh_clients(engine):
+        assert_affine_answers(client, "first")
+
+
 def test_a_frontend_started_later_gets_the_table_as_it_is(engine: ServerThread) -> None:
     """A model loaded (with a config override) before a frontend restarts is served by the new
     process with its settings."""
