@@ -26,6 +26,7 @@ from typing import Any, cast
 
 import trio
 import trio_asyncio
+from grpclib.config import Configuration
 
 from hloserve import _grpclib_patches, _trio_asyncio_patches
 from hloserve._proto import hloserve_control as hc
@@ -247,6 +248,10 @@ async def _serve(link_fd: int, port: int, http_port: int, setup: Setup) -> None:
                     ControlOverLink(link),
                     worker_health(cast(Any, host), service, draining=lambda: server.draining),
                 ],
+                config=Configuration(  # as the single process's
+                    http2_connection_window_size=_grpclib_patches.WINDOW_BYTES,
+                    http2_stream_window_size=_grpclib_patches.WINDOW_BYTES,
+                ),
                 codec=KnownFieldsCodec(),
                 limits=_grpclib_patches.TransportLimits.from_config(config.server),
             )

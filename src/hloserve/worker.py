@@ -48,8 +48,6 @@ __all__ = ["Worker", "serve"]
 
 log = structlog.get_logger("hloserve.worker")
 
-_WINDOW_BYTES = 16 << 20  # HTTP/2 flow-control windows: a 4.8 MB tensor in one window
-
 
 class Worker(ModelTable):
     """What a running worker tells its embedder: its ports, and its model table."""
@@ -152,7 +150,8 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
                 worker_health(worker, service, draining=lambda: server.draining),
             ],
             config=Configuration(
-                http2_connection_window_size=_WINDOW_BYTES, http2_stream_window_size=_WINDOW_BYTES
+                http2_connection_window_size=_grpclib_patches.WINDOW_BYTES,
+                http2_stream_window_size=_grpclib_patches.WINDOW_BYTES,
             ),
             codec=KnownFieldsCodec(),
             limits=_grpclib_patches.TransportLimits.from_config(server_config),
