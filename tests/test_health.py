@@ -139,12 +139,13 @@ def test_a_bundle_that_failed_is_not_serving_and_so_is_the_server_but_it_is_aliv
     client.close()
 
 
-def test_watch_follows_a_model_loaded_later(tmp_path: Path) -> None:
+@pytest.mark.parametrize("frontends", [0, 2])
+def test_watch_follows_a_model_loaded_later(tmp_path: Path, frontends: int) -> None:
     """A model loading for the first time is unknown (its bundle is not served yet); Watch
-    reports SERVING once it is loaded."""
+    reports SERVING once it is loaded (with frontends, once the engine pushed the change)."""
     write_affine(tmp_path / "repository" / "first")
     write_affine(tmp_path / "late")
-    with start_worker(make_config(tmp_path / "repository")) as server:
+    with start_worker(make_config(tmp_path / "repository"), frontends=frontends) as server:
         with grpc.insecure_channel(server.url) as channel:
             stream = watch(channel, "late")
             assert next(stream).status == SERVICE_UNKNOWN

@@ -595,7 +595,7 @@ def test_http_port_from_yaml_environment_and_flag(tmp_path: Path) -> None:
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the start fails
 def test_a_taken_http_port_names_the_field(rest: ServerThread) -> None:
     with pytest.raises(RuntimeError) as error:
-        start_worker(make_config(http_port=rest.worker.http_port))
+        start_worker(make_config(http_port=rest.worker.http_port), frontends=rest.config.server.frontends)
 
     def leaves(e: BaseException) -> Iterator[BaseException]:
         if isinstance(e, BaseExceptionGroup):

@@ -30,7 +30,7 @@ from grpclib.metadata import Deadline
 from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve.admission import Ticket
 from hloserve.control import ControlService
-from hloserve.errors import Overloaded
+from hloserve.errors import ConfigError, Overloaded
 from hloserve.frontend import ModelSummary, Setup
 from hloserve.link import FORWARD, EngineLink, EngineServices, TableChanged
 
@@ -149,8 +149,10 @@ class Frontends:
         """Reserve the ports and keep the frontends; started with (gRPC port, REST port or -1)."""
         server = self._config.server
         with ExitStack() as stack:
-            port = _reserve(stack, server.host, server.grpc_port)
-            http_port = -1 if server.http_port < 0 else _reserve(stack, server.host, server.http_port)
+            port = _reserve(stack, server.host, server.grpc_port, "server.grpc_port")
+            http_port = server.http_port
+            if http_port >= 0:
+                http_port = _reserve(stack, server.host, http_port, "server.http_port")
             async with trio.open_nursery() as nursery:
                 for index in range(server.frontends):
                     await nursery.start(self._keep, index, port, http_port)
@@ -230,14 +232,23 @@ class Frontends:
                 nursery.start_soon(_stop, process, self._config.server.shutdown_grace_s + 5)
 
 
-def _reserve(stack: ExitStack, host: str, port: int) -> int:
+def _reserve(stack: ExitStack, host: str, port: int, field: str) -> int:
     """Hold `port` for the frontends with a bound SO_REUSEPORT socket that never listens (it
-    takes no connection); the bound port."""
+    takes no connection); the bound port. A port that anything else holds is refused, naming
+    `field`: a plain bind goes first, since SO_REUSEPORT alone would join another worker's
+    sockets on the port (same user) and share its connections without a word."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    holder = stack.enter_context(socket.socket(family, socket.SOCK_STREAM))
-    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    holder.bind((host, port))
-    return int(holder.getsockname()[1])
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no holder
+            probe.bind((host, port))
+            port = int(probe.getsockname()[1])
+        holder = stack.enter_context(socket.socket(family, socket.SOCK_STREAM))
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        holder.bind((host, port))
+    except OSError as e:
+        raise ConfigError(field, f"cannot listen on {host}:{port}: {e}") from None
+    return port
 
 
 class _Child:

@@ -179,6 +179,9 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
             else:
                 await trio_asyncio.aio_as_trio(server.start)(server_config.host, server_config.grpc_port)
                 worker.grpc_port = server.port
+        except ConfigError:  # a port the frontends cannot have
+            metrics.close()
+            raise
         except OSError as e:
             metrics.close()
             raise ConfigError(

@@ -31,6 +31,7 @@ from support.servers import EXAMPLES, ServerThread, make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
 from hloserve.config import ModelSettings
+from hloserve.errors import ConfigError
 
 pytestmark = pytest.mark.slow
 
@@ -161,6 +162,21 @@ def test_a_frontend_started_later_gets_the_table_as_it_is(engine: ServerThread) 
         assert client.get_model_config("later").config.max_batch_size == 2
     with closing(connect(engine.url)) as client:
         client.unload_model("later")
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the start fails
+def test_a_second_engine_on_the_same_port_is_refused_not_joined(engine: ServerThread) -> None:
+    """SO_REUSEPORT alone would let a second worker of the same user share the port (and its
+    connections) with the first; the engine's plain bind first refuses it, naming the key."""
+    taken = make_config(EXAMPLES, grpc_port=engine.grpc_port, frontends=2)
+    with pytest.raises(RuntimeError) as error:
+        start_worker(taken)
+    cause = error.value.__cause__
+    assert isinstance(cause, BaseExceptionGroup)
+    refused, _ = cause.split(ConfigError)
+    assert refused is not None and "server.grpc_port: cannot listen" in repr(refused)
+    with closing(connect(engine.url)) as client:
+        assert_affine_answers(client, "first")
 
 
 def test_load_and_unload_errors_keep_their_status_codes_through_the_link(engine: ServerThread) -> None:
