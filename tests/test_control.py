@@ -1,4 +1,8 @@
-"""The control service over gRPC: status, residency, policy and compaction."""
+"""The control service over gRPC: status, residency, policy and compaction.
+
+`external` runs with 0 and 2 frontends (the control service answers from the engine through any
+frontend); compaction is the engine's alone and stays one process (suite time).
+"""
 
 from __future__ import annotations
 

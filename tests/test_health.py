@@ -4,6 +4,10 @@ while draining; NOT_FOUND for a name it does not know; the bound on Watch stream
 
 grpclib's client runs in a subprocess: its `health_pb2` and grpcio's `grpc_health` register the
 same messages under different file names in protobuf's global pool, so no process can import both.
+
+The module's fixtures run with 0 and 2 frontends; the drain test stays one process (with frontends,
+each drains its own connections, and which frontend holds the call and which the watch is the
+kernel's choice), and the Watch bound is the frontend's own, the same code (suite time).
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """The KServe V2 REST front end: tritonclient.http (sync and aio) against a real worker, answers
 equal to gRPC's, JSON and binary tensors, compression, shared memory, and every bad request
-answered with Triton's HTTP status and a message, the next good request served."""
+answered with Triton's HTTP status and a message, the next good request served.
+
+The `rest` fixture runs with 0 and 2 frontends (each frontend serves REST on the engine's port);
+the start and shutdown tests of the single process's own REST server stay one process.
+"""
 
 from __future__ import annotations
 

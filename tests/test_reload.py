@@ -1,4 +1,8 @@
-"""Hot reload (`server.reload`): model.py, weights, added and removed bundles, while serving."""
+"""Hot reload (`server.reload`): model.py, weights, added and removed bundles, while serving.
+
+The `live` fixture runs with 0 and 2 frontends; the half-written bundle test is the watcher's
+debounce alone, which runs in the engine either way (one process, suite time).
+"""
 
 from __future__ import annotations
 
