@@ -12,6 +12,7 @@ and waits: each frontend answers what it has in flight, then exits.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pickle
 import signal
@@ -154,8 +155,10 @@ class Frontends:
             if http_port >= 0:
                 http_port = _reserve(stack, server.host, http_port, "server.http_port")
             async with trio.open_nursery() as nursery:
-                for index in range(server.frontends):
-                    await nursery.start(self._keep, index, port, http_port)
+                async with trio.open_nursery() as starting:  # side by side, each until it listens
+                    for index in range(server.frontends):
+                        keep = functools.partial(self._keep, index, port, http_port)
+                        starting.start_soon(nursery.start, keep)
                 task_status.started((port, http_port))
 
     async def _keep(
