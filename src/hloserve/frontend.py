@@ -70,11 +70,13 @@ class ModelSummary:
 
 @dataclass(frozen=True, slots=True)
 class Setup:
-    """engine → frontend, on stdin: the configuration and the model table."""
+    """engine → frontend, on stdin: the configuration, the model table, and the platform the
+    engine's device is (a frontend never initialises a device of its own)."""
 
     config: Config
     models: tuple[ModelSummary, ...]
     index: int
+    platform: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,14 +125,19 @@ class FrontendService(InferenceService):
         metrics: Metrics,
         host: Any,
         metas: MetaModels,
+        platform: str,
     ) -> None:
         super().__init__(config, models, statistics, metrics, host, metas, execute=execute_over(link))
+        self._engine_platform = platform
         self._shm = None  # the worker's one registry is the engine's
         self._link = link
         self._call = trio_asyncio.trio_as_aio(link.call)
 
     def _count(self, model: str, status: str, started: float) -> None:
         self._link.notify(Counted(model, status, time.perf_counter() - started))
+
+    def _platform(self) -> str:
+        return f"stablehlo_{self._engine_platform}"  # the engine's device, never one of ours
 
     async def _infer(self, request: Any, grpc_deadline: Any) -> Any:
         entry = self._models.get(request.model_name)
@@ -241,6 +248,7 @@ async def _serve(link_fd: int, port: int, http_port: int, setup: Setup) -> None:
                 Metrics(statistics),
                 cast(Any, host),
                 MetaModels(models, 1, None, statistics, PolicyParams()),
+                setup.platform,
             )
             server = _grpclib_patches.GracefulServer(
                 [

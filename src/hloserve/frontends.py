@@ -28,6 +28,7 @@ import structlog
 import trio
 from grpclib.metadata import Deadline
 
+from hloserve import _xla
 from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve.admission import Ticket
 from hloserve.control import ControlService
@@ -199,7 +200,8 @@ class Frontends:
         try:
             summaries = tuple(_summary(self._host, entry) for entry in models.values())
             async with process.stdin:
-                await process.stdin.send_all(pickle.dumps(Setup(self._host.config, summaries, index)))
+                setup = Setup(self._host.config, summaries, index, _xla.device().platform)
+                await process.stdin.send_all(pickle.dumps(setup))
             async with trio.open_nursery() as nursery:
 
                 async def serve_link() -> None:
@@ -264,7 +266,10 @@ class _Child:
     """
 
     def __init__(self, argv: list[str], link_fd: int) -> None:
-        self._popen = subprocess.Popen(argv, stdin=subprocess.PIPE, pass_fds=(link_fd,))
+        # A frontend imports jax (bundles name its types) but never initialises a device: the
+        # engine is the only process that touches it (on a GPU, XLA would take most of its memory).
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        self._popen = subprocess.Popen(argv, stdin=subprocess.PIPE, pass_fds=(link_fd,), env=env)
         assert self._popen.stdin is not None
         self.pid = self._popen.pid
         self.stdin = trio.lowlevel.FdStream(os.dup(self._popen.stdin.fileno()))

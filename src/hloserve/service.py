@@ -293,6 +293,10 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
 
     # -- health and metadata -------------------------------------------------------------------
 
+    def _platform(self) -> str:
+        """The platform models run on (ModelMetadata, ModelConfig): this process's device."""
+        return _platform()
+
     @_rpc("ServerLive")
     async def server_live(self, message: kserve.ServerLiveRequest) -> kserve.ServerLiveResponse:
         return kserve.ServerLiveResponse(live=True)
@@ -349,7 +353,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         return kserve.ModelMetadataResponse(
             name=entry.name,
             versions=["1"],
-            platform=_platform(),
+            platform=self._platform(),
             inputs=tensors(manifest.inputs),
             outputs=tensors(manifest.outputs),
         )
@@ -379,7 +383,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         return kserve.ModelConfigResponse(
             config=kserve.ModelConfig(
                 name=entry.name,
-                platform=_platform(),
+                platform=self._platform(),
                 backend="python" if manifest.is_meta else "jax",
                 max_batch_size=max_batch,
                 version_policy=kserve.ModelVersionPolicy(latest=kserve.ModelVersionPolicyLatest(1)),

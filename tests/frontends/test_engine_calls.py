@@ -30,6 +30,7 @@ from support.clients import infer, wait_until
 from support.servers import EXAMPLES, ServerThread, make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
+from hloserve import _xla
 from hloserve.config import ModelSettings
 from hloserve.errors import ConfigError
 
@@ -129,6 +130,15 @@ def test_a_load_on_one_connection_is_served_by_every_frontend_at_once_and_an_unl
             assert_affine_answers(client, "late")
         assert raised.value.status() == "StatusCode.NOT_FOUND"
         assert_affine_answers(client, "first")  # the next good request is served
+
+
+def test_frontends_never_initialise_a_device_and_report_the_engines_platform(engine: ServerThread) -> None:
+    for pid in frontend_pids(engine):
+        assert b"JAX_PLATFORMS=cpu" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    platform = engine.call(lambda: _xla.device().platform)
+    for client, _ in fresh_clients(engine):
+        assert client.get_model_metadata("first").platform == f"stablehlo_{platform}"
+        assert client.get_model_config("first").config.platform == f"stablehlo_{platform}"
 
 
 def test_an_idle_engine_keeps_its_frontends(engine: ServerThread) -> None:
