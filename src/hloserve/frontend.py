@@ -37,8 +37,9 @@ from hloserve.buffer_pool import BufferPool
 from hloserve.bundle import Bundle
 from hloserve.codec import SHM_REGION
 from hloserve.config import Config, ModelSettings
+from hloserve.frontend_link import FrontendLink, execute_over
 from hloserve.health import worker_health
-from hloserve.link import FORWARD, Counted, FrontendLink, Listening, execute_over
+from hloserve.link import FORWARD, Counted, Listening
 from hloserve.meta import MetaModels
 from hloserve.metrics import Metrics
 from hloserve.model_table import Failed, Loaded, Meta, ModelEntry, _registration

@@ -32,9 +32,10 @@ from hloserve import _xla
 from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve.admission import Ticket
 from hloserve.control import ControlService
+from hloserve.engine_link import EngineLink, EngineServices
 from hloserve.errors import ConfigError, Overloaded
 from hloserve.frontend import ModelSummary, Setup
-from hloserve.link import FORWARD, EngineLink, EngineServices, TableChanged
+from hloserve.link import FORWARD, TableChanged
 
 if TYPE_CHECKING:
     from hloserve.model_table import ModelEntry, ModelHost
