@@ -272,36 +272,87 @@ def test_rest_is_served_by_the_frontends() -> None:
             assert int(stats["inference_stats"]["success"]["count"]) == 6  # every frontend's
 
 
-def test_max_inflight_requests_holds_for_the_worker_across_frontends(tmp_path: Path) -> None:
-    """Four lone rows wait in the engine's queue (a 2 s batching delay); with a cap of 4 for
-    the worker, a fifth is UNAVAILABLE on either frontend (each alone holds at most 4)."""
+@pytest.fixture(scope="module", name="holding")
+def _holding() -> Iterator[ServerThread]:
+    """Two frontends; the MLP's queue holds lone rows 2 s (a batching delay); at most 4 requests
+    in flight for the worker; client regions allowed."""
     scheduler = {"models": {"mlp": ModelSettings(max_queue_delay_us=2_000_000)}}
-    config = make_config(EXAMPLES, scheduler=scheduler, frontends=2, max_inflight_requests=4, http_port=-1)
-    x = np.ones((1, 16), np.float32)
+    config = make_config(
+        EXAMPLES,
+        scheduler=scheduler,
+        frontends=2,
+        max_inflight_requests=4,
+        allow_client_shm=True,
+        http_port=-1,
+    )
     with start_worker(config) as server:
+        yield server
 
-        def held() -> int:
-            return int(server.call(lambda: server.worker.frontends.inflight))
 
-        def one(client: grpcclient.InferenceServerClient) -> np.ndarray:
-            return infer(client, "mlp", {"INPUT0": x}, client_timeout=20).as_numpy("OUTPUT0")
+def held(server: ServerThread) -> int:
+    """Requests the engine holds from all frontends."""
+    return int(server.call(lambda: server.worker.frontends.inflight))
 
-        clients = [connect(server.url) for _ in range(4)]
-        with ThreadPoolExecutor(4) as pool:
-            answers = pool.map(one, clients)
-            wait_until(lambda: held() == 4, 10, "four requests held by the engine")
-            for client, _ in fresh_clients(server):
-                with pytest.raises(InferenceServerException) as raised:
-                    infer(client, "mlp", {"INPUT0": x}, client_timeout=20)
-                assert raised.value.status() == "StatusCode.UNAVAILABLE"
-                assert "max_inflight_requests" in (raised.value.message() or "")
-            for answer in answers:
-                np.testing.assert_allclose(answer, reference("mlp", x), rtol=1e-5, atol=1e-6)
-        for client in clients:
-            client.close()
-        assert held() == 0
-        with closing(connect(server.url)) as client:
-            np.testing.assert_allclose(one(client), reference("mlp", x), rtol=1e-5, atol=1e-6)
+
+ONE_ROW = np.ones((1, 16), np.float32)
+
+
+def test_max_inflight_requests_holds_for_the_worker_across_frontends(holding: ServerThread) -> None:
+    """Four lone rows wait in the engine's queue; with a cap of 4 for the worker, a fifth is
+    UNAVAILABLE on either frontend (each alone holds at most 4)."""
+
+    def one(client: grpcclient.InferenceServerClient) -> np.ndarray:
+        return infer(client, "mlp", {"INPUT0": ONE_ROW}, client_timeout=20).as_numpy("OUTPUT0")
+
+    clients = [connect(holding.url) for _ in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        answers = pool.map(one, clients)
+        wait_until(lambda: held(holding) == 4, 10, "four requests held by the engine")
+        for client, _ in fresh_clients(holding):
+            with pytest.raises(InferenceServerException) as raised:
+                infer(client, "mlp", {"INPUT0": ONE_ROW}, client_timeout=20)
+            assert raised.value.status() == "StatusCode.UNAVAILABLE"
+            assert "max_inflight_requests" in (raised.value.message() or "")
+        for answer in answers:
+            np.testing.assert_allclose(answer, reference("mlp", ONE_ROW), rtol=1e-5, atol=1e-6)
+    for client in clients:
+        client.close()
+    assert held(holding) == 0
+    with closing(connect(holding.url)) as client:
+        np.testing.assert_allclose(one(client), reference("mlp", ONE_ROW), rtol=1e-5, atol=1e-6)
+
+
+def test_a_client_that_cancels_a_forwarded_request_withdraws_it_from_the_engine(
+    holding: ServerThread, regions: dict[str, Any]
+) -> None:
+    """A request naming a region goes to the engine whole and waits in the MLP's queue; the
+    client cancels: it leaves the engine at once, not when the queue's 2 s delay ends."""
+    with closing(connect(holding.url)) as client:
+        client.register_system_shared_memory("in", f"{regions['key']}-in", X.nbytes)
+        try:
+            tensor = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
+            tensor.set_data_from_numpy(ONE_ROW)
+            output = grpcclient.InferRequestedOutput("OUTPUT0")
+            output.set_shared_memory("in", 16)  # the region holds 16 bytes: one row of 4 floats
+            answered: list[Any] = []
+            call = client.async_infer(
+                "mlp", [tensor], lambda result, error: answered.append(error), outputs=[output]
+            )
+            wait_until(lambda: held(holding) == 1, 10, "the forwarded request held by the engine")
+            cancelled = time.monotonic()
+            call.cancel()
+            wait_until(lambda: held(holding) == 0, 1.5, "the cancelled request withdrawn")
+            assert time.monotonic() - cancelled < 1.5
+            wait_until(lambda: answered, 5, "the client's callback")
+            assert "CANCELLED" in str(answered[0].status())
+        finally:
+            client.unregister_system_shared_memory()
+        np.testing.assert_allclose(
+            infer(client, "mlp", {"INPUT0": ONE_ROW}, client_timeout=20).as_numpy("OUTPUT0"),
+            reference("mlp", ONE_ROW),
+            rtol=1e-5,
+            atol=1e-6,
+        )
 
 
 def test_hot_reload_is_seen_by_every_frontend(tmp_path: Path) -> None:
