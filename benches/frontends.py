@@ -7,7 +7,7 @@ With K=0 the engine column is the whole single-process server.
 
 The engine alone: an engine process (pinned to core 0) accepting links on a Unix socket, fed at
 full speed by a driver in this process that writes requests into the link directly
-(`hloserve.link.FrontendLink`); the frontend column is then the driver's CPU (the link's share of
+(`hloserve.frontend_link.FrontendLink`); the frontend column is then the driver's CPU (the link's share of
 a frontend's cost). The issue's target: the engine's CPU per tiny request at concurrency 16 at
 most a fifth of a frontend's.
 """
@@ -167,7 +167,7 @@ def _scenario(
     import trio
 
     from hloserve.buffer_pool import BufferPool
-    from hloserve.link import FrontendLink
+    from hloserve.frontend_link import FrontendLink
 
     x = np.random.default_rng(0).random(shape, dtype=np.float32)
     latencies: list[float] = []
@@ -233,7 +233,7 @@ def _engine(path: str) -> None:
     import trio
 
     from hloserve.config import load_config
-    from hloserve.link import EngineLink
+    from hloserve.engine_link import EngineLink
     from hloserve.worker import serve
 
     config = load_config().replace("server", grpc_port=0, http_port=-1, metrics_port=-1)

@@ -16,10 +16,15 @@ from support.servers import ServerThread, Worker, make_config, start_worker
 os.environ.setdefault("HLOSERVE_SERVER_HTTP_PORT", "0")
 
 
-@pytest.fixture(scope="session", name="server")
-def _server() -> Iterator[ServerThread]:
+_FRONTENDS = {"params": [0, 2], "ids": ["frontends0", "frontends2"]}
+"""The server-level fixtures run every test twice: one process, and an engine with two frontend
+processes (docs/frontends.md), which must answer the same."""
+
+
+@pytest.fixture(scope="session", name="server", **_FRONTENDS)
+def _server(request: pytest.FixtureRequest) -> Iterator[ServerThread]:
     """One worker on the example repository, shared by the tests that only read from it."""
-    with start_worker() as server:
+    with start_worker(frontends=request.param) as server:
         yield server
 
 
@@ -29,10 +34,10 @@ def _triton(server: ServerThread) -> Iterator[Any]:
         yield client
 
 
-@pytest.fixture(scope="module", name="shm_server")
-def _shm_server() -> Iterator[ServerThread]:
+@pytest.fixture(scope="module", name="shm_server", **_FRONTENDS)
+def _shm_server(request: pytest.FixtureRequest) -> Iterator[ServerThread]:
     """A worker that accepts clients' shared-memory regions (one per module: regions stay apart)."""
-    with start_worker(make_config(allow_client_shm=True)) as server:
+    with start_worker(make_config(allow_client_shm=True), frontends=request.param) as server:
         yield server
 
 

@@ -1,4 +1,7 @@
-"""The weight budget: the formula against ReactantServer.jl's published vectors, and sized at start."""
+"""The weight budget: the formula against ReactantServer.jl's published vectors, and sized at start.
+
+One process: the budget is the engine's.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""The control service over gRPC: status, residency, policy and compaction."""
+"""The control service over gRPC: status, residency, policy and compaction.
+
+`external` runs with 0 and 2 frontends (the control service answers from the engine through any
+frontend); compaction is the engine's alone and stays one process (suite time).
+"""
 
 from __future__ import annotations
 
@@ -29,12 +33,12 @@ def _expect(
     assert says in (raised.value.message or "")
 
 
-@pytest.fixture(name="external")
-def _external(tmp_path: Path) -> Any:
+@pytest.fixture(name="external", params=[0, 2], ids=["frontends0", "frontends2"])
+def _external(tmp_path: Path, request: pytest.FixtureRequest) -> Any:
     for name in "ab":
         write_affine(tmp_path / name)
     config = make_config(tmp_path).replace("weights", externally_managed=True, budget_bytes=10 * WEIGHT_BYTES)
-    with start_worker(config) as server:
+    with start_worker(config, frontends=request.param) as server:
         yield server
 
 
@@ -101,11 +105,15 @@ def test_externally_managed_residency_over_grpc(external: ServerThread) -> None:
     client = grpcclient.InferenceServerClient(external.url)
     with pytest.raises(InferenceServerException, match="not resident"):
         assert_affine_answers(client, "a")
+    assert not client.is_model_ready("a")
     reply = control(
         external,
         lambda s: s.set_model_residency(hc.SetModelResidencyRequest(name="a", target=hc.Residency.DEVICE)),
     )
     assert (reply.residency, reply.device_resident) == (hc.Residency.DEVICE, True)
+    assert client.is_model_ready("a")  # ready means on the device
+    index = {m.name: m.state for m in client.get_model_repository_index().models}
+    assert index == {"a": "READY", "b": "UNAVAILABLE"}
     assert_affine_answers(client, "a")
     reply = control(
         external,

@@ -1,4 +1,7 @@
-"""Compiled executables survive a restart, and a corrupt entry is recompiled."""
+"""Compiled executables survive a restart, and a corrupt entry is recompiled.
+
+One process: the executable cache is the engine's.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """The JAX and Flax exporter writes ReactantServer.jl's bundle format, verifies it in a fresh process,
-refuses what cannot be a bundle, and the shipped example repository is current."""
+refuses what cannot be a bundle, and the shipped example repository is current.
+
+Serving an exported bundle runs with one process: the exporter is under test, not the server.
+"""
 
 from __future__ import annotations
 

@@ -2,6 +2,8 @@
 
 torch and torchax are test dependencies (the `torch` extra): without them this file fails to
 import, and so fails, instead of skipping.
+
+Serving an exported bundle runs with one process: the exporter is under test, not the server.
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@ while draining; NOT_FOUND for a name it does not know; the bound on Watch stream
 
 grpclib's client runs in a subprocess: its `health_pb2` and grpcio's `grpc_health` register the
 same messages under different file names in protobuf's global pool, so no process can import both.
+
+The module's fixtures run with 0 and 2 frontends; the drain test stays one process (with frontends,
+each drains its own connections, and which frontend holds the call and which the watch is the
+kernel's choice), and the Watch bound is the frontend's own, the same code (suite time).
 """
 
 from __future__ import annotations
@@ -79,13 +83,15 @@ def watch(channel: grpc.Channel, name: str) -> Any:
     return health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=name), timeout=30)
 
 
-@pytest.fixture(scope="module", name="mixed")
-def _mixed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+@pytest.fixture(scope="module", name="mixed", params=[0, 2], ids=["frontends0", "frontends2"])
+def _mixed(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[ServerThread]:
     """A worker with one good bundle and one that fails to load."""
     repository = tmp_path_factory.mktemp("mixed")
     write_affine(repository / "good")
     edit_manifest(write_affine(repository / "bad"), lambda m: m.update(format_version="9.9"))
-    with start_worker(make_config(repository)) as server:
+    with start_worker(make_config(repository), frontends=request.param) as server:
         yield server
 
 
@@ -137,12 +143,13 @@ def test_a_bundle_that_failed_is_not_serving_and_so_is_the_server_but_it_is_aliv
     client.close()
 
 
-def test_watch_follows_a_model_loaded_later(tmp_path: Path) -> None:
+@pytest.mark.parametrize("frontends", [0, 2])
+def test_watch_follows_a_model_loaded_later(tmp_path: Path, frontends: int) -> None:
     """A model loading for the first time is unknown (its bundle is not served yet); Watch
-    reports SERVING once it is loaded."""
+    reports SERVING once it is loaded (with frontends, once the engine pushed the change)."""
     write_affine(tmp_path / "repository" / "first")
     write_affine(tmp_path / "late")
-    with start_worker(make_config(tmp_path / "repository")) as server:
+    with start_worker(make_config(tmp_path / "repository"), frontends=frontends) as server:
         with grpc.insecure_channel(server.url) as channel:
             stream = watch(channel, "late")
             assert next(stream).status == SERVICE_UNKNOWN

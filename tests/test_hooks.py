@@ -73,8 +73,8 @@ def expected(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scores.argmax(axis=1)[:, None].astype(np.int64), scores[:, scores.max(axis=0) > 3.0]
 
 
-@pytest.fixture(scope="module", name="hooked")
-def _hooked(tmp_path_factory: pytest.TempPathFactory) -> Any:
+@pytest.fixture(scope="module", name="hooked", params=[0, 2], ids=["frontends0", "frontends2"])
+def _hooked(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Any:
     repository = tmp_path_factory.mktemp("hooks")
     write_hooked(repository / "hooked")
     write_affine(repository / "plain")
@@ -85,7 +85,7 @@ def _hooked(tmp_path_factory: pytest.TempPathFactory) -> Any:
     (doubled / "model.py").write_text(DOUBLED_PY)
     misnamed = write_affine(repository / "misnamed")
     (misnamed / "model.py").write_text("from hloserve import register_model\nregister_model('other')\n")
-    with start_worker(make_config(repository)) as server:
+    with start_worker(make_config(repository), frontends=request.param) as server:
         client = grpcclient.InferenceServerClient(server.url)
         yield client
         client.close()

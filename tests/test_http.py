@@ -1,6 +1,10 @@
 """The KServe V2 REST front end: tritonclient.http (sync and aio) against a real worker, answers
 equal to gRPC's, JSON and binary tensors, compression, shared memory, and every bad request
-answered with Triton's HTTP status and a message, the next good request served."""
+answered with Triton's HTTP status and a message, the next good request served.
+
+The `rest` fixture runs with 0 and 2 frontends (each frontend serves REST on the engine's port);
+the start and shutdown tests of the single process's own REST server stay one process.
+"""
 
 from __future__ import annotations
 
@@ -39,8 +43,8 @@ def _pair(params: Any, a: Any, b: Any) -> tuple[Any, Any]:
     return a + b.astype(a.dtype) * params["k"], b * 2
 
 
-@pytest.fixture(scope="module", name="rest")
-def _rest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+@pytest.fixture(scope="module", name="rest", params=[0, 2], ids=["frontends0", "frontends2"])
+def _rest(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[ServerThread]:
     """A worker with a two-input model, the MLP and severity grader, shared memory allowed and
     a 1 MiB body limit."""
     repository = tmp_path_factory.mktemp("repository")
@@ -55,7 +59,8 @@ def _rest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     )
     for name in ("mlp", "severity_grader"):
         shutil.copytree(EXAMPLES / name, repository / name)
-    with start_worker(make_config(repository, allow_client_shm=True, max_message_bytes=LIMIT)) as server:
+    config = make_config(repository, allow_client_shm=True, max_message_bytes=LIMIT)
+    with start_worker(config, frontends=request.param) as server:
         yield server
 
 
@@ -594,7 +599,7 @@ def test_http_port_from_yaml_environment_and_flag(tmp_path: Path) -> None:
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the start fails
 def test_a_taken_http_port_names_the_field(rest: ServerThread) -> None:
     with pytest.raises(RuntimeError) as error:
-        start_worker(make_config(http_port=rest.worker.http_port))
+        start_worker(make_config(http_port=rest.worker.http_port), frontends=rest.config.server.frontends)
 
     def leaves(e: BaseException) -> Iterator[BaseException]:
         if isinstance(e, BaseExceptionGroup):

@@ -105,8 +105,10 @@ def _meta(directory: Path, calls: list[str], source: str, outputs: dict[str, tup
     (directory / "model.py").write_text(source)
 
 
-@pytest.fixture(scope="module", name="metas")
-def _metas(tmp_path_factory: pytest.TempPathFactory) -> Any:
+@pytest.fixture(scope="module", name="metas", params=[0, 2], ids=["frontends0", "frontends2"])
+def _metas(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Any:
+    """The meta models on one process, and on an engine with two frontends (a meta model's calls
+    go to the engine whole)."""
     repository = tmp_path_factory.mktemp("metas")
     write_affine(repository / "first", batch_sizes=(1, 2, 4))
     write_affine(repository / "second", batch_sizes=(1, 2, 4))
@@ -118,7 +120,7 @@ def _metas(tmp_path_factory: pytest.TempPathFactory) -> Any:
     write_total(repository / "total")
     _meta(repository / "totals", ["total"], TOTALS_PY, {"score": ("f32", 4)})
     config = make_config(repository, meta_concurrency=1, meta_scratch_bytes=1 << 16, meta_scratch_slots=4)
-    with start_worker(config) as server:
+    with start_worker(config, frontends=request.param) as server:
         yield server
 
 

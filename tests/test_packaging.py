@@ -1,6 +1,9 @@
 """The distribution: `python -m build` makes an sdist and a wheel (built from the sdist, so the
 sdist is complete), and the wheel, installed into a fresh venv far from the source tree, serves
-its shipped example repository with the plain `hloserve serve`."""
+its shipped example repository with the plain `hloserve serve`.
+
+One process: the installed wheel's first command (`hloserve serve`) is under test.
+"""
 
 from __future__ import annotations
 

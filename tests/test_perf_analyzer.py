@@ -1,4 +1,8 @@
-"""Triton's own perf_analyzer runs against hloserve without errors and sees server-side times."""
+"""Triton's own perf_analyzer runs against hloserve without errors and sees server-side times.
+
+On the `server` fixture: with 0 and 2 frontends. The shared-memory run stays one process (suite
+time); regions through two frontends are tested in tests/frontends/test_engine_calls.py.
+"""
 
 from __future__ import annotations
 

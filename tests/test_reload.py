@@ -1,4 +1,8 @@
-"""Hot reload (`server.reload`): model.py, weights, added and removed bundles, while serving."""
+"""Hot reload (`server.reload`): model.py, weights, added and removed bundles, while serving.
+
+The `live` fixture runs with 0 and 2 frontends; the half-written bundle test is the watcher's
+debounce alone, which runs in the engine either way (one process, suite time).
+"""
 
 from __future__ import annotations
 
@@ -49,14 +53,14 @@ def _eventually(check: Callable[[], bool], within_s: float = 10.0) -> None:
         time.sleep(0.05)
 
 
-@pytest.fixture(name="live")
-def _live(tmp_path: Path) -> Iterator[tuple[Path, Any, str]]:
+@pytest.fixture(name="live", params=[0, 2], ids=["frontends0", "frontends2"])
+def _live(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Path, Any, str]]:
     """A watched repository (`scaled` with a model.py, `steady` hammered by a background client)."""
     write_affine(tmp_path / "steady")
     write_affine(tmp_path / "scaled")
     (tmp_path / "scaled" / "model.py").write_text(SCALED_PY.format(factor=2))
     config = make_config(tmp_path, reload=True, repository_poll_s=0.05, reload_debounce_s=0.2)
-    with start_worker(config) as server:
+    with start_worker(config, frontends=request.param) as server:
         client = grpcclient.InferenceServerClient(server.url)
         stop, failures, served = threading.Event(), [], []
         background = threading.Thread(target=_hammer, args=(server.url, "steady", stop, served, failures))

@@ -21,11 +21,12 @@ from hloserve.config import ModelSettings
 from hloserve.export import InputSpec, OutputSpec, export_bundle
 
 
-@pytest.fixture(name="repo")
-def _repo(tmp_path: Path) -> Any:
+@pytest.fixture(name="repo", params=[0, 2], ids=["frontends0", "frontends2"])
+def _repo(tmp_path: Path, request: pytest.FixtureRequest) -> Any:
     write_affine(tmp_path / "steady")
     settings = {"late": ModelSettings(max_queue_delay_us=500_000)}  # holds lone rows half a second
-    with start_worker(make_config(tmp_path, scheduler={"models": settings})) as server:
+    config = make_config(tmp_path, scheduler={"models": settings})
+    with start_worker(config, frontends=request.param) as server:
         client = grpcclient.InferenceServerClient(server.url)
         yield tmp_path, server, client
         client.close()

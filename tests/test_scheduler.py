@@ -1,4 +1,8 @@
-"""The scheduler on a live server: coalescing, fair shares, deadlines, admission, cancellation."""
+"""The scheduler on a live server: coalescing, fair shares, deadlines, admission, cancellation.
+
+One process: the scheduler is the engine's, the same with frontends; max_inflight_requests and
+admission across frontends are tested in tests/frontends/test_engine_calls.py and hostile/test_fairness.py.
+"""
 
 from __future__ import annotations
 

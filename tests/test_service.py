@@ -1,4 +1,8 @@
-"""Every built RPC through the real tritonclient against a real worker on loopback."""
+"""Every built RPC through the real tritonclient against a real worker on loopback.
+
+Tests on the `server` fixture run with 0 and 2 frontends; those starting their own worker (a bundle
+made for one check) run with one process, for the suite's time: the frontends run the same service code.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Shared host weights: two worker processes, one region per model, the last holder unlinks it."""
+"""Shared host weights: two worker processes, one region per model, the last holder unlinks it.
+
+One process per worker: shared weights are the engine's.
+"""
 
 from __future__ import annotations
 

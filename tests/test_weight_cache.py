@@ -1,4 +1,7 @@
-"""The weight cache on CPU with a small byte budget: LRU order, pinning, over-budget, external mode."""
+"""The weight cache on CPU with a small byte budget: LRU order, pinning, over-budget, external mode.
+
+One process: the weight cache is the engine's.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""The worker as a whole: embedded in a trio program, as the `hloserve` binary, and its metrics."""
+"""The worker as a whole: embedded in a trio program, as the `hloserve` binary, and its metrics.
+
+One process: it tests the worker's composition, embedding and signals; the engine with frontends
+has its own in tests/frontends/test_processes.py.
+"""
 
 from __future__ import annotations
 

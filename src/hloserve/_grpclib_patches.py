@@ -55,7 +55,18 @@ from hloserve._h2_limits import MAX_FRAME_SIZE, ServerGuard, TransportLimits
 from hloserve._h2_protocol import GuardedProtocol
 from hloserve._patch_requirements import Requires, check
 
-__all__ = ["REQUIRES", "BigFrameChannel", "GracefulServer", "TransportLimits", "install", "send_reply"]
+__all__ = [
+    "REQUIRES",
+    "WINDOW_BYTES",
+    "BigFrameChannel",
+    "GracefulServer",
+    "TransportLimits",
+    "install",
+    "send_reply",
+]
+
+WINDOW_BYTES = 16 << 20
+"""The servers' HTTP/2 flow-control windows (connection and stream): a 4.8 MB tensor in one."""
 
 _DETAIL_CHARS = 200
 

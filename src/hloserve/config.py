@@ -145,8 +145,8 @@ class ServerConfig:
     frontends: int = 0
     """Frontend processes (docs/frontends.md): with K >= 1 this process becomes the engine (the
     actors, the only one touching the device) and K processes sharing the public ports parse,
-    check and run `model.py` hooks, handing it tensors over shared memory. 0: one process (the
-    default, from measurement; docs/frontends.md says what K >= 1 serves today)."""
+    check and run `model.py` hooks, handing it tensors over shared memory; every RPC answers as
+    with one process. 0: one process (the default, from measurement; docs/frontends.md)."""
     max_load_files: int = 64
     """Files one RepositoryModelLoad may send as a bundle (Triton's `file:` parameters, written
     into a private directory the server owns); 0 turns loading from sent files off."""

@@ -1,15 +1,19 @@
-"""A frontend process (docs/frontends.md): `python -m hloserve.frontend LINK_FD PORT`.
+"""A frontend process (docs/frontends.md): `python -m hloserve.frontend LINK_FD PORT HTTP_PORT`.
 
 Started by the engine (`hloserve.frontends`), which writes the configuration and a summary of its
 model table to the process's stdin and hands it one end of a socketpair. The frontend dies with
-the engine (PR_SET_PDEATHSIG), loads the bundles' manifests and model.py (never weights, never
-the device), listens on the public gRPC port beside its siblings (SO_REUSEPORT), parses, checks
-and runs hooks, and executes over its link. It exits when the link closes.
+the engine (PR_SET_PDEATHSIG), runs the bundles' model.py (never weights, never the device),
+listens on the public gRPC port (and REST port, unless it is -1) beside its siblings
+(SO_REUSEPORT), parses, checks and runs hooks, and executes over its link. What only the engine
+can answer goes to it whole: loads, unloads, shared-memory regions, statistics, and ModelInfer
+for a meta model or naming a client's region. The engine pushes every change of its model table
+(`TableChanged`), applied before the change's RPC returns. It exits when the link closes.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import pickle
 import signal
@@ -18,27 +22,29 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, cast
 
 import trio
 import trio_asyncio
-from grpclib.const import Status
-from grpclib.exceptions import GRPCError
+from grpclib.config import Configuration
 
 from hloserve import _grpclib_patches, _trio_asyncio_patches
+from hloserve._proto import hloserve_control as hc
 from hloserve._proto import inference as kserve
+from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve._proto_codec import KnownFieldsCodec
 from hloserve.buffer_pool import BufferPool
-from hloserve.bundle import load_bundle
-from hloserve.config import Config
-from hloserve.errors import Unimplemented
+from hloserve.bundle import Bundle
+from hloserve.codec import SHM_REGION
+from hloserve.config import Config, ModelSettings
+from hloserve.frontend_link import FrontendLink, execute_over
 from hloserve.health import worker_health
-from hloserve.link import Counted, FrontendLink, Listening, execute_over
+from hloserve.link import FORWARD, Counted, Listening
 from hloserve.meta import MetaModels
 from hloserve.metrics import Metrics
-from hloserve.model_table import Failed, Loaded, ModelEntry, _registration
+from hloserve.model_table import Failed, Loaded, Meta, ModelEntry, _registration
 from hloserve.policy import PolicyParams
+from hloserve.rest import RestServer, build_app
 from hloserve.service import InferenceService
 from hloserve.statistics import Statistics
 
@@ -48,28 +54,30 @@ ARENA_BYTES = 256 << 20
 """Each frontend's shared-memory arena (sparse: pages are used only as requests need them)."""
 ARENA_SLOTS = 256
 _PR_SET_PDEATHSIG = 1
-_NOT_YET = "not served by a frontend yet (server.frontends > 0; docs/frontends.md); use frontends 0"
 
 
 @dataclass(frozen=True, slots=True)
 class ModelSummary:
-    """What a frontend needs of one engine model: where its bundle is and how it is compiled."""
+    """What a frontend needs of one engine model: the bundle the engine serves (manifest and
+    file paths, no weights), how it is compiled, its load settings, or why it failed."""
 
     name: str
-    directory: Path | None
+    bundle: Bundle | None
     error: str | None
     batch_sizes: tuple[int, ...]
     coalescable: bool
-    is_meta: bool
+    settings: ModelSettings | None
 
 
 @dataclass(frozen=True, slots=True)
 class Setup:
-    """engine → frontend, on stdin: the configuration and the model table."""
+    """engine → frontend, on stdin: the configuration, the model table, and the platform the
+    engine's device is (a frontend never initialises a device of its own)."""
 
     config: Config
     models: tuple[ModelSummary, ...]
     index: int
+    platform: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,19 +90,32 @@ class _Compiled:
 
 
 def _entry(summary: ModelSummary) -> ModelEntry:
-    if summary.error is not None or summary.directory is None:
+    """The frontend's entry for an engine model (blocking: it runs the bundle's model.py)."""
+    bundle = summary.bundle
+    if summary.error is not None or bundle is None:
         return ModelEntry(summary.name, Failed(summary.error or "not loaded"))
-    if summary.is_meta:
-        return ModelEntry(summary.name, Failed(f"meta model {_NOT_YET}"))
-    bundle = load_bundle(summary.directory)
+    try:
+        registration = _registration(bundle)
+    except Exception as e:  # as the engine's load would have failed: said, not fatal
+        return ModelEntry(summary.name, Failed(f"model.py failed in a frontend: {e}"))
+    if bundle.manifest.is_meta:
+        assert registration is not None
+        return ModelEntry(summary.name, Meta(bundle, registration))  # its calls go to the engine
     compiled = _Compiled(bundle, summary.batch_sizes, summary.coalescable)
-    state = Loaded(bundle, cast(Any, compiled), cast(Any, None), _registration(bundle))
-    return ModelEntry(summary.name, state)
+    return ModelEntry(summary.name, Loaded(bundle, cast(Any, compiled), cast(Any, None), registration))
+
+
+def _names_a_region(request: Any) -> bool:
+    """Whether a ModelInfer names a client's shared-memory region (for an input or an output)."""
+    return any(SHM_REGION in t.parameters for t in request.inputs) or any(
+        SHM_REGION in o.parameters for o in request.outputs
+    )
 
 
 class FrontendService(InferenceService):
-    """The front end of one frontend: ModelInfer over the link, its calls counted by the engine,
-    ModelStatistics answered by the engine; RPCs that change the engine are not forwarded yet."""
+    """The front end of one frontend: ModelInfer over the link, its calls counted by the engine;
+    what only the engine holds (statistics, the model table's changes, shared-memory regions,
+    meta models) answered by the engine over the link, with the statuses it would give."""
 
     def __init__(
         self,
@@ -105,28 +126,77 @@ class FrontendService(InferenceService):
         metrics: Metrics,
         host: Any,
         metas: MetaModels,
+        platform: str,
     ) -> None:
         super().__init__(config, models, statistics, metrics, host, metas, execute=execute_over(link))
+        self._engine_platform = platform
+        self._shm = None  # the worker's one registry is the engine's
         self._link = link
         self._call = trio_asyncio.trio_as_aio(link.call)
 
     def _count(self, model: str, status: str, started: float) -> None:
         self._link.notify(Counted(model, status, time.perf_counter() - started))
 
+    def _platform(self) -> str:
+        return f"stablehlo_{self._engine_platform}"  # the engine's device, never one of ours
+
+    async def _infer(self, request: Any, grpc_deadline: Any) -> Any:
+        entry = self._models.get(request.model_name)
+        if (entry is not None and entry.meta_run is not None) or _names_a_region(request):
+            remaining = None if grpc_deadline is None else grpc_deadline.time_remaining()
+            reply = await self._call(FORWARD, (request.SerializeToString(), remaining))
+            return hot.ModelInferResponse.FromString(cast(bytes, reply))
+        return await super()._infer(request, grpc_deadline)
+
     async def model_statistics(self, message: kserve.ModelStatisticsRequest) -> Any:
         return await self._call("model_statistics", message)
 
-    async def _on_engine(self, rpc: str) -> Any:
-        raise GRPCError(Status.UNIMPLEMENTED, str(Unimplemented(rpc, _NOT_YET)))
+    async def model_ready(self, message: kserve.ModelReadyRequest) -> Any:
+        if self._config.weights.externally_managed:  # ready means resident: the engine knows
+            return await self._call("model_ready", message)
+        return await super().model_ready(message)
+
+    async def repository_index(self, message: kserve.RepositoryIndexRequest) -> Any:
+        if self._config.weights.externally_managed:
+            return await self._call("repository_index", message)
+        return await super().repository_index(message)
 
     async def repository_model_load(self, message: kserve.RepositoryModelLoadRequest) -> Any:
-        return await self._on_engine("RepositoryModelLoad")
+        return await self._call("repository_model_load", message)
 
     async def repository_model_unload(self, message: kserve.RepositoryModelUnloadRequest) -> Any:
-        return await self._on_engine("RepositoryModelUnload")
+        return await self._call("repository_model_unload", message)
 
     async def system_shared_memory_register(self, message: kserve.SystemSharedMemoryRegisterRequest) -> Any:
-        return await self._on_engine("SystemSharedMemoryRegister")
+        return await self._call("system_shared_memory_register", message)
+
+    async def system_shared_memory_status(self, message: kserve.SystemSharedMemoryStatusRequest) -> Any:
+        return await self._call("system_shared_memory_status", message)
+
+    async def system_shared_memory_unregister(
+        self, message: kserve.SystemSharedMemoryUnregisterRequest
+    ) -> Any:
+        return await self._call("system_shared_memory_unregister", message)
+
+
+class ControlOverLink(hc.ControlServiceBase):
+    """`hloserve_control.ControlService` on a frontend: every call is the engine's, answered by
+    its own control service over the link (`control.` and the method's name)."""
+
+    def __init__(self, link: FrontendLink) -> None:
+        self._call = trio_asyncio.trio_as_aio(link.call)
+
+    async def model_control_status(self, message: hc.ModelControlStatusRequest) -> Any:
+        return await self._call("control.model_control_status", message)
+
+    async def set_model_residency(self, message: hc.SetModelResidencyRequest) -> Any:
+        return await self._call("control.set_model_residency", message)
+
+    async def set_model_policy(self, message: hc.SetModelPolicyRequest) -> Any:
+        return await self._call("control.set_model_policy", message)
+
+    async def compact_memory(self, message: hc.CompactMemoryRequest) -> Any:
+        return await self._call("control.compact_memory", message)
 
 
 class _Host:
@@ -135,8 +205,29 @@ class _Host:
     def __init__(self, config: Config, models: Mapping[str, ModelEntry], statistics: Statistics) -> None:
         self.config, self.models, self.statistics = config, models, statistics
 
+    def apply(self, summary: ModelSummary) -> None:
+        """Take a model's load settings (ModelConfig reports them)."""
+        models = dict(self.config.scheduler.models)
+        if summary.settings is None:
+            models.pop(summary.name, None)
+        else:
+            models[summary.name] = summary.settings
+        self.config = self.config.replace("scheduler", models=models)
 
-async def _serve(link_fd: int, port: int, setup: Setup) -> None:
+
+async def _apply_changes(link: FrontendLink, models: dict[str, ModelEntry], host: _Host) -> None:
+    """Apply the engine's table changes in order, each acknowledged once this frontend serves it."""
+    async for ident, change in link.pushes:
+        summary = cast(ModelSummary | None, change.summary)
+        if summary is None:
+            models.pop(change.name, None)
+        else:
+            models[change.name] = await trio.to_thread.run_sync(_entry, summary)
+            host.apply(summary)
+        link.applied(ident)
+
+
+async def _serve(link_fd: int, port: int, http_port: int, setup: Setup) -> None:
     config = setup.config
     _grpclib_patches.install()
     _trio_asyncio_patches.install()
@@ -148,26 +239,48 @@ async def _serve(link_fd: int, port: int, setup: Setup) -> None:
         with BufferPool(ARENA_BYTES, ARENA_SLOTS, name=name) as arena:
             link = FrontendLink(trio.SocketStream(sock), arena)
             await nursery.start(link.run)
-            host = cast(Any, _Host(config, models, statistics))
+            host = _Host(config, models, statistics)
+            nursery.start_soon(_apply_changes, link, models, host)
             service = FrontendService(
                 link,
                 config,
                 models,
                 statistics,
                 Metrics(statistics),
-                host,
+                cast(Any, host),
                 MetaModels(models, 1, None, statistics, PolicyParams()),
+                setup.platform,
             )
             server = _grpclib_patches.GracefulServer(
-                [service, worker_health(host, service, draining=lambda: server.draining)],
+                [
+                    service,
+                    ControlOverLink(link),
+                    worker_health(cast(Any, host), service, draining=lambda: server.draining),
+                ],
+                config=Configuration(  # as the single process's
+                    http2_connection_window_size=_grpclib_patches.WINDOW_BYTES,
+                    http2_stream_window_size=_grpclib_patches.WINDOW_BYTES,
+                ),
                 codec=KnownFieldsCodec(),
                 limits=_grpclib_patches.TransportLimits.from_config(config.server),
             )
             await trio_asyncio.aio_as_trio(server.start)(config.server.host, port, reuse_port=True)
+            rest = None
+            if http_port >= 0:
+                app = build_app(service, models, config.server.max_message_bytes)
+                rest = RestServer(
+                    app, dataclasses.replace(config.server, http_port=http_port), reuse_port=True
+                )
+                await nursery.start(rest.run)
             await link.announce(Listening())
             await _until_stopped(link)
             with trio.CancelScope(shield=True):
+                if rest is not None:
+                    rest.stop()
                 await trio_asyncio.aio_as_trio(server.shutdown)(config.server.shutdown_grace_s)
+                if rest is not None:
+                    with trio.move_on_after(config.server.shutdown_grace_s + 1):
+                        await rest.stopped.wait()
             nursery.cancel_scope.cancel()
 
 
@@ -199,9 +312,9 @@ def _die_with_parent() -> None:
 
 def main(argv: list[str]) -> None:
     _die_with_parent()
-    link_fd, port = int(argv[0]), int(argv[1])
+    link_fd, port, http_port = int(argv[0]), int(argv[1]), int(argv[2])
     setup = pickle.load(sys.stdin.buffer)  # from the engine that started us: trusted
-    trio.run(_serve, link_fd, port, setup)
+    trio.run(_serve, link_fd, port, http_port, setup)
 
 
 if __name__ == "__main__":

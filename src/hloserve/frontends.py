@@ -1,89 +1,176 @@
 """The engine's frontend processes (docs/frontends.md, "Lifecycle").
 
-`Frontends.run` reserves the public gRPC port (a bound, never listening, SO_REUSEPORT socket: it
-keeps the port and takes no connection), starts `server.frontends` processes of
+`Frontends.run` reserves the public gRPC and REST ports (bound, never listening, SO_REUSEPORT
+sockets: they keep the ports and take no connection), starts `server.frontends` processes of
 `hloserve.frontend`, each with its link (an `EngineLink` actor), and reports started once every
 one listens. A frontend that dies is restarted with backoff, its arena unlinked and its in-flight
-requests forgotten. `drain` sends SIGTERM and waits: each frontend answers what it has in flight,
-then exits.
+requests forgotten. `publish` pushes a change of the model table to every frontend and waits
+for each to apply it; a frontend started later gets the table as it is. `drain` sends SIGTERM
+and waits: each frontend answers what it has in flight, then exits.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pickle
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import ExitStack
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import trio
+from grpclib.metadata import Deadline
 
-from hloserve.config import Config
+from hloserve import _xla
+from hloserve._proto.hot import hot_infer_pb2 as hot
+from hloserve.admission import Ticket
+from hloserve.control import ControlService
+from hloserve.engine_link import EngineLink, EngineServices
+from hloserve.errors import ConfigError, Overloaded
 from hloserve.frontend import ModelSummary, Setup
-from hloserve.link import EngineLink, EngineServices
-from hloserve.model_table import ModelEntry
+from hloserve.link import FORWARD, TableChanged
+
+if TYPE_CHECKING:
+    from hloserve.model_table import ModelEntry, ModelHost
+    from hloserve.service import InferenceService
 
 __all__ = ["Frontends"]
 
 log = structlog.get_logger("hloserve.frontends")
 
 _START_TIMEOUT_S = 120.0
+_APPLY_TIMEOUT_S = 60.0
+"""How long a table change waits for a frontend to apply it (it runs the bundle's model.py)."""
 _BACKOFF_S = (0.1, 5.0)
 
 
-def _summaries(models: Mapping[str, ModelEntry]) -> tuple[ModelSummary, ...]:
-    summaries = []
-    for entry in models.values():
-        bundle, compiled = entry.bundle, entry.compiled
-        summaries.append(
-            ModelSummary(
-                entry.name,
-                None if bundle is None else bundle.path,
-                entry.error,
-                () if compiled is None else compiled.batch_sizes,
-                compiled is not None and compiled.coalescable,
-                bundle is not None and bundle.manifest.is_meta,
-            )
-        )
-    return tuple(summaries)
+def _summary(host: ModelHost, entry: ModelEntry) -> ModelSummary:
+    compiled = entry.compiled
+    return ModelSummary(
+        entry.name,
+        entry.bundle,
+        entry.error,
+        () if compiled is None else compiled.batch_sizes,
+        compiled is not None and compiled.coalescable,
+        host.config.scheduler.models.get(entry.name),
+    )
+
+
+def engine_calls(host: ModelHost, service: InferenceService) -> dict[str, Callable[[Any], Awaitable[Any]]]:
+    """The engine's service methods a frontend's `Call` may name: the inference service's that
+    only the engine can answer, a whole ModelInfer (`FORWARD`), and the control service's."""
+
+    async def forwarded(argument: tuple[bytes, float | None]) -> bytes:
+        data, remaining = argument
+        deadline = None if remaining is None else Deadline.from_timeout(remaining)
+        response = await service._infer(hot.ModelInferRequest.FromString(data), deadline)
+        return bytes(response.SerializeToString())
+
+    methods = (
+        "model_statistics",
+        "model_ready",
+        "repository_index",
+        "repository_model_load",
+        "repository_model_unload",
+        "system_shared_memory_register",
+        "system_shared_memory_status",
+        "system_shared_memory_unregister",
+    )
+    control = ControlService(host)
+    controls = ("model_control_status", "set_model_residency", "set_model_policy", "compact_memory")
+    return (
+        {FORWARD: forwarded}
+        | {name: getattr(service, name) for name in methods}
+        | {f"control.{name}": getattr(control, name) for name in controls}
+    )
 
 
 class Frontends:
     """The K frontend processes of one engine; see the module docstring."""
 
-    def __init__(self, config: Config, models: Mapping[str, ModelEntry], services: EngineServices) -> None:
-        self._config = config
-        self._models = models
-        self._services = services
-        self._processes: dict[int, trio.Process] = {}
+    def __init__(self, host: ModelHost, service: InferenceService) -> None:
+        self._host = host
+        self._config = host.config
+        self._service = service
+        self._services = EngineServices(
+            service.count_elapsed, engine_calls(host, service), self._admit, self._release
+        )
+        self._processes: dict[int, _Child] = {}
+        self._links: set[EngineLink] = set()
         self._draining = False
 
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._processes.values()]
 
-    async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-        server = self._config.server
-        family = socket.AF_INET6 if ":" in server.host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as holder:
-            holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            holder.bind((server.host, server.grpc_port))
-            port = int(holder.getsockname()[1])
-            async with trio.open_nursery() as nursery:
-                for index in range(server.frontends):
-                    await nursery.start(self._keep, index, port)
-                task_status.started(port)
+    @property
+    def listening(self) -> int:
+        """How many frontends listen now (a restarted one once it listens again)."""
+        return sum(link.listening.is_set() for link in self._links)
 
-    async def _keep(self, index: int, port: int, *, task_status: trio.TaskStatus[None]) -> None:
+    @property
+    def inflight(self) -> int:
+        """Requests the engine holds from all its frontends."""
+        return sum(link.inflight for link in self._links)
+
+    def _admit(self, entry: ModelEntry | None, rows: int, deadline: float | None) -> Ticket | None:
+        """Admission for the worker, in the one place every frontend's requests reach:
+        `server.max_inflight_requests` counts them all, and a request that cannot meet its
+        deadline behind the rows the engine holds is refused (`InferenceService.admit`)."""
+        limit = self._config.server.max_inflight_requests
+        if self.inflight >= limit:
+            raise Overloaded(limit)
+        return None if entry is None else self._service.admit(entry, rows, time.monotonic(), deadline)
+
+    def _release(self, ticket: object) -> None:
+        if isinstance(ticket, Ticket):
+            self._service.release(ticket)
+
+    def post(self, name: str) -> list[trio.Event]:
+        """Push model `name`'s entry as it is now to every frontend (those started later get
+        the whole table); the events are set as each has applied it."""
+        entry = self._host.models.get(name)
+        change = TableChanged(name, None if entry is None else _summary(self._host, entry))
+        return [link.push(change) for link in self._links]
+
+    async def publish(self, name: str) -> None:
+        """`post`, and wait until every frontend serves the change (or a bounded time)."""
+        with trio.move_on_after(_APPLY_TIMEOUT_S) as waited:
+            for applied in self.post(name):
+                await applied.wait()
+        if waited.cancelled_caught:
+            log.warning("a frontend did not apply a model table change in time", model=name)
+
+    async def run(self, *, task_status: trio.TaskStatus[tuple[int, int]] = trio.TASK_STATUS_IGNORED) -> None:
+        """Reserve the ports and keep the frontends; started with (gRPC port, REST port or -1)."""
+        server = self._config.server
+        with ExitStack() as stack:
+            port = _reserve(stack, server.host, server.grpc_port, "server.grpc_port")
+            http_port = server.http_port
+            if http_port >= 0:
+                http_port = _reserve(stack, server.host, http_port, "server.http_port")
+            async with trio.open_nursery() as nursery:
+                async with trio.open_nursery() as starting:  # side by side, each until it listens
+                    for index in range(server.frontends):
+                        keep = functools.partial(self._keep, index, port, http_port)
+                        starting.start_soon(nursery.start, keep)
+                task_status.started((port, http_port))
+
+    async def _keep(
+        self, index: int, port: int, http_port: int, *, task_status: trio.TaskStatus[None]
+    ) -> None:
         """Run frontend `index` for as long as the engine does, restarting it when it dies."""
         backoff = _BACKOFF_S[0]
         started = False
         while not self._draining:
-            listened = await self._run_once(index, port, None if started else task_status)
+            listened = await self._run_once(index, port, http_port, None if started else task_status)
             started = True
             if self._draining:
                 return
@@ -93,28 +180,29 @@ class Frontends:
             await trio.sleep(backoff)
             backoff = min(backoff * 2, _BACKOFF_S[1])
 
-    async def _run_once(self, index: int, port: int, task_status: trio.TaskStatus[None] | None) -> bool:
+    async def _run_once(
+        self, index: int, port: int, http_port: int, task_status: trio.TaskStatus[None] | None
+    ) -> bool:
         """One life of a frontend; whether it got to listen."""
         engine_end, frontend_end = socket.socketpair()
+        argv = [str(frontend_end.fileno()), str(port), str(http_port)]
         try:
-            process = await trio.lowlevel.open_process(
-                [sys.executable, "-m", "hloserve.frontend", str(frontend_end.fileno()), str(port)],
-                stdin=subprocess.PIPE,
-                pass_fds=(frontend_end.fileno(),),
-            )
+            process = _Child([sys.executable, "-m", "hloserve.frontend", *argv], frontend_end.fileno())
         except BaseException:
             engine_end.close()
             raise
         finally:
             frontend_end.close()
-        link = EngineLink(
-            trio.SocketStream(trio.socket.from_stdlib_socket(engine_end)), self._models, self._services
-        )
+        models = self._host.models
+        stream = trio.SocketStream(trio.socket.from_stdlib_socket(engine_end))
+        link = EngineLink(stream, models, self._services)
         self._processes[index] = process
+        self._links.add(link)  # from here on it gets every change, after the table as it is now
         try:
-            assert process.stdin is not None
-            await process.stdin.send_all(pickle.dumps(Setup(self._config, _summaries(self._models), index)))
-            await process.stdin.aclose()
+            summaries = tuple(_summary(self._host, entry) for entry in models.values())
+            async with process.stdin:
+                setup = Setup(self._host.config, summaries, index, _xla.device().platform)
+                await process.stdin.send_all(pickle.dumps(setup))
             async with trio.open_nursery() as nursery:
 
                 async def serve_link() -> None:
@@ -131,8 +219,12 @@ class Frontends:
                 nursery.cancel_scope.cancel()
             return link.listening.is_set()
         finally:
+            self._links.discard(link)
+            link.close_pushes()
             with trio.CancelScope(shield=True):
+                await stream.aclose()  # (the link closes it too, if it ran)
                 await _stop(process, self._config.server.shutdown_grace_s + 5)
+                process.close()
                 if link.arena_key is not None:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(f"/dev/shm{link.arena_key}")
@@ -146,7 +238,68 @@ class Frontends:
                 nursery.start_soon(_stop, process, self._config.server.shutdown_grace_s + 5)
 
 
-async def _stop(process: trio.Process, grace_s: float) -> None:
+def _reserve(stack: ExitStack, host: str, port: int, field: str) -> int:
+    """Hold `port` for the frontends with a bound SO_REUSEPORT socket that never listens (it
+    takes no connection); the bound port. A port that anything else holds is refused, naming
+    `field`: a plain bind goes first, since SO_REUSEPORT alone would join another worker's
+    sockets on the port (same user) and share its connections without a word."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no holder
+            probe.bind((host, port))
+            port = int(probe.getsockname()[1])
+        holder = stack.enter_context(socket.socket(family, socket.SOCK_STREAM))
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        holder.bind((host, port))
+    except OSError as e:
+        raise ConfigError(field, f"cannot listen on {host}:{port}: {e}") from None
+    return port
+
+
+class _Child:
+    """A frontend process, forked by the engine's own trio thread.
+
+    PR_SET_PDEATHSIG, which takes a frontend down with the engine, fires when the *thread* that
+    forked it exits; trio's `open_process` forks in a worker thread that exits after 10 s idle,
+    which killed every frontend of an idle engine. So the fork happens here (a vfork-style
+    spawn, brief), and the exit is awaited on a pidfd.
+    """
+
+    def __init__(self, argv: list[str], link_fd: int) -> None:
+        # A frontend imports jax (bundles name its types) but never initialises a device: the
+        # engine is the only process that touches it (on a GPU, XLA would take most of its memory).
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        self._popen = subprocess.Popen(argv, stdin=subprocess.PIPE, pass_fds=(link_fd,), env=env)
+        assert self._popen.stdin is not None
+        self.pid = self._popen.pid
+        self.stdin = trio.lowlevel.FdStream(os.dup(self._popen.stdin.fileno()))
+        self._popen.stdin.close()
+        self._pidfd = os.pidfd_open(self.pid)
+        self._waiting = trio.Lock()
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.poll()
+
+    async def wait(self) -> int:
+        async with self._waiting:  # one task at a time waits on the pidfd
+            if self._popen.poll() is None:
+                await trio.lowlevel.wait_readable(self._pidfd)
+        return self._popen.wait()
+
+    def send_signal(self, sig: int) -> None:
+        self._popen.send_signal(sig)
+
+    def kill(self) -> None:
+        self._popen.kill()
+
+    def close(self) -> None:
+        """Once it has exited: release the pidfd."""
+        os.close(self._pidfd)
+
+
+async def _stop(process: _Child, grace_s: float) -> None:
     if process.returncode is None:
         with contextlib.suppress(ProcessLookupError):
             process.send_signal(signal.SIGTERM)

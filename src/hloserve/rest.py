@@ -462,13 +462,15 @@ _READ_BYTES = 1 << 20
 """Bytes hypercorn takes from a connection's buffer per read (its default is 64 KiB)."""
 
 
-def _listen(host: str, port: int, backlog: int) -> socket.socket:
+def _listen(host: str, port: int, backlog: int, reuse_port: bool = False) -> socket.socket:
     """A listening TCP socket, as hypercorn makes one, closed again when it cannot bind
-    (hypercorn's own leaks it)."""
+    (hypercorn's own leaks it); `reuse_port` shares the port with sibling processes."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
         sock.listen(backlog)
         sock.setblocking(False)
@@ -481,9 +483,11 @@ def _listen(host: str, port: int, backlog: int) -> socket.socket:
 class RestServer:
     """hypercorn serving the REST app on `server.host`:`server.http_port` until `stop()`."""
 
-    def __init__(self, app: _App, config: ServerConfig) -> None:
+    def __init__(self, app: _App, config: ServerConfig, *, reuse_port: bool = False) -> None:
         self._app = app
         self._config = config
+        self._reuse_port = reuse_port
+        """Share the port (SO_REUSEPORT) with sibling processes: the frontends."""
         self._stop = trio.Event()
         self.stopped = trio.Event()
         """Set once every connection is closed (after `stop()`, within the grace period)."""
@@ -500,7 +504,7 @@ class RestServer:
         # 64 KiB per read made a 4.8 MB body 75 passes through h11 and the ASGI queue.
         hypercorn.asyncio.tcp_server.MAX_RECV = _READ_BYTES
         try:
-            sock = _listen(self._config.host, self._config.http_port, settings.backlog)
+            sock = _listen(self._config.host, self._config.http_port, settings.backlog, self._reuse_port)
             bound = sock.getsockname()[1]
             sockets = hypercorn.config.Sockets([], [sock], [])
             serve = functools.partial(

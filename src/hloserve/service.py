@@ -29,7 +29,7 @@ from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve._status import grpc_errors as _rpc
 from hloserve._status import to_grpc_error
 from hloserve.actors.messages import Infer
-from hloserve.admission import Admission
+from hloserve.admission import Admission, Ticket
 from hloserve.bundle import check_model_name
 from hloserve.codec import decode_request, encode_response, request_deadline
 from hloserve.config import Config, ModelSettings
@@ -229,21 +229,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         now = time.monotonic()
         remaining = None if grpc_deadline is None else grpc_deadline.time_remaining()
         deadline = request_deadline(decoded.timeout_s, remaining, now)
-        stats = self._statistics[entry.name]
-        compiled = entry.compiled
-        try:
-            ticket = self._admission.admit(
-                entry.name,
-                decoded.rows,
-                now,
-                deadline,
-                executed=stats.inference_count,
-                costs=stats.cost,
-                backlog_rows=1 if compiled is None else max(compiled.batch_sizes[-1], 1),
-            )
-        except CannotMeetDeadline:
-            stats.drops["cannot_meet_deadline"] += 1
-            raise
+        ticket = self.admit(entry, decoded.rows, now, deadline)
         self._inflight += 1
         try:
             if meta_run is not None:
@@ -265,6 +251,28 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
             self._admission.release(ticket)
         return encode_response(request, entry.name, manifest.outputs, decoded, outputs, entry.bundle.labels)
 
+    def admit(self, entry: ModelEntry, rows: int, now: float, deadline: float | None) -> Ticket:
+        """Count a request in, or refuse it if it cannot meet its deadline (`Admission`, from
+        this process's measured figures); hand the ticket back to `release` when it is done."""
+        stats = self._statistics[entry.name]
+        compiled = entry.compiled
+        try:
+            return self._admission.admit(
+                entry.name,
+                rows,
+                now,
+                deadline,
+                executed=stats.inference_count,
+                costs=stats.cost,
+                backlog_rows=1 if compiled is None else max(compiled.batch_sizes[-1], 1),
+            )
+        except CannotMeetDeadline:
+            stats.drops["cannot_meet_deadline"] += 1
+            raise
+
+    def release(self, ticket: Ticket) -> None:
+        self._admission.release(ticket)
+
     async def _execute(
         self,
         entry: ModelEntry,
@@ -285,6 +293,10 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         return await reply
 
     # -- health and metadata -------------------------------------------------------------------
+
+    def _platform(self) -> str:
+        """The platform models run on (ModelMetadata, ModelConfig): this process's device."""
+        return _platform()
 
     @_rpc("ServerLive")
     async def server_live(self, message: kserve.ServerLiveRequest) -> kserve.ServerLiveResponse:
@@ -342,7 +354,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         return kserve.ModelMetadataResponse(
             name=entry.name,
             versions=["1"],
-            platform=_platform(),
+            platform=self._platform(),
             inputs=tensors(manifest.inputs),
             outputs=tensors(manifest.outputs),
         )
@@ -374,7 +386,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         return kserve.ModelConfigResponse(
             config=kserve.ModelConfig(
                 name=entry.name,
-                platform=_platform(),
+                platform=self._platform(),
                 backend="python" if manifest.is_meta else "jax",
                 max_batch_size=max_batch,
                 version_policy=kserve.ModelVersionPolicy(latest=kserve.ModelVersionPolicyLatest(1)),

@@ -14,7 +14,7 @@ cancelling the surrounding scope stops at once, failing queued calls with UNAVAI
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 
 import structlog
@@ -29,13 +29,12 @@ from hloserve.actors.dispatcher import Dispatcher
 from hloserve.actors.weight_cache import WeightCache
 from hloserve.budget import resolve_budget
 from hloserve.buffer_pool import BufferPool
-from hloserve.config import Config
+from hloserve.config import Config, ModelSettings
 from hloserve.control import ControlService
 from hloserve.errors import ConfigError
 from hloserve.executable_cache import ExecutableCache, default_directory
 from hloserve.frontends import Frontends
 from hloserve.health import worker_health
-from hloserve.link import EngineServices
 from hloserve.meta import MetaModels
 from hloserve.metrics import Metrics
 from hloserve.model_table import ModelTable, Prepared, prepare_repository
@@ -49,8 +48,6 @@ __all__ = ["Worker", "serve"]
 
 log = structlog.get_logger("hloserve.worker")
 
-_WINDOW_BYTES = 16 << 20  # HTTP/2 flow-control windows: a 4.8 MB tensor in one window
-
 
 class Worker(ModelTable):
     """What a running worker tells its embedder: its ports, and its model table."""
@@ -59,6 +56,32 @@ class Worker(ModelTable):
     metrics_port: int | None = None
     http_port: int | None = None
     """The bound KServe V2 REST port; None when REST is off (`server.http_port` -1)."""
+    frontends: Frontends | None = None
+    """With `server.frontends` >= 1: they see every change of the table before its call returns."""
+
+    async def _changing(self, name: str, change: Awaitable[None]) -> None:
+        """Apply a change of model `name`; if its entry changed, every frontend applies it too
+        before this returns (a failed reload that keeps the old version changes nothing)."""
+        before = self.models.get(name)
+        try:
+            await change
+        finally:
+            if self.frontends is not None and self.models.get(name) is not before:
+                await self.frontends.publish(name)
+
+    async def load_model(self, name: str, settings: ModelSettings | None = None) -> None:
+        await self._changing(name, super().load_model(name, settings))
+
+    async def unload_model(self, name: str) -> None:
+        await self._changing(name, super().unload_model(name))
+
+    async def reload_model_py(self, name: str) -> None:
+        await self._changing(name, super().reload_model_py(name))
+
+    def record_failure(self, name: str, reason: str) -> None:
+        super().record_failure(name, reason)
+        if self.frontends is not None:
+            self.frontends.post(name)  # in order with every other change; not awaited
 
 
 @asynccontextmanager
@@ -127,13 +150,15 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
                 worker_health(worker, service, draining=lambda: server.draining),
             ],
             config=Configuration(
-                http2_connection_window_size=_WINDOW_BYTES, http2_stream_window_size=_WINDOW_BYTES
+                http2_connection_window_size=_grpclib_patches.WINDOW_BYTES,
+                http2_stream_window_size=_grpclib_patches.WINDOW_BYTES,
             ),
             codec=KnownFieldsCodec(),
             limits=_grpclib_patches.TransportLimits.from_config(server_config),
         )
         rest = None
-        if server_config.http_port >= 0:  # before gRPC: a failed bind cancels it with the nursery
+        if server_config.http_port >= 0 and not server_config.frontends:  # else each frontend serves REST
+            # before gRPC: a failed bind cancels it with the nursery
             app = build_app(service, entries, server_config.max_message_bytes)
             rest = RestServer(app, server_config)
             try:
@@ -146,14 +171,17 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
                 ) from None
         frontends = None
         if server_config.frontends:
-            calls = {"model_statistics": service.model_statistics}
-            frontends = Frontends(config, entries, EngineServices(service.count_elapsed, calls))
+            frontends = worker.frontends = Frontends(worker, service)
         try:
-            if frontends is not None:  # the engine: K processes serve gRPC, over links to it
-                worker.grpc_port = await nursery.start(frontends.run)
+            if frontends is not None:  # the engine: K processes serve gRPC and REST, over links to it
+                worker.grpc_port, http_port = await nursery.start(frontends.run)
+                worker.http_port = None if http_port < 0 else http_port
             else:
                 await trio_asyncio.aio_as_trio(server.start)(server_config.host, server_config.grpc_port)
                 worker.grpc_port = server.port
+        except ConfigError:  # a port the frontends cannot have
+            metrics.close()
+            raise
         except OSError as e:
             metrics.close()
             raise ConfigError(
@@ -170,7 +198,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         log.info(
             "listening",
             grpc=f"{server_config.host}:{worker.grpc_port}",
-            http=None if rest is None else f"{server_config.host}:{worker.http_port}",
+            http=None if worker.http_port is None else f"{server_config.host}:{worker.http_port}",
             metrics=None if worker.metrics_port is None else f"{server_config.host}:{worker.metrics_port}",
             models_ready=ready,
             models_failed=sorted(set(entries) - set(ready)),

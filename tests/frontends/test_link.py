@@ -21,7 +21,9 @@ from support.servers import make_config
 
 from hloserve.buffer_pool import BufferPool
 from hloserve.config import ModelSettings
-from hloserve.link import HEADER, MAX_FRAME_BYTES, EngineLink, FrameReader, FrontendLink, Hello, Run
+from hloserve.engine_link import EngineLink
+from hloserve.frontend_link import FrontendLink
+from hloserve.link import HEADER, MAX_FRAME_BYTES, FrameReader, Hello, Run
 from hloserve.worker import Worker, serve
 
 OUT_BYTES = 4 << 10

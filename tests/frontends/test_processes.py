@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +19,7 @@ import tritonclient.grpc as grpcclient
 from export_examples import reference
 from support.bundles import assert_affine_answers, write_affine
 from support.clients import assert_serves, infer
-from support.servers import ROOT, start_worker
+from support.servers import start_worker
 from tritonclient.utils import InferenceServerException
 
 pytestmark = pytest.mark.slow
@@ -223,24 +222,6 @@ def test_hooks_of_two_requests_run_at_the_same_time_in_two_processes(tmp_path: P
     assert len(runs) == 8 and {pid for pid, _, _ in runs} == set(frontends)
     overlapping = [(a, b) for a in runs for b in runs if a[0] != b[0] and a[1] < b[2] and b[1] < a[2]]
     assert overlapping, f"no two hooks ran at once in two processes: {runs}"
-
-
-def test_perf_analyzer_runs_clean_against_two_frontends() -> None:
-    sys.path.insert(0, str(ROOT / "benches"))
-    from perf_analyzer import perf_analyzer_path, run_perf_analyzer
-
-    assert perf_analyzer_path() is not None, "run `python benches/perf_analyzer.py --install`"
-    with start_worker(process="subprocess", frontends=2) as worker:
-        result = run_perf_analyzer(
-            ["-m", "mlp", "-u", worker.url, "-i", "grpc", "--concurrency-range", "1:8:7", "-b", "2",
-             "--measurement-interval", "1000", "-s", "100", "--max-trials", "5"],
-            timeout=180,
-        )  # fmt: skip
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
-    assert "error" not in output.lower(), output
-    # Server-side figures come from ModelStatistics, which the engine answers for every frontend.
-    assert "Request concurrency: 8" in output and "Server:" in output and "compute infer" in output
 
 
 def test_a_deadline_passed_in_the_engine_queue_is_deadline_exceeded_as_with_one_process(

@@ -26,7 +26,8 @@ from hloserve import _grpclib_patches
 from hloserve._proto_codec import KnownFieldsCodec
 from hloserve.buffer_pool import BufferPool
 from hloserve.config import ModelSettings
-from hloserve.link import EngineLink, FrontendLink, execute_over
+from hloserve.engine_link import EngineLink
+from hloserve.frontend_link import FrontendLink, execute_over
 from hloserve.meta import MetaModels
 from hloserve.metrics import Metrics
 from hloserve.policy import PolicyParams

@@ -39,15 +39,17 @@ def _slow(params: Any, x: Any) -> Any:
     return m[:, :4]
 
 
-@pytest.fixture(scope="module", name="server")
-def _server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+@pytest.fixture(scope="module", name="server", params=[0, 2], ids=["frontends0", "frontends2"])
+def _server(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[ServerThread]:
     repository = tmp_path_factory.mktemp("repository")
     for name in ("mlp", "pool"):
         shutil.copytree(EXAMPLES / name, repository / name)
     export_bundle(
         _slow, {"w": _W}, [InputSpec("INPUT0", (256,))], repository / "slow", batch_sizes=(1, 8), verify=False
     )
-    with start_worker(make_config(repository, max_request_rows=ROW_CAP)) as server:
+    with start_worker(make_config(repository, max_request_rows=ROW_CAP), frontends=request.param) as server:
         yield server
 
 

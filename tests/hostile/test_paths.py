@@ -4,6 +4,8 @@ A hostile client names a path in RepositoryModelLoad (or a control RPC) hoping t
 read a bundle from elsewhere and execute its `model.py`. Every bundle planted outside the
 repository here writes a marker file when its `model.py` runs; the marker must never appear,
 and the server must keep serving.
+
+One process: the name and path checks run in the engine (loads go there from any frontend).
 """
 
 from __future__ import annotations

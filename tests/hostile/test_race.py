@@ -4,6 +4,8 @@ The hostile client races RepositoryModelLoad and RepositoryModelUnload of one mo
 dispatcher is busy with slow batches of another (`pool`, 4.8 MB a batch), then names the model
 in the control RPCs. The server must end each round consistent (ready if and only if a request
 answers), answer control calls for a gone model NOT_FOUND, and never die or half-live.
+
+One process: the races are in the engine's model table and dispatcher, the same with frontends.
 """
 
 from __future__ import annotations

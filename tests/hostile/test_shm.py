@@ -32,13 +32,15 @@ X = np.random.default_rng(13).random((4, 16), dtype=np.float32)
 IN_BYTES, OUT_BYTES = X.nbytes, 4 * 4 * 4
 
 
-@pytest.fixture(scope="module", name="server")
-def _server() -> Iterator[ServerProcess]:
+@pytest.fixture(scope="module", name="server", params=[0, 2], ids=["frontends0", "frontends2"])
+def _server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
     env = {
         "HLOSERVE_SERVER_SHM_MAX_REGIONS": str(MAX_REGIONS),
         "HLOSERVE_SERVER_SHM_MAX_BYTES": str(MAX_BYTES),
     }
-    with start_worker(process="subprocess", args=["--allow-client-shm"], env=env) as server:
+    with start_worker(
+        process="subprocess", args=["--allow-client-shm"], env=env, frontends=request.param
+    ) as server:
         yield server
 
 

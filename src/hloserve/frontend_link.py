@@ -1,0 +1,313 @@
+"""A frontend's end of its link (`hloserve.link`): `FrontendLink` stages a request's inputs in
+the frontend's arena, sends `Run` and hands back the engine's answer; `execute_over` is the
+service's execute step over it."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, final
+
+import numpy as np
+import trio
+import trio_asyncio
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+
+from hloserve.buffer_pool import BufferPool, PoolSlot
+from hloserve.link import (
+    ALIGNMENT,
+    Applied,
+    Call,
+    Failed,
+    FrameReader,
+    Hello,
+    Ran,
+    Released,
+    Returned,
+    Run,
+    TableChanged,
+    TensorRef,
+    Withdraw,
+    frame,
+)
+
+if TYPE_CHECKING:
+    from hloserve.model_table import ModelEntry
+    from hloserve.service import Execute
+
+__all__ = ["FrontendLink", "execute_over"]
+
+
+def _with_queued(first: bytes, queue: trio.MemoryReceiveChannel[bytes]) -> bytes:
+    """`first` and every frame queued behind it, for one write (one system call, not one per
+    frame, when requests arrive together)."""
+    frames = [first]
+    while True:
+        try:
+            frames.append(queue.receive_nowait())
+        except trio.WouldBlock:
+            return b"".join(frames) if len(frames) > 1 else first
+
+
+@dataclass(eq=False, slots=True)
+class _Waiting:
+    slot: PoolSlot | None
+    done: trio.Event = field(default_factory=trio.Event)
+    answer: object = None
+    future: asyncio.Future[list[np.ndarray]] | None = None
+    """Set for a request from asyncio (`submit`): resolved when the answer comes."""
+    left: bool = False
+    """Its caller went away: the slot is released when the engine's final frame comes."""
+
+
+@final
+class FrontendLink:
+    """A frontend's end of the link: `submit` (from asyncio, no trio task per request) or `infer`
+    (from trio) stage inputs in the arena and send `Run`; `run` (a task) reads the engine's
+    frames and sends what is queued, in order. A caller that leaves sends `Withdraw` and leaves
+    its slot held until the engine says nothing reads it."""
+
+    def __init__(self, stream: trio.SocketStream, arena: BufferPool) -> None:
+        assert arena.key is not None, "the arena is shared memory the engine maps"
+        self._stream = stream
+        self._arena = arena
+        self._waiting: dict[int, _Waiting] = {}
+        self._next_id = 1
+        self.closed = trio.Event()
+        """Set when the engine's end is gone."""
+        self._outbound, self._outbound_queue = trio.open_memory_channel[bytes](math.inf)
+        self._pushed, self.pushes = trio.open_memory_channel[tuple[int, TableChanged]](math.inf)
+        """The engine's `TableChanged` notices (with their ids), in order; answer each with
+        `applied`."""
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        assert self._arena.key is not None
+        try:
+            await self._stream.send_all(frame(0, Hello(self._arena.key, self._arena.n_bytes)))
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._send_queued)
+                task_status.started()
+                reader = FrameReader(self._stream)
+                while (received := await reader.receive()) is not None:
+                    self._on_final(*received)
+                nursery.cancel_scope.cancel()
+        finally:
+            for waiting in self._waiting.values():
+                self._answer(waiting, Failed(Status.UNAVAILABLE.value, "the engine closed the link"))
+            self._waiting.clear()
+            self.closed.set()
+            await self._stream.aclose()
+
+    async def _send_queued(self) -> None:
+        async for data in self._outbound_queue:
+            await self._stream.send_all(_with_queued(data, self._outbound_queue))
+
+    def _post(self, ident: int, message: object) -> None:
+        """Queue a frame; the sender writes frames whole and in order."""
+        self._outbound.send_nowait(frame(ident, message))
+
+    def notify(self, message: object) -> None:
+        """Send a notice (no request of its own) without waiting."""
+        self._post(0, message)
+
+    async def announce(self, message: object) -> None:
+        self.notify(message)
+        await trio.lowlevel.checkpoint()
+
+    def _new_id(self) -> int:
+        ident, self._next_id = self._next_id, self._next_id + 1
+        return ident
+
+    def applied(self, ident: int) -> None:
+        """Tell the engine its `TableChanged` `ident` is applied."""
+        self._post(ident, Applied())
+
+    async def call(self, method: str, message: object) -> object:
+        """The engine's answer to its service's `method` for `message`; a caller that leaves
+        withdraws the call."""
+        if self.closed.is_set():
+            raise GRPCError(Status.UNAVAILABLE, "the engine closed the link")
+        ident = self._new_id()
+        try:
+            data = frame(ident, Call(method, message))
+        except ValueError as e:
+            raise GRPCError(Status.RESOURCE_EXHAUSTED, str(e)) from None
+        waiting = self._waiting[ident] = _Waiting(None)
+        self._outbound.send_nowait(data)
+        try:
+            await waiting.done.wait()
+        except BaseException:
+            if self._waiting.pop(ident, None) is not None:
+                self._post(ident, Withdraw())
+            raise
+        finally:
+            self._waiting.pop(ident, None)
+        match waiting.answer:
+            case Returned(value=value):
+                return value
+            case Failed(status=status, message=text):
+                raise GRPCError(Status(status), text)
+            case other:
+                raise TypeError(f"link answered {other!r}")
+
+    def _on_final(self, ident: int, message: object) -> None:
+        if isinstance(message, TableChanged):
+            self._pushed.send_nowait((ident, message))
+            return
+        waiting = self._waiting.pop(ident, None)
+        if waiting is None:
+            return
+        if waiting.left or isinstance(message, Released):
+            if waiting.slot is not None:
+                self._arena.release(waiting.slot)
+            return
+        self._answer(waiting, message)
+
+    def _answer(self, waiting: _Waiting, message: object) -> None:
+        waiting.answer = message
+        waiting.done.set()
+        future = waiting.future
+        if future is None or future.done():
+            return
+        try:
+            future.set_result(self._outputs(waiting))
+        except Exception as e:
+            future.set_exception(e)
+
+    def _outputs(self, waiting: _Waiting) -> list[np.ndarray]:
+        """The answer's outputs (copies; the slot is released here), or its error raised."""
+        slot = waiting.slot
+        assert slot is not None
+        try:
+            match waiting.answer:
+                case Ran(outputs=results):
+                    memory = self._arena.view(slot)
+                    return [self._copy_out(r, memory, slot) for r in results]
+                case Failed(status=status, message=message):
+                    raise GRPCError(Status(status), message)
+                case other:
+                    raise TypeError(f"link answered {other!r}")
+        finally:
+            self._arena.release(slot)
+
+    def _stage(
+        self,
+        slot: PoolSlot,
+        model: str,
+        inputs: list[np.ndarray],
+        rows: int,
+        outputs: list[int],
+        timeout_s: float | None,
+        out_nbytes: int,
+    ) -> tuple[int, _Waiting]:
+        specs = [(a.shape, a.dtype) for a in inputs] + [((out_nbytes,), np.uint8)]
+        staged = self._arena.scratch(slot, specs)
+        for target, source in zip(staged, inputs, strict=False):
+            target[...] = source
+        refs = [TensorRef(self._arena.array_offset(a), a.dtype.str, a.shape) for a in staged[:-1]]
+        out = (self._arena.array_offset(staged[-1]), out_nbytes)
+        ident = self._new_id()
+        waiting = self._waiting[ident] = _Waiting(slot)
+        self._post(ident, Run(model, refs, rows, outputs, timeout_s, out))
+        return ident, waiting
+
+    def _span(self, inputs: list[np.ndarray], out_nbytes: int) -> int:
+        return self._arena.span_for([(a.shape, a.dtype) for a in inputs] + [((out_nbytes,), np.uint8)])
+
+    def _leave(self, ident: int) -> None:
+        """The caller of request `ident` went away: withdraw it; its slot waits for the engine."""
+        waiting = self._waiting.get(ident)
+        if waiting is not None:
+            waiting.left = True
+            self._post(ident, Withdraw())
+
+    def submit(
+        self,
+        model: str,
+        inputs: list[np.ndarray],
+        rows: int,
+        outputs: list[int],
+        timeout_s: float | None,
+        out_nbytes: int,
+        future: asyncio.Future[list[np.ndarray]],
+    ) -> bool:
+        """Send a request whose answer resolves `future` (cancelling it withdraws the request);
+        False, and nothing sent, when the arena has no room now (the caller waits with `infer`)."""
+        if self.closed.is_set():
+            raise GRPCError(Status.UNAVAILABLE, "the engine closed the link")
+        slot = self._arena.try_acquire_slot(self._span(inputs, out_nbytes))
+        if slot is None:
+            return False
+        ident, waiting = self._stage(slot, model, inputs, rows, outputs, timeout_s, out_nbytes)
+        waiting.future = future
+        future.add_done_callback(lambda f: self._leave(ident) if f.cancelled() else None)
+        return True
+
+    async def infer(
+        self,
+        model: str,
+        inputs: list[np.ndarray],
+        rows: int,
+        outputs: list[int],
+        timeout_s: float | None,
+        out_nbytes: int,
+    ) -> list[np.ndarray]:
+        """Run `inputs` on the engine, waiting in line for room in the arena; the outputs are
+        copies (the slot is reused at once)."""
+        if self.closed.is_set():
+            raise GRPCError(Status.UNAVAILABLE, "the engine closed the link")
+        slot = await self._arena.acquire_slot(self._span(inputs, out_nbytes))
+        ident, waiting = self._stage(slot, model, inputs, rows, outputs, timeout_s, out_nbytes)
+        try:
+            await waiting.done.wait()
+        except BaseException:
+            self._leave(ident)
+            raise
+        return self._outputs(waiting)
+
+    @staticmethod
+    def _copy_out(result: TensorRef | np.ndarray, memory: np.ndarray, slot: PoolSlot) -> np.ndarray:
+        if isinstance(result, np.ndarray):
+            return result
+        start = result.offset - slot.offset
+        return memory[start : start + result.nbytes].view(result.dtype).reshape(result.shape).copy()
+
+
+def execute_over(link: FrontendLink) -> Execute:
+    """`InferenceService`'s execute step for a frontend: the inputs go to the engine over `link`
+    (from the service's asyncio handlers, with no trio task unless the arena is full), with room
+    reserved for the outputs."""
+    infer = trio_asyncio.trio_as_aio(link.infer)
+
+    async def execute(
+        entry: ModelEntry,
+        inputs: list[Any],
+        rows: int,
+        outputs: list[int],
+        deadline: float | None,
+        now: float,
+    ) -> list[Any]:
+        assert entry.bundle is not None
+        specs = entry.bundle.manifest.executable_outputs
+        out_nbytes = sum(_nbytes_bound(specs[i], rows) for i in outputs)
+        timeout_s = None if deadline is None else deadline - time.monotonic()
+        arrays = [np.asarray(a) for a in inputs]
+        future: asyncio.Future[list[np.ndarray]] = asyncio.get_running_loop().create_future()
+        if link.submit(entry.name, arrays, rows, outputs, timeout_s, out_nbytes, future):
+            return await future
+        return list(await infer(entry.name, arrays, rows, outputs, timeout_s, out_nbytes))
+
+    return execute
+
+
+def _nbytes_bound(spec: Any, rows: int) -> int:
+    """The bytes of an output of `rows` rows, aligned; 0 when its shape depends on the data (it
+    then travels inline)."""
+    try:
+        shape = spec.wire_shape(rows)
+    except ValueError:
+        return 0
+    return math.prod(shape) * spec.dtype.itemsize + ALIGNMENT
