@@ -14,7 +14,7 @@ cancelling the surrounding scope stops at once, failing queued calls with UNAVAI
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from contextlib import asynccontextmanager
 
 import structlog
@@ -69,8 +69,10 @@ class Worker(ModelTable):
             if self.frontends is not None and self.models.get(name) is not before:
                 await self.frontends.publish(name)
 
-    async def load_model(self, name: str, settings: ModelSettings | None = None) -> None:
-        await self._changing(name, super().load_model(name, settings))
+    async def load_model(
+        self, name: str, settings: ModelSettings | None = None, files: Mapping[str, bytes] | None = None
+    ) -> None:
+        await self._changing(name, super().load_model(name, settings, files))
 
     async def unload_model(self, name: str) -> None:
         await self._changing(name, super().unload_model(name))
