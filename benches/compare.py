@@ -75,9 +75,11 @@ class _Server:
     """Its V2 REST endpoint, where it serves one."""
 
 
-def _start_peers(models: list[Any]) -> tuple[dict[str, _Server], dict[str, str]]:
+def _start_peers(
+    models: list[Any], peers: dict[str, str] = PEERS
+) -> tuple[dict[str, _Server], dict[str, str]]:
     running, missing = {}, {}
-    for name, module_name in PEERS.items():
+    for name, module_name in peers.items():
         try:
             module = importlib.import_module(module_name)
             module.install()

@@ -26,26 +26,28 @@ import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import betterproto2
-import hypercorn.asyncio.run
 import hypercorn.asyncio.tcp_server
 import hypercorn.config
 import hypercorn.utils
 import trio
 import trio_asyncio
 from grpclib.const import Status
+from hypercorn.asyncio.tcp_server import TCPServer
+from hypercorn.asyncio.worker_context import WorkerContext
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from hloserve._h2_limits import default_max_connections
 from hloserve._proto import inference as kserve
 from hloserve._status import to_grpc_error
 from hloserve.config import ServerConfig
-from hloserve.rest_codec import ChunkedBody, decode_infer, encode_infer
+from hloserve.rest_codec import decode_infer, encode_infer
 
 if TYPE_CHECKING:
     from hloserve.model_table import ModelEntry
@@ -74,26 +76,35 @@ _WBITS = {"gzip": 31, "deflate": 15}  # zlib window bits: gzip container, zlib c
 
 
 class HttpRefusal(Exception):
-    """A request refused at the HTTP layer (its body or headers), before the service sees it."""
+    """A request refused at the HTTP layer (its body or headers), before the service sees it;
+    `http` overrides the HTTP status that `status` maps to."""
 
     def __init__(
-        self, message: str, status: Status = Status.INVALID_ARGUMENT, headers: Mapping[str, str] | None = None
+        self,
+        message: str,
+        status: Status = Status.INVALID_ARGUMENT,
+        headers: Mapping[str, str] | None = None,
+        http: int | None = None,
     ) -> None:
-        self.status, self.headers = status, dict(headers or {})
+        self.status, self.headers, self.http = status, dict(headers or {}), http
         super().__init__(message)
 
 
-def _error(error: Exception, rpc: str) -> tuple[Status, str, dict[str, str]]:
-    """The gRPC status, message and extra headers a client gets for `error`."""
+def _error(error: Exception, rpc: str) -> tuple[Status, int, str, dict[str, str]]:
+    """The gRPC status, HTTP status, message and extra headers a client gets for `error`."""
     if isinstance(error, HttpRefusal):
-        return error.status, str(error), error.headers
+        return error.status, error.http or HTTP_STATUS.get(error.status, 400), str(error), error.headers
     grpc_error = to_grpc_error(error, rpc)
-    return grpc_error.status, grpc_error.message or "", {}
+    return grpc_error.status, HTTP_STATUS.get(grpc_error.status, 400), grpc_error.message or "", {}
 
 
 def _error_response(error: Exception, rpc: str) -> Response:
-    status, message, headers = _error(error, rpc)
-    return JSONResponse({"error": message}, HTTP_STATUS.get(status, 400), headers)
+    _, http, message, headers = _error(error, rpc)
+    return JSONResponse({"error": message}, http, headers)
+
+
+class _Disconnected(Exception):
+    """The client closed its connection while its request was being served."""
 
 
 def _plain(value: Any) -> Any:
@@ -135,6 +146,7 @@ def _compress(body: bytes, encoding: str) -> bytes:
     return zlib.compress(body, 6, _WBITS[encoding])
 
 
+T = TypeVar("T")
 Handler = Callable[[Request], Awaitable[Response]]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
@@ -149,57 +161,101 @@ async def _stream(receive: Receive) -> AsyncIterator[bytes]:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise asyncio.CancelledError("the client disconnected")
+            raise _Disconnected()
         yield message.get("body", b"")
         if not message.get("more_body", False):
             return
 
 
+async def _unless_disconnected(work: Awaitable[T], receive: Receive) -> T:
+    """`work`'s result; a client that disconnects meanwhile cancels it, so that a request still
+    in its model's queue is withdrawn (as a gRPC cancellation withdraws one)."""
+    task = asyncio.current_task()
+    assert task is not None
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        while (await receive())["type"] != "http.disconnect":
+            pass  # a body past its end (none, with h11's framing) is not ours to read
+        gone = True
+        task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        task.uncancel()
+        raise _Disconnected() from None
+    finally:
+        watcher.cancel()
+
+
 class _Routes:
     """The endpoints, bound to one service."""
 
-    def __init__(self, service: InferenceService, models: Mapping[str, ModelEntry], limit: int) -> None:
+    def __init__(
+        self, service: InferenceService, models: Mapping[str, ModelEntry], config: ServerConfig
+    ) -> None:
         self._service = service
         self._models = models
-        self._limit = limit
+        self._limit = config.max_message_bytes
+        self._body_timeout_s = config.http_body_timeout_s
 
-    async def _body(self, headers: Mapping[str, str], chunks_in: AsyncIterator[bytes]) -> bytes:
-        """The request body, decompressed, in one piece."""
-        return b"".join(await self._chunks(headers, chunks_in))
-
-    async def _chunks(self, headers: Mapping[str, str], chunks_in: AsyncIterator[bytes]) -> list[bytes]:
-        """The request body as it arrived, decompressed, refused once it passes the limit (at
-        once when its Content-Length does)."""
-        limit = self._limit
-        declared = headers.get("content-length")
-        if declared is not None and int(declared) > limit:
-            raise self._too_large(f"request body of {declared} bytes")
-        chunks = []
-        size = 0
-        async for chunk in chunks_in:
-            size += len(chunk)
-            if size > limit:
-                raise self._too_large(f"request body of more than {limit} bytes")
-            chunks.append(chunk)
+    async def _body(self, headers: Mapping[str, str], receive: Receive) -> memoryview:
+        """The request body, decompressed, in one buffer; refused once it passes the limit (at
+        once when its Content-Length does) or takes longer than `server.http_body_timeout_s`."""
         encoding = headers.get("content-encoding", "identity").strip().lower()
-        if encoding in _WBITS:
-            inflater = zlib.decompressobj(_WBITS[encoding])
-            try:
-                body = inflater.decompress(b"".join(chunks), limit + 1)
-            except zlib.error as e:
-                raise HttpRefusal(f"the body is not valid {encoding} data: {e}") from None
-            if len(body) > limit:
-                raise self._too_large(f"{encoding} body that inflates to more than {limit} bytes")
-            if not inflater.eof:
-                raise HttpRefusal(f"the {encoding} body is truncated")
-            return [body]
-        if encoding not in ("identity", ""):
+        if encoding not in (*_WBITS, "identity", ""):
             raise HttpRefusal(
                 f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or identity",
                 Status.UNIMPLEMENTED,  # as Triton: 501, saying what it accepts
                 {"Accept-Encoding": "gzip, deflate"},
             )
-        return chunks
+        try:
+            async with asyncio.timeout(self._body_timeout_s):
+                body = await self._receive(headers.get("content-length"), receive)
+        except TimeoutError:
+            raise HttpRefusal(
+                f"the request body did not arrive within {self._body_timeout_s} s "
+                "(server.http_body_timeout_s)",
+                Status.DEADLINE_EXCEEDED,
+                http=408,
+            ) from None
+        if encoding not in _WBITS:
+            return memoryview(body)
+        inflater = zlib.decompressobj(_WBITS[encoding])
+        try:
+            inflated = inflater.decompress(body, self._limit + 1)
+        except zlib.error as e:
+            raise HttpRefusal(f"the body is not valid {encoding} data: {e}") from None
+        if len(inflated) > self._limit:
+            raise self._too_large(f"{encoding} body that inflates to more than {self._limit} bytes")
+        if not inflater.eof:
+            raise HttpRefusal(f"the {encoding} body is truncated")
+        return memoryview(inflated)
+
+    async def _receive(self, declared: str | None, receive: Receive) -> bytes | bytearray:
+        """The body as sent: with a Content-Length (h11 holds the client to it), each chunk
+        copied once into a buffer of that size; chunked, joined once it has all come."""
+        if declared is not None:
+            if int(declared) > self._limit:
+                raise self._too_large(f"request body of {declared} bytes")
+            body = bytearray(int(declared))
+            view, filled = memoryview(body), 0
+            async for chunk in _stream(receive):
+                view[filled : filled + len(chunk)] = chunk
+                filled += len(chunk)
+            return body
+        chunks, size = [], 0
+        async for chunk in _stream(receive):
+            size += len(chunk)
+            if size > self._limit:
+                raise self._too_large(f"request body of more than {self._limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def _too_large(self, what: str) -> HttpRefusal:
         return HttpRefusal(
@@ -208,7 +264,7 @@ class _Routes:
 
     async def _json(self, request: Request) -> dict[str, Any]:
         """A JSON object body; an empty body is {}."""
-        body = await self._body(request.headers, request.stream())
+        body = bytes(await self._body(request.headers, request.receive))
         if not body.strip():
             return {}
         try:
@@ -240,18 +296,21 @@ class _Routes:
                     f"Inference-Header-Content-Length must be a byte count, got {header_length!r}"[:200]
                 )
             decoded = decode_infer(
-                ChunkedBody(await self._chunks(headers, _stream(receive))),
+                await self._body(headers, receive),
                 None if header_length is None else int(header_length),
                 model,
                 version,
             )
-            content, binary_length = encode_infer(await self._service._infer(decoded.request, None), decoded)
+            response = await _unless_disconnected(self._service._infer(decoded.request, None), receive)
+            pieces, binary_length = encode_infer(response, decoded)
+        except _Disconnected:
+            return  # nobody to answer; as a cancelled gRPC call, it is not counted
         except Exception as e:
-            status, message, extra = _error(e, "ModelInfer")
+            status, http, message, extra = _error(e, "ModelInfer")
             self._service._count(label, status.name, started)
             body = json.dumps({"error": message}).encode()
             extra_headers = [(k.lower().encode(), v.encode()) for k, v in extra.items()]
-            await _respond(send, HTTP_STATUS.get(status, 400), body, _JSON + extra_headers)
+            await _respond(send, http, [body], _JSON + extra_headers)
             return
         self._service._count(label, "OK", started)
         response_headers = _JSON if binary_length is None else _BINARY
@@ -259,9 +318,9 @@ class _Routes:
             response_headers = [*response_headers, (_HEADER_LENGTH_OUT, str(binary_length).encode())]
         encoding = _response_encoding(headers.get("accept-encoding"))
         if encoding is not None:
-            content = _compress(content, encoding)
+            pieces = [_compress(b"".join(pieces), encoding)]
             response_headers = [*response_headers, (b"content-encoding", encoding.encode())]
-        await _respond(send, 200, content, response_headers)
+        await _respond(send, 200, pieces, response_headers)
 
     # -- health and metadata -------------------------------------------------------------------
 
@@ -372,10 +431,19 @@ class _Routes:
         raise AssertionError("unreachable")
 
 
-async def _respond(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
-    headers = [*headers, (b"content-length", str(len(body)).encode())]
+_JOIN_BYTES = 1 << 16
+"""A response this small is joined and sent in one piece (one pass through hypercorn and h11
+costs more than copying it); a larger one is sent piece by piece, its tensors never copied."""
+
+
+async def _respond(send: Send, status: int, pieces: list[bytes], headers: list[tuple[bytes, bytes]]) -> None:
+    length = sum(map(len, pieces))
+    headers = [*headers, (b"content-length", str(length).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    if length <= _JOIN_BYTES:
+        pieces = [b"".join(pieces)]
+    for i, piece in enumerate(pieces, 1 - len(pieces)):
+        await send({"type": "http.response.body", "body": piece, "more_body": i < 0})
 
 
 def _endpoint(handler: Handler, rpc: str) -> Handler:
@@ -385,6 +453,8 @@ def _endpoint(handler: Handler, rpc: str) -> Handler:
     async def endpoint(request: Request) -> Response:
         try:
             return await handler(request)
+        except _Disconnected:
+            return Response(status_code=400)  # nobody is left to read it
         except Exception as e:
             return _error_response(e, rpc)
 
@@ -396,9 +466,9 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return JSONResponse({"error": exc.detail}, exc.status_code, exc.headers)
 
 
-def build_app(service: InferenceService, models: Mapping[str, ModelEntry], limit: int) -> _App:
+def build_app(service: InferenceService, models: Mapping[str, ModelEntry], config: ServerConfig) -> _App:
     """The Starlette application of the V2 REST protocol over `service`."""
-    r = _Routes(service, models, limit)
+    r = _Routes(service, models, config)
 
     def get(path: str, handler: Handler, rpc: str) -> Route:
         return Route(path, _endpoint(handler, rpc), methods=["GET"])
@@ -444,17 +514,28 @@ def build_app(service: InferenceService, models: Mapping[str, ModelEntry], limit
             get(model + "/config", r.model_config, "ModelConfig"),
             get(model + "/stats", r.model_stats, "ModelStatistics"),
         ]
-    return _App(r, Starlette(routes=routes, exception_handlers={HTTPException: _http_error}))
+    starlette = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    return _App(r, starlette, config.http_max_header_bytes)
 
 
 class _App:
     """The ASGI application: inference straight to its handler, the rest through Starlette."""
 
-    def __init__(self, routes: _Routes, starlette: Starlette) -> None:
-        self._routes, self._starlette = routes, starlette
+    def __init__(self, routes: _Routes, starlette: Starlette, max_head_bytes: int) -> None:
+        self._routes, self._starlette, self._max_head_bytes = routes, starlette, max_head_bytes
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
+        if scope["type"] != "http":
+            return await self._starlette(scope, receive, send)
+        # h11 bounds a head still arriving; one that came whole in a single read is counted here
+        head = len(scope["raw_path"]) + sum(len(name) + len(value) + 4 for name, value in scope["headers"])
+        if head > self._max_head_bytes:
+            message = (
+                f"the request line and headers take {head} bytes, past the server's limit of "
+                f"{self._max_head_bytes} (server.http_max_header_bytes)"
+            )
+            return await _respond(send, 431, [json.dumps({"error": message}).encode()], _JSON)
+        if scope["method"] == "POST":
             match = _INFER_PATH.fullmatch(scope["path"])
             if match is not None:
                 return await self._routes.infer(match[1], match[2] or "", scope, receive, send)
@@ -481,8 +562,27 @@ def _listen(host: str, port: int, backlog: int) -> socket.socket:
     return sock
 
 
+def _refusal(cap: int) -> bytes:
+    """The whole answer to a connection past `server.http_max_connections`."""
+    body = json.dumps({"error": f"server.http_max_connections ({cap}) reached; retry later"}).encode()
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\nretry-after: 1\r\n\r\n"
+    )
+    return head.encode() + body
+
+
 class RestServer:
-    """hypercorn serving the REST app on `server.host`:`server.http_port` until `stop()`."""
+    """hypercorn serving the REST app on `server.host`:`server.http_port` until `stop()`.
+
+    hypercorn's own accept loop (`worker_serve`) has no connection cap, so this one runs its
+    connection handler (`TCPServer`) itself: past `server.http_max_connections` a new connection
+    is answered 503 with a JSON error and closed at once, never read (a client that had already
+    sent its request may see the close as a reset). hypercorn bounds the rest: the request head
+    (`server.http_max_header_bytes`, past it 431 and close), a connection's idle time between
+    requests and while its head arrives (`server.http_idle_timeout_s`); the routes bound the
+    body's time (`server.http_body_timeout_s`, 408).
+    """
 
     def __init__(self, app: _App, config: ServerConfig) -> None:
         self._app = app
@@ -490,6 +590,8 @@ class RestServer:
         self._stop = trio.Event()
         self.stopped = trio.Event()
         """Set once every connection is closed (after `stop()`, within the grace period)."""
+        self.connections = 0
+        """Connections open now (refused ones are never counted)."""
 
     def stop(self) -> None:
         """Stop accepting connections; those open finish their requests within the grace period."""
@@ -499,21 +601,53 @@ class RestServer:
         """Bind, report the bound port, serve until stopped; an address in use raises OSError."""
         settings = hypercorn.config.Config()
         settings.graceful_timeout = self._config.shutdown_grace_s
+        settings.keep_alive_timeout = self._config.http_idle_timeout_s
+        settings.h11_max_incomplete_size = self._config.http_max_header_bytes
         settings.accesslog = settings.errorlog = None  # the routes answer and log what goes wrong
         # 64 KiB per read made a 4.8 MB body 75 passes through h11 and the ASGI queue.
         hypercorn.asyncio.tcp_server.MAX_RECV = _READ_BYTES
         try:
             sock = _listen(self._config.host, self._config.http_port, settings.backlog)
-            bound = sock.getsockname()[1]
-            sockets = hypercorn.config.Sockets([], [sock], [])
-            serve = functools.partial(
-                hypercorn.asyncio.run.worker_serve,
-                hypercorn.utils.wrap_app(self._app, settings.wsgi_max_body_size, "asgi"),  # type: ignore[arg-type]
-                settings,
-                sockets=sockets,
-                shutdown_trigger=trio_asyncio.trio_as_aio(self._stop.wait),
-            )
-            task_status.started(bound)
-            await trio_asyncio.aio_as_trio(serve)()
+            task_status.started(sock.getsockname()[1])
+            await trio_asyncio.aio_as_trio(self._serve)(sock, settings)
         finally:
             self.stopped.set()
+
+    async def _serve(self, sock: socket.socket, settings: hypercorn.config.Config) -> None:
+        """hypercorn's `worker_serve` for one plain TCP socket, with the connection cap."""
+        loop = asyncio.get_running_loop()
+        app = hypercorn.utils.wrap_app(self._app, settings.wsgi_max_body_size, "asgi")  # type: ignore[arg-type]
+        context = WorkerContext(None)
+        state: dict[str, Any] = {}
+        cap = self._config.http_max_connections or default_max_connections()
+        refusal = _refusal(cap)
+        open_: set[asyncio.Task[Any]] = set()
+
+        async def connected(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            if len(open_) >= cap:
+                writer.write(refusal)
+                writer.close()
+                return
+            task = asyncio.current_task()
+            assert task is not None
+            open_.add(task)
+            self.connections = len(open_)
+            try:
+                await TCPServer(app, loop, settings, context, state, reader, writer)
+            finally:
+                open_.discard(task)
+                self.connections = len(open_)
+
+        server = await asyncio.start_server(connected, sock=sock, backlog=settings.backlog, limit=_READ_BYTES)
+        try:
+            await trio_asyncio.trio_as_aio(self._stop.wait)()
+        finally:
+            await context.terminated.set()  # idle connections close; busy ones after their request
+            server.close()
+            await server.wait_closed()
+            if open_:
+                _, late = await asyncio.wait(open_, timeout=settings.graceful_timeout)
+                for task in late:
+                    task.cancel()
+                if late:
+                    await asyncio.wait(late)

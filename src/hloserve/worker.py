@@ -59,6 +59,8 @@ class Worker(ModelTable):
     metrics_port: int | None = None
     http_port: int | None = None
     """The bound KServe V2 REST port; None when REST is off (`server.http_port` -1)."""
+    rest: RestServer | None = None
+    """The REST front end (its open connections), when it runs."""
 
 
 @asynccontextmanager
@@ -134,8 +136,8 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         )
         rest = None
         if server_config.http_port >= 0:  # before gRPC: a failed bind cancels it with the nursery
-            app = build_app(service, entries, server_config.max_message_bytes)
-            rest = RestServer(app, server_config)
+            app = build_app(service, entries, server_config)
+            rest = worker.rest = RestServer(app, server_config)
             try:
                 worker.http_port = await nursery.start(rest.run)
             except OSError as e:

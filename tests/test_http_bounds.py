@@ -1,0 +1,206 @@
+"""What a REST client can make the server hold, pushed past each bound with real sockets: the
+connection cap, the request head's size, the idle time before a head and the time a body takes;
+and a client that disconnects while its request is queued, which withdraws it. After each, the
+next good request is served and the server's descriptors come back."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from support.servers import ServerThread, make_config, start_worker
+
+from hloserve.config import ModelSettings
+
+CAP = 4
+MLP_BODY = json.dumps(
+    {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 16], "data": [0.5] * 16}]}
+).encode()
+
+
+@pytest.fixture(scope="module", name="bounded")
+def _bounded() -> Iterator[ServerThread]:
+    """A worker with small REST bounds, and an MLP queue that holds a lone row for 300 ms."""
+    config = make_config(
+        http_max_connections=CAP,
+        http_max_header_bytes=4096,
+        http_idle_timeout_s=1.0,
+        http_body_timeout_s=0.5,
+        scheduler={"models": {"mlp": ModelSettings(max_queue_delay_us=300_000)}},
+    )
+    with start_worker(config) as server:
+        yield server
+
+
+def _descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))  # the worker is a thread of this process
+
+
+def _connect(server: ServerThread) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.worker.http_port), timeout=10)
+
+
+def _infer(server: ServerThread) -> tuple[int, dict[str, Any]]:
+    connection = http.client.HTTPConnection("127.0.0.1", server.worker.http_port, timeout=10)
+    try:
+        connection.request("POST", "/v2/models/mlp/infer", MLP_BODY)
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def _until_closed(sock: socket.socket, seconds: float) -> bytes:
+    """Everything the server sends until it closes the connection (bounded by `seconds`)."""
+    sock.settimeout(seconds)
+    received = b""
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+    except ConnectionResetError:
+        pass
+    return received
+
+
+def _settled(server: ServerThread, descriptors: int) -> None:
+    """The next good request is served, and the descriptor count comes back to `descriptors`."""
+    status, answer = _infer(server)
+    assert status == 200 and answer["outputs"][0]["shape"] == [1, 4], answer
+    deadline = time.monotonic() + 5
+    while _descriptors() > descriptors:
+        assert time.monotonic() < deadline, f"{_descriptors()} descriptors open, {descriptors} before"
+        time.sleep(0.05)
+
+
+def _status_and_error(answer: bytes) -> tuple[int, str]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)["error"]
+
+
+def test_connections_past_the_cap_are_answered_503_and_closed(bounded: ServerThread) -> None:
+    _infer(bounded)  # the connection pool and first-request state exist before counting
+    before = _descriptors()
+    held = [_connect(bounded) for _ in range(CAP)]
+    deadline = time.monotonic() + 5
+    while bounded.call(lambda: bounded.worker.rest.connections) < CAP:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    extra = _connect(bounded)
+    status, error = _status_and_error(_until_closed(extra, 5))
+    assert status == 503 and f"server.http_max_connections ({CAP})" in error, error
+    extra.close()
+    assert bounded.call(lambda: bounded.worker.rest.connections) == CAP
+    for sock in held:
+        sock.close()
+    deadline = time.monotonic() + 5  # the server sees each close, and frees its slot
+    while bounded.call(lambda: bounded.worker.rest.connections) > 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    _settled(bounded, before)
+
+
+def test_a_request_head_past_the_bound_is_431(bounded: ServerThread) -> None:
+    """Whole in one read, the head is counted by the app (431 with a JSON error); still
+    arriving, h11 stops buffering it at the bound (431, and the connection is closed)."""
+    before = _descriptors()
+    padding = b"x-padding: " + b"a" * 8192 + b"\r\n"
+    with _connect(bounded) as sock:
+        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nhost: x\r\nconnection: close\r\n" + padding + b"\r\n")
+        status, error = _status_and_error(_until_closed(sock, 5))
+    assert status == 431 and "server.http_max_header_bytes" in error and "4096" in error, error
+    with _connect(bounded) as sock:
+        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nhost: x\r\n")
+        time.sleep(0.1)  # the server has the start of the head, then 5 KiB more without its end
+        sock.sendall(b"x-padding: " + b"a" * 5000 + b"\r\n")
+        answer = _until_closed(sock, 5)
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    _settled(bounded, before)
+
+
+def test_a_head_that_never_completes_is_closed_after_the_idle_timeout(bounded: ServerThread) -> None:
+    before = _descriptors()
+    with _connect(bounded) as sock:
+        started = time.monotonic()
+        sock.sendall(b"POST /v2/models/mlp/infer HTTP/1.1\r\n")
+        closed = False
+        for _ in range(50):  # a header byte every 0.1 s: the head never completes
+            try:
+                sock.sendall(b"x")
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                break
+            time.sleep(0.1)
+            sock.settimeout(0)
+            try:
+                if sock.recv(1024) == b"":
+                    closed = True
+                    break
+            except BlockingIOError:
+                pass
+            except ConnectionResetError:
+                closed = True
+                break
+    assert closed, "a never-ending head held its connection for 5 s"
+    assert 0.9 < time.monotonic() - started < 3
+    _settled(bounded, before)
+
+
+def test_a_trickled_body_is_408_and_closed(bounded: ServerThread) -> None:
+    before = _descriptors()
+    with _connect(bounded) as sock:
+        started = time.monotonic()
+        sock.sendall(b"POST /v2/models/mlp/infer HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n{")
+        sock.settimeout(0.1)
+        answer = b""
+        for _ in range(50):  # a byte every 0.1 s: the body would take 100 s
+            try:
+                sock.sendall(b" ")
+                answer += sock.recv(65536)
+            except TimeoutError:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            if answer.endswith(b"}"):
+                break
+        answer += _until_closed(sock, 5)
+    status, error = _status_and_error(answer)
+    assert status == 408 and "server.http_body_timeout_s" in error, error
+    assert time.monotonic() - started < 3
+    _settled(bounded, before)
+
+
+def test_a_client_that_disconnects_while_queued_withdraws_its_request(bounded: ServerThread) -> None:
+    client = grpcclient.InferenceServerClient(bounded.url)
+    try:
+        executed = client.get_inference_statistics("mlp").model_stats[0].execution_count
+        drops = bounded.call(lambda: bounded.worker.statistics["mlp"].drops["cancelled"])
+        with _connect(bounded) as sock:
+            sock.sendall(
+                b"POST /v2/models/mlp/infer HTTP/1.1\r\nhost: x\r\n"
+                + f"content-length: {len(MLP_BODY)}\r\n\r\n".encode()
+                + MLP_BODY
+            )
+            deadline = time.monotonic() + 5  # queued: the lone row waits 300 ms for company
+            while bounded.call(lambda: bounded.worker.statistics["mlp"].queue.count) == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+        deadline = time.monotonic() + 5
+        while bounded.call(lambda: bounded.worker.statistics["mlp"].drops["cancelled"]) == drops:
+            assert time.monotonic() < deadline, "the disconnected request was not withdrawn"
+            time.sleep(0.01)
+        time.sleep(0.4)  # past the 300 ms hold: it would have run by now
+        assert client.get_inference_statistics("mlp").model_stats[0].execution_count == executed
+    finally:
+        client.close()
+    status, answer = _infer(bounded)
+    assert status == 200, answer
+    expected = np.asarray(answer["outputs"][0]["data"])
+    assert expected.shape == (4,) and np.isfinite(expected).all()
