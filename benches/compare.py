@@ -110,7 +110,7 @@ def _measure_pa(
     try:
         row = measure(url, server.pid, scenario, model, concurrency, extra, window_ms, protocol, server.url)
     except Exception as e:
-        return Figure(scenario, "perf_analyzer", server.name, note=f"failed: {e}"[:300])
+        return Figure(scenario, "perf_analyzer", server.name, note=f"failed: {str(e)[-300:]}")
     return Figure(
         scenario,
         "perf_analyzer",

@@ -189,7 +189,7 @@ def test_a_client_that_disconnects_while_queued_withdraws_its_request(bounded: S
                 + MLP_BODY
             )
             deadline = time.monotonic() + 5  # queued: the lone row waits 300 ms for company
-            while bounded.call(lambda: bounded.worker.statistics["mlp"].queue.count) == 0:
+            while bounded.call(lambda: bounded.worker.rest.inferring) == 0:
                 assert time.monotonic() < deadline
                 time.sleep(0.005)
         deadline = time.monotonic() + 5

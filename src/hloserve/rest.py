@@ -26,12 +26,13 @@ import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from enum import Enum
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import betterproto2
 import hypercorn.asyncio.tcp_server
 import hypercorn.config
 import hypercorn.utils
+import numpy as np
 import trio
 import trio_asyncio
 from grpclib.const import Status
@@ -146,7 +147,6 @@ def _compress(body: bytes, encoding: str) -> bytes:
     return zlib.compress(body, 6, _WBITS[encoding])
 
 
-T = TypeVar("T")
 Handler = Callable[[Request], Awaitable[Response]]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
@@ -167,30 +167,46 @@ async def _stream(receive: Receive) -> AsyncIterator[bytes]:
             return
 
 
-async def _unless_disconnected(work: Awaitable[T], receive: Receive) -> T:
-    """`work`'s result; a client that disconnects meanwhile cancels it, so that a request still
-    in its model's queue is withdrawn (as a gRPC cancellation withdraws one)."""
-    task = asyncio.current_task()
-    assert task is not None
-    gone = False
+class _InFlight:
+    """Requests in progress, so that a disconnect or a late body cancels the task serving them:
+    the task serving each connection's inference, by client address (its connection reports the
+    client gone), and the deadline of each body being read (one sweep a tick cancels those past
+    it). A watcher task or a timer per request would cost about 25 us each on trio-asyncio, a
+    tenth of a tiny request."""
 
-    async def watch() -> None:
-        nonlocal gone
-        while (await receive())["type"] != "http.disconnect":
-            pass  # a body past its end (none, with h11's framing) is not ours to read
-        gone = True
+    def __init__(self, body_timeout_s: float) -> None:
+        self.body_timeout_s = body_timeout_s
+        self.serving: dict[Any, asyncio.Task[Any]] = {}
+        self.reading: dict[asyncio.Task[Any], float] = {}
+        self.cancelled: set[asyncio.Task[Any]] = set()
+        """Tasks cancelled here (by a disconnect or a deadline), not by a shutdown."""
+
+    def disconnected(self, client: Any) -> None:
+        task = self.serving.pop(client, None)
+        if task is not None:
+            self._cancel(task)
+
+    async def sweep(self) -> None:
+        """Cancel body reads past their deadline, forever."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(1.0, self.body_timeout_s / 4))
+            now = loop.time()
+            for task in [t for t, deadline in self.reading.items() if deadline <= now]:
+                del self.reading[task]
+                self._cancel(task)
+
+    def _cancel(self, task: asyncio.Task[Any]) -> None:
+        self.cancelled.add(task)
         task.cancel()
 
-    watcher = asyncio.ensure_future(watch())
-    try:
-        return await work
-    except asyncio.CancelledError:
-        if not gone:
-            raise
+    def ours(self, task: asyncio.Task[Any]) -> bool:
+        """Whether `task`'s cancellation came from here; if so it is taken back (uncancelled)."""
+        if task not in self.cancelled:
+            return False
+        self.cancelled.discard(task)
         task.uncancel()
-        raise _Disconnected() from None
-    finally:
-        watcher.cancel()
+        return True
 
 
 class _Routes:
@@ -202,7 +218,7 @@ class _Routes:
         self._service = service
         self._models = models
         self._limit = config.max_message_bytes
-        self._body_timeout_s = config.http_body_timeout_s
+        self.inflight = _InFlight(config.http_body_timeout_s)
 
     async def _body(self, headers: Mapping[str, str], receive: Receive) -> memoryview:
         """The request body, decompressed, in one buffer; refused once it passes the limit (at
@@ -214,16 +230,22 @@ class _Routes:
                 Status.UNIMPLEMENTED,  # as Triton: 501, saying what it accepts
                 {"Accept-Encoding": "gzip, deflate"},
             )
+        task, inflight = asyncio.current_task(), self.inflight
+        assert task is not None
+        inflight.reading[task] = asyncio.get_running_loop().time() + inflight.body_timeout_s
         try:
-            async with asyncio.timeout(self._body_timeout_s):
-                body = await self._receive(headers.get("content-length"), receive)
-        except TimeoutError:
+            body = await self._receive(headers.get("content-length"), receive)
+        except asyncio.CancelledError:
+            if not inflight.ours(task):
+                raise
             raise HttpRefusal(
-                f"the request body did not arrive within {self._body_timeout_s} s "
+                f"the request body did not arrive within {inflight.body_timeout_s} s "
                 "(server.http_body_timeout_s)",
                 Status.DEADLINE_EXCEEDED,
                 http=408,
             ) from None
+        finally:
+            inflight.reading.pop(task, None)
         if encoding not in _WBITS:
             return memoryview(body)
         inflater = zlib.decompressobj(_WBITS[encoding])
@@ -237,18 +259,18 @@ class _Routes:
             raise HttpRefusal(f"the {encoding} body is truncated")
         return memoryview(inflated)
 
-    async def _receive(self, declared: str | None, receive: Receive) -> bytes | bytearray:
+    async def _receive(self, declared: str | None, receive: Receive) -> bytes | memoryview:
         """The body as sent: with a Content-Length (h11 holds the client to it), each chunk
-        copied once into a buffer of that size; chunked, joined once it has all come."""
+        copied once into a buffer of that size (numpy's: not zeroed first, as a bytearray is);
+        chunked, joined once it has all come."""
         if declared is not None:
             if int(declared) > self._limit:
                 raise self._too_large(f"request body of {declared} bytes")
-            body = bytearray(int(declared))
-            view, filled = memoryview(body), 0
+            view, filled = np.empty(int(declared), np.uint8).data, 0
             async for chunk in _stream(receive):
                 view[filled : filled + len(chunk)] = chunk
                 filled += len(chunk)
-            return body
+            return view
         chunks, size = [], 0
         async for chunk in _stream(receive):
             size += len(chunk)
@@ -301,7 +323,7 @@ class _Routes:
                 model,
                 version,
             )
-            response = await _unless_disconnected(self._service._infer(decoded.request, None), receive)
+            response = await self._unless_disconnected(decoded.request, scope["client"])
             pieces, binary_length = encode_infer(response, decoded)
         except _Disconnected:
             return  # nobody to answer; as a cancelled gRPC call, it is not counted
@@ -321,6 +343,22 @@ class _Routes:
             pieces = [_compress(b"".join(pieces), encoding)]
             response_headers = [*response_headers, (b"content-encoding", encoding.encode())]
         await _respond(send, 200, pieces, response_headers)
+
+    async def _unless_disconnected(self, request: Any, client: Any) -> Any:
+        """The service's answer; a client that disconnects meanwhile cancels it, so that a
+        request still in its model's queue is withdrawn (as a gRPC cancellation withdraws one)."""
+        task, serving = asyncio.current_task(), self.inflight.serving
+        assert task is not None
+        serving[client] = task
+        try:
+            return await self._service._infer(request, None)
+        except asyncio.CancelledError:
+            if not self.inflight.ours(task):
+                raise
+            raise _Disconnected() from None
+        finally:
+            if serving.get(client) is task:
+                del serving[client]
 
     # -- health and metadata -------------------------------------------------------------------
 
@@ -523,6 +561,7 @@ class _App:
 
     def __init__(self, routes: _Routes, starlette: Starlette, max_head_bytes: int) -> None:
         self._routes, self._starlette, self._max_head_bytes = routes, starlette, max_head_bytes
+        self.inflight = routes.inflight
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -562,6 +601,18 @@ def _listen(host: str, port: int, backlog: int) -> socket.socket:
     return sock
 
 
+class _Connection(TCPServer):
+    """hypercorn's connection handler, which tells the routes when its client has gone."""
+
+    def __init__(self, inflight: _InFlight, client: Any, *args: Any) -> None:
+        super().__init__(*args)
+        self._inflight, self._client = inflight, client
+
+    async def _read_data(self) -> None:
+        await super()._read_data()  # until the client closes (or the connection fails)
+        self._inflight.disconnected(self._client)
+
+
 def _refusal(cap: int) -> bytes:
     """The whole answer to a connection past `server.http_max_connections`."""
     body = json.dumps({"error": f"server.http_max_connections ({cap}) reached; retry later"}).encode()
@@ -593,6 +644,11 @@ class RestServer:
         self.connections = 0
         """Connections open now (refused ones are never counted)."""
 
+    @property
+    def inferring(self) -> int:
+        """Inference requests whose answer the service is working on now."""
+        return len(self._app.inflight.serving)
+
     def stop(self) -> None:
         """Stop accepting connections; those open finish their requests within the grace period."""
         self._stop.set()
@@ -622,26 +678,34 @@ class RestServer:
         cap = self._config.http_max_connections or default_max_connections()
         refusal = _refusal(cap)
         open_: set[asyncio.Task[Any]] = set()
+        inflight = self._app.inflight
 
         async def connected(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             if len(open_) >= cap:
                 writer.write(refusal)
                 writer.close()
                 return
+            # asyncio's recv size (256 KiB) made a 4.8 MB body 19 passes through the stack
+            writer.transport.max_size = _READ_BYTES  # type: ignore[attr-defined]
             task = asyncio.current_task()
             assert task is not None
             open_.add(task)
             self.connections = len(open_)
+            peer = writer.get_extra_info("peername")  # as hypercorn names the client in the scope
+            family = writer.get_extra_info("socket").family
+            client = None if peer is None else hypercorn.utils.parse_socket_addr(family, peer)
             try:
-                await TCPServer(app, loop, settings, context, state, reader, writer)
+                await _Connection(inflight, client, app, loop, settings, context, state, reader, writer)
             finally:
                 open_.discard(task)
                 self.connections = len(open_)
 
         server = await asyncio.start_server(connected, sock=sock, backlog=settings.backlog, limit=_READ_BYTES)
+        sweep = loop.create_task(inflight.sweep())
         try:
             await trio_asyncio.trio_as_aio(self._stop.wait)()
         finally:
+            sweep.cancel()
             await context.terminated.set()  # idle connections close; busy ones after their request
             server.close()
             await server.wait_closed()
