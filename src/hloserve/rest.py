@@ -168,18 +168,21 @@ async def _stream(receive: Receive) -> AsyncIterator[bytes]:
 
 
 class _InFlight:
-    """Requests in progress, so that a disconnect or a late body cancels the task serving them:
-    the task serving each connection's inference, by client address (its connection reports the
-    client gone), and the deadline of each body being read (one sweep a tick cancels those past
-    it). A watcher task or a timer per request would cost about 25 us each on trio-asyncio, a
-    tenth of a tiny request."""
+    """What the REST connections and requests are waiting for, so that one sweep a tick ends
+    those that waited too long: the deadline of each body being read (its task is cancelled)
+    and of each idle connection (it is closed); and the task serving each connection's
+    inference, by client address, for its connection to cancel when the client goes. A task or a
+    timer per request (hypercorn restarts an idle-timeout task after every answer) costs about
+    25 us each on trio-asyncio, a tenth of a tiny request."""
 
-    def __init__(self, body_timeout_s: float) -> None:
-        self.body_timeout_s = body_timeout_s
+    def __init__(self, body_timeout_s: float, idle_timeout_s: float) -> None:
+        self.body_timeout_s, self.idle_timeout_s = body_timeout_s, idle_timeout_s
         self.serving: dict[Any, asyncio.Task[Any]] = {}
         self.reading: dict[asyncio.Task[Any], float] = {}
+        self.idle: dict[_Connection, float] = {}
         self.cancelled: set[asyncio.Task[Any]] = set()
         """Tasks cancelled here (by a disconnect or a deadline), not by a shutdown."""
+        self._closing: set[asyncio.Future[None]] = set()
 
     def disconnected(self, client: Any) -> None:
         task = self.serving.pop(client, None)
@@ -187,14 +190,22 @@ class _InFlight:
             self._cancel(task)
 
     async def sweep(self) -> None:
-        """Cancel body reads past their deadline, forever."""
+        """Cancel body reads and close idle connections past their deadlines, forever."""
         loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(min(1.0, self.body_timeout_s / 4))
+            await asyncio.sleep(min(1.0, self.body_timeout_s / 4, self.idle_timeout_s / 4))
             now = loop.time()
             for task in [t for t, deadline in self.reading.items() if deadline <= now]:
                 del self.reading[task]
                 self._cancel(task)
+            self.close_idle([c for c, deadline in self.idle.items() if deadline <= now])
+
+    def close_idle(self, connections: list[_Connection]) -> None:
+        for connection in connections:
+            del self.idle[connection]
+            closing = asyncio.ensure_future(connection.close_idle())
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
 
     def _cancel(self, task: asyncio.Task[Any]) -> None:
         self.cancelled.add(task)
@@ -218,7 +229,7 @@ class _Routes:
         self._service = service
         self._models = models
         self._limit = config.max_message_bytes
-        self.inflight = _InFlight(config.http_body_timeout_s)
+        self.inflight = _InFlight(config.http_body_timeout_s, config.http_idle_timeout_s)
 
     async def _body(self, headers: Mapping[str, str], receive: Receive) -> memoryview:
         """The request body, decompressed, in one buffer; refused once it passes the limit (at
@@ -602,15 +613,35 @@ def _listen(host: str, port: int, backlog: int) -> socket.socket:
 
 
 class _Connection(TCPServer):
-    """hypercorn's connection handler, which tells the routes when its client has gone."""
+    """hypercorn's connection handler, which tells the routes when its client has gone and
+    keeps its idle deadline in `_InFlight` instead of an idle-timeout task."""
 
     def __init__(self, inflight: _InFlight, client: Any, *args: Any) -> None:
         super().__init__(*args)
         self._inflight, self._client = inflight, client
+        self.idle_task = _IdleDeadline(inflight, self)  # type: ignore[assignment]  # duck-typed
 
     async def _read_data(self) -> None:
         await super()._read_data()  # until the client closes (or the connection fails)
         self._inflight.disconnected(self._client)
+
+    async def close_idle(self) -> None:
+        await self._initiate_server_close()
+
+
+class _IdleDeadline:
+    """Stands in for hypercorn's idle-timeout task (`AsyncioSingleTask`): `restart` when the
+    connection goes idle sets its deadline, `stop` when a request head arrives clears it."""
+
+    def __init__(self, inflight: _InFlight, connection: _Connection) -> None:
+        self._inflight, self._connection = inflight, connection
+
+    async def restart(self, task_group: Any, action: Any) -> None:
+        deadline = asyncio.get_running_loop().time() + self._inflight.idle_timeout_s
+        self._inflight.idle[self._connection] = deadline
+
+    async def stop(self) -> None:
+        self._inflight.idle.pop(self._connection, None)
 
 
 def _refusal(cap: int) -> bytes:
@@ -706,7 +737,8 @@ class RestServer:
             await trio_asyncio.trio_as_aio(self._stop.wait)()
         finally:
             sweep.cancel()
-            await context.terminated.set()  # idle connections close; busy ones after their request
+            await context.terminated.set()  # busy connections close after their request
+            inflight.close_idle(list(inflight.idle))
             server.close()
             await server.wait_closed()
             if open_:
