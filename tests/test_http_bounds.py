@@ -34,6 +34,8 @@ def _bounded() -> Iterator[ServerThread]:
         http_max_header_bytes=4096,
         http_idle_timeout_s=1.0,
         http_body_timeout_s=0.5,
+        max_receiving_bytes=1 << 20,
+        max_receiving_bytes_per_connection=1 << 20,
         scheduler={"models": {"mlp": ModelSettings(max_queue_delay_us=300_000)}},
     )
     with start_worker(config) as server:
@@ -78,6 +80,23 @@ def _settled(server: ServerThread, descriptors: int) -> None:
     while _descriptors() > descriptors:
         assert time.monotonic() < deadline, f"{_descriptors()} descriptors open, {descriptors} before"
         time.sleep(0.05)
+
+
+def _response(sock: socket.socket) -> bytes:
+    """One response with a Content-Length, read whole (the connection may stay open)."""
+    sock.settimeout(5)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(
+        next(
+            line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+        )
+    )
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head + b"\r\n\r\n" + body
 
 
 def _status_and_error(answer: bytes) -> tuple[int, str]:
@@ -174,6 +193,26 @@ def test_a_trickled_body_is_408_and_closed(bounded: ServerThread) -> None:
     status, error = _status_and_error(answer)
     assert status == 408 and "server.http_body_timeout_s" in error, error
     assert time.monotonic() - started < 3
+    _settled(bounded, before)
+
+
+def test_bodies_past_the_bytes_being_received_are_503(bounded: ServerThread) -> None:
+    """A body being received holds its Content-Length of `server.max_receiving_bytes` (1 MiB
+    here) until it is in; one that would pass it is refused, and the bytes come back."""
+    before = _descriptors()
+    head = b"POST /v2/models/mlp/infer HTTP/1.1\r\nhost: x\r\ncontent-length: 800000\r\n\r\n"
+    with _connect(bounded) as slow, _connect(bounded) as second:
+        slow.sendall(head + b"{")
+        deadline = time.monotonic() + 5
+        while bounded.call(lambda: bounded.worker.rest.receiving_bytes) < 800_000:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        second.sendall(head)
+        status, error = _status_and_error(_response(second))
+        assert status == 503 and "server.max_receiving_bytes (1048576)" in error, error
+        status, error = _status_and_error(_until_closed(slow, 5))  # the slow one runs out of time
+        assert status == 408, error
+    assert bounded.call(lambda: bounded.worker.rest.receiving_bytes) == 0
     _settled(bounded, before)
 
 

@@ -12,7 +12,13 @@ the hot-path request through `_infer`), so checks, statistics, metrics and error
 gRPC ones. A gRPC status becomes an HTTP status as Triton maps its error codes (`HTTP_STATUS`),
 with a JSON `{"error": "..."}` body. Request bodies are bounded by `server.max_message_bytes`,
 refused from their Content-Length before they are read (and counted while read when chunked or
-compressed).
+compressed); connections, heads and the time a head or body takes by `server.http_*` (see
+`RestServer`). A client that disconnects while its inference is awaited cancels it, which
+withdraws it from its model's queue.
+
+A body with a Content-Length is read into one buffer and its binary tensors reach the service
+as views of it (`rest_codec.ViewedRequest`); binary outputs are sent after the JSON header
+without joining them.
 """
 
 from __future__ import annotations
@@ -229,6 +235,9 @@ class _Routes:
         self._service = service
         self._models = models
         self._limit = config.max_message_bytes
+        self._max_receiving = config.max_receiving_bytes
+        self.receiving = 0
+        """Bytes of request bodies being received now (`server.max_receiving_bytes`)."""
         self.inflight = _InFlight(config.http_body_timeout_s, config.http_idle_timeout_s)
 
     async def _body(self, headers: Mapping[str, str], receive: Receive) -> memoryview:
@@ -273,22 +282,41 @@ class _Routes:
     async def _receive(self, declared: str | None, receive: Receive) -> bytes | memoryview:
         """The body as sent: with a Content-Length (h11 holds the client to it), each chunk
         copied once into a buffer of that size (numpy's: not zeroed first, as a bytearray is);
-        chunked, joined once it has all come."""
+        chunked, joined once it has all come. While it comes its bytes count against
+        `server.max_receiving_bytes`, as gRPC's messages being received do."""
         if declared is not None:
-            if int(declared) > self._limit:
-                raise self._too_large(f"request body of {declared} bytes")
-            view, filled = np.empty(int(declared), np.uint8).data, 0
-            async for chunk in _stream(receive):
-                view[filled : filled + len(chunk)] = chunk
-                filled += len(chunk)
-            return view
-        chunks, size = [], 0
-        async for chunk in _stream(receive):
-            size += len(chunk)
+            size = int(declared)
             if size > self._limit:
-                raise self._too_large(f"request body of more than {self._limit} bytes")
-            chunks.append(chunk)
-        return b"".join(chunks)
+                raise self._too_large(f"request body of {declared} bytes")
+            self._reserve(size)
+            try:
+                view, filled = np.empty(size, np.uint8).data, 0
+                async for chunk in _stream(receive):
+                    view[filled : filled + len(chunk)] = chunk
+                    filled += len(chunk)
+                return view
+            finally:
+                self.receiving -= size
+        chunks, size = [], 0
+        try:
+            async for chunk in _stream(receive):
+                if size + len(chunk) > self._limit:
+                    raise self._too_large(f"request body of more than {self._limit} bytes")
+                self._reserve(len(chunk))
+                size += len(chunk)
+                chunks.append(chunk)
+            return b"".join(chunks)
+        finally:
+            self.receiving -= size
+
+    def _reserve(self, size: int) -> None:
+        if self.receiving + size > self._max_receiving:
+            raise HttpRefusal(
+                f"the server is receiving {self.receiving} bytes of request bodies; {size} more would "
+                f"pass server.max_receiving_bytes ({self._max_receiving}); retry later",
+                Status.UNAVAILABLE,
+            )
+        self.receiving += size
 
     def _too_large(self, what: str) -> HttpRefusal:
         return HttpRefusal(
@@ -571,7 +599,7 @@ class _App:
     """The ASGI application: inference straight to its handler, the rest through Starlette."""
 
     def __init__(self, routes: _Routes, starlette: Starlette, max_head_bytes: int) -> None:
-        self._routes, self._starlette, self._max_head_bytes = routes, starlette, max_head_bytes
+        self.routes, self._starlette, self._max_head_bytes = routes, starlette, max_head_bytes
         self.inflight = routes.inflight
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
@@ -588,7 +616,7 @@ class _App:
         if scope["method"] == "POST":
             match = _INFER_PATH.fullmatch(scope["path"])
             if match is not None:
-                return await self._routes.infer(match[1], match[2] or "", scope, receive, send)
+                return await self.routes.infer(match[1], match[2] or "", scope, receive, send)
         await self._starlette(scope, receive, send)
 
 
@@ -660,10 +688,11 @@ class RestServer:
     hypercorn's own accept loop (`worker_serve`) has no connection cap, so this one runs its
     connection handler (`TCPServer`) itself: past `server.http_max_connections` a new connection
     is answered 503 with a JSON error and closed at once, never read (a client that had already
-    sent its request may see the close as a reset). hypercorn bounds the rest: the request head
-    (`server.http_max_header_bytes`, past it 431 and close), a connection's idle time between
-    requests and while its head arrives (`server.http_idle_timeout_s`); the routes bound the
-    body's time (`server.http_body_timeout_s`, 408).
+    sent its request may see the close as a reset). h11 bounds a request head still arriving
+    (`server.http_max_header_bytes`: 431 and close) and the app one that came whole (431); the
+    sweep of `_InFlight` closes a connection without a whole head for
+    `server.http_idle_timeout_s` and answers 408 to a body slower than
+    `server.http_body_timeout_s`.
     """
 
     def __init__(self, app: _App, config: ServerConfig) -> None:
@@ -674,6 +703,11 @@ class RestServer:
         """Set once every connection is closed (after `stop()`, within the grace period)."""
         self.connections = 0
         """Connections open now (refused ones are never counted)."""
+
+    @property
+    def receiving_bytes(self) -> int:
+        """Bytes of request bodies being received now."""
+        return self._app.routes.receiving
 
     @property
     def inferring(self) -> int:
@@ -688,7 +722,6 @@ class RestServer:
         """Bind, report the bound port, serve until stopped; an address in use raises OSError."""
         settings = hypercorn.config.Config()
         settings.graceful_timeout = self._config.shutdown_grace_s
-        settings.keep_alive_timeout = self._config.http_idle_timeout_s
         settings.h11_max_incomplete_size = self._config.http_max_header_bytes
         settings.accesslog = settings.errorlog = None  # the routes answer and log what goes wrong
         # 64 KiB per read made a 4.8 MB body 75 passes through h11 and the ASGI queue.
