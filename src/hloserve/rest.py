@@ -266,6 +266,7 @@ class _Routes:
             ) from None
         finally:
             inflight.reading.pop(task, None)
+            inflight.cancelled.discard(task)  # a cancellation the read swallowed, if any
         if encoding not in _WBITS:
             return memoryview(body)
         inflater = zlib.decompressobj(_WBITS[encoding])
@@ -398,6 +399,7 @@ class _Routes:
         finally:
             if serving.get(client) is task:
                 del serving[client]
+            self.inflight.cancelled.discard(task)  # a cancellation the service swallowed, if any
 
     # -- health and metadata -------------------------------------------------------------------
 
