@@ -108,7 +108,7 @@ class ServerConfig:
     that would pass it is RESOURCE_EXHAUSTED before its message is buffered."""
     max_receiving_bytes: int = 2 << 30
     """The same across the whole server; a call that would pass it is UNAVAILABLE (retry later).
-    REST bodies being received count against it too (past it 503)."""
+    REST bodies being received are held to it too, counted on their own (past it 503)."""
     stream_reset_burst: int = 1000
     """Streams a connection may cancel (or have refused) in a burst; past it, refilled at
     `stream_reset_rate` per second, GOAWAY ENHANCE_YOUR_CALM (nghttp2's rapid-reset defence)."""
