@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
 import socket
 import time
 from collections.abc import Iterator
@@ -16,9 +17,10 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from support.servers import ServerThread, make_config, start_worker
+from support.servers import EXAMPLES, ServerThread, make_config, start_worker
 
 from hloserve.config import ModelSettings
+from hloserve.export import InputSpec, OutputSpec, export_bundle
 
 CAP = 4
 MLP_BODY = json.dumps(
@@ -26,16 +28,36 @@ MLP_BODY = json.dumps(
 ).encode()
 
 
+WIDE = 1 << 20  # floats per row of the `wide` model: a 4 MiB answer
+
+
+def _scaled(params: Any, x: Any) -> tuple[Any]:
+    return (x * params["k"],)
+
+
 @pytest.fixture(scope="module", name="bounded")
-def _bounded() -> Iterator[ServerThread]:
-    """A worker with small REST bounds, and an MLP queue that holds a lone row for 500 ms."""
+def _bounded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    """A worker with small REST bounds, an MLP queue that holds a lone row for 500 ms, and a
+    model with a 4 MiB answer."""
+    repository = tmp_path_factory.mktemp("repository")
+    shutil.copytree(EXAMPLES / "mlp", repository / "mlp")
+    export_bundle(
+        _scaled,
+        {"k": np.float32(2)},
+        [InputSpec("X", (WIDE,), np.float32, letters="f")],
+        repository / "wide",
+        batch_sizes=(1,),
+        outputs=[OutputSpec("Y", letters="f")],
+        verify=False,
+    )
     config = make_config(
+        repository,
         http_max_connections=CAP,
         http_max_header_bytes=4096,
         http_idle_timeout_s=2.0,
         http_body_timeout_s=0.5,
-        max_receiving_bytes=1 << 20,
-        max_receiving_bytes_per_connection=1 << 20,
+        max_receiving_bytes=8 << 20,
+        max_receiving_bytes_per_connection=8 << 20,
         scheduler={"models": {"mlp": ModelSettings(max_queue_delay_us=500_000)}},
     )
     with start_worker(config) as server:
@@ -200,22 +222,50 @@ def test_a_trickled_body_is_408_and_closed(bounded: ServerThread) -> None:
 
 
 def test_bodies_past_the_bytes_being_received_are_503(bounded: ServerThread) -> None:
-    """A body being received holds its Content-Length of `server.max_receiving_bytes` (1 MiB
+    """A body being received holds its Content-Length of `server.max_receiving_bytes` (8 MiB
     here) until it is in; one that would pass it is refused, and the bytes come back."""
     before = _descriptors()
-    head = b"POST /v2/models/mlp/infer HTTP/1.1\r\nhost: x\r\ncontent-length: 800000\r\n\r\n"
+    head = b"POST /v2/models/mlp/infer HTTP/1.1\r\nhost: x\r\ncontent-length: 5000000\r\n\r\n"
     with _connect(bounded) as slow, _connect(bounded) as second:
         slow.sendall(head + b"{")
         deadline = time.monotonic() + 5
-        while bounded.call(lambda: bounded.worker.rest.receiving_bytes) < 800_000:
+        while bounded.call(lambda: bounded.worker.rest.receiving_bytes) < 5_000_000:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         second.sendall(head)
         status, error = _status_and_error(_response(second))
-        assert status == 503 and "server.max_receiving_bytes (1048576)" in error, error
+        assert status == 503 and "server.max_receiving_bytes (8388608)" in error, error
         status, error = _status_and_error(_until_closed(slow, 5))  # the slow one runs out of time
         assert status == 408, error
     assert bounded.call(lambda: bounded.worker.rest.receiving_bytes) == 0
+    _settled(bounded, before)
+
+
+def test_a_client_that_reads_no_answer_is_dropped(bounded: ServerThread) -> None:
+    """A 4 MiB answer to a client that never reads: past `server.http_body_timeout_s` its
+    connection is dropped, with what was left to send."""
+    _until_connections(bounded, 0)
+    before = _descriptors()
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "X",
+                    "datatype": "FP32",
+                    "shape": [1, WIDE],
+                    "parameters": {"binary_data_size": WIDE * 4},
+                }
+            ],
+            "outputs": [{"name": "Y", "parameters": {"binary_data": True}}],
+        }
+    ).encode()
+    body = header + np.ones(WIDE, np.float32).tobytes()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # little room for the answer
+        sock.connect(("127.0.0.1", bounded.worker.http_port))
+        lengths = f"inference-header-content-length: {len(header)}\r\ncontent-length: {len(body)}\r\n\r\n"
+        sock.sendall(b"POST /v2/models/wide/infer HTTP/1.1\r\nhost: x\r\n" + lengths.encode() + body)
+        _until_connections(bounded, 0)  # dropped while this socket is open and unread
     _settled(bounded, before)
 
 

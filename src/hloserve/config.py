@@ -80,8 +80,9 @@ class ServerConfig:
     common load balancers, which must close an idle connection before the server does."""
     http_body_timeout_s: float = 60.0
     """A REST request body must arrive whole within this of its head, else 408 and the connection
-    is closed, so a client that trickles a body cannot hold a connection (60 s carries a 1 GiB body
-    at 20 MB/s)."""
+    is closed, and a client must take an inference answer within this, else its connection is
+    dropped; so a client that trickles a body, or reads no answer, cannot hold a connection
+    (60 s carries a 1 GiB body at 20 MB/s)."""
     max_message_bytes: int = 1 << 30
     """Largest gRPC message, or REST request body, accepted or sent (Triton clients allow up to
     2 GiB)."""

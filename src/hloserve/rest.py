@@ -175,17 +175,21 @@ async def _stream(receive: Receive) -> AsyncIterator[bytes]:
 
 class _InFlight:
     """What the REST connections and requests are waiting for, so that one sweep a tick ends
-    those that waited too long: the deadline of each body being read (its task is cancelled)
-    and of each idle connection (it is closed); and the task serving each connection's
-    inference, by client address, for its connection to cancel when the client goes. A task or a
-    timer per request (hypercorn restarts an idle-timeout task after every answer) costs about
-    25 us each on trio-asyncio, a tenth of a tiny request."""
+    those that waited too long: the deadline of each body being read (its task is cancelled),
+    of each answer being sent (its connection is aborted: a client that does not read would
+    hold it, and the answer's bytes, forever) and of each idle connection (it is closed); and the
+    task serving each connection's inference, by client address, for its connection to cancel
+    when the client goes. A task or a timer per request (hypercorn restarts an idle-timeout task
+    after every answer) costs about 25 us each on trio-asyncio, a tenth of a tiny request."""
 
     def __init__(self, body_timeout_s: float, idle_timeout_s: float) -> None:
         self.body_timeout_s, self.idle_timeout_s = body_timeout_s, idle_timeout_s
         self.serving: dict[Any, asyncio.Task[Any]] = {}
         self.reading: dict[asyncio.Task[Any], float] = {}
         self.idle: dict[_Connection, float] = {}
+        self.sending: dict[Any, float] = {}
+        self.connections: dict[Any, _Connection] = {}
+        """Open connections by client address."""
         self.cancelled: set[asyncio.Task[Any]] = set()
         """Tasks cancelled here (by a disconnect or a deadline), not by a shutdown."""
         self._closing: set[asyncio.Future[None]] = set()
@@ -205,6 +209,11 @@ class _InFlight:
                 del self.reading[task]
                 self._cancel(task)
             self.close_idle([c for c, deadline in self.idle.items() if deadline <= now])
+            for client in [c for c, deadline in self.sending.items() if deadline <= now]:
+                del self.sending[client]
+                connection = self.connections.get(client)
+                if connection is not None:
+                    connection.abort()
 
     def close_idle(self, connections: list[_Connection]) -> None:
         for connection in connections:
@@ -382,7 +391,12 @@ class _Routes:
         if encoding is not None:
             pieces = [_compress(b"".join(pieces), encoding)]
             response_headers = [*response_headers, (b"content-encoding", encoding.encode())]
-        await _respond(send, 200, pieces, response_headers)
+        sending, client = self.inflight.sending, scope["client"]
+        sending[client] = asyncio.get_running_loop().time() + self.inflight.body_timeout_s
+        try:
+            await _respond(send, 200, pieces, response_headers)
+        finally:
+            sending.pop(client, None)
 
     async def _unless_disconnected(self, request: Any, client: Any) -> Any:
         """The service's answer; a client that disconnects meanwhile cancels it, so that a
@@ -658,6 +672,10 @@ class _Connection(TCPServer):
     async def close_idle(self) -> None:
         await self._initiate_server_close()
 
+    def abort(self) -> None:
+        """Drop the connection now, with whatever it has not sent (a close would wait for it)."""
+        self.writer.transport.abort()
+
 
 class _IdleDeadline:
     """Stands in for hypercorn's idle-timeout task (`AsyncioSingleTask`): `restart` when the
@@ -760,9 +778,13 @@ class RestServer:
             peer = writer.get_extra_info("peername")  # as hypercorn names the client in the scope
             family = writer.get_extra_info("socket").family
             client = None if peer is None else hypercorn.utils.parse_socket_addr(family, peer)
+            connection = inflight.connections[client] = _Connection(
+                inflight, client, app, loop, settings, context, state, reader, writer
+            )
             try:
-                await _Connection(inflight, client, app, loop, settings, context, state, reader, writer)
+                await connection
             finally:
+                del inflight.connections[client]
                 open_.discard(task)
                 self.connections = len(open_)
 
