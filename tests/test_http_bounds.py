@@ -1,7 +1,8 @@
 """What a REST client can make the server hold, pushed past each bound with real sockets: the
-connection cap, the request head's size, the idle time before a head and the time a body takes;
-and a client that disconnects while its request is queued, which withdraws it. After each, the
-next good request is served and the server's descriptors come back."""
+connection cap, the request head's size, the idle time before a head, the time a body takes, the
+bytes of bodies being received, an answer nobody reads; and a client that disconnects while its
+request is queued, which withdraws it. After each, the next good request is served and the
+server's descriptors come back."""
 
 from __future__ import annotations
 
@@ -26,8 +27,6 @@ CAP = 4
 MLP_BODY = json.dumps(
     {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 16], "data": [0.5] * 16}]}
 ).encode()
-
-
 WIDE = 1 << 20  # floats per row of the `wide` model: a 4 MiB answer
 
 
