@@ -19,6 +19,7 @@ the cold request to an evicted model (hloserve only: the peers keep every model 
 from __future__ import annotations
 
 import importlib
+import shutil
 import statistics
 import tempfile
 from collections.abc import Callable
@@ -193,8 +194,8 @@ def run(window_ms: int = 3000) -> list[Figure]:
         ours_repo = Path(tmp) / "repository"
         _catalogue(ours_repo)
         for example in ("mlp", "pool"):
-            (ours_repo / example).symlink_to(
-                Path(__file__).resolve().parents[1] / "examples" / "repository" / example
+            shutil.copytree(  # a link is refused: bundles load only from inside the repository
+                Path(__file__).resolve().parents[1] / "examples" / "repository" / example, ours_repo / example
             )
         port, http_port = _free_port(), _free_port()
         ours = start_server(
