@@ -22,6 +22,7 @@ from benches import (
     frontends,
     node,
     overload,
+    rest,
     scheduler,
     serving,
     shared_memory,
@@ -41,6 +42,7 @@ SUITES = {
     "overload": overload,
     "node": node,
     "frontends": frontends,
+    "rest": rest,
 }
 _BEGIN, _END = "<!-- latest compare run: begin -->", "<!-- latest compare run: end -->"
 

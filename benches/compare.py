@@ -19,6 +19,7 @@ the cold request to an evicted model (hloserve only: the peers keep every model 
 from __future__ import annotations
 
 import importlib
+import shutil
 import statistics
 import tempfile
 from collections.abc import Callable
@@ -75,9 +76,11 @@ class _Server:
     """Its V2 REST endpoint, where it serves one."""
 
 
-def _start_peers(models: list[Any]) -> tuple[dict[str, _Server], dict[str, str]]:
+def _start_peers(
+    models: list[Any], peers: dict[str, str] = PEERS
+) -> tuple[dict[str, _Server], dict[str, str]]:
     running, missing = {}, {}
-    for name, module_name in PEERS.items():
+    for name, module_name in peers.items():
         try:
             module = importlib.import_module(module_name)
             module.install()
@@ -108,7 +111,7 @@ def _measure_pa(
     try:
         row = measure(url, server.pid, scenario, model, concurrency, extra, window_ms, protocol, server.url)
     except Exception as e:
-        return Figure(scenario, "perf_analyzer", server.name, note=f"failed: {e}"[:300])
+        return Figure(scenario, "perf_analyzer", server.name, note=f"failed: {str(e)[-300:]}")
     return Figure(
         scenario,
         "perf_analyzer",
@@ -191,8 +194,8 @@ def run(window_ms: int = 3000) -> list[Figure]:
         ours_repo = Path(tmp) / "repository"
         _catalogue(ours_repo)
         for example in ("mlp", "pool"):
-            (ours_repo / example).symlink_to(
-                Path(__file__).resolve().parents[1] / "examples" / "repository" / example
+            shutil.copytree(  # a link is refused: bundles load only from inside the repository
+                Path(__file__).resolve().parents[1] / "examples" / "repository" / example, ours_repo / example
             )
         port, http_port = _free_port(), _free_port()
         ours = start_server(

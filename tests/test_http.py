@@ -43,6 +43,13 @@ def _pair(params: Any, a: Any, b: Any) -> tuple[Any, Any]:
     return a + b.astype(a.dtype) * params["k"], b * 2
 
 
+WIDE = 1 << 15  # floats per row of the `wide` model: its answers are sent in pieces
+
+
+def _scaled(params: Any, x: Any) -> tuple[Any]:
+    return (x * params["k"],)
+
+
 @pytest.fixture(scope="module", name="rest", params=[0, 2], ids=["frontends0", "frontends2"])
 def _rest(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[ServerThread]:
     """A worker with a two-input model, the MLP and severity grader, shared memory allowed and
@@ -55,6 +62,15 @@ def _rest(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReque
         repository / "pair",
         batch_sizes=(1, 2),
         outputs=[OutputSpec("SUM", letters="f"), OutputSpec("TWICE", letters="f")],
+        verify=False,
+    )
+    export_bundle(
+        _scaled,
+        {"k": np.float32(2)},
+        [InputSpec("X", (WIDE,), np.float32, letters="f")],
+        repository / "wide",
+        batch_sizes=(1, 2),
+        outputs=[OutputSpec("Y", letters="f")],
         verify=False,
     )
     for name in ("mlp", "severity_grader"):
@@ -238,6 +254,7 @@ def test_repository_load_and_unload(rest: ServerThread) -> None:
             "mlp",
             "pair",
             "severity_grader",
+            "wide",
         ]
         with pytest.raises(InferenceServerException, match="no bundle 'nothing'") as error:
             client.load_model("nothing")
@@ -305,6 +322,24 @@ def test_json_and_binary_inputs_mixed_in_one_request(rest: ServerThread) -> None
         assert status == 200 and int(headers["inference-header-content-length"]) > 0
     finally:
         client.close()
+
+
+def test_large_binary_tensors_arrive_whole(rest: ServerThread) -> None:
+    """A 256 KiB binary input (read into one buffer, handed on as a view) and its 256 KiB binary
+    output (sent after the JSON header without joining them), equal to gRPC's answer."""
+    x = np.random.default_rng(3).random((2, WIDE), dtype=np.float32)
+    client = httpclient.InferenceServerClient(rest.http_url)
+    try:
+        for binary_output in (True, False):
+            result = client.infer(
+                "wide",
+                _http_inputs({"X": x}, [True]),
+                outputs=[httpclient.InferRequestedOutput("Y", binary_data=binary_output)],
+            )
+            np.testing.assert_array_equal(result.as_numpy("Y"), x * 2)
+    finally:
+        client.close()
+    np.testing.assert_array_equal(_grpc_answer(rest, "wide", {"X": x})["Y"], x * 2)
 
 
 def test_aio_client(rest: ServerThread) -> None:

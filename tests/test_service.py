@@ -613,3 +613,17 @@ class TestBytesThroughModelPy:
         )
         assert outputs["LABEL"]["datatype"] == "BYTES"
         assert all(label in ("north", "east", "south", "west") for label in outputs["LABEL"]["data"])
+
+    def test_binary_strings_over_rest(self, text: ServerThread) -> None:
+        """BYTES in Triton's binary extension (a view of the body) reach model.py as the strings sent."""
+        import tritonclient.http as httpclient
+
+        texts = [b"hello world", "caf\u00e9".encode()]
+        tensor = httpclient.InferInput("TEXT", [2, 1], "BYTES")
+        tensor.set_data_from_numpy(np.array(texts, dtype=object).reshape(2, 1), binary_data=True)
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{text.worker.http_port}")
+        try:
+            result = client.infer("text", [tensor], outputs=[httpclient.InferRequestedOutput("OUTPUT0")])
+        finally:
+            client.close()
+        np.testing.assert_allclose(result.as_numpy("OUTPUT0"), self._expected(texts), rtol=1e-5)

@@ -66,6 +66,23 @@ class ServerConfig:
     http_port: int = 8000
     """KServe V2 REST port (as Triton's 8000); 0 picks a free one, -1 turns REST off. Request
     bodies are bounded by `max_message_bytes`, as gRPC messages are."""
+    http_max_connections: int | None = None
+    """REST connections held at once; past it a new one is answered 503 (a JSON error) and
+    closed. None: as `max_connections`, the soft RLIMIT_NOFILE less 128 (16..10000): neither
+    Triton nor hypercorn caps HTTP connections, so the default only keeps a flood of them from
+    exhausting the process's descriptors."""
+    http_max_header_bytes: int = 16 << 10
+    """A REST request's line and headers together (h11's max_incomplete_event_size, hypercorn's
+    default); past it 431 and the connection is closed."""
+    http_idle_timeout_s: float = 75.0
+    """A REST connection is closed when no request head has arrived (whole) for this long since it
+    opened or last answered. 75 s (nginx's keepalive_timeout) outlasts the 60 s idle timeout of
+    common load balancers, which must close an idle connection before the server does."""
+    http_body_timeout_s: float = 60.0
+    """A REST request body must arrive whole within this of its head, else 408 and the connection
+    is closed, and a client must take an inference answer within this, else its connection is
+    dropped; so a client that trickles a body, or reads no answer, cannot hold a connection
+    (60 s carries a 1 GiB body at 20 MB/s)."""
     max_message_bytes: int = 1 << 30
     """Largest gRPC message, or REST request body, accepted or sent (Triton clients allow up to
     2 GiB)."""
@@ -91,7 +108,8 @@ class ServerConfig:
     """Bytes of messages being received (announced, not yet complete) on one connection; a call
     that would pass it is RESOURCE_EXHAUSTED before its message is buffered."""
     max_receiving_bytes: int = 2 << 30
-    """The same across the whole server; a call that would pass it is UNAVAILABLE (retry later)."""
+    """The same across the whole server; a call that would pass it is UNAVAILABLE (retry later).
+    REST bodies being received are held to it too, counted on their own (past it 503)."""
     stream_reset_burst: int = 1000
     """Streams a connection may cancel (or have refused) in a burst; past it, refilled at
     `stream_reset_rate` per second, GOAWAY ENHANCE_YOUR_CALM (nghttp2's rapid-reset defence)."""
@@ -167,6 +185,14 @@ class ServerConfig:
         _check(0 <= self.grpc_port <= 65535, "server.grpc_port", "must be a port number 0..65535")
         _check(-1 <= self.metrics_port <= 65535, "server.metrics_port", "must be -1 (off) or 0..65535")
         _check(-1 <= self.http_port <= 65535, "server.http_port", "must be -1 (off) or 0..65535")
+        _check(
+            self.http_max_connections is None or self.http_max_connections >= 1,
+            "server.http_max_connections",
+            "must be >= 1, or null to size it from RLIMIT_NOFILE",
+        )
+        _check(self.http_max_header_bytes >= 1024, "server.http_max_header_bytes", "must be >= 1024")
+        _check(self.http_idle_timeout_s > 0, "server.http_idle_timeout_s", "must be > 0")
+        _check(self.http_body_timeout_s > 0, "server.http_body_timeout_s", "must be > 0")
         _check(self.max_message_bytes >= 1 << 20, "server.max_message_bytes", "must be >= 1048576")
         _check(self.max_concurrent_streams >= 1, "server.max_concurrent_streams", "must be >= 1")
         _check(

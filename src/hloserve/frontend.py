@@ -267,10 +267,8 @@ async def _serve(link_fd: int, port: int, http_port: int, setup: Setup) -> None:
             await trio_asyncio.aio_as_trio(server.start)(config.server.host, port, reuse_port=True)
             rest = None
             if http_port >= 0:
-                app = build_app(service, models, config.server.max_message_bytes)
-                rest = RestServer(
-                    app, dataclasses.replace(config.server, http_port=http_port), reuse_port=True
-                )
+                rest_config = dataclasses.replace(config.server, http_port=http_port)
+                rest = RestServer(build_app(service, models, rest_config), rest_config, reuse_port=True)
                 await nursery.start(rest.run)
             await link.announce(Listening())
             await _until_stopped(link)

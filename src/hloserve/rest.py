@@ -12,7 +12,13 @@ the hot-path request through `_infer`), so checks, statistics, metrics and error
 gRPC ones. A gRPC status becomes an HTTP status as Triton maps its error codes (`HTTP_STATUS`),
 with a JSON `{"error": "..."}` body. Request bodies are bounded by `server.max_message_bytes`,
 refused from their Content-Length before they are read (and counted while read when chunked or
-compressed).
+compressed); connections, heads and the time a head or body takes by `server.http_*` (see
+`RestServer`). A client that disconnects while its inference is awaited cancels it, which
+withdraws it from its model's queue.
+
+A body with a Content-Length is read into one buffer and its binary tensors reach the service
+as views of it (`rest_codec.ViewedRequest`); binary outputs are sent after the JSON header
+without joining them.
 """
 
 from __future__ import annotations
@@ -31,23 +37,26 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 import betterproto2
-import hypercorn.asyncio.run
 import hypercorn.asyncio.tcp_server
 import hypercorn.config
 import hypercorn.utils
+import numpy as np
 import trio
 import trio_asyncio
 from grpclib.const import Status
+from hypercorn.asyncio.tcp_server import TCPServer
+from hypercorn.asyncio.worker_context import WorkerContext
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from hloserve._h2_limits import default_max_connections
 from hloserve._proto import inference as kserve
 from hloserve._status import to_grpc_error
 from hloserve.config import ServerConfig
-from hloserve.rest_codec import ChunkedBody, decode_infer, encode_infer
+from hloserve.rest_codec import decode_infer, encode_infer
 
 if TYPE_CHECKING:
     from hloserve.model_table import ModelEntry
@@ -76,26 +85,35 @@ _WBITS = {"gzip": 31, "deflate": 15}  # zlib window bits: gzip container, zlib c
 
 
 class HttpRefusal(Exception):
-    """A request refused at the HTTP layer (its body or headers), before the service sees it."""
+    """A request refused at the HTTP layer (its body or headers), before the service sees it;
+    `http` overrides the HTTP status that `status` maps to."""
 
     def __init__(
-        self, message: str, status: Status = Status.INVALID_ARGUMENT, headers: Mapping[str, str] | None = None
+        self,
+        message: str,
+        status: Status = Status.INVALID_ARGUMENT,
+        headers: Mapping[str, str] | None = None,
+        http: int | None = None,
     ) -> None:
-        self.status, self.headers = status, dict(headers or {})
+        self.status, self.headers, self.http = status, dict(headers or {}), http
         super().__init__(message)
 
 
-def _error(error: Exception, rpc: str) -> tuple[Status, str, dict[str, str]]:
-    """The gRPC status, message and extra headers a client gets for `error`."""
+def _error(error: Exception, rpc: str) -> tuple[Status, int, str, dict[str, str]]:
+    """The gRPC status, HTTP status, message and extra headers a client gets for `error`."""
     if isinstance(error, HttpRefusal):
-        return error.status, str(error), error.headers
+        return error.status, error.http or HTTP_STATUS.get(error.status, 400), str(error), error.headers
     grpc_error = to_grpc_error(error, rpc)
-    return grpc_error.status, grpc_error.message or "", {}
+    return grpc_error.status, HTTP_STATUS.get(grpc_error.status, 400), grpc_error.message or "", {}
 
 
 def _error_response(error: Exception, rpc: str) -> Response:
-    status, message, headers = _error(error, rpc)
-    return JSONResponse({"error": message}, HTTP_STATUS.get(status, 400), headers)
+    _, http, message, headers = _error(error, rpc)
+    return JSONResponse({"error": message}, http, headers)
+
+
+class _Disconnected(Exception):
+    """The client closed its connection while its request was being served."""
 
 
 def _plain(value: Any) -> Any:
@@ -151,57 +169,166 @@ async def _stream(receive: Receive) -> AsyncIterator[bytes]:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise asyncio.CancelledError("the client disconnected")
+            raise _Disconnected()
         yield message.get("body", b"")
         if not message.get("more_body", False):
             return
 
 
+class _InFlight:
+    """What the REST connections and requests are waiting for, so that one sweep a tick ends
+    those that waited too long: the deadline of each body being read (its task is cancelled),
+    of each answer being sent (its connection is aborted: a client that does not read would
+    hold it, and the answer's bytes, forever) and of each idle connection (it is closed); and the
+    task serving each connection's inference, by client address, for its connection to cancel
+    when the client goes. A task or a timer per request (hypercorn restarts an idle-timeout task
+    after every answer) costs about 25 us each on trio-asyncio, a tenth of a tiny request."""
+
+    def __init__(self, body_timeout_s: float, idle_timeout_s: float) -> None:
+        self.body_timeout_s, self.idle_timeout_s = body_timeout_s, idle_timeout_s
+        self.serving: dict[Any, asyncio.Task[Any]] = {}
+        self.reading: dict[asyncio.Task[Any], float] = {}
+        self.idle: dict[_Connection, float] = {}
+        self.sending: dict[Any, float] = {}
+        self.connections: dict[Any, _Connection] = {}
+        """Open connections by client address."""
+        self.cancelled: set[asyncio.Task[Any]] = set()
+        """Tasks cancelled here (by a disconnect or a deadline), not by a shutdown."""
+        self._closing: set[asyncio.Future[None]] = set()
+
+    def disconnected(self, client: Any) -> None:
+        task = self.serving.pop(client, None)
+        if task is not None:
+            self._cancel(task)
+
+    async def sweep(self) -> None:
+        """Cancel body reads and close idle connections past their deadlines, forever."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(1.0, self.body_timeout_s / 4, self.idle_timeout_s / 4))
+            now = loop.time()
+            for task in [t for t, deadline in self.reading.items() if deadline <= now]:
+                del self.reading[task]
+                self._cancel(task)
+            self.close_idle([c for c, deadline in self.idle.items() if deadline <= now])
+            for client in [c for c, deadline in self.sending.items() if deadline <= now]:
+                del self.sending[client]
+                connection = self.connections.get(client)
+                if connection is not None:
+                    connection.abort()
+
+    def close_idle(self, connections: list[_Connection]) -> None:
+        for connection in connections:
+            del self.idle[connection]
+            closing = asyncio.ensure_future(connection.close_idle())
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
+
+    def _cancel(self, task: asyncio.Task[Any]) -> None:
+        self.cancelled.add(task)
+        task.cancel()
+
+    def ours(self, task: asyncio.Task[Any]) -> bool:
+        """Whether `task`'s cancellation came from here; if so it is taken back (uncancelled)."""
+        if task not in self.cancelled:
+            return False
+        self.cancelled.discard(task)
+        task.uncancel()
+        return True
+
+
 class _Routes:
     """The endpoints, bound to one service."""
 
-    def __init__(self, service: InferenceService, models: Mapping[str, ModelEntry], limit: int) -> None:
+    def __init__(
+        self, service: InferenceService, models: Mapping[str, ModelEntry], config: ServerConfig
+    ) -> None:
         self._service = service
         self._models = models
-        self._limit = limit
+        self._limit = config.max_message_bytes
+        self._max_receiving = config.max_receiving_bytes
+        self.receiving = 0
+        """Bytes of request bodies being received now (`server.max_receiving_bytes`)."""
+        self.inflight = _InFlight(config.http_body_timeout_s, config.http_idle_timeout_s)
 
-    async def _body(self, headers: Mapping[str, str], chunks_in: AsyncIterator[bytes]) -> bytes:
-        """The request body, decompressed, in one piece."""
-        return b"".join(await self._chunks(headers, chunks_in))
-
-    async def _chunks(self, headers: Mapping[str, str], chunks_in: AsyncIterator[bytes]) -> list[bytes]:
-        """The request body as it arrived, decompressed, refused once it passes the limit (at
-        once when its Content-Length does)."""
-        limit = self._limit
-        declared = headers.get("content-length")
-        if declared is not None and int(declared) > limit:
-            raise self._too_large(f"request body of {declared} bytes")
-        chunks = []
-        size = 0
-        async for chunk in chunks_in:
-            size += len(chunk)
-            if size > limit:
-                raise self._too_large(f"request body of more than {limit} bytes")
-            chunks.append(chunk)
+    async def _body(self, headers: Mapping[str, str], receive: Receive) -> memoryview:
+        """The request body, decompressed, in one buffer; refused once it passes the limit (at
+        once when its Content-Length does) or takes longer than `server.http_body_timeout_s`."""
         encoding = headers.get("content-encoding", "identity").strip().lower()
-        if encoding in _WBITS:
-            inflater = zlib.decompressobj(_WBITS[encoding])
-            try:
-                body = inflater.decompress(b"".join(chunks), limit + 1)
-            except zlib.error as e:
-                raise HttpRefusal(f"the body is not valid {encoding} data: {e}") from None
-            if len(body) > limit:
-                raise self._too_large(f"{encoding} body that inflates to more than {limit} bytes")
-            if not inflater.eof:
-                raise HttpRefusal(f"the {encoding} body is truncated")
-            return [body]
-        if encoding not in ("identity", ""):
+        if encoding not in (*_WBITS, "identity", ""):
             raise HttpRefusal(
                 f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or identity",
                 Status.UNIMPLEMENTED,  # as Triton: 501, saying what it accepts
                 {"Accept-Encoding": "gzip, deflate"},
             )
-        return chunks
+        task, inflight = asyncio.current_task(), self.inflight
+        assert task is not None
+        inflight.reading[task] = asyncio.get_running_loop().time() + inflight.body_timeout_s
+        try:
+            body = await self._receive(headers.get("content-length"), receive)
+        except asyncio.CancelledError:
+            if not inflight.ours(task):
+                raise
+            raise HttpRefusal(
+                f"the request body did not arrive within {inflight.body_timeout_s} s "
+                "(server.http_body_timeout_s)",
+                Status.DEADLINE_EXCEEDED,
+                http=408,
+            ) from None
+        finally:
+            inflight.reading.pop(task, None)
+            inflight.cancelled.discard(task)  # a cancellation the read swallowed, if any
+        if encoding not in _WBITS:
+            return memoryview(body)
+        inflater = zlib.decompressobj(_WBITS[encoding])
+        try:
+            inflated = inflater.decompress(body, self._limit + 1)
+        except zlib.error as e:
+            raise HttpRefusal(f"the body is not valid {encoding} data: {e}") from None
+        if len(inflated) > self._limit:
+            raise self._too_large(f"{encoding} body that inflates to more than {self._limit} bytes")
+        if not inflater.eof:
+            raise HttpRefusal(f"the {encoding} body is truncated")
+        return memoryview(inflated)
+
+    async def _receive(self, declared: str | None, receive: Receive) -> bytes | memoryview:
+        """The body as sent: with a Content-Length (h11 holds the client to it), each chunk
+        copied once into a buffer of that size (numpy's: not zeroed first, as a bytearray is);
+        chunked, joined once it has all come. While it comes its bytes count against
+        `server.max_receiving_bytes`, as gRPC's messages being received do."""
+        if declared is not None:
+            size = int(declared)
+            if size > self._limit:
+                raise self._too_large(f"request body of {declared} bytes")
+            self._reserve(size)
+            try:
+                view, filled = np.empty(size, np.uint8).data, 0
+                async for chunk in _stream(receive):
+                    view[filled : filled + len(chunk)] = chunk
+                    filled += len(chunk)
+                return view
+            finally:
+                self.receiving -= size
+        chunks, size = [], 0
+        try:
+            async for chunk in _stream(receive):
+                if size + len(chunk) > self._limit:
+                    raise self._too_large(f"request body of more than {self._limit} bytes")
+                self._reserve(len(chunk))
+                size += len(chunk)
+                chunks.append(chunk)
+            return b"".join(chunks)
+        finally:
+            self.receiving -= size
+
+    def _reserve(self, size: int) -> None:
+        if self.receiving + size > self._max_receiving:
+            raise HttpRefusal(
+                f"the server is receiving {self.receiving} bytes of request bodies; {size} more would "
+                f"pass server.max_receiving_bytes ({self._max_receiving}); retry later",
+                Status.UNAVAILABLE,
+            )
+        self.receiving += size
 
     def _too_large(self, what: str) -> HttpRefusal:
         return HttpRefusal(
@@ -210,7 +337,7 @@ class _Routes:
 
     async def _json(self, request: Request) -> dict[str, Any]:
         """A JSON object body; an empty body is {}."""
-        body = await self._body(request.headers, request.stream())
+        body = bytes(await self._body(request.headers, request.receive))
         if not body.strip():
             return {}
         try:
@@ -242,18 +369,21 @@ class _Routes:
                     f"Inference-Header-Content-Length must be a byte count, got {header_length!r}"[:200]
                 )
             decoded = decode_infer(
-                ChunkedBody(await self._chunks(headers, _stream(receive))),
+                await self._body(headers, receive),
                 None if header_length is None else int(header_length),
                 model,
                 version,
             )
-            content, binary_length = encode_infer(await self._service._infer(decoded.request, None), decoded)
+            response = await self._unless_disconnected(decoded.request, scope["client"])
+            pieces, binary_length = encode_infer(response, decoded)
+        except _Disconnected:
+            return  # nobody to answer; as a cancelled gRPC call, it is not counted
         except Exception as e:
-            status, message, extra = _error(e, "ModelInfer")
+            status, http, message, extra = _error(e, "ModelInfer")
             self._service._count(label, status.name, started)
             body = json.dumps({"error": message}).encode()
             extra_headers = [(k.lower().encode(), v.encode()) for k, v in extra.items()]
-            await _respond(send, HTTP_STATUS.get(status, 400), body, _JSON + extra_headers)
+            await _respond(send, http, [body], _JSON + extra_headers)
             return
         self._service._count(label, "OK", started)
         response_headers = _JSON if binary_length is None else _BINARY
@@ -261,9 +391,31 @@ class _Routes:
             response_headers = [*response_headers, (_HEADER_LENGTH_OUT, str(binary_length).encode())]
         encoding = _response_encoding(headers.get("accept-encoding"))
         if encoding is not None:
-            content = _compress(content, encoding)
+            pieces = [_compress(b"".join(pieces), encoding)]
             response_headers = [*response_headers, (b"content-encoding", encoding.encode())]
-        await _respond(send, 200, content, response_headers)
+        sending, client = self.inflight.sending, scope["client"]
+        sending[client] = asyncio.get_running_loop().time() + self.inflight.body_timeout_s
+        try:
+            await _respond(send, 200, pieces, response_headers)
+        finally:
+            sending.pop(client, None)
+
+    async def _unless_disconnected(self, request: Any, client: Any) -> Any:
+        """The service's answer; a client that disconnects meanwhile cancels it, so that a
+        request still in its model's queue is withdrawn (as a gRPC cancellation withdraws one)."""
+        task, serving = asyncio.current_task(), self.inflight.serving
+        assert task is not None
+        serving[client] = task
+        try:
+            return await self._service._infer(request, None)
+        except asyncio.CancelledError:
+            if not self.inflight.ours(task):
+                raise
+            raise _Disconnected() from None
+        finally:
+            if serving.get(client) is task:
+                del serving[client]
+            self.inflight.cancelled.discard(task)  # a cancellation the service swallowed, if any
 
     # -- health and metadata -------------------------------------------------------------------
 
@@ -369,10 +521,19 @@ class _Routes:
         raise AssertionError("unreachable")
 
 
-async def _respond(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
-    headers = [*headers, (b"content-length", str(len(body)).encode())]
+_JOIN_BYTES = 1 << 16
+"""A response this small is joined and sent in one piece (one pass through hypercorn and h11
+costs more than copying it); a larger one is sent piece by piece, its tensors never copied."""
+
+
+async def _respond(send: Send, status: int, pieces: list[bytes], headers: list[tuple[bytes, bytes]]) -> None:
+    length = sum(map(len, pieces))
+    headers = [*headers, (b"content-length", str(length).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    if length <= _JOIN_BYTES:
+        pieces = [b"".join(pieces)]
+    for i, piece in enumerate(pieces, 1 - len(pieces)):
+        await send({"type": "http.response.body", "body": piece, "more_body": i < 0})
 
 
 def _endpoint(handler: Handler, rpc: str) -> Handler:
@@ -382,6 +543,8 @@ def _endpoint(handler: Handler, rpc: str) -> Handler:
     async def endpoint(request: Request) -> Response:
         try:
             return await handler(request)
+        except _Disconnected:
+            return Response(status_code=400)  # nobody is left to read it
         except Exception as e:
             return _error_response(e, rpc)
 
@@ -393,9 +556,9 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return JSONResponse({"error": exc.detail}, exc.status_code, exc.headers)
 
 
-def build_app(service: InferenceService, models: Mapping[str, ModelEntry], limit: int) -> _App:
+def build_app(service: InferenceService, models: Mapping[str, ModelEntry], config: ServerConfig) -> _App:
     """The Starlette application of the V2 REST protocol over `service`."""
-    r = _Routes(service, models, limit)
+    r = _Routes(service, models, config)
 
     def get(path: str, handler: Handler, rpc: str) -> Route:
         return Route(path, _endpoint(handler, rpc), methods=["GET"])
@@ -441,20 +604,32 @@ def build_app(service: InferenceService, models: Mapping[str, ModelEntry], limit
             get(model + "/config", r.model_config, "ModelConfig"),
             get(model + "/stats", r.model_stats, "ModelStatistics"),
         ]
-    return _App(r, Starlette(routes=routes, exception_handlers={HTTPException: _http_error}))
+    starlette = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    return _App(r, starlette, config.http_max_header_bytes)
 
 
 class _App:
     """The ASGI application: inference straight to its handler, the rest through Starlette."""
 
-    def __init__(self, routes: _Routes, starlette: Starlette) -> None:
-        self._routes, self._starlette = routes, starlette
+    def __init__(self, routes: _Routes, starlette: Starlette, max_head_bytes: int) -> None:
+        self.routes, self._starlette, self._max_head_bytes = routes, starlette, max_head_bytes
+        self.inflight = routes.inflight
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
+        if scope["type"] != "http":
+            return await self._starlette(scope, receive, send)
+        # h11 bounds a head still arriving; one that came whole in a single read is counted here
+        head = len(scope["raw_path"]) + sum(len(name) + len(value) + 4 for name, value in scope["headers"])
+        if head > self._max_head_bytes:
+            message = (
+                f"the request line and headers take {head} bytes, past the server's limit of "
+                f"{self._max_head_bytes} (server.http_max_header_bytes)"
+            )
+            return await _respond(send, 431, [json.dumps({"error": message}).encode()], _JSON)
+        if scope["method"] == "POST":
             match = _INFER_PATH.fullmatch(scope["path"])
             if match is not None:
-                return await self._routes.infer(match[1], match[2] or "", scope, receive, send)
+                return await self.routes.infer(match[1], match[2] or "", scope, receive, send)
         await self._starlette(scope, receive, send)
 
 
@@ -480,8 +655,64 @@ def _listen(host: str, port: int, backlog: int, reuse_port: bool = False) -> soc
     return sock
 
 
+class _Connection(TCPServer):
+    """hypercorn's connection handler, which tells the routes when its client has gone and
+    keeps its idle deadline in `_InFlight` instead of an idle-timeout task."""
+
+    def __init__(self, inflight: _InFlight, client: Any, *args: Any) -> None:
+        super().__init__(*args)
+        self._inflight, self._client = inflight, client
+        self.idle_task = _IdleDeadline(inflight, self)  # type: ignore[assignment]  # duck-typed
+
+    async def _read_data(self) -> None:
+        await super()._read_data()  # until the client closes (or the connection fails)
+        self._inflight.disconnected(self._client)
+
+    async def close_idle(self) -> None:
+        await self._initiate_server_close()
+
+    def abort(self) -> None:
+        """Drop the connection now, with whatever it has not sent (a close would wait for it)."""
+        self.writer.transport.abort()
+
+
+class _IdleDeadline:
+    """Stands in for hypercorn's idle-timeout task (`AsyncioSingleTask`): `restart` when the
+    connection goes idle sets its deadline, `stop` when a request head arrives clears it."""
+
+    def __init__(self, inflight: _InFlight, connection: _Connection) -> None:
+        self._inflight, self._connection = inflight, connection
+
+    async def restart(self, task_group: Any, action: Any) -> None:
+        deadline = asyncio.get_running_loop().time() + self._inflight.idle_timeout_s
+        self._inflight.idle[self._connection] = deadline
+
+    async def stop(self) -> None:
+        self._inflight.idle.pop(self._connection, None)
+
+
+def _refusal(cap: int) -> bytes:
+    """The whole answer to a connection past `server.http_max_connections`."""
+    body = json.dumps({"error": f"server.http_max_connections ({cap}) reached; retry later"}).encode()
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\nretry-after: 1\r\n\r\n"
+    )
+    return head.encode() + body
+
+
 class RestServer:
-    """hypercorn serving the REST app on `server.host`:`server.http_port` until `stop()`."""
+    """hypercorn serving the REST app on `server.host`:`server.http_port` until `stop()`.
+
+    hypercorn's own accept loop (`worker_serve`) has no connection cap, so this one runs its
+    connection handler (`TCPServer`) itself: past `server.http_max_connections` a new connection
+    is answered 503 with a JSON error and closed at once, never read (a client that had already
+    sent its request may see the close as a reset). h11 bounds a request head still arriving
+    (`server.http_max_header_bytes`: 431 and close) and the app one that came whole (431); the
+    sweep of `_InFlight` closes a connection without a whole head for
+    `server.http_idle_timeout_s` and answers 408 to a body slower than
+    `server.http_body_timeout_s`.
+    """
 
     def __init__(self, app: _App, config: ServerConfig, *, reuse_port: bool = False) -> None:
         self._app = app
@@ -491,6 +722,18 @@ class RestServer:
         self._stop = trio.Event()
         self.stopped = trio.Event()
         """Set once every connection is closed (after `stop()`, within the grace period)."""
+        self.connections = 0
+        """Connections open now (refused ones are never counted)."""
+
+    @property
+    def receiving_bytes(self) -> int:
+        """Bytes of request bodies being received now."""
+        return self._app.routes.receiving
+
+    @property
+    def inferring(self) -> int:
+        """Inference requests whose answer the service is working on now."""
+        return len(self._app.inflight.serving)
 
     def stop(self) -> None:
         """Stop accepting connections; those open finish their requests within the grace period."""
@@ -500,24 +743,68 @@ class RestServer:
         """Bind, report the bound port, serve until stopped; an address in use raises OSError."""
         settings = hypercorn.config.Config()
         settings.graceful_timeout = self._config.shutdown_grace_s
+        settings.h11_max_incomplete_size = self._config.http_max_header_bytes
         settings.accesslog = settings.errorlog = None  # the routes answer and log what goes wrong
         # 64 KiB per read made a 4.8 MB body 75 passes through h11 and the ASGI queue.
         hypercorn.asyncio.tcp_server.MAX_RECV = _READ_BYTES
         try:
             sock = _listen(self._config.host, self._config.http_port, settings.backlog, self._reuse_port)
-            bound = sock.getsockname()[1]
-            sockets = hypercorn.config.Sockets([], [sock], [])
-            serve = functools.partial(
-                hypercorn.asyncio.run.worker_serve,
-                hypercorn.utils.wrap_app(self._app, settings.wsgi_max_body_size, "asgi"),  # type: ignore[arg-type]
-                settings,
-                sockets=sockets,
-                shutdown_trigger=trio_asyncio.trio_as_aio(self._stop.wait),
-            )
-            task_status.started(bound)
-            await trio_asyncio.aio_as_trio(serve)()
+            task_status.started(sock.getsockname()[1])
+            await trio_asyncio.aio_as_trio(self._serve)(sock, settings)
         finally:
             self.stopped.set()
+
+    async def _serve(self, sock: socket.socket, settings: hypercorn.config.Config) -> None:
+        """hypercorn's `worker_serve` for one plain TCP socket, with the connection cap."""
+        loop = asyncio.get_running_loop()
+        app = hypercorn.utils.wrap_app(self._app, settings.wsgi_max_body_size, "asgi")  # type: ignore[arg-type]
+        context = WorkerContext(None)
+        state: dict[str, Any] = {}
+        cap = self._config.http_max_connections or default_max_connections()
+        refusal = _refusal(cap)
+        open_: set[asyncio.Task[Any]] = set()
+        inflight = self._app.inflight
+
+        async def connected(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            if len(open_) >= cap:
+                writer.write(refusal)
+                writer.close()
+                return
+            # asyncio's recv size (256 KiB) made a 4.8 MB body 19 passes through the stack
+            writer.transport.max_size = _READ_BYTES  # type: ignore[attr-defined]
+            task = asyncio.current_task()
+            assert task is not None
+            open_.add(task)
+            self.connections = len(open_)
+            peer = writer.get_extra_info("peername")  # as hypercorn names the client in the scope
+            family = writer.get_extra_info("socket").family
+            client = None if peer is None else hypercorn.utils.parse_socket_addr(family, peer)
+            connection = inflight.connections[client] = _Connection(
+                inflight, client, app, loop, settings, context, state, reader, writer
+            )
+            try:
+                await connection
+            finally:
+                del inflight.connections[client]
+                open_.discard(task)
+                self.connections = len(open_)
+
+        server = await asyncio.start_server(connected, sock=sock, backlog=settings.backlog, limit=_READ_BYTES)
+        sweep = loop.create_task(inflight.sweep())
+        try:
+            await trio_asyncio.trio_as_aio(self._stop.wait)()
+        finally:
+            sweep.cancel()
+            await context.terminated.set()  # busy connections close after their request
+            inflight.close_idle(list(inflight.idle))
+            server.close()
+            await server.wait_closed()
+            if open_:
+                _, late = await asyncio.wait(open_, timeout=settings.graceful_timeout)
+                for task in late:
+                    task.cancel()
+                if late:
+                    await asyncio.wait(late)
 
 
 def _load_parameter(key: str, value: Any) -> kserve.ModelRepositoryParameter:

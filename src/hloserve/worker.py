@@ -85,6 +85,9 @@ class Worker(ModelTable):
         if self.frontends is not None:
             self.frontends.post(name)  # in order with every other change; not awaited
 
+    rest: RestServer | None = None
+    """The REST front end (its open connections), when it runs."""
+
 
 @asynccontextmanager
 async def serve(config: Config) -> AsyncIterator[Worker]:
@@ -161,8 +164,8 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         rest = None
         if server_config.http_port >= 0 and not server_config.frontends:  # else each frontend serves REST
             # before gRPC: a failed bind cancels it with the nursery
-            app = build_app(service, entries, server_config.max_message_bytes)
-            rest = RestServer(app, server_config)
+            app = build_app(service, entries, server_config)
+            rest = worker.rest = RestServer(app, server_config)
             try:
                 worker.http_port = await nursery.start(rest.run)
             except OSError as e:

@@ -111,8 +111,8 @@ async def run_front(
             rest_server = None
             if serves_http:  # the controller's REST: what Envoy's REST routes give no worker
                 # The REST routes call the same methods on InferenceFront as on a worker's service.
-                app = rest.build_app(inference, {}, server_config.max_message_bytes)  # type: ignore[arg-type]
                 settings = dataclasses.replace(server_config, host="127.0.0.1", http_port=0)
+                app = rest.build_app(inference, {}, settings)  # type: ignore[arg-type]
                 rest_server = rest.RestServer(app, settings)
                 publish.controller_http = f"127.0.0.1:{await nursery.start(rest_server.run)}"
             publish({})
