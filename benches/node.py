@@ -68,6 +68,8 @@ class Row:
     node_cpu_ms: float = 0.0
     node_busy_cores: float = 0.0
     """Cores kept busy during the node run, the client included."""
+    rows_per_request: int = 1
+    """Throughput counts rows (images); CPU is per request."""
 
     @property
     def added_p50_ms(self) -> float:
@@ -83,7 +85,8 @@ class Row:
         the direct run's measured throughput."""
         if not self.node_cpu_ms or not self.direct_throughput:
             return 0.0
-        return (os.cpu_count() or 1) * 1e3 / self.node_cpu_ms / self.direct_throughput
+        most = (os.cpu_count() or 1) * 1e3 / self.node_cpu_ms * self.rows_per_request
+        return most / self.direct_throughput
 
 
 @dataclass(frozen=True)
@@ -209,6 +212,7 @@ def run_overhead(window_ms: int) -> list[Row]:
                     direct_cpu_ms=round(direct_cpu.cpu_ms_per_request, 3),
                     node_cpu_ms=round(node_cpu.cpu_ms_per_request, 3),
                     node_busy_cores=round(node_cpu.busy_cores, 2),
+                    rows_per_request=int(extra[extra.index("-b") + 1]),
                 )
             )
         return rows
