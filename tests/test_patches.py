@@ -38,7 +38,7 @@ from h2.errors import ErrorCodes
 from support.servers import ServerThread
 from tritonclient.grpc import service_pb2
 
-from hloserve import _grpclib_patches, _hpack_patches, _trio_asyncio_patches
+from hloserve import _grpclib_patches, _hpack_patches, _trio_asyncio_patches, rest
 from hloserve._grpclib_patches import GracefulServer, GuardedStream, send_reply
 from hloserve._h2_limits import LimitedH2Connection, TransportLimits
 from hloserve._patch_requirements import PatchMismatch, check
@@ -54,9 +54,21 @@ T = TypeVar("T")
 
 
 def test_the_installed_libraries_pass_every_check() -> None:
-    check(*_grpclib_patches.REQUIRES, _hpack_patches.REQUIRES, _trio_asyncio_patches.REQUIRES)
-    distributions = {r.distribution for r in (*_grpclib_patches.REQUIRES, _trio_asyncio_patches.REQUIRES)}
-    assert distributions == {"grpclib", "h2", "hyperframe", "hpack", "trio-asyncio"}
+    every = (
+        *_grpclib_patches.REQUIRES,
+        _hpack_patches.REQUIRES,
+        _trio_asyncio_patches.REQUIRES,
+        rest.REQUIRES,
+    )
+    check(*every)
+    assert {r.distribution for r in every} == {
+        "grpclib",
+        "h2",
+        "hyperframe",
+        "hpack",
+        "trio-asyncio",
+        "hypercorn",
+    }
 
 
 def test_another_version_stops_start_up_saying_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -53,6 +53,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from hloserve._h2_limits import default_max_connections
+from hloserve._patch_requirements import Requires, check
 from hloserve._proto import inference as kserve
 from hloserve._status import to_grpc_error
 from hloserve.config import ServerConfig
@@ -62,7 +63,31 @@ if TYPE_CHECKING:
     from hloserve.model_table import ModelEntry
     from hloserve.service import InferenceService
 
-__all__ = ["HTTP_STATUS", "RestServer", "build_app"]
+__all__ = ["HTTP_STATUS", "REQUIRES", "RestServer", "build_app"]
+
+REQUIRES = Requires(
+    __name__,
+    "hypercorn",
+    "0.18.0",
+    members=(
+        "hypercorn.asyncio.tcp_server.MAX_RECV",
+        "hypercorn.asyncio.tcp_server.TCPServer._read_data",
+        "hypercorn.asyncio.tcp_server.TCPServer._initiate_server_close",
+        "hypercorn.asyncio.tcp_server.TCPServer.idle_task",
+        "hypercorn.asyncio.tcp_server.TCPServer.writer",
+        "hypercorn.asyncio.worker_context.WorkerContext.terminated",
+        "hypercorn.utils.wrap_app",
+        "hypercorn.utils.parse_socket_addr",
+    ),
+    parameters={
+        "hypercorn.asyncio.tcp_server.TCPServer.__init__": (
+            "self", "app", "loop", "config", "context", "state", "reader", "writer"
+        ),
+        "hypercorn.asyncio.worker_context.WorkerContext.__init__": ("self", "max_requests"),
+    },
+)  # fmt: skip
+"""What `RestServer` reaches into: it runs hypercorn's connection handler under its own accept
+loop (the connection cap) and replaces its idle-timeout task (`_Connection`)."""
 
 HTTP_STATUS = {
     Status.NOT_FOUND: 404,
@@ -741,6 +766,7 @@ class RestServer:
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         """Bind, report the bound port, serve until stopped; an address in use raises OSError."""
+        check(REQUIRES)
         settings = hypercorn.config.Config()
         settings.graceful_timeout = self._config.shutdown_grace_s
         settings.h11_max_incomplete_size = self._config.http_max_header_bytes
