@@ -213,19 +213,24 @@ class FrontendLink:
         timeout_s: float | None,
         out_nbytes: int,
     ) -> tuple[int, _Waiting]:
-        specs = [(a.shape, a.dtype) for a in inputs] + [((out_nbytes,), np.uint8)]
-        staged = self._arena.scratch(slot, specs)
-        for target, source in zip(staged, inputs, strict=False):
-            target[...] = source
-        refs = [TensorRef(self._arena.array_offset(a), a.dtype.str, a.shape) for a in staged[:-1]]
-        out = (self._arena.array_offset(staged[-1]), out_nbytes)
+        """Copy the inputs into the slot, each aligned, then reserve `out_nbytes` for the outputs
+        (the layout `_span` bounds), and send `Run`."""
+        memory, refs, cursor = self._arena.view(slot), [], 0
+        for array in inputs:
+            cursor += -cursor % ALIGNMENT
+            target = memory[cursor : cursor + array.nbytes].view(array.dtype).reshape(array.shape)
+            target[...] = array
+            refs.append(TensorRef(slot.offset + cursor, array.dtype.str, array.shape))
+            cursor += array.nbytes
+        cursor += -cursor % ALIGNMENT
         ident = self._new_id()
         waiting = self._waiting[ident] = _Waiting(slot)
-        self._post(ident, Run(model, refs, rows, outputs, timeout_s, out))
+        self._post(ident, Run(model, refs, rows, outputs, timeout_s, (slot.offset + cursor, out_nbytes)))
         return ident, waiting
 
     def _span(self, inputs: list[np.ndarray], out_nbytes: int) -> int:
-        return self._arena.span_for([(a.shape, a.dtype) for a in inputs] + [((out_nbytes,), np.uint8)])
+        nbytes = sum(a.nbytes for a in inputs) + ALIGNMENT * len(inputs) + out_nbytes
+        return max(1, -(-nbytes // self._arena.slot_bytes))
 
     def _leave(self, ident: int) -> None:
         """The caller of request `ident` went away: withdraw it; its slot waits for the engine."""
