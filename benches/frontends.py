@@ -9,7 +9,8 @@ Machine CPU: each row also counts the CPU of everything that ran (perf_analyzer,
 the frontends; for the engine alone, the engine and the driver) per request, and the cores it
 kept busy. "ceiling" is what that row could serve with every core of this machine busy at its CPU
 per request, over K=0's measured throughput: where it is near the measured ratio, the machine's
-cores bound the run, not the design.
+cores bound the run, not the design (for the engine alone, which has no client, the ceiling is
+only in the JSON, in requests per second).
 
 The engine alone: an engine process (pinned to core 0) accepting links on a Unix socket, fed at
 full speed by a driver in this process that writes requests into the link directly
@@ -249,9 +250,14 @@ def _scenario(
 
 
 def _against_k0(rows: list[Row]) -> dict[tuple[str, str], float]:
-    """Each row's ceiling over K=0's measured throughput in the same scenario."""
+    """Each gRPC row's ceiling over K=0's measured throughput in the same scenario (0 for the
+    engine alone, which has no client and counts requests, not images)."""
     k0 = {r.scenario: r.throughput for r in rows if r.setup == "K=0"}
-    return {(r.setup, r.scenario): r.ceiling / k0[r.scenario] if k0.get(r.scenario) else 0.0 for r in rows}
+
+    def ratio(r: Row) -> float:
+        return r.ceiling / k0[r.scenario] if r.setup != "engine alone" and k0.get(r.scenario) else 0.0
+
+    return {(r.setup, r.scenario): ratio(r) for r in rows}
 
 
 def table(rows: list[Row]) -> str:
