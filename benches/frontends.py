@@ -5,6 +5,13 @@ both cores) under perf_analyzer; per scenario, answers per second, p99, and CPU 
 engine (the worker process itself) and of one frontend (its children's, over K), from /proc.
 With K=0 the engine column is the whole single-process server.
 
+Machine CPU: each row also counts the CPU of everything that ran (perf_analyzer, the engine and
+the frontends; for the engine alone, the engine and the driver) per request, and the cores it
+kept busy. "ceiling" is what that row could serve with every core of this machine busy at its CPU
+per request, over K=0's measured throughput: where it is near the measured ratio, the machine's
+cores bound the run, not the design (for the engine alone, which has no client, the ceiling is
+only in the JSON, in requests per second).
+
 The engine alone: an engine process (pinned to core 0) accepting links on a Unix socket, fed at
 full speed by a driver in this process that writes requests into the link directly
 (`hloserve.frontend_link.FrontendLink`); the frontend column is then the driver's CPU (the link's share of
@@ -20,11 +27,13 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from benches.node import _machine_cpu
 from benches.serving import ROOT, _cpu_seconds, _pin
 
 SCENARIOS = (
@@ -57,6 +66,13 @@ class Row:
     frontend_cpu_ms_per_request: float | None
     """One frontend's CPU per request it answered (the driver's, for the engine alone)."""
     requests: int
+    machine_cpu_ms_per_request: float = 0.0
+    """The CPU of everything that ran (client, engine, frontends) per request."""
+    busy_cores: float = 0.0
+    """Cores kept busy, the client included."""
+    ceiling: float = 0.0
+    """The most this row could serve here, every core busy at its machine CPU per request (in
+    the throughput's unit)."""
 
 
 def run(window_ms: int = 3000) -> list[Row]:
@@ -67,7 +83,7 @@ def _grpc(window_ms: int) -> list[Row]:
     import tritonclient.grpc as grpcclient
 
     from benches.perf_analyzer import install
-    from benches.serving import _free_port, _successes
+    from benches.serving import _free_port
 
     install()
     rows = []
@@ -90,11 +106,11 @@ def _grpc(window_ms: int) -> list[Row]:
                 except Exception:
                     time.sleep(0.2)
             for name, model, concurrency, extra in GRPC_SCENARIOS:
-                engine, whole, n = _own_cpu(process.pid), _cpu_seconds(process.pid), _successes(url, model)
-                p99_ms, throughput = _perf_analyzer(url, model, concurrency, extra, window_ms)
+                measure = partial(_counted_perf_analyzer, url, model, concurrency, extra, window_ms)
+                engine, whole = _own_cpu(process.pid), _cpu_seconds(process.pid)
+                (p99_ms, throughput, n), machine = _machine_cpu(process.pid, measure, lambda r: r[2])
                 engine = _own_cpu(process.pid) - engine
                 frontends = _cpu_seconds(process.pid) - whole - engine
-                n = max(_successes(url, model) - n, 1)
                 rows.append(
                     Row(
                         f"K={k}",
@@ -104,6 +120,9 @@ def _grpc(window_ms: int) -> list[Row]:
                         engine / n * 1e3,
                         frontends / n * 1e3 if k else None,
                         n,
+                        machine.cpu_ms_per_request,
+                        machine.busy_cores,
+                        _ceiling(machine.cpu_ms_per_request, int(extra[-1])),
                     )
                 )
         finally:
@@ -112,9 +131,25 @@ def _grpc(window_ms: int) -> list[Row]:
     return rows
 
 
+def _ceiling(cpu_ms_per_request: float, batch: int) -> float:
+    """Throughput (inferences per second, `batch` to a request) with every core busy."""
+    return (os.cpu_count() or 1) * 1e3 / cpu_ms_per_request * batch if cpu_ms_per_request else 0.0
+
+
 def _own_cpu(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _counted_perf_analyzer(
+    url: str, model: str, concurrency: int, extra: list[str], window_ms: int
+) -> tuple[float, float, int]:
+    """p99 ms, throughput, and the requests the server answered meanwhile."""
+    from benches.serving import _successes
+
+    n = _successes(url, model)
+    p99_ms, throughput = _perf_analyzer(url, model, concurrency, extra, window_ms)
+    return p99_ms, throughput, max(_successes(url, model) - n, 1)
 
 
 def _perf_analyzer(
@@ -199,6 +234,7 @@ def _scenario(
 
     elapsed, engine_cpu, driver_cpu = trio.run(drive)
     n = max(len(latencies), 1)
+    machine_ms = (engine_cpu + driver_cpu) / n * 1e3
     return Row(
         "engine alone",
         name,
@@ -207,25 +243,43 @@ def _scenario(
         engine_cpu / n * 1e3,
         driver_cpu / n * 1e3,
         len(latencies),
+        machine_ms,
+        (engine_cpu + driver_cpu) / elapsed,
+        _ceiling(machine_ms, 1),
     )
 
 
+def _against_k0(rows: list[Row]) -> dict[tuple[str, str], float]:
+    """Each gRPC row's ceiling over K=0's measured throughput in the same scenario (0 for the
+    engine alone, which has no client and counts requests, not images)."""
+    k0 = {r.scenario: r.throughput for r in rows if r.setup == "K=0"}
+
+    def ratio(r: Row) -> float:
+        return r.ceiling / k0[r.scenario] if r.setup != "engine alone" and k0.get(r.scenario) else 0.0
+
+    return {(r.setup, r.scenario): ratio(r) for r in rows}
+
+
 def table(rows: list[Row]) -> str:
+    ceilings = _against_k0(rows)
     lines = [
         f"{'setup':<13} {'scenario':<11} {'req/s':>8} {'p99 ms':>8} {'engine CPU ms/req':>18} "
-        f"{'frontend CPU ms/req':>20}"
+        f"{'frontend CPU ms/req':>20} {'machine CPU ms/req':>19} {'cores':>6} {'ceiling/K=0':>12}"
     ]
     for r in rows:
         frontend = "-" if r.frontend_cpu_ms_per_request is None else f"{r.frontend_cpu_ms_per_request:.3f}"
+        ceiling = ceilings[r.setup, r.scenario]
         lines.append(
             f"{r.setup:<13} {r.scenario:<11} {r.throughput:>8.0f} {r.p99_ms:>8.2f} "
-            f"{r.engine_cpu_ms_per_request:>18.3f} {frontend:>20}"
+            f"{r.engine_cpu_ms_per_request:>18.3f} {frontend:>20} {r.machine_cpu_ms_per_request:>19.3f} "
+            f"{r.busy_cores:>6.2f} {f'{ceiling:.2f}x' if ceiling else '-':>12}"
         )
     return "\n".join(lines)
 
 
 def as_json(rows: list[Row]) -> list[dict[str, Any]]:
-    return [asdict(r) for r in rows]
+    ceilings = _against_k0(rows)
+    return [{**asdict(r), "ceiling_ratio": ceilings[r.setup, r.scenario]} for r in rows]
 
 
 def _engine(path: str) -> None:

@@ -195,8 +195,9 @@ class EngineLink:
             case Applied():
                 if (done := self._pushes.pop(ident, None)) is not None:
                     done.set()
-            case Counted(model=model, status=status, elapsed_s=elapsed_s) if self._services is not None:
-                self._services.count(model, status, elapsed_s)
+            case Counted(calls=calls) if self._services is not None:
+                for model, status, elapsed_s in calls:
+                    self._services.count(model, status, elapsed_s)
             case Call(method=method, message=argument) if self._services is not None:
                 assert self._nursery is not None
                 self._nursery.start_soon(self._call, ident, method, argument)

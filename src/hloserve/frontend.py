@@ -39,7 +39,7 @@ from hloserve.codec import SHM_REGION
 from hloserve.config import Config, ModelSettings
 from hloserve.frontend_link import FrontendLink, execute_over
 from hloserve.health import worker_health
-from hloserve.link import FORWARD, Counted, Listening
+from hloserve.link import FORWARD, Listening
 from hloserve.meta import MetaModels
 from hloserve.metrics import Metrics
 from hloserve.model_table import Failed, Loaded, Meta, ModelEntry, _registration
@@ -135,7 +135,7 @@ class FrontendService(InferenceService):
         self._call = trio_asyncio.trio_as_aio(link.call)
 
     def _count(self, model: str, status: str, started: float) -> None:
-        self._link.notify(Counted(model, status, time.perf_counter() - started))
+        self._link.count(model, status, time.perf_counter() - started)
 
     def _platform(self) -> str:
         return f"stablehlo_{self._engine_platform}"  # the engine's device, never one of ours

@@ -21,6 +21,7 @@ from hloserve.link import (
     ALIGNMENT,
     Applied,
     Call,
+    Counted,
     Failed,
     FrameReader,
     Hello,
@@ -39,17 +40,6 @@ if TYPE_CHECKING:
     from hloserve.service import Execute
 
 __all__ = ["FrontendLink", "execute_over"]
-
-
-def _with_queued(first: bytes, queue: trio.MemoryReceiveChannel[bytes]) -> bytes:
-    """`first` and every frame queued behind it, for one write (one system call, not one per
-    frame, when requests arrive together)."""
-    frames = [first]
-    while True:
-        try:
-            frames.append(queue.receive_nowait())
-        except trio.WouldBlock:
-            return b"".join(frames) if len(frames) > 1 else first
 
 
 @dataclass(eq=False, slots=True)
@@ -79,6 +69,8 @@ class FrontendLink:
         self.closed = trio.Event()
         """Set when the engine's end is gone."""
         self._outbound, self._outbound_queue = trio.open_memory_channel[bytes](math.inf)
+        self._counted: list[tuple[str, str, float]] = []
+        """Calls counted since the last write; an empty frame in the queue marks where they go."""
         self._pushed, self.pushes = trio.open_memory_channel[tuple[int, TableChanged]](math.inf)
         """The engine's `TableChanged` notices (with their ids), in order; answer each with
         `applied`."""
@@ -102,8 +94,19 @@ class FrontendLink:
             await self._stream.aclose()
 
     async def _send_queued(self) -> None:
-        async for data in self._outbound_queue:
-            await self._stream.send_all(_with_queued(data, self._outbound_queue))
+        """Write every frame queued, in one system call when requests come together."""
+        async for first in self._outbound_queue:
+            frames = [first]
+            while True:
+                try:
+                    frames.append(self._outbound_queue.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            await self._stream.send_all(b"".join(data or self._counts() for data in frames))
+
+    def _counts(self) -> bytes:
+        counted, self._counted = self._counted, []
+        return frame(0, Counted(counted))
 
     def _post(self, ident: int, message: object) -> None:
         """Queue a frame; the sender writes frames whole and in order."""
@@ -112,6 +115,13 @@ class FrontendLink:
     def notify(self, message: object) -> None:
         """Send a notice (no request of its own) without waiting."""
         self._post(0, message)
+
+    def count(self, model: str, status: str, elapsed_s: float) -> None:
+        """Tell the engine a ModelInfer call ended (sent with the next write, in one `Counted` with
+        every call counted before it: no frame of its own per request)."""
+        if not self._counted:
+            self._outbound.send_nowait(b"")
+        self._counted.append((model, status, elapsed_s))
 
     async def announce(self, message: object) -> None:
         self.notify(message)
@@ -203,19 +213,24 @@ class FrontendLink:
         timeout_s: float | None,
         out_nbytes: int,
     ) -> tuple[int, _Waiting]:
-        specs = [(a.shape, a.dtype) for a in inputs] + [((out_nbytes,), np.uint8)]
-        staged = self._arena.scratch(slot, specs)
-        for target, source in zip(staged, inputs, strict=False):
-            target[...] = source
-        refs = [TensorRef(self._arena.array_offset(a), a.dtype.str, a.shape) for a in staged[:-1]]
-        out = (self._arena.array_offset(staged[-1]), out_nbytes)
+        """Copy the inputs into the slot, each aligned, then reserve `out_nbytes` for the outputs
+        (the layout `_span` bounds), and send `Run`."""
+        memory, refs, cursor = self._arena.view(slot), [], 0
+        for array in inputs:
+            cursor += -cursor % ALIGNMENT
+            target = memory[cursor : cursor + array.nbytes].view(array.dtype).reshape(array.shape)
+            target[...] = array
+            refs.append(TensorRef(slot.offset + cursor, array.dtype.str, array.shape))
+            cursor += array.nbytes
+        cursor += -cursor % ALIGNMENT
         ident = self._new_id()
         waiting = self._waiting[ident] = _Waiting(slot)
-        self._post(ident, Run(model, refs, rows, outputs, timeout_s, out))
+        self._post(ident, Run(model, refs, rows, outputs, timeout_s, (slot.offset + cursor, out_nbytes)))
         return ident, waiting
 
     def _span(self, inputs: list[np.ndarray], out_nbytes: int) -> int:
-        return self._arena.span_for([(a.shape, a.dtype) for a in inputs] + [((out_nbytes,), np.uint8)])
+        nbytes = sum(a.nbytes for a in inputs) + ALIGNMENT * len(inputs) + out_nbytes
+        return max(1, -(-nbytes // self._arena.slot_bytes))
 
     def _leave(self, ident: int) -> None:
         """The caller of request `ident` went away: withdraw it; its slot waits for the engine."""

@@ -21,9 +21,9 @@ from support.servers import make_config
 
 from hloserve.buffer_pool import BufferPool
 from hloserve.config import ModelSettings
-from hloserve.engine_link import EngineLink
+from hloserve.engine_link import EngineLink, EngineServices
 from hloserve.frontend_link import FrontendLink
-from hloserve.link import HEADER, MAX_FRAME_BYTES, FrameReader, Hello, Run
+from hloserve.link import HEADER, MAX_FRAME_BYTES, Counted, FrameReader, Hello, Ran, Run, TensorRef, frame
 from hloserve.worker import Worker, serve
 
 OUT_BYTES = 4 << 10
@@ -145,6 +145,65 @@ def test_frames_are_bounded() -> None:
             await sender.send_all(HEADER.pack(MAX_FRAME_BYTES + 1, 7))
             with pytest.raises(ValueError, match="exceeds"):
                 await FrameReader(receiver).receive()
+
+    run(test)
+
+
+def test_each_message_of_a_request_arrives_as_it_was_sent() -> None:
+    """`Run`, `Ran` and `Counted` travel as plain tuples: what the reader gives back is equal,
+    an inline output included, with frames written back to back in one write."""
+    sent = [
+        Run("mlp", [TensorRef(64, "<f4", (2, 16)), TensorRef(256, "|u1", (3,))], 2, [0, 1], None, (512, 128)),
+        Ran([TensorRef(512, "<f4", (2, 4)), np.arange(6, dtype=np.int64).reshape(2, 3)]),
+        Counted([("mlp", "OK", 0.001), ("pool", "INVALID_ARGUMENT", 0.5)]),
+        Hello("/hloserve-test", 1 << 20),
+    ]
+
+    async def test() -> None:
+        a, b = trio.socket.socketpair()
+        async with trio.SocketStream(a) as sender, trio.SocketStream(b) as receiver:
+            await sender.send_all(b"".join(frame(i, m) for i, m in enumerate(sent, 1)))
+            reader = FrameReader(receiver)
+            for ident, message in enumerate(sent, 1):
+                received = await reader.receive()
+                assert received is not None and received[0] == ident
+                assert type(received[1]) is type(message)
+                if isinstance(message, Ran):
+                    ref, inline = received[1].outputs
+                    assert ref == message.outputs[0] and ref.nbytes == 32
+                    np.testing.assert_array_equal(inline, message.outputs[1])
+                else:
+                    assert received[1] == message
+
+    run(test)
+
+
+def test_counts_reach_the_engine_before_a_call_sent_after_them() -> None:
+    """A frontend's counts go with its next write, not a frame each; a call sent after them (a
+    ModelStatistics) finds every one of them counted."""
+    counted: list[tuple[str, str, float]] = []
+
+    async def seen(_: object) -> int:
+        return len(counted)
+
+    async def test() -> None:
+        import trio_asyncio
+
+        config = make_config(http_port=-1, metrics_port=-1)
+        services = EngineServices(lambda *call: counted.append(call), {"seen": seen})
+        async with serve(config) as worker, trio_asyncio.open_loop(), trio.open_nursery() as nursery:
+            engine_end, frontend_end = trio.socket.socketpair()
+            with BufferPool(1 << 16, 2, name="hloserve-test-link") as arena:
+                await nursery.start(EngineLink(trio.SocketStream(engine_end), worker.models, services).run)
+                link = FrontendLink(trio.SocketStream(frontend_end), arena)
+                await nursery.start(link.run)
+                for i in range(5):
+                    link.count("mlp", "OK" if i % 2 else "UNAVAILABLE", i / 10)
+                assert await link.call("seen", None) == 5
+                assert counted == [("mlp", "OK" if i % 2 else "UNAVAILABLE", i / 10) for i in range(5)]
+                link.count("mlp", "OK", 1.0)
+                assert await link.call("seen", None) == 6
+                nursery.cancel_scope.cancel()
 
     run(test)
 
