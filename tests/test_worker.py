@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import signal
+import socket
 import sys
 import time
 import urllib.request
@@ -113,6 +114,25 @@ def test_cancelling_the_scope_mid_request_answers_the_client() -> None:
     assert time.monotonic() - with_timeout < 90
     assert outcomes[-1] in ("StatusCode.UNAVAILABLE", "StatusCode.CANCELLED"), outcomes[-3:]
     assert "StatusCode.DEADLINE_EXCEEDED" not in outcomes
+
+
+def test_a_connection_its_client_keeps_open_is_closed_when_the_worker_stops() -> None:
+    """A peer that never answers the shutdown's GOAWAY is hung up on when the worker stops, so
+    that no connection outlives the worker's event loop."""
+    with start_worker(make_config(EXAMPLES, http_port=-1, shutdown_grace_s=1.0)) as server:
+        peer = socket.create_connection(("127.0.0.1", server.grpc_port), timeout=5)
+        peer.sendall(
+            b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000")
+        )  # preface, SETTINGS
+        assert peer.recv(1 << 16)  # the server's SETTINGS: the connection is served
+    with peer:
+        received = b""
+        for _ in range(100):  # bounded: GOAWAY and the server's end of the stream
+            data = peer.recv(1 << 16)
+            if not data:
+                break
+            received += data
+        assert not data, "the server kept its side of the connection open after it stopped"
 
 
 def test_metrics_endpoint_counts_requests(server: ServerThread, triton: Any) -> None:

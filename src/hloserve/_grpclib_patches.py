@@ -366,3 +366,10 @@ class GracefulServer(grpclib.server.Server):
             if getattr(protocol, "processor", None) is not None:
                 protocol.processor.close("Server shutdown")
         await self.wait_closed()
+        # Every call is done and each peer was sent GOAWAY: hang up on those that have not yet
+        # (a connection left open would outlive the event loop, unclosed).
+        for protocol in list(self._protocols):
+            transport = getattr(protocol, "_transport", None)  # GuardedProtocol keeps it
+            if transport is not None and not transport.is_closing():
+                transport.close()
+        await asyncio.sleep(0)  # the transports' connection_lost callbacks, which close the sockets
