@@ -33,8 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from benches.node import _machine_cpu
-from benches.serving import ROOT, _cpu_seconds, _pin
+from benches.serving import ROOT, _cpu_seconds, _pin, machine_cpu
 
 SCENARIOS = (
     ("mlp c=1", "mlp", (1, 16), 1),
@@ -108,7 +107,7 @@ def _grpc(window_ms: int) -> list[Row]:
             for name, model, concurrency, extra in GRPC_SCENARIOS:
                 measure = partial(_counted_perf_analyzer, url, model, concurrency, extra, window_ms)
                 engine, whole = _own_cpu(process.pid), _cpu_seconds(process.pid)
-                (p99_ms, throughput, n), machine = _machine_cpu(process.pid, measure, lambda r: r[2])
+                (p99_ms, throughput, n), machine = machine_cpu(process.pid, measure, lambda r: r[2])
                 engine = _own_cpu(process.pid) - engine
                 frontends = _cpu_seconds(process.pid) - whole - engine
                 rows.append(

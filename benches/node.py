@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -40,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from benches.loadgen import python_loop
-from benches.serving import ROOT, _cpu_seconds, _free_port, install, measure, start_server
+from benches.serving import ROOT, _free_port, install, machine_cpu, measure, start_server
 from benches.weight_cache import MODELS, WEIGHT_FLOATS, _catalogue, _residency_counts
 
 SCENARIOS = (
@@ -89,28 +88,8 @@ class Row:
         return most / self.direct_throughput
 
 
-@dataclass(frozen=True)
-class MachineCpu:
-    cpu_ms_per_request: float
-    busy_cores: float
-
-
 def _requests(result: Any) -> int:
     return int(result.requests)
-
-
-def _machine_cpu(pid: int, run: Any, requests: Any) -> tuple[Any, MachineCpu]:
-    """`run()`'s result, and the CPU that the process tree of `pid`, this process and its waited
-    children (perf_analyzer) spent per request (`requests(result)`) while it ran."""
-
-    def client() -> float:
-        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-
-    started, before = time.monotonic(), _cpu_seconds(pid) + client()
-    result = run()
-    cpu, wall = _cpu_seconds(pid) + client() - before, time.monotonic() - started
-    return result, MachineCpu(cpu / max(requests(result), 1) * 1e3, cpu / wall)
 
 
 def _start_node(
@@ -194,11 +173,11 @@ def run_overhead(window_ms: int) -> list[Row]:
         for name, model, concurrency, extra in SCENARIOS:
             direct_url = addresses[placed[model]]
             scenario = (name, model, concurrency, extra, window_ms)
-            direct, direct_cpu = _machine_cpu(
+            direct, direct_cpu = machine_cpu(
                 process.pid, partial(measure, direct_url, children[direct_url], *scenario), _requests
             )
             node_url = f"127.0.0.1:{port}"
-            node, node_cpu = _machine_cpu(
+            node, node_cpu = machine_cpu(
                 process.pid, partial(measure, node_url, children["envoy"], *scenario), _requests
             )
             rows.append(
@@ -247,7 +226,7 @@ def run_catalogue() -> Row:
         server = start_server(port, settings=settings)
         try:
             before = _loads([port])
-            one, one_cpu = _machine_cpu(server.pid, partial(_zipf_load, f"127.0.0.1:{port}"), _requests)
+            one, one_cpu = machine_cpu(server.pid, partial(_zipf_load, f"127.0.0.1:{port}"), _requests)
             one_loads = _loads([port]) - before
         finally:
             server.terminate()
@@ -262,7 +241,7 @@ def run_catalogue() -> Row:
             _gateway(node_port, "repack", gateway.RepackRequest(wait_seconds=60))  # ...and places it
             workers = [int(w.address.rpartition(":")[2]) for w in _status(node_port).workers]
             before = _loads(workers)
-            two, two_cpu = _machine_cpu(process.pid, partial(_zipf_load, url), _requests)
+            two, two_cpu = machine_cpu(process.pid, partial(_zipf_load, url), _requests)
             two_loads = _loads(workers) - before
         finally:
             _stop(process)

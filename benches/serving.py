@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -72,6 +73,28 @@ def _cpu_seconds(pid: int) -> float:
                 tree.add(child)
                 frontier.append(child)
     return sum(times.get(p, 0) for p in tree) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class MachineCpu:
+    """CPU per request of the client and a server's process tree, and the cores they kept busy."""
+
+    cpu_ms_per_request: float
+    busy_cores: float
+
+
+def machine_cpu(pid: int, run: Any, requests: Any) -> tuple[Any, MachineCpu]:
+    """`run()`'s result, and the CPU that the process tree of `pid`, this process and its waited
+    children (perf_analyzer) spent per request (`requests(result)`) while it ran."""
+
+    def client() -> float:
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+    started, before = time.monotonic(), _cpu_seconds(pid) + client()
+    result = run()
+    cpu, wall = _cpu_seconds(pid) + client() - before, time.monotonic() - started
+    return result, MachineCpu(cpu / max(requests(result), 1) * 1e3, cpu / wall)
 
 
 def _pin(core: int) -> list[str]:
