@@ -3,7 +3,8 @@
 Owns the FIFO of `Infer` requests of one model; a meta model's sub-calls (`committed`) go ahead
 of the rest, in their own arrival order, so a meta request already running finishes first. Its
 inbox takes `Infer` and `Withdraw` (from the front end, through `ModelQueueHandle`) and `Take`
-(from the dispatcher). After every change it sends a `QueueSummary` to the dispatcher; on
+(from the dispatcher). After each turn (every message that arrived together) it sends one
+`QueueSummary` to the dispatcher; on
 `Take` it drops requests whose client went away or whose deadline passed, plans the batch
 (`hloserve.policy.plan_batch`) and replies a `Batch`.
 """
@@ -138,23 +139,37 @@ class ModelQueue:
         task_status.started(self._handle)
         try:
             async for message in self._receive:
-                match message:
-                    case Infer():
-                        self._on_infer(message)
-                    case Take():
-                        self._on_take(message)
-                    case Withdraw():
-                        self._on_withdraw(message)
-                    case Retire(then=Exception() as error):
-                        self._fail_everything(error)
-                        return
-                    case Retire(then=successor):
-                        self._hand_over(successor)
-                        return
-                    case _:
-                        raise TypeError(f"ModelQueue got an unknown message {message!r}")
+                # Everything that arrived together (a link's read brings many requests) is
+                # handled, then summarized for the dispatcher once: a summary plans a batch.
+                while self._on_message(message):
+                    try:
+                        message = self._receive.receive_nowait()
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                else:
+                    return
+                self._summarize()
         finally:
             self._fail_everything(ShuttingDown())  # after Retire: nothing left, a no-op
+
+    def _on_message(self, message: _Message) -> bool:
+        """Apply one message; False once the queue has retired."""
+        match message:
+            case Infer():
+                self._on_infer(message)
+            case Take():
+                self._on_take(message)
+            case Withdraw():
+                self._on_withdraw(message)
+            case Retire(then=Exception() as error):
+                self._fail_everything(error)
+                return False
+            case Retire(then=successor):
+                self._hand_over(successor)
+                return False
+            case _:
+                raise TypeError(f"ModelQueue got an unknown message {message!r}")
+        return True
 
     def _hand_over(self, successor: QueueAddress) -> None:
         """Pass every queued request, in order, to the queue of the model's new version, and
@@ -204,7 +219,6 @@ class ModelQueue:
         else:
             state.pending.append(request)
         state.rows += request.rows
-        self._summarize()
 
     def _on_withdraw(self, message: Withdraw) -> None:
         try:
@@ -213,11 +227,9 @@ class ModelQueue:
             return  # already taken or dropped
         self._state.rows -= message.request.rows
         self._statistics[self.model].drops["cancelled"] += 1
-        self._summarize()
 
     def _on_take(self, message: Take) -> None:
         plan, taken = self._next_batch(message)
-        self._summarize()
         if plan is None:
             message.reply_to.send_nowait(Batch(self.model, 0))
             return
