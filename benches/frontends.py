@@ -1,7 +1,8 @@
 """Frontends: the worker with K frontend processes, and the engine alone (`python -m benches frontends`).
 
 Through gRPC: `hloserve serve --frontends K` for K = 0, 1, 2 (not pinned: the point is using
-both cores) under perf_analyzer; per scenario, answers per second, p99, and CPU per request of the
+both cores) under perf_analyzer, each of its contexts on its own connection (`CLIENT_ENV`); per
+scenario, answers per second, p99, and CPU per request of the
 engine (the worker process itself) and of one frontend (its children's, over K), from /proc.
 With K=0 the engine column is the whole single-process server.
 
@@ -14,13 +15,16 @@ only in the JSON, in requests per second).
 
 The engine alone: an engine process (pinned to core 0) accepting links on a Unix socket, fed at
 full speed by a driver in this process that writes requests into the link directly
-(`hloserve.frontend_link.FrontendLink`); the frontend column is then the driver's CPU (the link's share of
-a frontend's cost). The issue's target: the engine's CPU per tiny request at concurrency 16 at
-most a fifth of a frontend's.
+(`hloserve.frontend_link.FrontendLink`) and counts each call as a frontend does; the frontend
+column is then the driver's CPU (the link's share of a frontend's cost). "mlp 5x c=16" drives
+five links at once, 16 in flight on each: the engine as five frontends would load it. The
+target: the engine's CPU per tiny request at most a fifth of a frontend's, so that one engine
+feeds five frontends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -36,12 +40,15 @@ import numpy as np
 from benches.serving import ROOT, _cpu_seconds, _pin, machine_cpu
 
 SCENARIOS = (
-    ("mlp c=1", "mlp", (1, 16), 1),
-    ("mlp c=16", "mlp", (1, 16), 16),
-    ("mlp c=64", "mlp", (1, 16), 64),
-    ("4.8 MB c=1", "pool", (8, 224, 224, 3), 1),
+    ("mlp c=1", "mlp", (1, 16), 1, 1),
+    ("mlp c=16", "mlp", (1, 16), 16, 1),
+    ("mlp c=64", "mlp", (1, 16), 64, 1),
+    ("mlp 5x c=16", "mlp", (1, 16), 16, 5),
+    ("4.8 MB c=1", "pool", (8, 224, 224, 3), 1, 1),
+    ("4.8 MB c=8", "pool", (8, 224, 224, 3), 8, 1),
 )
-"""(name, model, input shape (float32, batch axis first), requests in flight)."""
+"""The engine alone: (name, model, input shape (float32, batch axis first), requests in flight
+on each link, links). "5x" is five links at once, the load of five frontends."""
 OUT_BYTES = 4 << 10
 
 
@@ -50,8 +57,13 @@ GRPC_SCENARIOS = (
     ("mlp c=16", "mlp", 16, ["-b", "1"]),
     ("mlp c=64", "mlp", 64, ["-b", "1"]),
     ("4.8 MB c=1", "pool", 1, ["-b", "8"]),
+    ("4.8 MB c=8", "pool", 8, ["-b", "8"]),
 )
 FRONTENDS = (0, 1, 2)
+CLIENT_ENV = {"TRITON_CLIENT_GRPC_CHANNEL_MAX_SHARE_COUNT": "1"}
+"""perf_analyzer's contexts each open their own connection, as independent clients do. By default
+up to six share one, and the kernel (SO_REUSEPORT) sends a connection's every call to one
+frontend, so at 16 in flight three connections would split unevenly between two frontends."""
 
 
 @dataclass(frozen=True)
@@ -166,7 +178,7 @@ def _perf_analyzer(
             "--measurement-interval", str(window_ms), "-s", "100", "--max-trials", "8",
             "-f", str(out), *extra,
         ]  # fmt: skip
-        result = run_perf_analyzer(args, timeout=300)
+        result = run_perf_analyzer(args, timeout=300, env=CLIENT_ENV)
         if result.returncode != 0:
             raise RuntimeError(f"perf_analyzer failed: {result.stdout[-2000:]} {result.stderr[-2000:]}")
         row = next(csv.DictReader(io.StringIO(out.read_text())))
@@ -196,7 +208,14 @@ def _engine_alone(window_ms: int) -> list[Row]:
 
 
 def _scenario(
-    path: str, pid: int, name: str, model: str, shape: tuple[int, ...], inflight: int, seconds: float
+    path: str,
+    pid: int,
+    name: str,
+    model: str,
+    shape: tuple[int, ...],
+    inflight: int,
+    links: int,
+    seconds: float,
 ) -> Row:
     import trio
 
@@ -207,28 +226,36 @@ def _scenario(
     latencies: list[float] = []
 
     async def drive() -> tuple[float, float, float]:
-        stream = await trio.open_unix_socket(path)
-        with BufferPool(max(2 * inflight * (x.nbytes + OUT_BYTES + 256), 1 << 20), 2 * inflight) as arena:
-            link = FrontendLink(stream, arena)
-            async with trio.open_nursery() as nursery:
+        async with contextlib.AsyncExitStack() as stack:
+            nursery = await stack.enter_async_context(trio.open_nursery())
+            opened = []
+            for _ in range(links):
+                arena = stack.enter_context(
+                    BufferPool(max(2 * inflight * (x.nbytes + OUT_BYTES + 256), 1 << 20), 2 * inflight)
+                )
+                link = FrontendLink(await trio.open_unix_socket(path), arena)
                 await nursery.start(link.run)
+                opened.append(link)
 
-                async def client(until: float, record: bool) -> None:
-                    while (now := time.perf_counter()) < until:
-                        await link.infer(model, [x], shape[0], [0], None, OUT_BYTES)
-                        if record:
-                            latencies.append(time.perf_counter() - now)
+            async def client(link: FrontendLink, until: float, record: bool) -> None:
+                while (now := time.perf_counter()) < until:
+                    await link.infer(model, [x], shape[0], [0], None, OUT_BYTES)
+                    elapsed = time.perf_counter() - now
+                    link.count(model, "OK", elapsed)  # as a frontend counts each call
+                    if record:
+                        latencies.append(elapsed)
 
-                for record, span in ((False, 0.5), (True, seconds)):  # warm up, then measure
-                    engine_before, driver_before = _cpu_seconds(pid), time.process_time()
-                    started = time.perf_counter()
-                    async with trio.open_nursery() as clients:
+            for record, span in ((False, 0.5), (True, seconds)):  # warm up, then measure
+                engine_before, driver_before = _cpu_seconds(pid), time.process_time()
+                started = time.perf_counter()
+                async with trio.open_nursery() as clients:
+                    for link in opened:
                         for _ in range(inflight):
-                            clients.start_soon(client, started + span, record)
-                    elapsed = time.perf_counter() - started
-                    engine_cpu = _cpu_seconds(pid) - engine_before
-                    driver_cpu = time.process_time() - driver_before
-                nursery.cancel_scope.cancel()
+                            clients.start_soon(client, link, started + span, record)
+                elapsed = time.perf_counter() - started
+                engine_cpu = _cpu_seconds(pid) - engine_before
+                driver_cpu = time.process_time() - driver_before
+            nursery.cancel_scope.cancel()
         return elapsed, engine_cpu, driver_cpu
 
     elapsed, engine_cpu, driver_cpu = trio.run(drive)
@@ -286,18 +313,20 @@ def _engine(path: str) -> None:
     import trio
 
     from hloserve.config import load_config
-    from hloserve.engine_link import EngineLink
+    from hloserve.frontends import Frontends
     from hloserve.worker import serve
 
     config = load_config().replace("server", grpc_port=0, http_port=-1, metrics_port=-1)
 
     async def main() -> None:
         async with serve(config) as worker:
+            assert worker.inference is not None
+            frontends = Frontends(worker, worker.inference)  # its links, not its processes
             listener = trio.SocketListener(await _unix_listener(path))
             print("ready", flush=True)
 
             async def link(stream: Any) -> None:
-                await EngineLink(stream, worker.models).run()
+                await frontends.engine_link(stream).run()
 
             await trio.serve_listeners(link, [listener])
 

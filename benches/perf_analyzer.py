@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,14 +46,19 @@ def _env() -> dict[str, str]:
     }
 
 
-def run_perf_analyzer(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    """Run perf_analyzer with its libraries; output captured as text."""
+def run_perf_analyzer(
+    args: list[str], timeout: float, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run perf_analyzer with its libraries (and `env` added to its environment); output
+    captured as text."""
     path = perf_analyzer_path()
     if path is None:
         raise FileNotFoundError(
             "perf_analyzer is not installed: run `python benches/perf_analyzer.py --install`"
         )
-    return subprocess.run([str(path), *args], env=_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [str(path), *args], env={**_env(), **(env or {})}, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _pip_download(requirement: str, into: Path) -> Path:

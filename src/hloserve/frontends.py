@@ -120,6 +120,11 @@ class Frontends:
         """Requests the engine holds from all its frontends."""
         return sum(link.inflight for link in self._links)
 
+    def engine_link(self, stream: trio.SocketStream) -> EngineLink:
+        """The engine's end of a link to a frontend on `stream`, counting, admitting and
+        answering `Call`s as every frontend's (unstarted: run it in a task)."""
+        return EngineLink(stream, self._host.models, self._services)
+
     def _admit(self, entry: ModelEntry | None, rows: int, deadline: float | None) -> Ticket | None:
         """Admission for the worker, in the one place every frontend's requests reach:
         `server.max_inflight_requests` counts them all, and a request that cannot meet its
@@ -195,7 +200,7 @@ class Frontends:
             frontend_end.close()
         models = self._host.models
         stream = trio.SocketStream(trio.socket.from_stdlib_socket(engine_end))
-        link = EngineLink(stream, models, self._services)
+        link = self.engine_link(stream)
         self._processes[index] = process
         self._links.add(link)  # from here on it gets every change, after the table as it is now
         try:

@@ -58,6 +58,8 @@ class Worker(ModelTable):
     """The bound KServe V2 REST port; None when REST is off (`server.http_port` -1)."""
     frontends: Frontends | None = None
     """With `server.frontends` >= 1: they see every change of the table before its call returns."""
+    inference: InferenceService | None = None
+    """The KServe V2 inference service: its counters and admission (what a frontend's link reaches)."""
 
     async def _changing(self, name: str, change: Awaitable[None]) -> None:
         """Apply a change of model `name`; if its entry changed, every frontend applies it too
@@ -147,10 +149,11 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         metrics.models_failed.set(len(entries) - len(ready))
         if server_config.metrics_port >= 0:
             worker.metrics_port = metrics.serve(server_config.host, server_config.metrics_port)
+        service = worker.inference = InferenceService(config, entries, statistics, metrics, worker, metas)
         # grpclib looks up the event loop when constructed: build it inside trio-asyncio's loop.
         server = _grpclib_patches.GracefulServer(
             [
-                service := InferenceService(config, entries, statistics, metrics, worker, metas),
+                service,
                 ControlService(worker),
                 worker_health(worker, service, draining=lambda: server.draining),
             ],
