@@ -28,6 +28,7 @@ import grpclib.server
 import h2.config
 import h2.connection
 import h2.events
+import h2.exceptions
 import hpack.huffman
 import pytest
 import trio
@@ -194,6 +195,60 @@ def test_hloserve_s_connections_log_data_frames_without_their_payload() -> None:
     assert sum(len(e.data) for e in events if isinstance(e, h2.events.DataReceived)) == 60_000
     (data,) = [t for t in traced if t.startswith("Received frame: DataFrame")]
     assert data == "Received frame: DataFrame(stream_id=1, 60000 bytes)"
+
+
+def _connected() -> tuple[LimitedH2Connection, h2.connection.H2Connection]:
+    server = LimitedH2Connection(H2Configuration(client_side=False), TransportLimits())
+    server.initiate_connection()
+    client = h2.connection.H2Connection(H2Configuration(client_side=True))
+    client.initiate_connection()
+    client.receive_data(server.data_to_send())  # the server's 1 MiB frames
+    return server, client
+
+
+def test_data_frames_split_across_reads_and_padded_arrive_whole() -> None:
+    """hloserve reads a DATA frame's payload straight out of the receive buffer: frames cut at
+    every byte boundary, several in one read and padded ones arrive as the client sent them."""
+    server, client = _connected()
+    client.send_headers(1, [(":path", "/test.Test/say"), *_HEADERS])
+    payloads = [bytes(range(256)) * 100, b"x" * 1000, os.urandom(30_000)]  # within the 64 KiB window
+    client.send_data(1, payloads[0])
+    client.send_data(1, payloads[1], pad_length=17)
+    client.send_data(1, payloads[2], end_stream=True)
+    wire = client.data_to_send()
+    received: list[bytes] = []
+    for start in range(0, len(wire), 4099):  # reads that end inside headers and payloads
+        events = server.receive_data(wire[start : start + 4099])
+        received += [e.data for e in events if isinstance(e, h2.events.DataReceived)]
+    assert b"".join(received) == b"".join(payloads)
+
+
+@pytest.mark.parametrize(
+    ("frame", "expected"),
+    [
+        (struct.pack(">I", 3)[1:] + b"\x00\x00" + struct.pack(">I", 0) + b"abc", "invalid header"),
+        (struct.pack(">I", 3)[1:] + b"\x00\x08" + struct.pack(">I", 1) + b"\x05ab", "Padding is too long"),
+    ],
+    ids=["on stream 0", "padding past its end"],
+)
+def test_a_malformed_data_frame_is_a_protocol_error(frame: bytes, expected: str) -> None:
+    """What h2 answers for a DATA frame it cannot take, through hloserve's payload path too."""
+    server, client = _connected()
+    client.send_headers(1, [(":path", "/test.Test/say"), *_HEADERS])
+    server.receive_data(client.data_to_send())
+    with pytest.raises(h2.exceptions.ProtocolError) as raised:
+        server.receive_data(frame)
+    assert expected in str(raised.value) or expected in str(raised.value.__cause__)
+
+
+def test_a_data_frame_inside_a_header_block_is_a_protocol_error() -> None:
+    """A header block waits for its CONTINUATION: a DATA frame there ends the connection."""
+    server, client = _connected()
+    server.receive_data(client.data_to_send())
+    headers = struct.pack(">I", 1)[1:] + b"\x01\x00" + struct.pack(">I", 1) + b"\x82"  # no END_HEADERS
+    data = struct.pack(">I", 1)[1:] + b"\x00\x00" + struct.pack(">I", 1) + b"a"
+    with pytest.raises(h2.exceptions.ProtocolError, match="header block"):
+        server.receive_data(headers + data)
 
 
 # -- what the patches add --------------------------------------------------------------------------

@@ -34,7 +34,8 @@ import h2.settings
 import structlog
 from h2.errors import ErrorCodes
 from h2.events import RequestReceived, StreamEnded
-from hyperframe.frame import DataFrame, HeadersFrame
+from hyperframe.exceptions import InvalidDataError, InvalidFrameError
+from hyperframe.frame import DataFrame, Frame, HeadersFrame
 
 from hloserve._hpack_patches import LinearHuffmanEncoder
 from hloserve._patch_requirements import Requires
@@ -76,6 +77,8 @@ REQUIRES = (
             "h2.connection.H2Connection.encoder",
             "h2.connection.H2Connection.streams",
             "h2.frame_buffer.FrameBuffer._headers_buffer",
+            "h2.frame_buffer.FrameBuffer._data",
+            "h2.frame_buffer.FrameBuffer._validate_frame_length",
             "h2.settings.Settings.max_concurrent_streams",
             "h2.stream.H2Stream.state_machine",
             "h2.stream.StreamState.HALF_CLOSED_LOCAL",
@@ -91,6 +94,8 @@ REQUIRES = (
     Requires(__name__, "hyperframe", "6.1.0", members=("hyperframe.frame.DataFrame.data",)),
 )
 
+_DATA = 0x0
+"""The type of a DATA frame, its header's fourth byte."""
 _OUT_OF_DESCRIPTORS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 
@@ -183,16 +188,37 @@ class _DataFrame(DataFrame):
 class _BoundedFrameBuffer(h2.frame_buffer.FrameBuffer):
     """h2's frame buffer, holding at most `limit` bytes of one header block before END_HEADERS
     (h2 counts 64 CONTINUATION frames, not bytes: 64 MiB at our frame size), and handing out
-    DATA frames as `_DataFrame`s."""
+    DATA frames as `_DataFrame`s, each payload copied once out of the buffer (h2 slices the
+    buffer, a copy, before hyperframe copies the slice)."""
 
     def __init__(self, limit: int) -> None:
         super().__init__(server=True)
         self.limit = limit
 
     def __next__(self) -> Any:
-        frame = super().__next__()
-        if type(frame) is DataFrame:
-            frame.__class__ = _DataFrame
+        data = self._data
+        if len(data) < 9 or data[3] != _DATA or self._headers_buffer:
+            frame = super().__next__()
+            if type(frame) is DataFrame:
+                frame.__class__ = _DataFrame
+            return frame
+        length = int.from_bytes(data[:3], "big")
+        if len(data) < 9 + length:
+            raise StopIteration
+        self._validate_frame_length(length)
+        try:
+            frame, _ = Frame.parse_frame_header(memoryview(bytes(data[:9])))
+        except (InvalidDataError, InvalidFrameError) as e:  # a DATA frame on stream 0
+            raise h2.exceptions.ProtocolError(f"Received frame with invalid header: {e!s}") from e
+        try:
+            with memoryview(data) as view, view[9 : 9 + length] as body:
+                frame.parse_body(body)  # the payload's one copy
+        except InvalidDataError as e:
+            raise h2.exceptions.ProtocolError("Received frame with non-compliant data") from e
+        except InvalidFrameError as e:
+            raise h2.exceptions.FrameDataMissingError("Frame data missing or invalid") from e
+        del data[: 9 + length]
+        frame.__class__ = _DataFrame
         return frame
 
     def _update_header_buffer(self, f: Any) -> Any:
