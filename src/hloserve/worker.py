@@ -80,10 +80,8 @@ class Worker(ModelTable):
     async def reload_model_py(self, name: str) -> None:
         await self._changing(name, super().reload_model_py(name))
 
-    def record_failure(self, name: str, reason: str) -> None:
-        super().record_failure(name, reason)
-        if self.frontends is not None:
-            self.frontends.post(name)  # in order with every other change; not awaited
+    async def record_failure(self, name: str, reason: str) -> None:
+        await self._changing(name, super().record_failure(name, reason))
 
     rest: RestServer | None = None
     """The REST front end (its open connections), when it runs."""
