@@ -16,7 +16,7 @@ import yaml
 from hloserve.actors.messages import Batch, Infer, Take
 from hloserve.actors.model_queue import ModelQueue, QueueSettings
 from support.bundles import PARAMS, affine, write_affine, write_total
-from support.clients import infer
+from support.clients import infer, wait_until
 from support.servers import ServerThread, make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
@@ -298,3 +298,62 @@ def test_sub_calls_go_ahead_of_waiting_requests_in_their_own_order() -> None:
         return order
 
     assert trio.run(main) == ["c", "d", "a", "b", "e"]
+
+
+DOZY_PY = """
+import time
+from hloserve import NamedTensor, register_meta_model
+
+def run(inputs, call):
+    time.sleep(float(inputs[0].data[0, 0]))  # calls nothing: it bypasses the gate, not meta_threads
+    return [NamedTensor("score", inputs[0].data)]
+
+register_meta_model("dozy", run=run)
+"""
+
+DOZE_S = 2.0
+ONES = np.ones((1, 4), np.float32)
+
+
+@pytest.fixture(name="dozy", params=[0, 2], ids=["frontends0", "frontends2"])
+def _dozy(tmp_path: Path, request: pytest.FixtureRequest) -> Any:
+    """One request in flight at a time, one meta thread: a run the server did not let go of
+    would hold the one, a run it abandoned holds the other."""
+    write_affine(tmp_path / "first")
+    _meta(tmp_path / "dozy", [], DOZY_PY, {"score": ("f32", 4)})
+    config = make_config(tmp_path, max_inflight_requests=1, meta_threads=1)
+    with start_worker(config, frontends=request.param) as server:
+        client = grpcclient.InferenceServerClient(server.url)
+        yield client
+        client.close()
+
+
+def _doze(client: Any, seconds: float, **kwargs: Any) -> Any:
+    return infer(client, "dozy", {"x": np.full((1, 4), seconds, np.float32)}, **kwargs)
+
+
+@pytest.mark.slow
+def test_a_meta_request_past_its_deadline_answers_at_once_and_its_run_finishes_in_a_held_thread(
+    dozy: Any,
+) -> None:
+    for expire in ({"timeout": 300_000}, {"client_timeout": 0.3}):  # the server's deadline, the client's
+        started = time.monotonic()
+        with pytest.raises(InferenceServerException) as raised:
+            _doze(dozy, DOZE_S, **expire)
+        assert raised.value.status() == "StatusCode.DEADLINE_EXCEEDED", raised.value
+        assert time.monotonic() - started < DOZE_S / 2
+        # the handler let go (max_inflight_requests is 1): the next request is served long
+        # before the run ends (a cancelled handler lets go a moment after the client's deadline)
+        wait_until(
+            lambda: np.allclose(
+                infer(dozy, "first", {"INPUT": ONES}).as_numpy("OUTPUT"), affine(PARAMS, ONES)
+            ),
+            DOZE_S / 2,
+            "the next request served while the abandoned run sleeps",
+        )
+        # the abandoned run still holds the one meta thread (server.meta_threads)
+        with pytest.raises(InferenceServerException) as raised:
+            _doze(dozy, 0.0, timeout=200_000)
+        assert raised.value.status() == "StatusCode.DEADLINE_EXCEEDED", raised.value
+        assert "'dozy'" in raised.value.message()
+        wait_until(lambda: _doze(dozy, 0.0, timeout=1_000_000), 2 * DOZE_S, "the abandoned run's thread back")

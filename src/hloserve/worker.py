@@ -132,6 +132,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         metas = MetaModels(
             entries,
             server_config.meta_concurrency,
+            server_config.meta_threads,
             BufferPool(server_config.meta_scratch_bytes, server_config.meta_scratch_slots, use_shm=False)
             if server_config.meta_scratch_bytes
             else None,
