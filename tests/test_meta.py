@@ -311,7 +311,7 @@ def run(inputs, call):
 register_meta_model("dozy", run=run)
 """
 
-DOZE_S = 2.0
+DOZE_S = 3.0
 ONES = np.ones((1, 4), np.float32)
 
 
