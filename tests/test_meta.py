@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import queue
 import threading
 import time
 from pathlib import Path
@@ -332,28 +333,56 @@ def _doze(client: Any, seconds: float, **kwargs: Any) -> Any:
     return infer(client, "dozy", {"x": np.full((1, 4), seconds, np.float32)}, **kwargs)
 
 
+def _held(client: Any) -> bool:
+    """Whether the server holds a request (max_inflight_requests is 1: the next is refused)."""
+    try:
+        infer(client, "first", {"INPUT": ONES})
+    except InferenceServerException as e:
+        return e.status() == "StatusCode.UNAVAILABLE"
+    return False
+
+
+def _cancelled(client: Any) -> str:
+    """A dozy request cancelled by its client once the server holds it: the status it ends with."""
+    tensor = grpcclient.InferInput("x", [1, 4], "FP32")
+    tensor.set_data_from_numpy(np.full((1, 4), DOZE_S, np.float32))
+    ended: queue.Queue[Any] = queue.Queue()
+    context = client.async_infer("dozy", [tensor], lambda result, error: ended.put(error))
+    wait_until(lambda: _held(client), DOZE_S / 2, "the server to hold the dozy request")
+    context.cancel()
+    return str(ended.get(timeout=DOZE_S).status())
+
+
+GIVE_UP = {
+    "Triton's timeout, the server's deadline": lambda client: _doze(client, DOZE_S, timeout=300_000),
+    "the client's gRPC deadline": lambda client: _doze(client, DOZE_S, client_timeout=0.3),
+    "the client's cancel": _cancelled,
+}
+
+
 @pytest.mark.slow
-def test_a_meta_request_past_its_deadline_answers_at_once_and_its_run_finishes_in_a_held_thread(
-    dozy: Any,
-) -> None:
-    for expire in ({"timeout": 300_000}, {"client_timeout": 0.3}):  # the server's deadline, the client's
+def test_a_meta_request_given_up_answers_at_once_and_its_run_finishes_in_a_held_thread(dozy: Any) -> None:
+    for way, give_up in GIVE_UP.items():
         started = time.monotonic()
-        with pytest.raises(InferenceServerException) as raised:
-            _doze(dozy, DOZE_S, **expire)
-        assert raised.value.status() == "StatusCode.DEADLINE_EXCEEDED", raised.value
-        assert time.monotonic() - started < DOZE_S / 2
+        try:
+            status = give_up(dozy)
+        except InferenceServerException as e:
+            status = e.status()
+        expected = "StatusCode.CANCELLED" if way == "the client's cancel" else "StatusCode.DEADLINE_EXCEEDED"
+        assert status == expected, way
+        assert time.monotonic() - started < DOZE_S / 2, way
         # the handler let go (max_inflight_requests is 1): the next request is served long
-        # before the run ends (a cancelled handler lets go a moment after the client's deadline)
+        # before the run ends (a cancelled handler lets go a moment after the client leaves)
         wait_until(
             lambda: np.allclose(
                 infer(dozy, "first", {"INPUT": ONES}).as_numpy("OUTPUT"), affine(PARAMS, ONES)
             ),
             DOZE_S / 2,
-            "the next request served while the abandoned run sleeps",
+            f"the next request served after {way}",
         )
         # the abandoned run still holds the one meta thread (server.meta_threads)
         with pytest.raises(InferenceServerException) as raised:
             _doze(dozy, 0.0, timeout=200_000)
-        assert raised.value.status() == "StatusCode.DEADLINE_EXCEEDED", raised.value
+        assert raised.value.status() == "StatusCode.DEADLINE_EXCEEDED", way
         assert "'dozy'" in raised.value.message()
         wait_until(lambda: _doze(dozy, 0.0, timeout=1_000_000), 2 * DOZE_S, "the abandoned run's thread back")
