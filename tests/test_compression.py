@@ -18,19 +18,18 @@ import pytest
 import tritonclient.grpc as grpcclient
 from export_examples import reference
 from support.raw_grpc import frame, raw_call
-from support.servers import ServerThread, make_config
+from support.servers import ServerThread, make_config, start_worker
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 LIMIT = 1 << 20
 
 
-@pytest.fixture(scope="module", name="small")
-def _small() -> Iterator[ServerThread]:
-    """A worker whose messages are limited to 1 MiB."""
-    server = ServerThread(make_config(max_message_bytes=LIMIT)).start()
-    yield server
-    server.stop()
+@pytest.fixture(scope="module", name="small", params=[0, 2], ids=["frontends0", "frontends2"])
+def _small(request: pytest.FixtureRequest) -> Iterator[ServerThread]:
+    """A worker whose messages are limited to 1 MiB (one process, and two frontends)."""
+    with start_worker(make_config(max_message_bytes=LIMIT), frontends=request.param) as server:
+        yield server
 
 
 def _infer(url: str, compression: str | None) -> np.ndarray:
@@ -129,16 +128,16 @@ def test_compressed_inference_of_a_large_request_is_refused_by_its_inflated_size
 MiB = 1 << 20
 
 
-@pytest.fixture(name="budgeted")
-def _budgeted() -> Iterator[ServerThread]:
+@pytest.fixture(name="budgeted", params=[0, 2], ids=["frontends0", "frontends2"])
+def _budgeted(request: pytest.FixtureRequest) -> Iterator[ServerThread]:
     """Messages up to 8 MiB, but 2 MiB of messages being received at once (per connection and
-    in all): the budgets, not the message limit, are what a compressed request meets."""
+    in all): the budgets, not the message limit, are what a compressed request meets. With
+    frontends each applies them to the connections it holds (docs/frontends.md)."""
     config = make_config(
         max_message_bytes=8 * MiB, max_receiving_bytes=2 * MiB, max_receiving_bytes_per_connection=2 * MiB
     )
-    server = ServerThread(config).start()
-    yield server
-    server.stop()
+    with start_worker(config, frontends=request.param) as server:
+        yield server
 
 
 def _mlp_request(rows: int) -> service_pb2.ModelInferRequest:
@@ -175,7 +174,9 @@ def test_inflated_bytes_count_against_the_connection_s_receiving_budget(budgeted
 
 def test_inflated_bytes_count_against_the_server_s_receiving_budget(budgeted: ServerThread) -> None:
     """With 1.5 MiB of a message being received on another connection, 1 MiB inflated from a
-    small gzip message would pass the server's 2 MiB: UNAVAILABLE, served once it is gone."""
+    small gzip message would pass the server's 2 MiB: UNAVAILABLE, served once it is gone.
+    With frontends the budget is the holder's frontend's: each try's fresh connection may land on
+    the other one, so the loop goes on until one lands beside the holder."""
     request = _mlp_request(MiB // 64)
     with socket.create_connection(("127.0.0.1", budgeted.worker.grpc_port), timeout=10) as holder:
         peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import queue
 import threading
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ import yaml
 from hloserve.actors.messages import Batch, Infer, Take
 from hloserve.actors.model_queue import ModelQueue, QueueSettings
 from support.bundles import PARAMS, affine, write_affine, write_total
-from support.clients import infer
+from support.clients import infer, wait_until
 from support.servers import ServerThread, make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
@@ -298,3 +299,90 @@ def test_sub_calls_go_ahead_of_waiting_requests_in_their_own_order() -> None:
         return order
 
     assert trio.run(main) == ["c", "d", "a", "b", "e"]
+
+
+DOZY_PY = """
+import time
+from hloserve import NamedTensor, register_meta_model
+
+def run(inputs, call):
+    time.sleep(float(inputs[0].data[0, 0]))  # calls nothing: it bypasses the gate, not meta_threads
+    return [NamedTensor("score", inputs[0].data)]
+
+register_meta_model("dozy", run=run)
+"""
+
+DOZE_S = 3.0
+ONES = np.ones((1, 4), np.float32)
+
+
+@pytest.fixture(name="dozy", params=[0, 2], ids=["frontends0", "frontends2"])
+def _dozy(tmp_path: Path, request: pytest.FixtureRequest) -> Any:
+    """One request in flight at a time, one meta thread: a run the server did not let go of
+    would hold the one, a run it abandoned holds the other."""
+    write_affine(tmp_path / "first")
+    _meta(tmp_path / "dozy", [], DOZY_PY, {"score": ("f32", 4)})
+    config = make_config(tmp_path, max_inflight_requests=1, meta_threads=1)
+    with start_worker(config, frontends=request.param) as server:
+        client = grpcclient.InferenceServerClient(server.url)
+        yield client
+        client.close()
+
+
+def _doze(client: Any, seconds: float, **kwargs: Any) -> Any:
+    return infer(client, "dozy", {"x": np.full((1, 4), seconds, np.float32)}, **kwargs)
+
+
+def _held(client: Any) -> bool:
+    """Whether the server holds a request (max_inflight_requests is 1: the next is refused)."""
+    try:
+        infer(client, "first", {"INPUT": ONES})
+    except InferenceServerException as e:
+        return e.status() == "StatusCode.UNAVAILABLE"
+    return False
+
+
+def _cancelled(client: Any) -> str:
+    """A dozy request cancelled by its client once the server holds it: the status it ends with."""
+    tensor = grpcclient.InferInput("x", [1, 4], "FP32")
+    tensor.set_data_from_numpy(np.full((1, 4), DOZE_S, np.float32))
+    ended: queue.Queue[Any] = queue.Queue()
+    context = client.async_infer("dozy", [tensor], lambda result, error: ended.put(error))
+    wait_until(lambda: _held(client), DOZE_S / 2, "the server to hold the dozy request")
+    context.cancel()
+    return str(ended.get(timeout=DOZE_S).status())
+
+
+GIVE_UP = {
+    "Triton's timeout, the server's deadline": lambda client: _doze(client, DOZE_S, timeout=300_000),
+    "the client's gRPC deadline": lambda client: _doze(client, DOZE_S, client_timeout=0.3),
+    "the client's cancel": _cancelled,
+}
+
+
+@pytest.mark.slow
+def test_a_meta_request_given_up_answers_at_once_and_its_run_finishes_in_a_held_thread(dozy: Any) -> None:
+    for way, give_up in GIVE_UP.items():
+        started = time.monotonic()
+        try:
+            status = give_up(dozy)
+        except InferenceServerException as e:
+            status = e.status()
+        expected = "StatusCode.CANCELLED" if way == "the client's cancel" else "StatusCode.DEADLINE_EXCEEDED"
+        assert status == expected, way
+        assert time.monotonic() - started < DOZE_S / 2, way
+        # the handler let go (max_inflight_requests is 1): the next request is served long
+        # before the run ends (a cancelled handler lets go a moment after the client leaves)
+        wait_until(
+            lambda: np.allclose(
+                infer(dozy, "first", {"INPUT": ONES}).as_numpy("OUTPUT"), affine(PARAMS, ONES)
+            ),
+            DOZE_S / 2,
+            f"the next request served after {way}",
+        )
+        # the abandoned run still holds the one meta thread (server.meta_threads)
+        with pytest.raises(InferenceServerException) as raised:
+            _doze(dozy, 0.0, timeout=200_000)
+        assert raised.value.status() == "StatusCode.DEADLINE_EXCEEDED", way
+        assert "'dozy'" in raised.value.message()
+        wait_until(lambda: _doze(dozy, 0.0, timeout=1_000_000), 2 * DOZE_S, "the abandoned run's thread back")

@@ -148,6 +148,10 @@ class ServerConfig:
     meta_concurrency: int = 2
     """Meta-model requests running at once (each holds a thread while its model.py runs);
     metas that call no model are not counted."""
+    meta_threads: int = 16
+    """Threads running meta models' `run` at once, those of requests whose clients cancelled or
+    ran out of time included: such a request answers at once and its `run`, which cannot be
+    stopped, finishes in its thread. A meta request waits for one (up to its deadline)."""
     meta_scratch_bytes: int = 0
     """Staging pool carved by a meta model's `call.scratch`; 0 gives plain arrays instead."""
     meta_scratch_slots: int = 8
@@ -217,6 +221,7 @@ class ServerConfig:
         _check(self.max_request_rows >= 1, "server.max_request_rows", "must be >= 1")
         _check(self.shutdown_grace_s >= 0, "server.shutdown_grace_s", "must be >= 0")
         _check(self.meta_concurrency >= 1, "server.meta_concurrency", "must be >= 1")
+        _check(self.meta_threads >= 1, "server.meta_threads", "must be >= 1")
         _check(self.meta_scratch_bytes >= 0, "server.meta_scratch_bytes", "must be >= 0 (0: no pool)")
         _check(
             self.meta_scratch_bytes == 0 or 1 <= self.meta_scratch_slots <= self.meta_scratch_bytes,

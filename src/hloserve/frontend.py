@@ -248,7 +248,7 @@ async def _serve(link_fd: int, port: int, http_port: int, setup: Setup) -> None:
                 statistics,
                 Metrics(statistics),
                 cast(Any, host),
-                MetaModels(models, 1, None, statistics, PolicyParams()),
+                MetaModels(models, 1, 1, None, statistics, PolicyParams()),
                 setup.platform,
             )
             server = _grpclib_patches.GracefulServer(

@@ -17,7 +17,7 @@ import concurrent.futures
 import math
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import trio
@@ -149,6 +149,44 @@ class Call:
             arrays = pool.scratch(self.slot, specs)
         return arrays[0] if single else arrays
 
+    def release(self) -> None:
+        """Give back the scratch slot, once `run` has returned (on the loop)."""
+        if self.slot is not None:
+            assert self._pool is not None
+            self._pool.release(self.slot)
+            self.slot = None
+
+
+class _Hold:
+    """What one meta request's `run` holds while its thread lives: a thread of
+    `server.meta_threads`, a place in the gate (if it calls models) and its scratch slot.
+
+    Passed to `trio.to_thread.run_sync` as its limiter, so trio lets go of it when the thread
+    ends, not when the client does: a cancelled request answers at once and its `run`, which
+    Python cannot stop, finishes in a thread that still counts (and keeps its scratch, which it
+    may still be writing)."""
+
+    def __init__(self, threads: trio.CapacityLimiter, gate: trio.CapacityLimiter | None, call: Call) -> None:
+        self._threads = threads
+        self._gate = gate
+        self._call = call
+
+    async def acquire_on_behalf_of(self, borrower: object) -> None:
+        if self._gate is not None:
+            await self._gate.acquire_on_behalf_of(borrower)
+        try:
+            await self._threads.acquire_on_behalf_of(borrower)
+        except BaseException:
+            if self._gate is not None:
+                self._gate.release_on_behalf_of(borrower)
+            raise
+
+    def release_on_behalf_of(self, borrower: object) -> None:
+        self._threads.release_on_behalf_of(borrower)
+        if self._gate is not None:
+            self._gate.release_on_behalf_of(borrower)
+        self._call.release()
+
 
 class MetaModels:
     """Runs the requests of every meta model of a worker (on the loop; `run` in threads)."""
@@ -157,12 +195,14 @@ class MetaModels:
         self,
         models: Mapping[str, ModelEntry],
         concurrency: int,
+        threads: int,
         pool: BufferPool | None,
         statistics: Statistics,
         params: PolicyParams,
     ) -> None:
         self._models = models
         self._gate = trio.CapacityLimiter(concurrency)
+        self._threads = trio.CapacityLimiter(threads)
         self._pool = pool
         self._statistics = statistics
         self._params = params
@@ -170,27 +210,27 @@ class MetaModels:
     async def infer(
         self, entry: ModelEntry, inputs: list[np.ndarray], rows: int, deadline: float | None
     ) -> list[np.ndarray]:
-        """Answer one request of the meta model `entry`: its client outputs, in manifest order."""
+        """Answer one request of the meta model `entry`: its client outputs, in manifest order.
+        Its deadline bounds the wait for the gate and a thread, and the run itself."""
         assert entry.bundle is not None and entry.meta_run is not None
         manifest = entry.bundle.manifest
-        gated = bool(manifest.calls)
-        if gated:
-            with trio.move_on_at(_trio_time(deadline)) as waiting:
-                await self._gate.acquire()
-            if waiting.cancelled_caught:
-                assert deadline is not None
-                raise DeadlineExceeded(entry.name, time.monotonic() - deadline)
         call = Call(entry.name, manifest.calls, self._models, deadline, self._pool)
-        try:
+        hold = _Hold(self._threads, self._gate if manifest.calls else None, call)
+        with trio.move_on_at(_trio_time(deadline)) as waiting:
             outputs = await trio.to_thread.run_sync(
-                _run, entry.name, entry.meta_run, manifest, call, inputs, rows
+                _run,
+                entry.name,
+                entry.meta_run,
+                manifest,
+                call,
+                inputs,
+                rows,
+                limiter=cast(trio.CapacityLimiter, hold),  # trio takes any object with its two methods
+                abandon_on_cancel=True,
             )
-        finally:
-            if call.slot is not None:
-                assert self._pool is not None
-                self._pool.release(call.slot)
-            if gated:
-                self._gate.release()
+        if waiting.cancelled_caught:
+            assert deadline is not None
+            raise DeadlineExceeded(entry.name, time.monotonic() - deadline)
         stats = self._statistics[entry.name]
         stats.record_execution(1, rows, 0.0, call.seconds, 0.0)
         learn_cost(stats.cost, 0, call.seconds, self._params)  # as upstream: a meta's cost is size 0

@@ -186,7 +186,7 @@ class ModelHost(Protocol):
     ) -> None: ...
     async def unload_model(self, name: str) -> None: ...
     async def reload_model_py(self, name: str) -> None: ...
-    def record_failure(self, name: str, reason: str) -> None: ...
+    async def record_failure(self, name: str, reason: str) -> None: ...
     async def set_policy(
         self, model: str | None, *, weight: float | None = None, discipline: Discipline | None = None
     ) -> None: ...
@@ -427,9 +427,11 @@ class ModelTable:
         )
         (await placed.receive()).unwrap()
 
-    def record_failure(self, name: str, reason: str) -> None:
-        """List a bundle that could not be loaded, with why (RepositoryIndex shows it)."""
-        self._entries[name] = ModelEntry(name, Failed(reason))
+    async def record_failure(self, name: str, reason: str) -> None:
+        """List a bundle that could not be loaded, with why (RepositoryIndex shows it), unless
+        the table has an entry for it already (a client loaded it meanwhile, or it failed before)."""
+        async with self._turn(check_model_name(name)):
+            self._entries.setdefault(name, ModelEntry(name, Failed(reason)))
 
     async def reload_model_py(self, name: str) -> None:
         """Execute `name`'s model.py again and swap in what it registers; requests already past

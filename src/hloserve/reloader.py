@@ -134,12 +134,11 @@ class RepositoryWatcher:
             else:
                 await worker.load_model(name)
         except Exception as e:  # a bad bundle (or one XLA cannot compile) must not stop the watch
-            serving = name in worker.models and worker.models[name].ready
+            await worker.record_failure(name, str(e))  # a new one: listed as failed, everywhere
+            entry = worker.models.get(name)
             log.error(
                 "reload failed",
                 model=name,
                 reason=str(e),
-                serving="the old version" if serving else "nothing",
+                serving="the old version" if entry is not None and entry.ready else "nothing",
             )
-            if name not in worker.models:
-                worker.record_failure(name, str(e))

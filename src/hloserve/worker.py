@@ -82,10 +82,8 @@ class Worker(ModelTable):
     async def reload_model_py(self, name: str) -> None:
         await self._changing(name, super().reload_model_py(name))
 
-    def record_failure(self, name: str, reason: str) -> None:
-        super().record_failure(name, reason)
-        if self.frontends is not None:
-            self.frontends.post(name)  # in order with every other change; not awaited
+    async def record_failure(self, name: str, reason: str) -> None:
+        await self._changing(name, super().record_failure(name, reason))
 
     rest: RestServer | None = None
     """The REST front end (its open connections), when it runs."""
@@ -136,6 +134,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         metas = MetaModels(
             entries,
             server_config.meta_concurrency,
+            server_config.meta_threads,
             BufferPool(server_config.meta_scratch_bytes, server_config.meta_scratch_slots, use_shm=False)
             if server_config.meta_scratch_bytes
             else None,

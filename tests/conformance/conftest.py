@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from support.servers import EXAMPLES, ServerThread, make_config
+from support.servers import EXAMPLES, make_config, start_worker
 
 from benches.peers import PeerUnavailable, site_packages, stop
 from benches.peers import triton as peer
@@ -171,24 +171,32 @@ def _hloserve_repository(directory: Path) -> Path:
     return directory
 
 
-@pytest.fixture(scope="session", name="servers")
-def _servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """The gRPC address of each server, by name: "hloserve" and "triton"."""
+@pytest.fixture(scope="session", name="triton_url")
+def _triton_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Triton's gRPC address, one server for every run of the suite."""
     _install()
     repository = _triton_repository(tmp_path_factory.mktemp("triton_repository"))
     try:
         process, port = peer.serve(repository, (MLP,), ["--model-control-mode=explicit", "--load-model=*"])
     except PeerUnavailable as e:
         pytest.fail(f"{peer.NAME} did not start: {e}")
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop(process)
+
+
+@pytest.fixture(scope="session", name="servers", params=[0, 2], ids=["frontends0", "frontends2"])
+def _servers(
+    tmp_path_factory: pytest.TempPathFactory, triton_url: str, request: pytest.FixtureRequest
+) -> Iterator[dict[str, str]]:
+    """The gRPC address of each server, by name: "hloserve" (one process, then an engine with
+    two frontends, which must answer as Triton does too) and "triton"."""
     config = make_config(
         _hloserve_repository(tmp_path_factory.mktemp("hloserve_repository")), allow_client_shm=True
     )
-    server = ServerThread(config).start()
-    try:
-        yield {"hloserve": server.url, "triton": f"127.0.0.1:{port}"}
-    finally:
-        server.stop()
-        stop(process)
+    with start_worker(config, frontends=request.param) as server:
+        yield {"hloserve": server.url, "triton": triton_url}
 
 
 @pytest.fixture(name="clients")

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import structlog.testing
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
@@ -383,6 +384,41 @@ def test_hot_reload_is_seen_by_every_frontend(tmp_path: Path) -> None:
             )
         for client, _ in fresh_clients(server):  # hooks run in the frontends: both run the new one
             np.testing.assert_allclose(infer(client, "first", {"INPUT": X}).as_numpy("OUTPUT"), 2 * expected)
+
+
+def test_a_bundle_the_watcher_cannot_load_is_failed_on_every_frontend_once_the_engine_says_so(
+    tmp_path: Path,
+) -> None:
+    """The watcher goes on (and logs the failed load) only once every frontend has applied it:
+    while one frontend is stopped the engine lists the model as failed but the watcher waits;
+    once it logs, both frontends answer ModelReady false and list the reason, with no wait."""
+    repository = tmp_path / "repository"
+    write_affine(repository / "first")
+    config = make_config(
+        repository, frontends=2, reload=True, repository_poll_s=0.05, reload_debounce_s=0.1, http_port=-1
+    )
+
+    def reported() -> bool:
+        return any(e["event"] == "reload failed" and e.get("model") == "broken" for e in list(logs))
+
+    with structlog.testing.capture_logs() as logs, start_worker(config) as server:
+        stopped = frontend_pids(server)[0]
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            (repository / "broken").mkdir()
+            (repository / "broken" / "manifest.yaml").write_text("inputs: [not, a, manifest\n")
+            wait_until(
+                lambda: not server.worker.models["broken"].ready, 30, "the engine to list the broken bundle"
+            )
+            assert not reported(), "the watcher went on before the stopped frontend applied the failure"
+        finally:
+            os.kill(stopped, signal.SIGCONT)
+        wait_until(reported, 30, "the engine's watcher to report the broken bundle")
+        for client, _ in fresh_clients(server):  # at once, on each frontend
+            assert not client.is_model_ready("broken")
+            index = {m.name: m for m in client.get_model_repository_index().models}
+            assert index["broken"].state == "UNAVAILABLE" and "manifest" in index["broken"].reason, index
+            assert_affine_answers(client, "first")  # the next good request is served
 
 
 DOUBLING_PY = """

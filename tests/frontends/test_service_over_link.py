@@ -56,7 +56,7 @@ class FrontEndOverLink:
                 with BufferPool(32 << 20, 16, name="hloserve-test-seam") as arena:
                     link = FrontendLink(trio.SocketStream(frontend_end), arena)
                     await nursery.start(link.run)
-                    metas = MetaModels(worker.models, 1, None, worker.statistics, PolicyParams())
+                    metas = MetaModels(worker.models, 1, 1, None, worker.statistics, PolicyParams())
                     service = InferenceService(
                         self.config, worker.models, worker.statistics, Metrics(worker.statistics),
                         worker, metas, execute=execute_over(link),
