@@ -124,9 +124,6 @@ class EngineLink:
         self._closed = False
         self._send, self._outbound = trio.open_memory_channel[tuple[_LinkReply, object] | bytes](math.inf)
         self._arena: np.ndarray | None = None
-        self.arena_key: str | None = None
-        """The frontend's arena (its `/dev/shm` name), once it said; the engine unlinks it if the
-        frontend dies."""
         self.listening = trio.Event()
 
     @property
@@ -189,7 +186,7 @@ class EngineLink:
                 if (scope := self._calls.get(ident)) is not None:
                     scope.cancel()
             case Hello(key=key, size=size):
-                self._arena, self.arena_key = _map_arena(key, size), key
+                self._arena = _map_arena(key, size)
             case Listening():
                 self.listening.set()
             case Applied():
@@ -300,8 +297,12 @@ class EngineLink:
 
 
 def _map_arena(key: str, size: int) -> np.ndarray:
-    fd = os.open(f"/dev/shm{key}", os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    """Map the frontend's arena and unlink its name: the memory lives while either process maps
+    it, and nothing is left in /dev/shm whichever of them dies, however."""
+    path = f"/dev/shm{key}"
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         return np.frombuffer(mmap.mmap(fd, size), dtype=np.uint8)
     finally:
         os.close(fd)
+        os.unlink(path)

@@ -48,11 +48,14 @@ from hloserve.rest import RestServer, build_app
 from hloserve.service import InferenceService
 from hloserve.statistics import Statistics
 
-__all__ = ["ModelSummary", "Setup"]
+__all__ = ["ARENA_PREFIX", "ModelSummary", "Setup"]
 
 ARENA_BYTES = 256 << 20
 """Each frontend's shared-memory arena (sparse: pages are used only as requests need them)."""
 ARENA_SLOTS = 256
+ARENA_PREFIX = "hloserve-f"
+"""An arena's /dev/shm name: this, the frontend's index, its pid and a random token. The engine
+unlinks it once mapped (`hloserve.engine_link`)."""
 _PR_SET_PDEATHSIG = 1
 
 
@@ -234,7 +237,7 @@ async def _serve(link_fd: int, port: int, http_port: int, setup: Setup) -> None:
     models = {s.name: _entry(s) for s in setup.models}
     statistics = Statistics()
     sock = trio.socket.from_stdlib_socket(socket.socket(fileno=link_fd))
-    name = f"hloserve-f{setup.index}"
+    name = f"{ARENA_PREFIX}{setup.index}"
     async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
         with BufferPool(ARENA_BYTES, ARENA_SLOTS, name=name) as arena:
             link = FrontendLink(trio.SocketStream(sock), arena)

@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -34,7 +35,7 @@ from hloserve.admission import Ticket
 from hloserve.control import ControlService
 from hloserve.engine_link import EngineLink, EngineServices
 from hloserve.errors import ConfigError, Overloaded
-from hloserve.frontend import ModelSummary, Setup
+from hloserve.frontend import ARENA_PREFIX, ModelSummary, Setup
 from hloserve.link import FORWARD, TableChanged
 
 if TYPE_CHECKING:
@@ -230,9 +231,8 @@ class Frontends:
                 await stream.aclose()  # (the link closes it too, if it ran)
                 await _stop(process, self._config.server.shutdown_grace_s + 5)
                 process.close()
-                if link.arena_key is not None:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(f"/dev/shm{link.arena_key}")
+                for unmapped in Path("/dev/shm").glob(f"{ARENA_PREFIX}{index}-{process.pid}-*"):
+                    unmapped.unlink(missing_ok=True)  # an arena it made but never named to the link
             del self._processes[index]
 
     async def drain(self) -> None:

@@ -67,9 +67,16 @@ def can_listen(port: int) -> bool:
 
 
 def arenas(pids: list[int]) -> list[str]:
+    """The /dev/shm names of these frontends' arenas."""
     return [
         n for n in os.listdir("/dev/shm") if any(n.startswith("hloserve-f") and f"-{p}-" in n for p in pids)
     ]
+
+
+def mapped_unnamed_arena(pid: int) -> bool:
+    """Whether process `pid` maps a frontend arena whose name is already unlinked."""
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return any("/dev/shm/hloserve-f" in line and line.endswith("(deleted)") for line in maps.splitlines())
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 30) -> None:
@@ -102,7 +109,9 @@ def test_two_frontends_serve_and_one_killed_comes_back() -> None:
         frontends = children(worker.pid)
         assert len(frontends) == 2, frontends
         serve_many(worker.url, connections=16)
-        assert len(arenas(frontends)) == 2
+        # Each arena is shared with the engine and named no more: no death can leave it behind.
+        assert all(mapped_unnamed_arena(p) for p in [worker.pid, *frontends])
+        assert not arenas(frontends)
         os.kill(frontends[0], signal.SIGKILL)
         # Once it is gone (connections in its backlog at that instant are reset, as with any
         # process that dies), new connections all land on the other.
@@ -121,6 +130,7 @@ def test_the_engine_killed_takes_its_frontends_and_frees_the_port() -> None:
         os.kill(worker.pid, signal.SIGKILL)
         wait_for(lambda: all(gone(p) for p in frontends))
         wait_for(lambda: can_listen(worker.grpc_port), timeout=5)  # nothing holds the port
+        assert not arenas(frontends), "the frontends' arenas were left in /dev/shm"
 
 
 def test_sigterm_drains_requests_in_flight_then_every_process_exits(tmp_path: Path) -> None:
