@@ -7,7 +7,8 @@ the codec builds, once, a google.protobuf (upb) mirror of its known fields from 
 own field table; a request is parsed by the mirror, its unknown fields are discarded, and the
 known ones re-serialized for betterproto2. Malformed wire data raises ValueError, which the
 server's receive path answers INVALID_ARGUMENT naming the RPC. The hot path's google.protobuf
-messages go straight through.
+messages go straight through, a large ModelInferRequest with its tensors left in the bytes
+received (`hloserve.viewed_request`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import betterproto2
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
 from grpclib.encoding.proto import ProtoCodec
+
+from hloserve._proto.hot import hot_infer_pb2 as hot
+from hloserve.viewed_request import VIEW_FROM_BYTES, parse_viewed
 
 __all__ = ["KnownFieldsCodec"]
 
@@ -35,6 +39,8 @@ class KnownFieldsCodec(ProtoCodec):
         self._mirrors: dict[type, Any] = {}
 
     def decode(self, data: bytes, message_type: Any) -> Any:
+        if message_type is hot.ModelInferRequest and len(data) >= VIEW_FROM_BYTES:
+            return parse_viewed(data)
         if not issubclass(message_type, betterproto2.Message):
             return super().decode(data, message_type)
         mirror = self._mirrors.get(message_type)

@@ -17,7 +17,7 @@ compressed); connections, heads and the time a head or body takes by `server.htt
 withdraws it from its model's queue.
 
 A body with a Content-Length is read into one buffer and its binary tensors reach the service
-as views of it (`rest_codec.ViewedRequest`); binary outputs are sent after the JSON header
+as views of it (`viewed_request.ViewedRequest`); binary outputs are sent after the JSON header
 without joining them.
 """
 
