@@ -6,6 +6,7 @@ import concurrent.futures
 import queue
 import threading
 import time
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import trio
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 import yaml
 from hloserve.actors.messages import Batch, Infer, Take
 from hloserve.actors.model_queue import ModelQueue, QueueSettings
@@ -147,6 +149,20 @@ def test_a_meta_model_chains_two_models_with_a_branch(client: Any) -> None:
         assert (result.as_numpy("path") == path).all()
         np.testing.assert_array_equal(result.as_numpy("path"), want_path)
         np.testing.assert_allclose(result.as_numpy("score"), score, rtol=1e-5)
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_a_meta_model_answers_over_rest(metas: ServerThread, binary: bool) -> None:
+    """A REST request's tensors are views of its body; forwarded whole to the engine (K=2) they
+    go with it."""
+    x = np.full((2, 4), 3.0, np.float32)
+    with closing(httpclient.InferenceServerClient(metas.http_url)) as client:
+        tensor = httpclient.InferInput("x", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x, binary_data=binary)
+        result = client.infer("cascade", [tensor])
+    score, path = cascade(x)
+    np.testing.assert_allclose(result.as_numpy("score"), score, rtol=1e-5)
+    np.testing.assert_array_equal(result.as_numpy("path"), path)
 
 
 def test_under_concurrent_load_every_answer_is_right(client: Any, metas: ServerThread) -> None:
