@@ -168,9 +168,10 @@ class ServerConfig:
     """Frontend processes (docs/frontends.md): with K >= 1 this process becomes the engine (the
     actors, the only one touching the device) and K processes sharing the public ports parse,
     check and run `model.py` hooks, handing it tensors over shared memory; every RPC answers as
-    with one process. 0: one process (the default: on a 2-core machine as fast or faster). With
-    cores to spare, K = a frontend's CPU per request over the engine's, rounded up (about 5 for
-    plain models; more with heavy hooks), at most the cores less one (docs/frontends.md)."""
+    with one process. 0: one process (the default: on a 2-core machine, or with few clients, as
+    fast or faster). With cores to spare, K = a frontend's CPU per request over the engine's,
+    rounded up (about 10 for small requests, 3 for 4.8 MB ones; more with heavy hooks), at most
+    the cores less one (docs/frontends.md)."""
     max_load_files: int = 64
     """Files one RepositoryModelLoad may send as a bundle (Triton's `file:` parameters, written
     into a private directory the server owns); 0 turns loading from sent files off."""
