@@ -202,14 +202,13 @@ class _BoundedFrameBuffer(h2.frame_buffer.FrameBuffer):
             if type(frame) is DataFrame:
                 frame.__class__ = _DataFrame
             return frame
-        length = int.from_bytes(data[:3], "big")
+        try:
+            frame, length = Frame.parse_frame_header(memoryview(bytes(data[:9])))
+        except (InvalidDataError, InvalidFrameError) as e:  # a DATA frame on stream 0
+            raise h2.exceptions.ProtocolError(f"Received frame with invalid header: {e!s}") from e
         if len(data) < 9 + length:
             raise StopIteration
         self._validate_frame_length(length)
-        try:
-            frame, _ = Frame.parse_frame_header(memoryview(bytes(data[:9])))
-        except (InvalidDataError, InvalidFrameError) as e:  # a DATA frame on stream 0
-            raise h2.exceptions.ProtocolError(f"Received frame with invalid header: {e!s}") from e
         try:
             with memoryview(data) as view, view[9 : 9 + length] as body:
                 frame.parse_body(body)  # the payload's one copy
