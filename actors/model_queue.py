@@ -4,9 +4,8 @@ Owns the FIFO of `Infer` requests of one model; a meta model's sub-calls (`commi
 of the rest, in their own arrival order, so a meta request already running finishes first. Its
 inbox takes `Infer` and `Withdraw` (from the front end, through `ModelQueueHandle`) and `Take`
 (from the dispatcher). After each turn (every message that arrived together) it sends one
-`QueueSummary` to the dispatcher; on
-`Take` it drops requests whose client went away or whose deadline passed, plans the batch
-(`hloserve.policy.plan_batch`) and replies a `Batch`.
+`QueueSummary` to the dispatcher; on `Take` it drops requests whose client went away or whose
+deadline passed, plans the batch (`hloserve.policy.plan_batch`) and replies a `Batch`.
 """
 
 from __future__ import annotations
