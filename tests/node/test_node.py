@@ -354,13 +354,18 @@ def test_rest_load_and_unload_go_through_the_controller(node: Node) -> None:
         wait_until(lambda: public.is_model_ready("pool"), 10, "pool routable again")
         assert _http_outputs(public, "pool", binary=True)
     finally:
-        for address in workers.values():  # back on every worker, for the tests after this one
-            triton.InferenceServerClient(address).load_model("pool")
-        wait_until(
-            lambda: len(next(m for m in node.status().models if m.name == "pool").serving_workers) == 2,
-            10,
-            "pool on both workers",
-        )
+        _pool_back_on_every_worker(node, workers)
+
+
+def _pool_back_on_every_worker(node: Node, workers: dict[str, str]) -> None:
+    """Load `pool` on every worker again, for the tests after one that moved it."""
+    for address in workers.values():
+        triton.InferenceServerClient(address).load_model("pool")
+    wait_until(
+        lambda: len(next(m for m in node.status().models if m.name == "pool").serving_workers) == 2,
+        10,
+        "pool on both workers",
+    )
 
 
 def _control(address: str, method: str, request: Any) -> Any:
@@ -592,13 +597,7 @@ def test_a_model_loaded_on_one_worker_joins_the_union_and_becomes_routable(node:
         placed = next(w.name for w in node.status().workers if "pool" in w.models_placed)
         assert placed in next(m for m in node.status().models if m.name == "pool").serving_workers
     finally:
-        for address in workers.values():  # back on every worker, for the tests after this one
-            triton.InferenceServerClient(address).load_model("pool")
-        wait_until(
-            lambda: len(next(m for m in node.status().models if m.name == "pool").serving_workers) == 2,
-            10,
-            "pool on both workers",
-        )
+        _pool_back_on_every_worker(node, workers)
 
 
 def _compactions(address: str) -> int:
