@@ -226,6 +226,7 @@ class ModelQueue:
             return  # already taken or dropped
         self._state.rows -= message.request.rows
         self._statistics[self.model].drops["cancelled"] += 1
+        message.request.reply.cancel()  # a frontend's reply then frees its slot
 
     def _on_take(self, message: Take) -> None:
         plan, taken = self._next_batch(message)

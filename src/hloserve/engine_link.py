@@ -19,7 +19,7 @@ import trio_asyncio
 from grpclib.const import Status
 
 from hloserve._status import to_grpc_error
-from hloserve.actors.messages import Infer
+from hloserve.actors.messages import Infer, QueueAddress
 from hloserve.errors import ModelNotFound, ModelNotReady
 from hloserve.link import (
     ALIGNMENT,
@@ -93,6 +93,11 @@ class _LinkReply:
             self._finish(Released())
         return self.withdrawn
 
+    def cancel(self) -> bool:
+        """Its queue dropped it unread (withdrawn while it waited): the slot is the frontend's."""
+        self._finish(Released())
+        return True
+
     def done(self) -> bool:
         return self.finished
 
@@ -102,8 +107,10 @@ class EngineLink:
     """The engine's actor for one frontend: a trio task reading its frames, turning `Run` into
     the `Infer` the in-process front end sends, and sending each request's one final frame.
 
-    A withdrawn request is marked and left to its queue, which drops it unread when it reaches
-    it (the reply's `cancelled()`), so the frontend reuses the slot only once nothing reads it.
+    A withdrawn request is marked and withdrawn from its queue, as at K=0. The queue drops it at
+    once if it still waits (the reply's `cancel()`); one already taken for a batch is dropped
+    unread where the dispatcher asks (its `cancelled()`). Either way the final frame says
+    `Released` only once nothing reads its slot, which the frontend then reuses.
     """
 
     def __init__(
@@ -116,7 +123,7 @@ class EngineLink:
         self._models = models
         self._services = services
         self._nursery: trio.Nursery | None = None
-        self._pending: dict[int, tuple[Infer, _LinkReply]] = {}
+        self._pending: dict[int, tuple[Infer, _LinkReply, QueueAddress]] = {}
         self._calls: dict[int, trio.CancelScope] = {}
         self._forwarded = 0
         self._pushes: dict[int, trio.Event] = {}
@@ -151,11 +158,12 @@ class EngineLink:
                 self._nursery = nursery
                 task_status.started()
                 while (received := await reader.receive()) is not None:
-                    self._on_message(*received)
+                    for ident, message in received:
+                        self._on_message(ident, message)
                 nursery.cancel_scope.cancel()
         finally:
             self.close_pushes()
-            for _, reply in self._pending.values():
+            for _, reply, _ in self._pending.values():
                 reply.withdrawn = True  # its frontend is gone: the queues drop them unread
                 if self._services is not None:
                     self._services.release(reply.ticket)
@@ -175,14 +183,16 @@ class EngineLink:
             case Run():
                 reply = _LinkReply(ident, message.out, self._send)
                 try:
-                    request = self._submit(message, reply)
+                    request, queue = self._submit(message, reply)
                 except Exception as e:
                     reply.set_exception(e)
                 else:
-                    self._pending[ident] = (request, reply)
+                    self._pending[ident] = (request, reply, queue)
             case Withdraw():
                 if (pending := self._pending.get(ident)) is not None:
-                    pending[1].withdrawn = True
+                    request, reply, queue = pending
+                    reply.withdrawn = True  # dropped unread by whoever holds it next
+                    queue.withdraw_nowait(request)  # out of the queue now, as at K=0
                 if (scope := self._calls.get(ident)) is not None:
                     scope.cancel()
             case Hello(key=key, size=size):
@@ -223,7 +233,7 @@ class EngineLink:
             finally:
                 del self._calls[ident]
 
-    def _submit(self, run: Run, reply: _LinkReply) -> Infer:
+    def _submit(self, run: Run, reply: _LinkReply) -> tuple[Infer, QueueAddress]:
         entry = self._models.get(run.model)
         if entry is None:
             raise ModelNotFound(run.model, f"serving {sorted(self._models)}")
@@ -243,7 +253,7 @@ class EngineLink:
             if self._services is not None:
                 self._services.release(reply.ticket)
             raise
-        return request
+        return request, entry.queue
 
     async def _send_finals(
         self, receive: trio.MemoryReceiveChannel[tuple[_LinkReply, object] | bytes]

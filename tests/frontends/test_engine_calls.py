@@ -323,6 +323,31 @@ def test_max_inflight_requests_holds_for_the_worker_across_frontends(holding: Se
         np.testing.assert_allclose(one(client), reference("mlp", ONE_ROW), rtol=1e-5, atol=1e-6)
 
 
+def test_a_client_that_cancels_a_request_withdraws_it_from_the_engine(holding: ServerThread) -> None:
+    """A plain request (its inputs in a frontend's arena) waits in the MLP's queue; the client
+    cancels: it leaves the engine at once, is counted cancelled, and the frontend serves on."""
+    with closing(connect(holding.url)) as client:
+        drops = holding.call(lambda: holding.worker.statistics["mlp"].drops["cancelled"])
+        tensor = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
+        tensor.set_data_from_numpy(ONE_ROW)
+        answered: list[Any] = []
+        call = client.async_infer("mlp", [tensor], lambda result, error: answered.append(error))
+        wait_until(lambda: held(holding) == 1, 10, "the request held by the engine")
+        cancelled = time.monotonic()
+        call.cancel()
+        wait_until(lambda: held(holding) == 0, 1.5, "the cancelled request withdrawn")
+        assert time.monotonic() - cancelled < 1.5
+        wait_until(lambda: answered, 5, "the client's callback")
+        assert "CANCELLED" in str(answered[0].status())
+        assert holding.call(lambda: holding.worker.statistics["mlp"].drops["cancelled"]) == drops + 1
+        np.testing.assert_allclose(
+            infer(client, "mlp", {"INPUT0": ONE_ROW}, client_timeout=20).as_numpy("OUTPUT0"),
+            reference("mlp", ONE_ROW),
+            rtol=1e-5,
+            atol=1e-6,
+        )
+
+
 def test_a_client_that_cancels_a_forwarded_request_withdraws_it_from_the_engine(
     holding: ServerThread, regions: dict[str, Any]
 ) -> None:
