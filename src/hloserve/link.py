@@ -82,7 +82,7 @@ class Listening:
     """frontend → engine: it listens on the public port (the engine is ready once all do)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs more, once a request
 class Run:
     """frontend → engine: execute `inputs` on `model`'s queue; write outputs into `out`
     (offset, bytes) of the arena. `timeout_s` is what remains of the client's deadline."""
@@ -193,28 +193,41 @@ def frame(ident: int, message: object) -> bytes:
 
 @final
 class FrameReader:
-    """Frames from a stream, one at a time; None at the end of the stream."""
+    """Frames from a stream, as many as each read completes; None at the end of the stream."""
 
     def __init__(self, stream: trio.abc.ReceiveStream) -> None:
         self._stream = stream
         self._buffer = bytearray()
+        self._wanted = HEADER.size
+        """Bytes the buffer must hold before the next frame is complete."""
 
-    async def _fill(self, n: int) -> bool:
-        while len(self._buffer) < n:
-            chunk = await self._stream.receive_some(max(n - len(self._buffer), 1 << 16))
+    async def receive(self) -> list[tuple[int, Any]] | None:
+        """The frames the buffer holds once one is complete, in order (a read of many costs one
+        wakeup, not one each)."""
+        while len(self._buffer) < self._wanted:
+            chunk = await self._stream.receive_some(max(self._wanted - len(self._buffer), 1 << 16))
             if not chunk:
-                return False
+                return None
             self._buffer += chunk
-        return True
+            self._wanted = self._needed()
+        frames, buffer, start = [], self._buffer, 0
+        with memoryview(buffer) as view:  # released before the buffer shrinks
+            while len(buffer) - start >= HEADER.size:
+                length, ident = HEADER.unpack_from(buffer, start)
+                end = start + HEADER.size + length
+                if end > len(buffer):
+                    break
+                frames.append((ident, _decode(pickle.loads(view[start + HEADER.size : end]))))
+                start = end
+        del buffer[:start]
+        self._wanted = self._needed()
+        return frames
 
-    async def receive(self) -> tuple[int, Any] | None:
-        if not await self._fill(HEADER.size):
-            return None
-        length, ident = HEADER.unpack_from(self._buffer)
+    def _needed(self) -> int:
+        """The buffer's length once its first frame is complete (checked against the bound)."""
+        if len(self._buffer) < HEADER.size:
+            return HEADER.size
+        length, _ = HEADER.unpack_from(self._buffer)
         if length > MAX_FRAME_BYTES:
             raise ValueError(f"link frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
-        if not await self._fill(HEADER.size + length):
-            return None
-        payload = self._buffer[HEADER.size : HEADER.size + length]
-        del self._buffer[: HEADER.size + length]
-        return ident, _decode(pickle.loads(payload))
+        return HEADER.size + length

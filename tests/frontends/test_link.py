@@ -23,7 +23,18 @@ from hloserve.buffer_pool import BufferPool
 from hloserve.config import ModelSettings
 from hloserve.engine_link import EngineLink, EngineServices
 from hloserve.frontend_link import FrontendLink
-from hloserve.link import HEADER, MAX_FRAME_BYTES, Counted, FrameReader, Hello, Ran, Run, TensorRef, frame
+from hloserve.link import (
+    HEADER,
+    MAX_FRAME_BYTES,
+    Counted,
+    FrameReader,
+    Hello,
+    Ran,
+    Returned,
+    Run,
+    TensorRef,
+    frame,
+)
 from hloserve.worker import Worker, serve
 
 OUT_BYTES = 4 << 10
@@ -44,6 +55,17 @@ async def linked(**scheduler: Any) -> AsyncIterator[tuple[Worker, FrontendLink, 
 
 def run(test: Callable[[], Awaitable[None]]) -> None:
     trio.run(test)
+
+
+async def frames(reader: FrameReader, count: int) -> list[tuple[int, Any]]:
+    """The next `count` frames, however many each read completes."""
+    received: list[tuple[int, Any]] = []
+    while len(received) < count:
+        batch = await reader.receive()
+        assert batch, f"the stream ended after {len(received)} of {count} frames"
+        received += batch
+    assert len(received) == count, received
+    return received
 
 
 def test_concurrent_requests_answer_what_the_model_computes() -> None:
@@ -122,10 +144,8 @@ def test_an_engine_that_goes_away_fails_waiting_requests_as_unavailable() -> Non
                 await nursery.start(link.run)
 
                 async def engine_reads_then_dies() -> None:
-                    reader = FrameReader(engine)
-                    for expected in (Hello, Run):
-                        received = await reader.receive()
-                        assert received is not None and isinstance(received[1], expected)
+                    received = await frames(FrameReader(engine), 2)
+                    assert [type(message) for _, message in received] == [Hello, Run]
                     await engine.aclose()
 
                 nursery.start_soon(engine_reads_then_dies)
@@ -134,6 +154,32 @@ def test_an_engine_that_goes_away_fails_waiting_requests_as_unavailable() -> Non
                 assert raised.value.status == Status.UNAVAILABLE
                 assert "engine closed the link" in (raised.value.message or "")
             assert arena.statistics().free_slots == arena.n_slots
+
+    run(test)
+
+
+def test_frames_cut_anywhere_arrive_whole_and_in_order() -> None:
+    """Frames written a few bytes at a time, one of them larger than a read, come out whole."""
+    sent = [Hello("/a", 1), Returned(b"x" * (200 << 10)), Counted([("mlp", "OK", 0.5)]), Hello("/b", 2)]
+    wire = b"".join(frame(i, m) for i, m in enumerate(sent, 1))
+
+    async def test() -> None:
+        a, b = trio.socket.socketpair()
+        async with trio.SocketStream(a) as sender, trio.SocketStream(b) as receiver:
+
+            async def dribble() -> None:
+                for start in range(0, 63, 3):  # the first frames a few bytes at a time, then the rest
+                    await sender.send_all(wire[start : start + 3])
+                    await trio.sleep(0.001)
+                await sender.send_all(wire[63:])
+                await sender.aclose()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(dribble)
+                reader = FrameReader(receiver)
+                received = await frames(reader, len(sent))
+                assert received == list(enumerate(sent, 1))
+                assert await reader.receive() is None  # the end of the stream
 
     run(test)
 
@@ -163,10 +209,9 @@ def test_each_message_of_a_request_arrives_as_it_was_sent() -> None:
         a, b = trio.socket.socketpair()
         async with trio.SocketStream(a) as sender, trio.SocketStream(b) as receiver:
             await sender.send_all(b"".join(frame(i, m) for i, m in enumerate(sent, 1)))
-            reader = FrameReader(receiver)
-            for ident, message in enumerate(sent, 1):
-                received = await reader.receive()
-                assert received is not None and received[0] == ident
+            received_all = await frames(FrameReader(receiver), len(sent))
+            for ident, (received, message) in enumerate(zip(received_all, sent, strict=True), 1):
+                assert received[0] == ident
                 assert type(received[1]) is type(message)
                 if isinstance(message, Ran):
                     ref, inline = received[1].outputs
