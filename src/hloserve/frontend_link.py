@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, final
 
 import numpy as np
@@ -45,10 +45,11 @@ __all__ = ["FrontendLink", "execute_over"]
 @dataclass(eq=False, slots=True)
 class _Waiting:
     slot: PoolSlot | None
-    done: trio.Event = field(default_factory=trio.Event)
-    answer: object = None
+    done: trio.Event | None = None
+    """Set for a caller in trio (`infer`, `call`): set when the answer comes."""
     future: asyncio.Future[list[np.ndarray]] | None = None
-    """Set for a request from asyncio (`submit`): resolved when the answer comes."""
+    """Set for a caller in asyncio (`submit`): resolved with the outputs when the answer comes."""
+    answer: object = None
     left: bool = False
     """Its caller went away: the slot is released when the engine's final frame comes."""
 
@@ -64,6 +65,7 @@ class FrontendLink:
         assert arena.key is not None, "the arena is shared memory the engine maps"
         self._stream = stream
         self._arena = arena
+        self._memory = arena.memory()
         self._waiting: dict[int, _Waiting] = {}
         self._next_id = 1
         self.closed = trio.Event()
@@ -84,7 +86,8 @@ class FrontendLink:
                 task_status.started()
                 reader = FrameReader(self._stream)
                 while (received := await reader.receive()) is not None:
-                    self._on_final(*received)
+                    for ident, message in received:
+                        self._on_final(ident, message)
                 nursery.cancel_scope.cancel()
         finally:
             for waiting in self._waiting.values():
@@ -145,10 +148,11 @@ class FrontendLink:
             data = frame(ident, Call(method, message))
         except ValueError as e:
             raise GRPCError(Status.RESOURCE_EXHAUSTED, str(e)) from None
-        waiting = self._waiting[ident] = _Waiting(None)
+        done = trio.Event()
+        waiting = self._waiting[ident] = _Waiting(None, done)
         self._outbound.send_nowait(data)
         try:
-            await waiting.done.wait()
+            await done.wait()
         except BaseException:
             if self._waiting.pop(ident, None) is not None:
                 self._post(ident, Withdraw())
@@ -178,7 +182,8 @@ class FrontendLink:
 
     def _answer(self, waiting: _Waiting, message: object) -> None:
         waiting.answer = message
-        waiting.done.set()
+        if waiting.done is not None:
+            waiting.done.set()
         future = waiting.future
         if future is None or future.done():
             return
@@ -194,8 +199,7 @@ class FrontendLink:
         try:
             match waiting.answer:
                 case Ran(outputs=results):
-                    memory = self._arena.view(slot)
-                    return [self._copy_out(r, memory, slot) for r in results]
+                    return [self._copy_out(r) for r in results]
                 case Failed(status=status, message=message):
                     raise GRPCError(Status(status), message)
                 case other:
@@ -215,24 +219,24 @@ class FrontendLink:
     ) -> tuple[int, _Waiting]:
         """Copy the inputs into the slot, each aligned, then reserve `out_nbytes` for the outputs
         (the layout `_span` bounds), and send `Run`."""
-        memory, refs, cursor = self._arena.view(slot), [], 0
+        memory, refs, cursor = self._memory, [], slot.offset
         for array in inputs:
             cursor += -cursor % ALIGNMENT
-            target = memory[cursor : cursor + array.nbytes].view(array.dtype).reshape(array.shape)
-            target[...] = array
-            refs.append(TensorRef(slot.offset + cursor, array.dtype.str, array.shape))
+            if array.nbytes:
+                memory[cursor : cursor + array.nbytes] = _bytes_of(array)
+            refs.append(TensorRef(cursor, array.dtype.str, array.shape))
             cursor += array.nbytes
         cursor += -cursor % ALIGNMENT
         ident = self._new_id()
         waiting = self._waiting[ident] = _Waiting(slot)
-        self._post(ident, Run(model, refs, rows, outputs, timeout_s, (slot.offset + cursor, out_nbytes)))
+        self._post(ident, Run(model, refs, rows, outputs, timeout_s, (cursor, out_nbytes)))
         return ident, waiting
 
     def _span(self, inputs: list[np.ndarray], out_nbytes: int) -> int:
         nbytes = sum(a.nbytes for a in inputs) + ALIGNMENT * len(inputs) + out_nbytes
         return max(1, -(-nbytes // self._arena.slot_bytes))
 
-    def _leave(self, ident: int) -> None:
+    def leave(self, ident: int) -> None:
         """The caller of request `ident` went away: withdraw it; its slot waits for the engine."""
         waiting = self._waiting.get(ident)
         if waiting is not None:
@@ -248,18 +252,18 @@ class FrontendLink:
         timeout_s: float | None,
         out_nbytes: int,
         future: asyncio.Future[list[np.ndarray]],
-    ) -> bool:
-        """Send a request whose answer resolves `future` (cancelling it withdraws the request);
-        False, and nothing sent, when the arena has no room now (the caller waits with `infer`)."""
+    ) -> int | None:
+        """Send a request whose answer resolves `future`, and return its id (a caller that
+        leaves calls `leave` with it); None, and nothing sent, when the arena has no room now
+        (the caller waits with `infer`)."""
         if self.closed.is_set():
             raise GRPCError(Status.UNAVAILABLE, "the engine closed the link")
         slot = self._arena.try_acquire_slot(self._span(inputs, out_nbytes))
         if slot is None:
-            return False
+            return None
         ident, waiting = self._stage(slot, model, inputs, rows, outputs, timeout_s, out_nbytes)
         waiting.future = future
-        future.add_done_callback(lambda f: self._leave(ident) if f.cancelled() else None)
-        return True
+        return ident
 
     async def infer(
         self,
@@ -276,19 +280,20 @@ class FrontendLink:
             raise GRPCError(Status.UNAVAILABLE, "the engine closed the link")
         slot = await self._arena.acquire_slot(self._span(inputs, out_nbytes))
         ident, waiting = self._stage(slot, model, inputs, rows, outputs, timeout_s, out_nbytes)
+        waiting.done = done = trio.Event()
         try:
-            await waiting.done.wait()
+            await done.wait()
         except BaseException:
-            self._leave(ident)
+            self.leave(ident)
             raise
         return self._outputs(waiting)
 
-    @staticmethod
-    def _copy_out(result: TensorRef | np.ndarray, memory: np.ndarray, slot: PoolSlot) -> np.ndarray:
+    def _copy_out(self, result: TensorRef | np.ndarray) -> np.ndarray:
         if isinstance(result, np.ndarray):
             return result
-        start = result.offset - slot.offset
-        return memory[start : start + result.nbytes].view(result.dtype).reshape(result.shape).copy()
+        offset, dtype, shape = result
+        count = math.prod(shape)
+        return np.frombuffer(self._memory, dtype, count, offset).reshape(shape).copy()
 
 
 def execute_over(link: FrontendLink) -> Execute:
@@ -311,11 +316,26 @@ def execute_over(link: FrontendLink) -> Execute:
         timeout_s = None if deadline is None else deadline - time.monotonic()
         arrays = [np.asarray(a) for a in inputs]
         future: asyncio.Future[list[np.ndarray]] = asyncio.get_running_loop().create_future()
-        if link.submit(entry.name, arrays, rows, outputs, timeout_s, out_nbytes, future):
+        ident = link.submit(entry.name, arrays, rows, outputs, timeout_s, out_nbytes, future)
+        if ident is None:
+            return list(await infer(entry.name, arrays, rows, outputs, timeout_s, out_nbytes))
+        try:
             return await future
-        return list(await infer(entry.name, arrays, rows, outputs, timeout_s, out_nbytes))
+        except asyncio.CancelledError:  # the client cancelled or went away (as `infer` does)
+            link.leave(ident)
+            raise
 
     return execute
+
+
+def _bytes_of(array: np.ndarray) -> memoryview:
+    """`array`'s bytes in C order, to assign to a byte slice: cast by Python's buffer protocol
+    when it can (cheapest), else through numpy (a dtype the protocol cannot name, a strided
+    array)."""
+    try:
+        return array.data.cast("B")
+    except (TypeError, ValueError):
+        return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
 
 
 def _nbytes_bound(spec: Any, rows: int) -> int:
