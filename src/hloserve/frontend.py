@@ -145,7 +145,9 @@ class FrontendService(InferenceService):
 
     async def _infer(self, request: Any, grpc_deadline: Any) -> Any:
         entry = self._models.get(request.model_name)
-        if (entry is not None and entry.meta_run is not None) or _names_a_region(request):
+        # Without client regions allowed, one named fails here as at K=0: no need to look.
+        regions = self._config.server.allow_client_shm and _names_a_region(request)
+        if (entry is not None and entry.meta_run is not None) or regions:
             remaining = None if grpc_deadline is None else grpc_deadline.time_remaining()
             reply = await self._call(FORWARD, (request.SerializeToString(), remaining))
             return hot.ModelInferResponse.FromString(cast(bytes, reply))
