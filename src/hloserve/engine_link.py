@@ -38,6 +38,7 @@ from hloserve.link import (
     TensorRef,
     Withdraw,
     frame,
+    send_frames,
 )
 
 if TYPE_CHECKING:
@@ -267,7 +268,7 @@ class EngineLink:
                 except trio.WouldBlock:
                     break
                 frames.append(self._final(*item) if isinstance(item, tuple) else item)
-            await self._stream.send_all(b"".join(frames))
+            await send_frames(self._stream, b"".join(frames))
 
     def _final(self, reply: _LinkReply, event: object) -> bytes:
         try:

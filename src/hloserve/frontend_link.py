@@ -33,6 +33,7 @@ from hloserve.link import (
     TensorRef,
     Withdraw,
     frame,
+    send_frames,
 )
 
 if TYPE_CHECKING:
@@ -105,7 +106,7 @@ class FrontendLink:
                     frames.append(self._outbound_queue.receive_nowait())
                 except trio.WouldBlock:
                     break
-            await self._stream.send_all(b"".join(data or self._counts() for data in frames))
+            await send_frames(self._stream, b"".join(data or self._counts() for data in frames))
 
     def _counts(self) -> bytes:
         counted, self._counted = self._counted, []

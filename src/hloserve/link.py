@@ -17,6 +17,7 @@ The ends: `hloserve.engine_link.EngineLink` (the engine's actor for one frontend
 from __future__ import annotations
 
 import math
+import os
 import pickle
 import struct
 from dataclasses import dataclass
@@ -191,25 +192,47 @@ def frame(ident: int, message: object) -> bytes:
     return HEADER.pack(len(payload), ident) + payload
 
 
+async def send_frames(stream: trio.SocketStream, data: bytes) -> None:
+    """Write `data` whole: at once when the socket takes it all, as it nearly always does (trio's
+    `send_all` would pass through its scheduler twice, once a write of a link's frames), the
+    rest with `send_all`. Only one task writes a link's socket."""
+    try:
+        sent = os.write(stream.socket.fileno(), data)
+    except BlockingIOError:
+        sent = 0
+    if sent < len(data):
+        await stream.send_all(memoryview(data)[sent:])
+
+
 @final
 class FrameReader:
-    """Frames from a stream, as many as each read completes; None at the end of the stream."""
+    """Frames from a socket, as many as each read completes; None at the end of the stream."""
 
-    def __init__(self, stream: trio.abc.ReceiveStream) -> None:
-        self._stream = stream
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self._socket = stream.socket
         self._buffer = bytearray()
         self._wanted = HEADER.size
         """Bytes the buffer must hold before the next frame is complete."""
 
     async def receive(self) -> list[tuple[int, Any]] | None:
         """The frames the buffer holds once one is complete, in order (a read of many costs one
-        wakeup, not one each)."""
+        wakeup, not one each). Reads what the socket holds without trio's two scheduler passes a
+        `receive_some` costs, and passes through the scheduler once either way (waiting for
+        data, or at a checkpoint)."""
+        waited = False
         while len(self._buffer) < self._wanted:
-            chunk = await self._stream.receive_some(max(self._wanted - len(self._buffer), 1 << 16))
+            try:
+                chunk = os.read(self._socket.fileno(), max(self._wanted - len(self._buffer), 1 << 16))
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(self._socket)
+                waited = True
+                continue
             if not chunk:
                 return None
             self._buffer += chunk
             self._wanted = self._needed()
+        if not waited:
+            await trio.lowlevel.checkpoint()  # a reader always fed still lets other tasks run
         frames, buffer, start = [], self._buffer, 0
         with memoryview(buffer) as view:  # released before the buffer shrinks
             while len(buffer) - start >= HEADER.size:

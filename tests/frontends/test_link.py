@@ -6,6 +6,7 @@ gives its slot back, and a closed link fails what waits on it."""
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -34,6 +35,7 @@ from hloserve.link import (
     Run,
     TensorRef,
     frame,
+    send_frames,
 )
 from hloserve.worker import Worker, serve
 
@@ -180,6 +182,48 @@ def test_frames_cut_anywhere_arrive_whole_and_in_order() -> None:
                 received = await frames(reader, len(sent))
                 assert received == list(enumerate(sent, 1))
                 assert await reader.receive() is None  # the end of the stream
+
+    run(test)
+
+
+def test_a_write_larger_than_the_socket_takes_arrives_whole() -> None:
+    """`send_frames` writes what the socket takes at once and the rest as the reader drains it."""
+    data = frame(1, Returned(os.urandom(8 << 20)))
+
+    async def test() -> None:
+        a, b = trio.socket.socketpair()
+        async with trio.SocketStream(a) as sender, trio.SocketStream(b) as receiver:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send_frames, sender, data)
+                (received,) = await frames(FrameReader(receiver), 1)
+            assert received == (1, Returned(pickle.loads(data[HEADER.size :]).value))
+
+    run(test)
+
+
+def test_a_reader_always_fed_lets_other_tasks_run() -> None:
+    """Frames waiting at every read never starve the reader's neighbours."""
+    forty = b"".join(frame(i, Counted([])) for i in range(40))
+
+    async def test() -> None:
+        a, b = trio.socket.socketpair()
+        ticks = 0
+        async with trio.SocketStream(a) as sender, trio.SocketStream(b) as receiver:
+            reader = FrameReader(receiver)
+
+            async def tick() -> None:
+                nonlocal ticks
+                while True:
+                    ticks += 1
+                    await trio.lowlevel.checkpoint()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(tick)
+                for _ in range(50):  # the socket holds frames at every read
+                    await send_frames(sender, forty)
+                    assert await reader.receive()
+                nursery.cancel_scope.cancel()
+        assert ticks >= 50
 
     run(test)
 
