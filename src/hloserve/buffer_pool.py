@@ -101,6 +101,11 @@ class BufferPool:
     # -- slots ---------------------------------------------------------------------------------
 
     def _find(self, span: int) -> int | None:
+        if span == 1:  # the common case, found at C speed
+            try:
+                return self._free.index(True)
+            except ValueError:
+                return None
         run = 0
         for i, free in enumerate(self._free):
             run = run + 1 if free else 0
@@ -109,8 +114,7 @@ class BufferPool:
         return None
 
     def _take(self, index: int, span: int) -> PoolSlot:
-        for i in range(index, index + span):
-            self._free[i] = False
+        self._free[index : index + span] = [False] * span
         self._acquired += 1
         return PoolSlot(index, span, index * self.slot_bytes, span * self.slot_bytes)
 
@@ -164,11 +168,10 @@ class BufferPool:
 
     def release(self, slot: PoolSlot) -> None:
         """Free every slot of the run; RuntimeError if any of them is already free."""
-        taken = range(slot.index, slot.index + slot.span)
-        if any(self._free[i] for i in taken):
-            raise RuntimeError(f"slot run {slot.index}..{slot.index + slot.span - 1} released twice")
-        for i in taken:
-            self._free[i] = True
+        end = slot.index + slot.span
+        if True in self._free[slot.index : end]:
+            raise RuntimeError(f"slot run {slot.index}..{end - 1} released twice")
+        self._free[slot.index : end] = [True] * slot.span
         self._acquired -= 1
         self._grant_waiters()
 

@@ -35,7 +35,6 @@ from hloserve.link import (
     Released,
     Returned,
     Run,
-    TensorRef,
     Withdraw,
     frame,
     send_frames,
@@ -291,9 +290,11 @@ class EngineLink:
                 raise TypeError(f"a link reply got {event!r}")
         return frame(reply.ident, message)
 
-    def _write_outputs(self, outputs: list[np.ndarray], out: tuple[int, int]) -> list[TensorRef | np.ndarray]:
+    def _write_outputs(
+        self, outputs: list[np.ndarray], out: tuple[int, int]
+    ) -> list[tuple[int, str, tuple[int, ...]] | np.ndarray]:
         """Copy each output into the reserved region while it fits; the rest travel inline."""
-        written: list[TensorRef | np.ndarray] = []
+        written: list[tuple[int, str, tuple[int, ...]] | np.ndarray] = []
         cursor, end = out[0], out[0] + out[1]
         for array in outputs:
             array = np.ascontiguousarray(array)
@@ -302,7 +303,7 @@ class EngineLink:
                 written.append(array)
                 continue
             self._arena[cursor : cursor + array.nbytes] = array.reshape(-1).view(np.uint8)
-            written.append(TensorRef(cursor, array.dtype.str, array.shape))
+            written.append((cursor, array.dtype.str, array.shape))
             cursor += array.nbytes
         return written
 

@@ -234,7 +234,9 @@ class FrontendLink:
         return ident, waiting
 
     def _span(self, inputs: list[np.ndarray], out_nbytes: int) -> int:
-        nbytes = sum(a.nbytes for a in inputs) + ALIGNMENT * len(inputs) + out_nbytes
+        nbytes = out_nbytes
+        for array in inputs:
+            nbytes += array.nbytes + ALIGNMENT
         return max(1, -(-nbytes // self._arena.slot_bytes))
 
     def leave(self, ident: int) -> None:
@@ -289,7 +291,7 @@ class FrontendLink:
             raise
         return self._outputs(waiting)
 
-    def _copy_out(self, result: TensorRef | np.ndarray) -> np.ndarray:
+    def _copy_out(self, result: tuple[int, str, tuple[int, ...]] | np.ndarray) -> np.ndarray:
         if isinstance(result, np.ndarray):
             return result
         offset, dtype, shape = result

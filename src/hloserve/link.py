@@ -142,9 +142,10 @@ class Returned:
 
 @dataclass(frozen=True, slots=True)
 class Ran:
-    """engine → frontend: the outputs, each in the arena or (did not fit) inline."""
+    """engine → frontend: the outputs, each in the arena, as a `TensorRef`'s fields in a plain
+    tuple (what it is on the wire: no object to build at either end), or (did not fit) inline."""
 
-    outputs: list[TensorRef | np.ndarray]
+    outputs: list[tuple[int, str, tuple[int, ...]] | np.ndarray]
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +169,7 @@ def _encode(message: object) -> object:
         inputs = [tuple(t) for t in message.inputs]
         return (_RUN, message.model, inputs, message.rows, message.outputs, message.timeout_s, message.out)
     if isinstance(message, Ran):
-        return (_RAN, [o if isinstance(o, np.ndarray) else tuple(o) for o in message.outputs])
+        return (_RAN, message.outputs)
     if isinstance(message, Counted):
         return (_COUNTED, message.calls)
     return message
@@ -181,7 +182,7 @@ def _decode(wire: Any) -> object:
         _, model, inputs, rows, outputs, timeout_s, out = wire
         return Run(model, [TensorRef(*t) for t in inputs], rows, outputs, timeout_s, out)
     if wire[0] == _RAN:
-        return Ran([o if isinstance(o, np.ndarray) else TensorRef(*o) for o in wire[1]])
+        return Ran(wire[1])
     return Counted(wire[1])
 
 

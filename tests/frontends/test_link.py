@@ -244,7 +244,7 @@ def test_each_message_of_a_request_arrives_as_it_was_sent() -> None:
     an inline output included, with frames written back to back in one write."""
     sent = [
         Run("mlp", [TensorRef(64, "<f4", (2, 16)), TensorRef(256, "|u1", (3,))], 2, [0, 1], None, (512, 128)),
-        Ran([TensorRef(512, "<f4", (2, 4)), np.arange(6, dtype=np.int64).reshape(2, 3)]),
+        Ran([(512, "<f4", (2, 4)), np.arange(6, dtype=np.int64).reshape(2, 3)]),
         Counted([("mlp", "OK", 0.001), ("pool", "INVALID_ARGUMENT", 0.5)]),
         Hello("/hloserve-test", 1 << 20),
     ]
@@ -259,7 +259,7 @@ def test_each_message_of_a_request_arrives_as_it_was_sent() -> None:
                 assert type(received[1]) is type(message)
                 if isinstance(message, Ran):
                     ref, inline = received[1].outputs
-                    assert ref == message.outputs[0] and ref.nbytes == 32
+                    assert ref == message.outputs[0] and TensorRef(*ref).nbytes == 32
                     np.testing.assert_array_equal(inline, message.outputs[1])
                 else:
                     assert received[1] == message
