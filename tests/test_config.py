@@ -64,6 +64,8 @@ def test_yaml_then_environment_then_flags(tmp_path: Path) -> None:
         ({"HLOSERVE_SERVER_NOPE": "1"}, "HLOSERVE_SERVER_NOPE", "no field 'nope'"),
         ({"HLOSERVE_NOPE_X": "1"}, "HLOSERVE_NOPE_X", "unknown section"),
         ({"HLOSERVE_SERVER_MAX_MESSAGE_BYTES": "12"}, "server.max_message_bytes", ">= 1048576"),
+        ({"HLOSERVE_SERVER_KEEP_FREED_BYTES": str(1 << 31)}, "server.keep_freed_bytes", "2 GiB - 1"),
+        ({"HLOSERVE_SERVER_KEEP_FREED_BYTES": "-1"}, "server.keep_freed_bytes", "must be 0"),
     ],
 )
 def test_bad_environment_value_names_the_field(environ: dict[str, str], field: str, says: str) -> None:

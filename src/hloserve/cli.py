@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import trio
 
+from hloserve.allocator import keep_freed_memory
 from hloserve.config import Config, LoggingConfig, load_config
 from hloserve.errors import ConfigError
 from hloserve.logs import configure_logging
@@ -147,6 +148,7 @@ async def _serve_until_signalled(config: Config) -> None:
     from hloserve.worker import serve  # imports JAX: only once we know we will serve
 
     log = structlog.get_logger("hloserve")
+    keep_freed_memory(config.server.keep_freed_bytes)  # the binary owns its process's allocator
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with serve(config):
             settle_heap()

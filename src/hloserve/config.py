@@ -172,6 +172,12 @@ class ServerConfig:
     fast or faster). With cores to spare, K = a frontend's CPU per request over the engine's,
     rounded up (about 10 for small requests, 3 for 4.8 MB ones; more with heavy hooks), at most
     the cores less one (docs/frontends.md)."""
+    keep_freed_bytes: int = 512 << 20
+    """Freed heap the C allocator keeps for reuse in the server's processes instead of returning
+    it to the kernel (glibc's trim threshold; blocks up to 32 MiB then come from the heap): a
+    large request's buffers are reused, not faulted in afresh each time (4.3 → 2.4-2.6 ms of a
+    frontend's CPU per 4.8 MB request after small ones had shaped its heap). 0 leaves glibc's
+    defaults; a program embedding `serve` keeps its own allocator settings."""
     max_load_files: int = 64
     """Files one RepositoryModelLoad may send as a bundle (Triton's `file:` parameters, written
     into a private directory the server owns); 0 turns loading from sent files off."""
@@ -198,6 +204,11 @@ class ServerConfig:
             "must be >= 1, or null to size it from RLIMIT_NOFILE",
         )
         _check(self.http_max_header_bytes >= 1024, "server.http_max_header_bytes", "must be >= 1024")
+        _check(
+            0 <= self.keep_freed_bytes < 1 << 31,
+            "server.keep_freed_bytes",
+            "must be 0 (glibc's defaults) to 2 GiB - 1 (a C int)",
+        )
         _check(self.http_idle_timeout_s > 0, "server.http_idle_timeout_s", "must be > 0")
         _check(self.http_body_timeout_s > 0, "server.http_body_timeout_s", "must be > 0")
         _check(self.max_message_bytes >= 1 << 20, "server.max_message_bytes", "must be >= 1048576")

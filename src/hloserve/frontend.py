@@ -33,6 +33,7 @@ from hloserve._proto import hloserve_control as hc
 from hloserve._proto import inference as kserve
 from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve._proto_codec import KnownFieldsCodec
+from hloserve.allocator import keep_freed_memory
 from hloserve.buffer_pool import BufferPool
 from hloserve.bundle import Bundle
 from hloserve.codec import SHM_REGION
@@ -317,6 +318,7 @@ def main(argv: list[str]) -> None:
     _die_with_parent()
     link_fd, port, http_port = int(argv[0]), int(argv[1]), int(argv[2])
     setup = pickle.load(sys.stdin.buffer)  # from the engine that started us: trusted
+    keep_freed_memory(setup.config.server.keep_freed_bytes)
     trio.run(_serve, link_fd, port, http_port, setup)
 
 

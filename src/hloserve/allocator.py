@@ -1,0 +1,34 @@
+"""The C allocator's policy for a server process (glibc's malloc, through `mallopt`).
+
+A request's large buffers (the received message, the tensors parsed from it) are freed as soon
+as it is answered. By default glibc returns a freed block above its (adaptive) mmap threshold,
+or free memory at the top of the heap beyond its trim threshold, to the kernel, and the next
+request's buffer of the same size is then faulted in again, page by page. Which happens depends
+on what shaped the heap before: a frontend that had served 64 tiny requests at a time took 6,300
+page faults and 4.3 ms of CPU per 4.8 MB request afterwards, against 2.4-2.6 ms with this policy.
+
+`keep_freed_memory` makes buffers up to 32 MiB (glibc's largest mmap threshold) come from the
+heap and keeps up to `nbytes` of freed heap for reuse before trimming. Off glibc, it does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+__all__ = ["MMAP_THRESHOLD_BYTES", "keep_freed_memory"]
+
+MMAP_THRESHOLD_BYTES = 32 << 20
+"""Blocks this large or smaller come from the heap (glibc's maximum for the threshold)."""
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def keep_freed_memory(nbytes: int) -> bool:
+    """Keep up to `nbytes` of freed heap for reuse (0: leave glibc's defaults); True if applied."""
+    if nbytes <= 0:
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except AttributeError:  # not glibc
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1 and mallopt(_M_TRIM_THRESHOLD, nbytes) == 1
