@@ -1,13 +1,19 @@
 """Side by side: hloserve against Triton, MLServer and KServe, same models, same clients, one run.
 
 Every server runs on loopback at once (pinned to core 0; the clients get core 1) and serves the
-same models: the example MLP, the `pool` model (a 4.8 MB request of 8 images) and a catalogue
-of ten 8 MB models (`benches/peers/models.py`; hloserve serves the same maths as bundles).
+same models; hloserve twice, as one process (`hloserve`) and as an engine with two frontend
+processes (`hloserve K=2`, all three on core 0 like every server: what the split costs when no
+core is added; `python -m benches frontends` measures what it gains when one is). The models:
+the example MLP, the `pool` model (a 4.8 MB request of 8 images) and a catalogue of ten 8 MB
+models (`benches/peers/models.py`; hloserve serves the same maths as bundles).
 Each scenario is measured with perf_analyzer where the server speaks Triton's extensions
 (hloserve, Triton) and with a Python tritonclient loop everywhere, one server after another,
 after waiting for the machine to be quiet (`benches/machine.py`); the busy cores seen just
-before, and the load average, are kept beside each figure. A peer that cannot be installed or
-started, and a scenario a server cannot run, are listed with the reason, never dropped.
+before, and the load average, are kept beside each figure. Each client, perf_analyzer's contexts
+and the loop's threads alike, has its own connection, as independent clients do (and as the
+frontends need: the kernel gives each connection to one of them). A peer that cannot be
+installed or started, and a scenario a server cannot run, are listed with the reason, never
+dropped.
 
 Scenarios: the MLP at concurrency 1, 4 and 16; 4.8 MB inline and through system shared
 memory; over REST (perf_analyzer `-i http`, binary tensors; hloserve and Triton, which serve
@@ -29,20 +35,22 @@ from typing import Any
 
 import numpy as np
 
+from benches.frontends import CLIENT_ENV
 from benches.loadgen import python_loop
 from benches.machine import quiet_wait
 from benches.serving import _cpu_seconds, _free_port, _pin, install, start_server
 from benches.weight_cache import MODELS as CATALOGUE_SIZE
 from benches.weight_cache import WEIGHT_FLOATS, _catalogue, cold_and_warm
 
-SERVERS = ("hloserve", "triton", "mlserver", "kserve")
+OURS, OURS_K2 = "hloserve", "hloserve K=2"
+SERVERS = (OURS, OURS_K2, "triton", "mlserver", "kserve")
 PEERS = {
     "triton": "benches.peers.triton",
     "mlserver": "benches.peers.mlserver",
     "kserve": "benches.peers.kserve",
 }
-WITH_PERF_ANALYZER = {"hloserve", "triton"}  # MLServer and KServe lack ModelConfig/statistics
-WITH_SHM = {"hloserve", "triton"}
+WITH_PERF_ANALYZER = {OURS, OURS_K2, "triton"}  # MLServer and KServe lack ModelConfig/statistics
+WITH_SHM = {OURS, OURS_K2, "triton"}
 ZIPF = 1.0 / np.arange(1, CATALOGUE_SIZE + 1) ** 1.1
 ZIPF /= ZIPF.sum()
 
@@ -109,7 +117,9 @@ def _measure_pa(
     url = server.http_url if protocol == "http" else server.url
     assert url is not None
     try:
-        row = measure(url, server.pid, scenario, model, concurrency, extra, window_ms, protocol, server.url)
+        row = measure(
+            url, server.pid, scenario, model, concurrency, extra, window_ms, protocol, server.url, CLIENT_ENV
+        )
     except Exception as e:
         return Figure(scenario, "perf_analyzer", server.name, note=f"failed: {str(e)[-300:]}")
     return Figure(
@@ -197,20 +207,8 @@ def run(window_ms: int = 3000) -> list[Figure]:
             shutil.copytree(  # a link is refused: bundles load only from inside the repository
                 Path(__file__).resolve().parents[1] / "examples" / "repository" / example, ours_repo / example
             )
-        port, http_port = _free_port(), _free_port()
-        ours = start_server(
-            port,
-            allow_client_shm=True,
-            http_port=http_port,
-            settings={
-                "HLOSERVE_SERVER_MODEL_REPOSITORY": str(ours_repo),
-                # a tenth of the catalogue on the device at once; mlp and pool are tiny
-                "HLOSERVE_WEIGHTS_BUDGET_BYTES": str(WEIGHT_FLOATS * 4 + (1 << 20)),
-            },
-        )
-        servers = {
-            "hloserve": _Server("hloserve", f"127.0.0.1:{port}", ours.pid, ours, f"127.0.0.1:{http_port}")
-        }
+        ours = {name: _start_ours(name, ours_repo, k) for name, k in ((OURS, 0), (OURS_K2, 2))}
+        servers = dict(ours)
         peers, missing = _start_peers(peer_models)
         servers.update(peers)
         try:
@@ -218,12 +216,29 @@ def run(window_ms: int = 3000) -> list[Figure]:
         finally:
             from benches.peers import stop
 
-            ours.terminate()
-            ours.wait(60)
+            for server in ours.values():
+                server.process.terminate()
+                server.process.wait(60)
             for name in peers:
                 stop(servers[name].process)
     figures += _cold_load()
     return figures
+
+
+def _start_ours(name: str, repository: Path, frontends: int) -> _Server:
+    port, http_port = _free_port(), _free_port()
+    process = start_server(
+        port,
+        allow_client_shm=True,
+        http_port=http_port,
+        settings={
+            "HLOSERVE_SERVER_MODEL_REPOSITORY": str(repository),
+            "HLOSERVE_SERVER_FRONTENDS": str(frontends),
+            # a tenth of the catalogue on the device at once; mlp and pool are tiny
+            "HLOSERVE_WEIGHTS_BUDGET_BYTES": str(WEIGHT_FLOATS * 4 + (1 << 20)),
+        },
+    )
+    return _Server(name, f"127.0.0.1:{port}", process.pid, process, f"127.0.0.1:{http_port}")
 
 
 def _scenarios(
@@ -299,7 +314,8 @@ def _scenarios(
             4,
             seconds,
         )
-        note = "budget: one model (a tenth of the catalogue)" if name == "hloserve" else "everything loaded"
+        ours = name in (OURS, OURS_K2)
+        note = "budget: one model (a tenth of the catalogue)" if ours else "everything loaded"
         figures.append(
             Figure(**{**asdict(figure), "note": (figure.note + "; " if figure.note else "") + note})
         )
@@ -307,12 +323,12 @@ def _scenarios(
 
 
 def ratios(figures: list[Figure]) -> dict[tuple[str, str, str], float]:
-    """hloserve's throughput over each peer's, by (scenario, client, peer)."""
+    """hloserve's (one process) throughput over each other server's, by (scenario, client, server)."""
     by_key = {(f.scenario, f.client, f.server): f for f in figures}
     out = {}
     for (scenario, client, server), f in by_key.items():
-        ours = by_key.get((scenario, client, "hloserve"))
-        if server != "hloserve" and ours and ours.throughput and f.throughput:
+        ours = by_key.get((scenario, client, OURS))
+        if server != OURS and ours and ours.throughput and f.throughput:
             out[(scenario, client, server)] = ours.throughput / f.throughput
     return out
 
@@ -330,7 +346,7 @@ def table(figures: list[Figure]) -> str:
         "hloserve x",
         "busy",
     )
-    lines = ["{:<27} {:<13} {:<9} {:>8} {:>8} {:>9} {:>10} {:>10} {:>5}".format(*header)]
+    lines = ["{:<27} {:<13} {:<12} {:>8} {:>8} {:>9} {:>10} {:>10} {:>5}".format(*header)]
 
     def number(value: float | None, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)
@@ -338,7 +354,7 @@ def table(figures: list[Figure]) -> str:
     for f in figures:
         x = ratio.get((f.scenario, f.client, f.server))
         lines.append(
-            f"{f.scenario:<27} {f.client:<13} {f.server:<9} {number(f.p50_ms, '8.2f'):>8} "
+            f"{f.scenario:<27} {f.client:<13} {f.server:<12} {number(f.p50_ms, '8.2f'):>8} "
             f"{number(f.p99_ms, '8.2f'):>8} {number(f.throughput, '9.1f'):>9} "
             f"{number(f.server_cpu_ms, '10.3f'):>10} "
             f"{number(x, '9.2f') + ('x' if x else ''):>10} {number(f.busy_cores_before, '5.2f'):>5}"

@@ -47,7 +47,8 @@ def python_loop(
 
     def worker(index: int) -> None:
         rng = np.random.default_rng(index)
-        client = grpcclient.InferenceServerClient(url)
+        # Its own connection, as an independent client's (grpcio otherwise shares one per process).
+        client = grpcclient.InferenceServerClient(url, channel_args=[("grpc.use_local_subchannel_pool", 1)])
         tensor = grpcclient.InferInput(input_name, list(array.shape), "FP32")
         tensor.set_data_from_numpy(array)
         try:

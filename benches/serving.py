@@ -174,9 +174,11 @@ def measure(
     window_ms: int,
     protocol: str = "grpc",
     grpc_url: str | None = None,
+    client_env: dict[str, str] | None = None,
 ) -> Row:
-    """perf_analyzer at `url` over `protocol` (grpc or http); the request count comes from the
-    server's statistics over gRPC (`grpc_url`, default `url`)."""
+    """perf_analyzer at `url` over `protocol` (grpc or http), with `client_env` added to its
+    environment; the request count comes from the server's statistics over gRPC (`grpc_url`,
+    default `url`)."""
     stats_url = grpc_url or url
     before_cpu, before_n = _cpu_seconds(pid), _successes(stats_url, model)
     with_csv = ROOT / "benches" / "results" / "tmp"
@@ -190,7 +192,7 @@ def measure(
     if command_prefix:
         os.sched_setaffinity(0, {1})
     try:
-        result = run_perf_analyzer(args, timeout=300)
+        result = run_perf_analyzer(args, timeout=300, env=client_env)
     finally:
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
     if result.returncode != 0:
