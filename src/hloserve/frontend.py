@@ -36,6 +36,7 @@ from hloserve._proto_codec import KnownFieldsCodec
 from hloserve.allocator import keep_freed_memory
 from hloserve.buffer_pool import BufferPool
 from hloserve.bundle import Bundle
+from hloserve.cli import settle_heap
 from hloserve.codec import SHM_REGION
 from hloserve.config import Config, ModelSettings
 from hloserve.frontend_link import FrontendLink, execute_over
@@ -276,6 +277,7 @@ async def _serve(link_fd: int, port: int, http_port: int, setup: Setup) -> None:
                 rest_config = dataclasses.replace(config.server, http_port=http_port)
                 rest = RestServer(build_app(service, models, rest_config), rest_config, reuse_port=True)
                 await nursery.start(rest.run)
+            settle_heap()  # as the engine does: startup's objects out of the collector's walks
             await link.announce(Listening())
             await _until_stopped(link)
             with trio.CancelScope(shield=True):
