@@ -323,29 +323,41 @@ def test_max_inflight_requests_holds_for_the_worker_across_frontends(holding: Se
         np.testing.assert_allclose(one(client), reference("mlp", ONE_ROW), rtol=1e-5, atol=1e-6)
 
 
+def cancel_while_held(
+    holding: ServerThread, client: grpcclient.InferenceServerClient, outputs: list[Any] | None = None
+) -> None:
+    """Send one row, which the engine holds in the MLP's queue (2 s batching delay), and cancel
+    it from the client: it leaves the engine at once, and the client's call says CANCELLED."""
+    tensor = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
+    tensor.set_data_from_numpy(ONE_ROW)
+    answered: list[Any] = []
+    call = client.async_infer("mlp", [tensor], lambda result, error: answered.append(error), outputs=outputs)
+    wait_until(lambda: held(holding) == 1, 10, "the request held by the engine")
+    cancelled = time.monotonic()
+    call.cancel()
+    wait_until(lambda: held(holding) == 0, 1.5, "the cancelled request withdrawn")
+    assert time.monotonic() - cancelled < 1.5
+    wait_until(lambda: answered, 5, "the client's callback")
+    assert "CANCELLED" in str(answered[0].status())
+
+
+def assert_serves_one_row(client: grpcclient.InferenceServerClient) -> None:
+    np.testing.assert_allclose(
+        infer(client, "mlp", {"INPUT0": ONE_ROW}, client_timeout=20).as_numpy("OUTPUT0"),
+        reference("mlp", ONE_ROW),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
 def test_a_client_that_cancels_a_request_withdraws_it_from_the_engine(holding: ServerThread) -> None:
     """A plain request (its inputs in a frontend's arena) waits in the MLP's queue; the client
     cancels: it leaves the engine at once, is counted cancelled, and the frontend serves on."""
     with closing(connect(holding.url)) as client:
         drops = holding.call(lambda: holding.worker.statistics["mlp"].drops["cancelled"])
-        tensor = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
-        tensor.set_data_from_numpy(ONE_ROW)
-        answered: list[Any] = []
-        call = client.async_infer("mlp", [tensor], lambda result, error: answered.append(error))
-        wait_until(lambda: held(holding) == 1, 10, "the request held by the engine")
-        cancelled = time.monotonic()
-        call.cancel()
-        wait_until(lambda: held(holding) == 0, 1.5, "the cancelled request withdrawn")
-        assert time.monotonic() - cancelled < 1.5
-        wait_until(lambda: answered, 5, "the client's callback")
-        assert "CANCELLED" in str(answered[0].status())
+        cancel_while_held(holding, client)
         assert holding.call(lambda: holding.worker.statistics["mlp"].drops["cancelled"]) == drops + 1
-        np.testing.assert_allclose(
-            infer(client, "mlp", {"INPUT0": ONE_ROW}, client_timeout=20).as_numpy("OUTPUT0"),
-            reference("mlp", ONE_ROW),
-            rtol=1e-5,
-            atol=1e-6,
-        )
+        assert_serves_one_row(client)
 
 
 def test_a_client_that_cancels_a_forwarded_request_withdraws_it_from_the_engine(
@@ -356,29 +368,12 @@ def test_a_client_that_cancels_a_forwarded_request_withdraws_it_from_the_engine(
     with closing(connect(holding.url)) as client:
         client.register_system_shared_memory("in", f"{regions['key']}-in", X.nbytes)
         try:
-            tensor = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
-            tensor.set_data_from_numpy(ONE_ROW)
             output = grpcclient.InferRequestedOutput("OUTPUT0")
             output.set_shared_memory("in", 16)  # the region holds 16 bytes: one row of 4 floats
-            answered: list[Any] = []
-            call = client.async_infer(
-                "mlp", [tensor], lambda result, error: answered.append(error), outputs=[output]
-            )
-            wait_until(lambda: held(holding) == 1, 10, "the forwarded request held by the engine")
-            cancelled = time.monotonic()
-            call.cancel()
-            wait_until(lambda: held(holding) == 0, 1.5, "the cancelled request withdrawn")
-            assert time.monotonic() - cancelled < 1.5
-            wait_until(lambda: answered, 5, "the client's callback")
-            assert "CANCELLED" in str(answered[0].status())
+            cancel_while_held(holding, client, [output])
         finally:
             client.unregister_system_shared_memory()
-        np.testing.assert_allclose(
-            infer(client, "mlp", {"INPUT0": ONE_ROW}, client_timeout=20).as_numpy("OUTPUT0"),
-            reference("mlp", ONE_ROW),
-            rtol=1e-5,
-            atol=1e-6,
-        )
+        assert_serves_one_row(client)
 
 
 def test_hot_reload_is_seen_by_every_frontend(tmp_path: Path) -> None:
