@@ -177,10 +177,6 @@ class BufferPool:
 
     # -- memory --------------------------------------------------------------------------------
 
-    def view(self, slot: PoolSlot) -> np.ndarray:
-        """The slot's bytes, as a uint8 array aliasing the pool."""
-        return self._memory[slot.offset : slot.offset + slot.nbytes]
-
     def memory(self) -> memoryview:
         """The whole pool's bytes, addressed by `PoolSlot.offset` (slicing a memoryview costs less
         than slicing an array, once a request)."""
