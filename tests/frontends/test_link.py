@@ -223,7 +223,9 @@ def test_a_reader_always_fed_lets_other_tasks_run() -> None:
                     await send_frames(sender, forty)
                     assert await reader.receive()
                 nursery.cancel_scope.cancel()
-        assert ticks >= 50
+        # One pass per read; trio's random order within a pass moves the count by one or two.
+        # Without the reader's checkpoint it stays at 0 or 1.
+        assert ticks >= 40
 
     run(test)
 
