@@ -25,6 +25,7 @@ from hloserve.link import (
     ALIGNMENT,
     FORWARD,
     Applied,
+    ArenaTensor,
     Call,
     Counted,
     Failed,
@@ -292,9 +293,9 @@ class EngineLink:
 
     def _write_outputs(
         self, outputs: list[np.ndarray], out: tuple[int, int]
-    ) -> list[tuple[int, str, tuple[int, ...]] | np.ndarray]:
+    ) -> list[ArenaTensor | np.ndarray]:
         """Copy each output into the reserved region while it fits; the rest travel inline."""
-        written: list[tuple[int, str, tuple[int, ...]] | np.ndarray] = []
+        written: list[ArenaTensor | np.ndarray] = []
         cursor, end = out[0], out[0] + out[1]
         for array in outputs:
             array = np.ascontiguousarray(array)

@@ -20,6 +20,7 @@ from hloserve.buffer_pool import BufferPool, PoolSlot
 from hloserve.link import (
     ALIGNMENT,
     Applied,
+    ArenaTensor,
     Call,
     Counted,
     Failed,
@@ -291,7 +292,7 @@ class FrontendLink:
             raise
         return self._outputs(waiting)
 
-    def _copy_out(self, result: tuple[int, str, tuple[int, ...]] | np.ndarray) -> np.ndarray:
+    def _copy_out(self, result: ArenaTensor | np.ndarray) -> np.ndarray:
         if isinstance(result, np.ndarray):
             return result
         offset, dtype, shape = result

@@ -32,6 +32,7 @@ __all__ = [
     "HEADER",
     "MAX_FRAME_BYTES",
     "Applied",
+    "ArenaTensor",
     "Call",
     "Counted",
     "Failed",
@@ -68,6 +69,11 @@ class TensorRef(NamedTuple):
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+ArenaTensor = tuple[int, str, tuple[int, ...]]
+"""An output in the arena: a `TensorRef`'s fields as a plain tuple, which is what it is on the
+wire (no object to build at either end)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,10 +148,9 @@ class Returned:
 
 @dataclass(frozen=True, slots=True)
 class Ran:
-    """engine → frontend: the outputs, each in the arena, as a `TensorRef`'s fields in a plain
-    tuple (what it is on the wire: no object to build at either end), or (did not fit) inline."""
+    """engine → frontend: the outputs, each in the arena or (did not fit) inline."""
 
-    outputs: list[tuple[int, str, tuple[int, ...]] | np.ndarray]
+    outputs: list[ArenaTensor | np.ndarray]
 
 
 @dataclass(frozen=True, slots=True)
