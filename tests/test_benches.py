@@ -6,6 +6,7 @@ import export_examples
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from support.numerics import assert_close
 
 from benches.serving import _free_port, start_server
 
@@ -22,7 +23,7 @@ def test_breakdown_variant_answers_and_keeps_statistics(variant: str) -> None:
         tensor.set_data_from_numpy(x)
         out = client.infer("mlp", [tensor]).as_numpy("OUTPUT0")
         expected = export_examples.reference("mlp", x) if variant == "no actors" else np.zeros((1, 4))
-        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+        assert_close(out, expected)
         # perf_analyzer refuses a run whose statistics lack queue and execution counts.
         stats = client.get_inference_statistics("mlp").model_stats[0]
         assert (stats.inference_stats.success.count, stats.inference_stats.queue.count) == (1, 1)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from export_examples import reference
+from support.numerics import assert_close
 from support.raw_grpc import frame, raw_call
 from support.servers import ServerThread, make_config, start_worker
 from tritonclient.grpc import service_pb2, service_pb2_grpc
@@ -41,7 +42,7 @@ def _infer(url: str, compression: str | None) -> np.ndarray:
         y = client.infer("mlp", [tensor], compression_algorithm=compression).as_numpy("OUTPUT0")
     finally:
         client.close()
-    np.testing.assert_allclose(y, reference("mlp", x), rtol=1e-5, atol=1e-6)
+    assert_close(y, reference("mlp", x))
     return y
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import structlog
 from support.bundles import PARAMS, affine, write_affine
+from support.numerics import assert_close
 from support.servers import make_config, start_worker
 
 from hloserve import _xla
@@ -32,7 +33,7 @@ def test_a_second_cache_loads_what_the_first_compiled(tmp_path: Path) -> None:
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
     weights = [_xla.put(w) for w in read_weights(bundle)]
     (y,) = _xla.to_numpy(_xla.run(executable, [_xla.put(x), *weights]))
-    np.testing.assert_allclose(y, affine(PARAMS, x), rtol=1e-6)
+    assert_close(y, affine(PARAMS, x))
 
 
 def test_the_key_covers_the_module_and_the_runtime(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ from hloserve.export import InputSpec, OutputSpec, VerificationError, export_bun
 
 sys.path.insert(0, str(EXAMPLES.parent))
 import export_examples
+from support.numerics import assert_close
 
 jax, jnp = _xla.jax, _xla.jnp
 LOCAL_PLATFORM = "cpu" if _xla.device().platform == "cpu" else "cuda"
@@ -107,7 +108,7 @@ def test_export_writes_modules_weights_and_a_column_major_manifest(tmp_path: Pat
     executable = _xla.compile_module(bundle.module_for(4).source)
     y, s = _xla.to_numpy(_xla.run(executable, [_xla.put(x), _xla.put(t), *weights]))
     want_y, want_s = nested(PARAMS, x, t)
-    np.testing.assert_allclose(y, want_y, rtol=1e-6)
+    assert_close(y, want_y)
     np.testing.assert_array_equal(s, want_s)
 
 
@@ -229,11 +230,9 @@ def test_flax_models_exported_and_served_match_flax(tmp_path: Path) -> None:
             tensor = grpcclient.InferInput("X", [rows, 6], "FP32")
             tensor.set_data_from_numpy(x)
             served = client.infer("nnx_mlp", [tensor]).as_numpy("Y")
-            np.testing.assert_allclose(served, np.asarray(nnx_model(jnp.asarray(x))), rtol=1e-5, atol=1e-6)
+            assert_close(served, np.asarray(nnx_model(jnp.asarray(x))))
             served = client.infer("linen_mlp", [tensor]).as_numpy("Y")
-            np.testing.assert_allclose(
-                served, np.asarray(linen_model.apply(variables, x)), rtol=1e-5, atol=1e-6
-            )
+            assert_close(served, np.asarray(linen_model.apply(variables, x)))
         client.close()
 
 
@@ -463,7 +462,7 @@ def test_a_bundle_without_a_batch_axis_serves_as_triton_s_max_batch_size_0(tmp_p
             tensor = grpcclient.InferInput("X", [5, 4], "FP32")
             tensor.set_data_from_numpy(x)
             served = client.infer("sums", [tensor]).as_numpy("Y")
-            np.testing.assert_allclose(served, column_sums(AFFINE, x), rtol=1e-5, atol=1e-5)
+            assert_close(served, column_sums(AFFINE, x))
         stats = client.get_inference_statistics("sums").model_stats[0]
         assert (stats.inference_count, stats.execution_count) == (3, 3)
         batched = grpcclient.InferInput("X", [1, 5, 4], "FP32")
@@ -472,7 +471,7 @@ def test_a_bundle_without_a_batch_axis_serves_as_triton_s_max_batch_size_0(tmp_p
             client.infer("sums", [batched])
         assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
         served = client.infer("sums", [tensor]).as_numpy("Y")  # the next good request
-        np.testing.assert_allclose(served, column_sums(AFFINE, x), rtol=1e-5, atol=1e-5)
+        assert_close(served, column_sums(AFFINE, x))
         client.close()
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import yaml
+from support.numerics import assert_close
 from support.servers import make_config, start_worker
 
 from hloserve.bundle import load_bundle
@@ -89,7 +90,7 @@ def test_torch_cnn_exported_and_served_matches_torch(tmp_path: Path) -> None:
             tensor.set_data_from_numpy(image.numpy())
             served = client.infer("cnn", [tensor]).as_numpy("LOGITS")
             with torch.no_grad():
-                np.testing.assert_allclose(served, model(image).numpy(), rtol=1e-5, atol=1e-6)
+                assert_close(served, model(image).numpy())
         client.close()
 
 
@@ -169,5 +170,5 @@ def test_torch_export_without_a_batch_axis_serves_what_torch_computes(tmp_path: 
         tensor.set_data_from_numpy(other)
         with torch.no_grad():
             expected = model(torch.from_numpy(other)).numpy()
-        np.testing.assert_allclose(client.infer("gram", [tensor]).as_numpy("output_0"), expected, rtol=1e-5)
+        assert_close(client.infer("gram", [tensor]).as_numpy("output_0"), expected)
         client.close()

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
@@ -26,6 +25,7 @@ from support.bundles import (
     write_affine,
 )
 from support.clients import wait_until
+from support.numerics import assert_close
 from support.servers import make_config, start_worker
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
@@ -80,7 +80,7 @@ def test_a_replacement_removes_the_private_directory_and_shutdown_the_rest(serve
     client.load_model("steady", config="{}", files=bundle_files(tmp_path / "double" / "steady", scale=2.0))
     [first] = private_directories(server)
     doubled = affine({k: v * 2 for k, v in PARAMS.items()}, X)
-    np.testing.assert_allclose(affine_output(client, "steady"), doubled, rtol=1e-6)
+    assert_close(affine_output(client, "steady"), doubled)
     client.load_model("steady", config="{}", files=bundle_files(tmp_path / "again" / "steady"))
     [second] = private_directories(server)
     assert second != first
@@ -224,5 +224,5 @@ def test_hot_reload_leaves_a_model_loaded_from_files_alone(tmp_path: Path) -> No
         wait_until(lambda: client.is_model_ready("twin"), 30, "the watcher to load 'twin'")
         time.sleep(0.3)  # a few more polls: the changed 'steady' would have been reloaded by now
         doubled = affine({k: v * 2 for k, v in PARAMS.items()}, X)
-        np.testing.assert_allclose(affine_output(client, "steady"), doubled, rtol=1e-6)
+        assert_close(affine_output(client, "steady"), doubled)
         assert server.worker.from_files("steady")

@@ -20,6 +20,7 @@ from hloserve.actors.messages import Batch, Infer, Take
 from hloserve.actors.model_queue import ModelQueue, QueueSettings
 from support.bundles import PARAMS, affine, write_affine, write_total
 from support.clients import infer, wait_until
+from support.numerics import assert_close, close
 from support.servers import ServerThread, make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
@@ -148,7 +149,7 @@ def test_a_meta_model_chains_two_models_with_a_branch(client: Any) -> None:
         score, want_path = cascade(x)
         assert (result.as_numpy("path") == path).all()
         np.testing.assert_array_equal(result.as_numpy("path"), want_path)
-        np.testing.assert_allclose(result.as_numpy("score"), score, rtol=1e-5)
+        assert_close(result.as_numpy("score"), score)
 
 
 @pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
@@ -161,7 +162,7 @@ def test_a_meta_model_answers_over_rest(metas: ServerThread, binary: bool) -> No
         tensor.set_data_from_numpy(x, binary_data=binary)
         result = client.infer("cascade", [tensor])
     score, path = cascade(x)
-    np.testing.assert_allclose(result.as_numpy("score"), score, rtol=1e-5)
+    assert_close(result.as_numpy("score"), score)
     np.testing.assert_array_equal(result.as_numpy("path"), path)
 
 
@@ -187,7 +188,7 @@ def test_under_concurrent_load_every_answer_is_right(client: Any, metas: ServerT
         own.close()
         score, path = cascade(x)
         np.testing.assert_array_equal(result.as_numpy("path"), path)
-        np.testing.assert_allclose(result.as_numpy("score"), score, rtol=1e-5)
+        assert_close(result.as_numpy("score"), score)
 
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         background = pool.submit(hammer_first)
@@ -195,7 +196,7 @@ def test_under_concurrent_load_every_answer_is_right(client: Any, metas: ServerT
             future.result()
         stop.set()
         background.result()
-    assert direct_calls and all(np.allclose(o, affine(PARAMS, np.ones((1, 4)))) for o in direct_calls)
+    assert direct_calls and all(close(o, affine(PARAMS, np.ones((1, 4)))) for o in direct_calls)
 
 
 def test_a_deadline_propagates_into_the_sub_calls(client: Any) -> None:
@@ -205,9 +206,7 @@ def test_a_deadline_propagates_into_the_sub_calls(client: Any) -> None:
     assert raised.value.status() == "StatusCode.DEADLINE_EXCEEDED"
     assert "deadline" in raised.value.message()
     quick = np.full((1, 4), 0.0, np.float32)
-    np.testing.assert_allclose(
-        infer(client, "slow", {"x": quick}).as_numpy("score"), affine(PARAMS, quick), rtol=1e-6
-    )
+    assert_close(infer(client, "slow", {"x": quick}).as_numpy("score"), affine(PARAMS, quick))
 
 
 def test_the_gate_bounds_metas_in_flight_and_a_waiter_times_out(client: Any, metas: ServerThread) -> None:
@@ -219,23 +218,19 @@ def test_the_gate_bounds_metas_in_flight_and_a_waiter_times_out(client: Any, met
             infer(client, "cascade", {"x": np.zeros((1, 4), np.float32)}, timeout=150_000)
         assert raised.value.status() == "StatusCode.DEADLINE_EXCEEDED"
         assert "'cascade'" in raised.value.message()
-        np.testing.assert_allclose(held.result().as_numpy("score"), affine(PARAMS, holder), rtol=1e-6)
+        assert_close(held.result().as_numpy("score"), affine(PARAMS, holder))
     assert infer(client, "cascade", {"x": np.zeros((1, 4), np.float32)}).as_numpy("path")[0, 0] == 0
 
 
 def test_scratch_is_carved_once_per_request_from_the_pool(client: Any) -> None:
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
-    np.testing.assert_allclose(
-        infer(client, "scratchy", {"x": x}).as_numpy("score"), affine(PARAMS, x * 2), rtol=1e-6
-    )
+    assert_close(infer(client, "scratchy", {"x": x}).as_numpy("score"), affine(PARAMS, x * 2))
     with pytest.raises(InferenceServerException) as raised:
         infer(client, "scratchy", {"x": -np.ones((1, 4), np.float32)})
     assert raised.value.status() == "StatusCode.INTERNAL"
     assert "once per request" in raised.value.message()
     for _ in range(6):  # more requests than the pool's 4 slots: every slot came back
-        np.testing.assert_allclose(
-            infer(client, "scratchy", {"x": x}).as_numpy("score"), affine(PARAMS, x * 2), rtol=1e-6
-        )
+        assert_close(infer(client, "scratchy", {"x": x}).as_numpy("score"), affine(PARAMS, x * 2))
 
 
 def test_an_undeclared_call_is_refused_with_the_fix(client: Any) -> None:
@@ -390,9 +385,7 @@ def test_a_meta_request_given_up_answers_at_once_and_its_run_finishes_in_a_held_
         # the handler let go (max_inflight_requests is 1): the next request is served long
         # before the run ends (a cancelled handler lets go a moment after the client leaves)
         wait_until(
-            lambda: np.allclose(
-                infer(dozy, "first", {"INPUT": ONES}).as_numpy("OUTPUT"), affine(PARAMS, ONES)
-            ),
+            lambda: close(infer(dozy, "first", {"INPUT": ONES}).as_numpy("OUTPUT"), affine(PARAMS, ONES)),
             DOZE_S / 2,
             f"the next request served after {way}",
         )

@@ -18,6 +18,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from export_examples import reference
 from support.clients import infer
+from support.numerics import assert_close
 from support.servers import ROOT, start_worker
 
 
@@ -51,5 +52,5 @@ def test_the_wheel_serves_the_example_repository_from_a_fresh_venv(tmp_path: Pat
         client = grpcclient.InferenceServerClient(server.url)
         x = np.linspace(-1, 1, 32, dtype=np.float32).reshape(2, 16)
         out = infer(client, "mlp", {"INPUT0": x}).as_numpy("OUTPUT0")
-        np.testing.assert_allclose(out, reference("mlp", x), rtol=1e-5, atol=1e-6)
+        assert_close(out, reference("mlp", x))
         client.close()

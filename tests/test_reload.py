@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from support.bundles import PARAMS, X, affine, affine_output, save_affine_weights, write_affine
+from support.numerics import close
 from support.servers import make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
@@ -72,11 +73,11 @@ def _live(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Path
     assert served and not failures, (
         f"{len(failures)} failures on the model that was not reloaded: {failures[:1]}"
     )
-    assert all(np.allclose(s, affine(PARAMS, X)) for s in served)
+    assert all(close(s, affine(PARAMS, X)) for s in served)
 
 
 def _is(value: np.ndarray, want: np.ndarray) -> bool:
-    return bool(np.allclose(value, want, rtol=1e-6))
+    return bool(close(value, want))
 
 
 def test_an_edited_model_py_re_registers_its_hooks(live: Any) -> None:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from support.bundles import PARAMS, X, affine, affine_output, edit_manifest, save_affine_weights, write_affine
+from support.numerics import assert_close
 from support.servers import ServerThread, make_config, start_worker
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
@@ -40,11 +41,11 @@ def test_load_a_new_bundle_then_reload_it_changed(repo: Any) -> None:
     client.load_model("late")
     assert client.is_model_ready("late")
     assert "late" in [m.name for m in client.get_model_repository_index().models]
-    np.testing.assert_allclose(affine_output(client, "late"), affine(PARAMS, X), rtol=1e-6)
+    assert_close(affine_output(client, "late"), affine(PARAMS, X))
     doubled = {"b": PARAMS["b"] * 2, "w": PARAMS["w"] * 2}
     save_affine_weights(path / "late", doubled)
     client.load_model("late")
-    np.testing.assert_allclose(affine_output(client, "late"), affine(doubled, X), rtol=1e-6)
+    assert_close(affine_output(client, "late"), affine(doubled, X))
 
 
 def test_a_failed_reload_keeps_the_old_version_serving(repo: Any) -> None:
@@ -56,7 +57,7 @@ def test_a_failed_reload_keeps_the_old_version_serving(repo: Any) -> None:
         client.load_model("late")
     assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
     assert "bundle 'late', file 'manifest.yaml', field 'format_version'" in raised.value.message()
-    np.testing.assert_allclose(affine_output(client, "late"), affine(PARAMS, X), rtol=1e-6)
+    assert_close(affine_output(client, "late"), affine(PARAMS, X))
 
 
 def _queue_one(server: ServerThread, model: str) -> tuple[threading.Thread, list[str]]:
@@ -122,7 +123,7 @@ def test_a_reload_with_other_tensors_answers_queued_requests_unavailable(repo: A
         "StatusCode.UNAVAILABLE model 'late' is not ready: it was reloaded with other tensors "
         "while this request was queued; send it again"
     ]
-    np.testing.assert_allclose(affine_output(client, "late"), X * 3)
+    assert_close(affine_output(client, "late"), X * 3)
 
 
 def test_load_and_unload_while_another_model_is_under_load(repo: Any) -> None:
@@ -134,7 +135,7 @@ def test_load_and_unload_while_another_model_is_under_load(repo: Any) -> None:
         c = grpcclient.InferenceServerClient(server.url)
         while not stop.is_set():
             try:
-                np.testing.assert_allclose(affine_output(c, "steady"), affine(PARAMS, X), rtol=1e-6)
+                assert_close(affine_output(c, "steady"), affine(PARAMS, X))
                 results.append("OK")
             except Exception as e:
                 results.append(repr(e))
@@ -147,7 +148,7 @@ def test_load_and_unload_while_another_model_is_under_load(repo: Any) -> None:
         for i in range(3):
             write_affine(path / f"extra{i}")
             client.load_model(f"extra{i}")
-            np.testing.assert_allclose(affine_output(client, f"extra{i}"), affine(PARAMS, X), rtol=1e-6)
+            assert_close(affine_output(client, f"extra{i}"), affine(PARAMS, X))
             client.unload_model(f"extra{i}")
     finally:
         stop.set()
@@ -188,7 +189,7 @@ def test_a_config_override_applies_the_serving_settings(repo: Any) -> None:
     after = client.get_model_config("late").config
     assert (after.max_batch_size, after.dynamic_batching.max_queue_delay_microseconds) == (1, 0)
     started = time.monotonic()
-    np.testing.assert_allclose(affine_output(client, "late"), affine(PARAMS, X), rtol=1e-6)
+    assert_close(affine_output(client, "late"), affine(PARAMS, X))
     assert time.monotonic() - started < 0.4  # no longer held half a second for company
 
 
@@ -235,7 +236,7 @@ def test_preferred_batch_sizes_are_the_only_sizes_run(repo: Any) -> None:
     client.load_model("padded", config='{"dynamic_batching": {"preferred_batch_size": [4]}}')
     assert list(client.get_model_config("padded").config.dynamic_batching.preferred_batch_size) == [4]
     for _ in range(3):
-        np.testing.assert_allclose(affine_output(client, "padded"), affine(PARAMS, X), rtol=1e-6)
+        assert_close(affine_output(client, "padded"), affine(PARAMS, X))
     stats = client.get_inference_statistics("padded").model_stats[0]
     assert (stats.inference_count, stats.execution_count) == (3, 3)
     assert [b.batch_size for b in stats.batch_stats] == [4]

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from support.clients import infer
+from support.numerics import assert_close
 from support.servers import EXAMPLES, ServerThread, make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
@@ -74,9 +75,7 @@ def test_concurrent_requests_coalesce_and_stay_correct() -> None:
                 pool.map(lambda i: infer(clients[i % 12], "mlp", {"INPUT0": inputs[i]}), range(len(inputs)))
             )
         for x, result in zip(inputs, results, strict=True):
-            np.testing.assert_allclose(
-                result.as_numpy("OUTPUT0"), export_examples.reference("mlp", x), rtol=1e-5, atol=1e-6
-            )
+            assert_close(result.as_numpy("OUTPUT0"), export_examples.reference("mlp", x))
         stats = _stats(clients[0], "mlp")
         assert stats.inference_count == sum(len(x) for x in inputs)
         assert stats.execution_count < len(inputs)  # requests were joined
@@ -173,11 +172,8 @@ def test_a_deadline_that_expires_in_the_queue(tmp_path: Path) -> None:
         assert _stats(client, "mlp").execution_count == before.execution_count
         drops = server.call(lambda: dict(server.worker.statistics["mlp"].drops))
         assert drops == {"deadline": 1}
-        np.testing.assert_allclose(
-            infer(client, "mlp", {"INPUT0": x}).as_numpy("OUTPUT0"),
-            export_examples.reference("mlp", x),
-            rtol=1e-5,
-            atol=1e-6,
+        assert_close(
+            infer(client, "mlp", {"INPUT0": x}).as_numpy("OUTPUT0"), export_examples.reference("mlp", x)
         )
         client.close()
 
@@ -214,12 +210,7 @@ def test_queue_full_is_unavailable_and_names_the_limit(held: Any) -> None:
             list(pool.map(lambda c: infer(c, "mlp", {"INPUT0": x}), clients[:5]))
     for c in clients:
         c.close()
-    np.testing.assert_allclose(
-        infer(client, "mlp", {"INPUT0": x}).as_numpy("OUTPUT0"),
-        export_examples.reference("mlp", x),
-        rtol=1e-5,
-        atol=1e-6,
-    )
+    assert_close(infer(client, "mlp", {"INPUT0": x}).as_numpy("OUTPUT0"), export_examples.reference("mlp", x))
 
 
 def test_a_cancelled_request_never_executes(held: Any) -> None:
@@ -235,12 +226,7 @@ def test_a_cancelled_request_never_executes(held: Any) -> None:
     assert after.inference_count == before.inference_count
     drops = server.call(lambda: dict(server.worker.statistics["mlp"].drops))
     assert drops.get("cancelled", 0) + drops.get("deadline", 0) >= 1
-    np.testing.assert_allclose(
-        infer(client, "mlp", {"INPUT0": x}).as_numpy("OUTPUT0"),
-        export_examples.reference("mlp", x),
-        rtol=1e-5,
-        atol=1e-6,
-    )
+    assert_close(infer(client, "mlp", {"INPUT0": x}).as_numpy("OUTPUT0"), export_examples.reference("mlp", x))
 
 
 @pytest.mark.slow
@@ -262,11 +248,8 @@ def test_ten_times_overload_answers_everyone_and_stays_responsive() -> None:
         assert set(outcomes) <= {"OK", "UNAVAILABLE"}, outcomes
         assert outcomes["OK"] > 0 and outcomes["UNAVAILABLE"] > 0, outcomes
         assert clients[0].is_server_live()
-        np.testing.assert_allclose(
-            infer(clients[0], "mlp", {"INPUT0": x}).as_numpy("OUTPUT0"),
-            export_examples.reference("mlp", x),
-            rtol=1e-5,
-            atol=1e-6,
+        assert_close(
+            infer(clients[0], "mlp", {"INPUT0": x}).as_numpy("OUTPUT0"), export_examples.reference("mlp", x)
         )
         for c in clients:
             c.close()

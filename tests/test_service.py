@@ -19,6 +19,7 @@ import tritonclient.grpc as grpcclient
 from export_examples import reference
 from support.bundles import edit_manifest, write_total
 from support.clients import assert_good_request_served, infer
+from support.numerics import assert_close
 from support.servers import EXAMPLES, ServerThread, make_config, start_worker
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
@@ -116,19 +117,19 @@ class TestInference:
     def test_mlp_equals_jax_in_process(self, triton: Any, rows: int) -> None:
         x = np.random.default_rng(rows).standard_normal((rows, 16)).astype(np.float32)
         result = infer(triton, "mlp", {"INPUT0": x})
-        np.testing.assert_allclose(result.as_numpy("OUTPUT0"), reference("mlp", x), rtol=1e-5, atol=1e-6)
+        assert_close(result.as_numpy("OUTPUT0"), reference("mlp", x))
 
     @pytest.mark.parametrize("rows", (1, 3, 4))
     def test_cnn_equals_jax_in_process(self, triton: Any, rows: int) -> None:
         x = np.random.default_rng(rows).random((rows, 16, 16, 3), dtype=np.float32)
         result = infer(triton, "cnn", {"IMAGE": x})
-        np.testing.assert_allclose(result.as_numpy("LOGITS"), reference("cnn", x), rtol=1e-5, atol=1e-5)
+        assert_close(result.as_numpy("LOGITS"), reference("cnn", x))
 
     @pytest.mark.parametrize("rows", (1, 8))
     def test_pool_on_a_large_input(self, triton: Any, rows: int) -> None:
         x = np.random.default_rng(rows).random((rows, 224, 224, 3), dtype=np.float32)
         result = infer(triton, "pool", {"IMAGE": x})
-        np.testing.assert_allclose(result.as_numpy("MEAN"), x.mean(axis=(1, 2)), rtol=1e-5)
+        assert_close(result.as_numpy("MEAN"), x.mean(axis=(1, 2)))
 
     def test_typed_contents_equal_raw_contents(self, triton: Any, stub: Any) -> None:
         x = np.random.default_rng(7).random((2, 16), dtype=np.float32)
@@ -159,7 +160,7 @@ class TestInference:
         for client in clients:
             client.close()
         for x, result in zip(inputs, results, strict=True):
-            np.testing.assert_allclose(result.as_numpy("OUTPUT0"), reference("mlp", x), rtol=1e-5, atol=1e-6)
+            assert_close(result.as_numpy("OUTPUT0"), reference("mlp", x))
 
 
 def _raw_request(shape: list[int], raw: bytes, datatype: str = "FP32", name: str = "INPUT0") -> Any:
@@ -372,10 +373,8 @@ def test_a_bad_bundle_is_listed_not_ready_with_its_reason(tmp_path: Path) -> Non
         with pytest.raises(InferenceServerException, match="model 'bad' is not ready") as raised:
             client.infer("bad", [tensor])
         assert raised.value.status() == "StatusCode.UNAVAILABLE"
-        np.testing.assert_allclose(
-            client.infer("good", [tensor]).as_numpy("OUTPUT"),
-            [[0.1 * 18 + 1, 0.1 * 22 + 1, 0.1 * 26 + 1]],
-            rtol=1e-6,
+        assert_close(
+            client.infer("good", [tensor]).as_numpy("OUTPUT"), [[0.1 * 18 + 1, 0.1 * 22 + 1, 0.1 * 26 + 1]]
         )
         client.close()
 
@@ -404,9 +403,7 @@ def test_large_and_small_replies_interleave_on_one_connection(tmp_path: Path) ->
             for x, future in zip(big, big_results, strict=True):
                 np.testing.assert_array_equal(future.result(timeout=60).as_numpy("output_0"), x * 2)
             for x, future in zip(small, small_results, strict=True):
-                np.testing.assert_allclose(
-                    future.result(timeout=60).as_numpy("OUTPUT0"), reference("mlp", x), rtol=1e-5, atol=1e-6
-                )
+                assert_close(future.result(timeout=60).as_numpy("OUTPUT0"), reference("mlp", x))
         client.close()
 
 
@@ -431,7 +428,7 @@ class TestClassification:
         for row, y in zip(rows, expected, strict=True):
             pairs = [item.split(":") for item in row]
             assert [int(i) for _, i in pairs] == list(np.argsort(-y, kind="stable")[: min(k, 4)])
-            np.testing.assert_allclose([float(s) for s, _ in pairs], np.sort(y)[::-1][: min(k, 4)], atol=1e-5)
+            assert_close([float(s) for s, _ in pairs], np.sort(y)[::-1][: min(k, 4)])
         assert_good_request_served(triton)
 
     @pytest.mark.parametrize(
@@ -551,7 +548,7 @@ class TestBytesThroughModelPy:
             tensor.set_data_from_numpy(np.array(texts, dtype=object).reshape(3, 1))
             result = client.infer("text", [tensor])
             logits = result.as_numpy("OUTPUT0")
-            np.testing.assert_allclose(logits, self._expected(texts), rtol=1e-5, atol=1e-6)
+            assert_close(logits, self._expected(texts))
             labels = [b"north", b"east", b"south", b"west"]
             assert result.get_output("LABEL").datatype == "BYTES"
             assert list(result.as_numpy("LABEL")[:, 0]) == [labels[i] for i in logits.argmax(axis=1)]
@@ -567,7 +564,7 @@ class TestBytesThroughModelPy:
         with grpc.insecure_channel(text.url) as channel:
             response = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request)
         logits = np.frombuffer(response.raw_output_contents[0], np.float32).reshape(2, 4)
-        np.testing.assert_allclose(logits, self._expected([b"abc", b"xyz"]), rtol=1e-5, atol=1e-6)
+        assert_close(logits, self._expected([b"abc", b"xyz"]))
 
     @pytest.mark.parametrize(
         ("raw", "shape", "says"),
@@ -608,9 +605,7 @@ class TestBytesThroughModelPy:
             connection.close()
         assert response.status == 200, answer
         outputs = {o["name"]: o for o in answer["outputs"]}
-        np.testing.assert_allclose(
-            np.array(outputs["OUTPUT0"]["data"]).reshape(2, 4), self._expected([b"abc", b"xyz"]), rtol=1e-5
-        )
+        assert_close(np.array(outputs["OUTPUT0"]["data"]).reshape(2, 4), self._expected([b"abc", b"xyz"]))
         assert outputs["LABEL"]["datatype"] == "BYTES"
         assert all(label in ("north", "east", "south", "west") for label in outputs["LABEL"]["data"])
 
@@ -626,4 +621,4 @@ class TestBytesThroughModelPy:
             result = client.infer("text", [tensor], outputs=[httpclient.InferRequestedOutput("OUTPUT0")])
         finally:
             client.close()
-        np.testing.assert_allclose(result.as_numpy("OUTPUT0"), self._expected(texts), rtol=1e-5)
+        assert_close(result.as_numpy("OUTPUT0"), self._expected(texts))

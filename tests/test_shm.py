@@ -15,6 +15,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.utils.shared_memory as shm
 from support.clients import assert_good_request_served
+from support.numerics import assert_close
 from support.servers import ServerThread
 from tritonclient.utils import InferenceServerException
 
@@ -70,7 +71,7 @@ def test_shared_memory_results_equal_inline(
         assert result.get_output("OUTPUT0").parameters["shared_memory_byte_size"].int64_param == OUT_BYTES
     else:
         got = result.as_numpy("OUTPUT0")
-    np.testing.assert_allclose(got, export_examples.reference("mlp", X), rtol=1e-5, atol=1e-6)
+    assert_close(got, export_examples.reference("mlp", X))
 
 
 def test_status_unregister_and_re_register(client: Any, regions: Any) -> None:
@@ -220,9 +221,7 @@ def test_unregister_while_requests_are_in_flight(shm_server: ServerThread, regio
             inputs, _outputs = _request(input_in_shm=True, output_in_shm=False)
             try:
                 result = client.infer("mlp", inputs)
-                np.testing.assert_allclose(
-                    result.as_numpy("OUTPUT0"), export_examples.reference("mlp", X), rtol=1e-5, atol=1e-6
-                )
+                assert_close(result.as_numpy("OUTPUT0"), export_examples.reference("mlp", X))
                 outcomes.append("OK")
             except InferenceServerException as e:
                 assert e.status() == "StatusCode.INVALID_ARGUMENT", e.message()
@@ -289,7 +288,7 @@ def test_hloserve_client_through_a_staging_pool(shm_server: ServerThread) -> Non
                 )
                 response = await call(client.infer_message)(request, 5)
                 assert [o.name for o in response.outputs] == ["OUTPUT0"]
-                np.testing.assert_allclose(y, export_examples.reference("mlp", X), rtol=1e-5, atol=1e-6)
+                assert_close(y, export_examples.reference("mlp", X))
                 inline = await call(client.infer)("mlp", {"INPUT0": X})
                 np.testing.assert_array_equal(inline["OUTPUT0"], y)
                 pool.release(slot)

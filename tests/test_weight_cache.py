@@ -20,6 +20,7 @@ from support.bundles import (
     save_affine_weights,
     write_affine,
 )
+from support.numerics import assert_close
 from support.servers import ServerThread, make_config, residency, start_worker
 from tritonclient.utils import InferenceServerException
 
@@ -88,9 +89,7 @@ def test_unpinned_models_are_read_from_the_file_at_each_load(tmp_path: Path) -> 
         x = np.ones((1, 4), np.float32)
         tensor = grpcclient.InferInput("INPUT", [1, 4], "FP32")
         tensor.set_data_from_numpy(x)
-        np.testing.assert_allclose(
-            client.infer("a", [tensor]).as_numpy("OUTPUT"), affine(doubled, x), rtol=1e-6
-        )
+        assert_close(client.infer("a", [tensor]).as_numpy("OUTPUT"), affine(doubled, x))
         assert_affine_answers(client, "b")  # evicted meanwhile and reloaded from its host floor: old weights
         client.close()
 

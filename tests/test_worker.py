@@ -23,6 +23,7 @@ import trio_asyncio
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from support.clients import infer
+from support.numerics import assert_close
 from support.servers import EXAMPLES, ServerThread, make_config, start_worker
 
 from hloserve.cli import settle_heap
@@ -55,9 +56,7 @@ def test_embedded_in_a_trio_nursery_and_cancelled_cleanly() -> None:
                     assert [m.name for m in index.models] == ["cnn", "mlp", "pool", "severity_grader"]
                     x = np.random.default_rng(1).random((5, 16), dtype=np.float32)
                     out = await call(client.infer)("mlp", {"INPUT0": x}, timeout=10)
-                    np.testing.assert_allclose(
-                        out["OUTPUT0"], export_examples.reference("mlp", x), rtol=1e-5, atol=1e-6
-                    )
+                    assert_close(out["OUTPUT0"], export_examples.reference("mlp", x))
                     stats = await call(client.model_statistics)("mlp")
                     assert stats.model_stats[0].inference_count == 5
                     with pytest.raises(GRPCError) as raised:
@@ -187,9 +186,7 @@ def test_client_from_plain_asyncio(server: ServerThread) -> None:
             return await client.infer("mlp", {"INPUT0": np.ones((2, 16), np.float32)}, timeout=10)
 
     out = asyncio.run(main())
-    np.testing.assert_allclose(
-        out["OUTPUT0"], export_examples.reference("mlp", np.ones((2, 16), np.float32)), rtol=1e-5, atol=1e-6
-    )
+    assert_close(out["OUTPUT0"], export_examples.reference("mlp", np.ones((2, 16), np.float32)))
 
 
 def test_device_memory_gauges_from_allocator_statistics(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.utils.shared_memory as shm
+from support.numerics import assert_close
 from support.raw_grpc import frame, raw_call
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
@@ -265,7 +266,7 @@ def test_system_shared_memory(clients: dict[str, Any]) -> None:
             result = client.infer("mlp", [tensor], outputs=[output])
             assert list(result.get_output(MLP.output).shape) == [2, 4]
             y = shm.get_contents_as_numpy(region_out, np.float32, [2, 4])
-            np.testing.assert_allclose(y, reference(MLP, x), rtol=1e-5, atol=1e-5)
+            assert_close(y, reference(MLP, x))
             status = client.get_system_shared_memory_status()
             assert sorted(status.regions) == [f"in_{name}", f"out_{name}"]
         outcomes = both(clients, lambda c: c.register_system_shared_memory("bad", "/conformance_none", 64))
@@ -305,7 +306,7 @@ def test_inference(servers: dict[str, str], raw: bool) -> None:
     ]
     assert (ours.model_name, ours.model_version) == (theirs.model_name, theirs.model_version)
     a, b = (np.frombuffer(r.raw_output_contents[0], np.float32) for r in (ours, theirs))
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert_close(a, b)
 
 
 def _bad_requests() -> dict[str, Any]:
@@ -425,10 +426,9 @@ def test_class_count(clients: dict[str, Any], k: int) -> None:
     assert [[int(i) for _, i, *_ in row] for row in answers["hloserve"]] == [
         [int(i) for _, i, *_ in row] for row in answers["triton"]
     ]
-    np.testing.assert_allclose(
+    assert_close(
         [[float(s) for s, *_ in row] for row in answers["hloserve"]],
         [[float(s) for s, *_ in row] for row in answers["triton"]],
-        atol=1e-5,
     )
 
 
@@ -439,7 +439,7 @@ def test_compression(clients: dict[str, Any], compression: str) -> None:
         clients, lambda c: c.infer("mlp", [mlp_input(x)], compression_algorithm=compression)
     )
     for result in results.values():
-        np.testing.assert_allclose(result.as_numpy(MLP.output), reference(MLP, x), rtol=1e-5, atol=1e-5)
+        assert_close(result.as_numpy(MLP.output), reference(MLP, x))
 
 
 def test_deadline(servers: dict[str, str]) -> None:

@@ -28,6 +28,7 @@ import tritonclient.utils.shared_memory as shm
 from export_examples import reference
 from support.bundles import PARAMS, X, affine, assert_affine_answers, save_affine_weights, write_affine
 from support.clients import infer, wait_until
+from support.numerics import assert_close, close
 from support.servers import EXAMPLES, ServerThread, make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
@@ -239,7 +240,7 @@ def test_a_region_registered_on_one_frontend_is_used_from_the_other_and_unregist
         result = _infer_in_regions(client)
         assert result.get_output("OUTPUT").parameters["shared_memory_byte_size"].int64_param == 12
         answer = shm.get_contents_as_numpy(regions["out"], np.float32, [1, 3])
-        np.testing.assert_allclose(answer, affine(PARAMS, X), rtol=1e-6)
+        assert_close(answer, affine(PARAMS, X))
         client.unregister_system_shared_memory("in")
     for client, _ in fresh_clients(engine):
         assert sorted(client.get_system_shared_memory_status().regions) == ["out"]
@@ -264,7 +265,7 @@ def test_rest_is_served_by_the_frontends() -> None:
                 tensor = httpclient.InferInput("INPUT0", list(x.shape), "FP32")
                 tensor.set_data_from_numpy(x, binary_data=True)
                 answer = client.infer("mlp", [tensor]).as_numpy("OUTPUT0")
-                np.testing.assert_allclose(answer, reference("mlp", x), rtol=1e-5, atol=1e-6)
+                assert_close(answer, reference("mlp", x))
                 with pytest.raises(InferenceServerException) as raised:
                     client.get_model_metadata("nope")
                 assert raised.value.status() == "404"
@@ -315,12 +316,12 @@ def test_max_inflight_requests_holds_for_the_worker_across_frontends(holding: Se
             assert raised.value.status() == "StatusCode.UNAVAILABLE"
             assert "max_inflight_requests" in (raised.value.message() or "")
         for answer in answers:
-            np.testing.assert_allclose(answer, reference("mlp", ONE_ROW), rtol=1e-5, atol=1e-6)
+            assert_close(answer, reference("mlp", ONE_ROW))
     for client in clients:
         client.close()
     assert held(holding) == 0
     with closing(connect(holding.url)) as client:
-        np.testing.assert_allclose(one(client), reference("mlp", ONE_ROW), rtol=1e-5, atol=1e-6)
+        assert_close(one(client), reference("mlp", ONE_ROW))
 
 
 def cancel_while_held(
@@ -342,11 +343,9 @@ def cancel_while_held(
 
 
 def assert_serves_one_row(client: grpcclient.InferenceServerClient) -> None:
-    np.testing.assert_allclose(
+    assert_close(
         infer(client, "mlp", {"INPUT0": ONE_ROW}, client_timeout=20).as_numpy("OUTPUT0"),
         reference("mlp", ONE_ROW),
-        rtol=1e-5,
-        atol=1e-6,
     )
 
 
@@ -388,22 +387,22 @@ def test_hot_reload_is_seen_by_every_frontend(tmp_path: Path) -> None:
         expected = affine(doubled, X)
         with closing(connect(server.url)) as client:
             wait_until(
-                lambda: np.allclose(infer(client, "first", {"INPUT": X}).as_numpy("OUTPUT"), expected),
+                lambda: close(infer(client, "first", {"INPUT": X}).as_numpy("OUTPUT"), expected),
                 30,
                 "the reloaded weights served",
             )
         for client, _ in fresh_clients(server):  # the reload step returned: both frontends have it
-            np.testing.assert_allclose(infer(client, "first", {"INPUT": X}).as_numpy("OUTPUT"), expected)
+            assert_close(infer(client, "first", {"INPUT": X}).as_numpy("OUTPUT"), expected)
         (repository / "first" / "model.py").write_text(DOUBLING_PY)
         time.sleep(0.05)
         with closing(connect(server.url)) as client:
             wait_until(
-                lambda: np.allclose(infer(client, "first", {"INPUT": X}).as_numpy("OUTPUT"), 2 * expected),
+                lambda: close(infer(client, "first", {"INPUT": X}).as_numpy("OUTPUT"), 2 * expected),
                 30,
                 "the new model.py's hook run",
             )
         for client, _ in fresh_clients(server):  # hooks run in the frontends: both run the new one
-            np.testing.assert_allclose(infer(client, "first", {"INPUT": X}).as_numpy("OUTPUT"), 2 * expected)
+            assert_close(infer(client, "first", {"INPUT": X}).as_numpy("OUTPUT"), 2 * expected)
 
 
 def test_a_bundle_the_watcher_cannot_load_is_failed_on_every_frontend_once_the_engine_says_so(

@@ -18,6 +18,7 @@ import trio
 from export_examples import reference
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
+from support.numerics import assert_close
 from support.servers import make_config
 
 from hloserve.buffer_pool import BufferPool
@@ -84,7 +85,7 @@ def test_concurrent_requests_answer_what_the_model_computes() -> None:
                 for i in range(len(xs)):
                     requests.start_soon(one, i)
             for x, answer in zip(xs, answers, strict=True):
-                np.testing.assert_allclose(answer, reference("mlp", x), rtol=1e-5, atol=1e-6)
+                assert_close(answer, reference("mlp", x))
             assert arena.statistics().free_slots == arena.n_slots  # every slot came back
 
     run(test)
@@ -95,7 +96,7 @@ def test_an_output_that_does_not_fit_travels_inline() -> None:
         async with linked() as (_, link, _arena):
             x = np.ones((3, 16), np.float32)
             (answer,) = await link.infer("mlp", [x], 3, [0], None, 8)
-            np.testing.assert_allclose(answer, reference("mlp", x), rtol=1e-5, atol=1e-6)
+            assert_close(answer, reference("mlp", x))
 
     run(test)
 
@@ -131,7 +132,7 @@ def test_a_cancelled_request_is_withdrawn_and_its_slot_comes_back() -> None:
                     await trio.sleep(0.01)
             assert worker.statistics["mlp"].drops["cancelled"] == 1
             (answer,) = await link.infer("mlp", [x], 2, [0], None, OUT_BYTES)
-            np.testing.assert_allclose(answer, reference("mlp", x), rtol=1e-5, atol=1e-6)
+            assert_close(answer, reference("mlp", x))
 
     run(test)
 

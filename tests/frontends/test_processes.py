@@ -19,6 +19,7 @@ import tritonclient.grpc as grpcclient
 from export_examples import reference
 from support.bundles import assert_affine_answers, write_affine
 from support.clients import assert_serves, infer
+from support.numerics import assert_close
 from support.servers import start_worker
 from tritonclient.utils import InferenceServerException
 
@@ -98,7 +99,7 @@ def serve_many(url: str, connections: int = 8, requests: int = 5) -> None:
         with closing(connect(url)) as client:
             for _ in range(requests):
                 answer = infer(client, "mlp", {"INPUT0": x}).as_numpy("OUTPUT0")
-                np.testing.assert_allclose(answer, reference("mlp", x), rtol=1e-5, atol=1e-6)
+                assert_close(answer, reference("mlp", x))
 
     with ThreadPoolExecutor(connections) as pool:
         list(pool.map(one, range(connections)))
@@ -149,7 +150,7 @@ def test_sigterm_drains_requests_in_flight_then_every_process_exits(tmp_path: Pa
             time.sleep(0.5)
             os.kill(worker.pid, signal.SIGTERM)
             for answer in answers:
-                np.testing.assert_allclose(answer, reference("mlp", x), rtol=1e-5, atol=1e-6)
+                assert_close(answer, reference("mlp", x))
         assert worker.process.wait(30) == 0
         assert all(gone(p) for p in frontends)
         assert not arenas(frontends)
@@ -248,4 +249,4 @@ def test_a_deadline_passed_in_the_engine_queue_is_deadline_exceeded_as_with_one_
             assert time.monotonic() - started < 1.5
             x = np.ones((16, 16), np.float32)  # a full batch runs at once: nothing left stuck
             answer = infer(client, "mlp", {"INPUT0": x}, client_timeout=10).as_numpy("OUTPUT0")
-            np.testing.assert_allclose(answer, reference("mlp", x), rtol=1e-5, atol=1e-6)
+            assert_close(answer, reference("mlp", x))

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from support.clients import assert_serves, infer
+from support.numerics import assert_close
 from support.servers import EXAMPLES, ServerThread, make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
@@ -111,9 +112,7 @@ def test_a_split_request_yields_to_other_models_between_chunks(server: ServerThr
         started = time.monotonic()
         result = _infer(server.url, "mlp", y)
         latencies.append(time.monotonic() - started)
-        np.testing.assert_allclose(
-            result.as_numpy("OUTPUT0"), export_examples.reference("mlp", y), rtol=1e-5, atol=1e-6
-        )
+        assert_close(result.as_numpy("OUTPUT0"), export_examples.reference("mlp", y))
     assert big.is_alive(), "the split request ended before the MLP requests; nothing was measured"
     big.join(60)
     assert big.error is None, big.error
@@ -122,7 +121,7 @@ def test_a_split_request_yields_to_other_models_between_chunks(server: ServerThr
     assert max(latencies) < split_s / 5, (latencies, split_s)
     assert _executions(server, "slow") - before == SLOW_ROWS // 8
     expected = np.asarray(_slow({"w": _W}, x))
-    np.testing.assert_allclose(big.result.as_numpy("output_0"), expected, rtol=1e-4, atol=1e-5)
+    assert_close(big.result.as_numpy("output_0"), expected, ulps=1024)
     assert_serves(server.url)
 
 
@@ -131,7 +130,7 @@ def test_a_split_request_equals_the_reference(server: ServerThread) -> None:
     before = _executions(server, "pool")
     result = _infer(server.url, "pool", x, name="IMAGE")
     expected = export_examples.reference("pool", x)
-    np.testing.assert_allclose(result.as_numpy("MEAN"), expected, rtol=1e-4, atol=1e-6)
+    assert_close(result.as_numpy("MEAN"), expected, ulps=1024)
     assert _executions(server, "pool") - before == 26  # 25 of 8 rows, then 3 padded to 8
     assert_serves(server.url)
 
@@ -170,9 +169,7 @@ def test_more_rows_than_the_cap_is_invalid_argument(server: ServerThread) -> Non
     assert "server.max_request_rows" in message
     x = np.random.default_rng(3).random((ROW_CAP, 16), dtype=np.float32)  # at the cap: served, split
     result = _infer(server.url, "mlp", x)
-    np.testing.assert_allclose(
-        result.as_numpy("OUTPUT0"), export_examples.reference("mlp", x), rtol=1e-5, atol=1e-6
-    )
+    assert_close(result.as_numpy("OUTPUT0"), export_examples.reference("mlp", x))
     assert_serves(server.url)
 
 
@@ -203,7 +200,5 @@ def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once(server: Serv
     undated.join(60)
     assert big.error is None and undated.error is None, (big.error, undated.error)
     assert undated.ended_at >= big.ended_at - 0.05  # it queued behind the split (FIFO per model)
-    np.testing.assert_allclose(
-        undated.result.as_numpy("output_0"), np.asarray(_slow({"w": _W}, one)), rtol=1e-4, atol=1e-5
-    )
+    assert_close(undated.result.as_numpy("output_0"), np.asarray(_slow({"w": _W}, one)), ulps=1024)
     assert_serves(server.url)

@@ -20,6 +20,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.utils.shared_memory as shm
 from support.clients import assert_serves
+from support.numerics import assert_close
 from support.servers import ServerProcess, start_worker
 from tritonclient.utils import InferenceServerException
 
@@ -242,7 +243,7 @@ def test_re_registering_a_name_is_refused(client: Any, server: ServerProcess) ->
         )
         infer(client, output_region="out")
         got = shm.get_contents_as_numpy(first, np.float32, [4, 4])
-        np.testing.assert_allclose(got, export_examples.reference("mlp", X), rtol=1e-5, atol=1e-6)
+        assert_close(got, export_examples.reference("mlp", X))
         np.testing.assert_array_equal(shm.get_contents_as_numpy(second, np.float32, [16]), 7.0)
         assert client.get_system_shared_memory_status("out").regions["out"].key == f"{key}_first"
     finally:
@@ -262,9 +263,7 @@ def test_a_truncated_object_is_an_error_not_a_crash(
     out_key = objects.regular("out", bytes(OUT_BYTES))
     client.register_system_shared_memory("in", in_key, IN_BYTES)
     client.register_system_shared_memory("out", out_key, OUT_BYTES)
-    np.testing.assert_allclose(
-        infer(client, input_region="in").as_numpy("OUTPUT0"), export_examples.reference("mlp", X), rtol=1e-5
-    )
+    assert_close(infer(client, input_region="in").as_numpy("OUTPUT0"), export_examples.reference("mlp", X))
     os.truncate(f"/dev/shm{in_key}", 0)
     expect(
         lambda: infer(client, input_region="in"),

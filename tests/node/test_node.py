@@ -30,6 +30,7 @@ from grpclib.client import Channel
 from grpclib.const import Status
 from support.bundles import PARAMS, X, affine, write_affine
 from support.clients import wait_until
+from support.numerics import assert_close
 from support.servers import EXAMPLES, ROOT
 from tritonclient.utils import InferenceServerException
 from tritonclient.utils import shared_memory as shm
@@ -233,7 +234,7 @@ def test_every_example_model_answers_through_the_node_as_a_worker_does(node: Nod
         ours, theirs = _outputs(public, model), _outputs(direct, model)
         assert ours.keys() == theirs.keys()
         for name in ours:
-            np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5, atol=1e-6)
+            assert_close(ours[name], theirs[name])
 
 
 def _http_outputs(
@@ -270,11 +271,10 @@ def test_rest_through_the_node_answers_as_a_worker_does(node: Node) -> None:
             ours, theirs = _http_outputs(public, model, binary), _http_outputs(direct, model, binary)
             assert ours.keys() == theirs.keys()
             for name in ours:
-                np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(  # the meta through the node: twice its part
+                assert_close(ours[name], theirs[name])
+    assert_close(
         _http_outputs(public, META, True)["score"],
         2 * affine(PARAMS, np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)),
-        rtol=1e-5,
     )
     stats = public.get_inference_statistics("mlp")["model_stats"]  # summed by the controller
     assert stats[0]["name"] == "mlp" and int(stats[0]["inference_stats"]["success"]["count"]) >= 4
@@ -418,7 +418,7 @@ def test_a_meta_goes_only_to_workers_that_serve_its_part(node: Node) -> None:
     public = node.client()
     x = triton.InferInput("x", [1, 4], "FP32")
     x.set_data_from_numpy(X)
-    np.testing.assert_allclose(public.infer(META, [x]).as_numpy("score"), 2 * affine(PARAMS, X), rtol=1e-6)
+    assert_close(public.infer(META, [x]).as_numpy("score"), 2 * affine(PARAMS, X))
     assert public.is_model_ready(PART)  # listed through the meta, routable by its own name
     rows = {m.name: m for m in node.status().models}
     assert [r.worker for r in rows[PART].replicas] == [
@@ -437,9 +437,7 @@ def test_a_meta_goes_only_to_workers_that_serve_its_part(node: Node) -> None:
         )
         before = _served(workers["worker0"])[META]
         for _ in range(4):
-            np.testing.assert_allclose(
-                public.infer(META, [x]).as_numpy("score"), 2 * affine(PARAMS, X), rtol=1e-6
-            )
+            assert_close(public.infer(META, [x]).as_numpy("score"), 2 * affine(PARAMS, X))
         assert _served(workers["worker0"])[META] == before + 4
     finally:
         lone.load_model(PART)
@@ -539,7 +537,7 @@ def test_shared_memory_registered_through_the_node_serves_every_worker(node: Nod
             got = public.infer(model, [x])
             want = public.infer(model, [expected])
             name = public.get_model_metadata(model).outputs[0].name
-            np.testing.assert_allclose(got.as_numpy(name), want.as_numpy(name), rtol=1e-5, atol=1e-6)
+            assert_close(got.as_numpy(name), want.as_numpy(name))
         public.unregister_system_shared_memory("node_in")
         for worker in status.workers:
             assert "node_in" not in str(

@@ -15,6 +15,7 @@ from safetensors.numpy import save_file
 from hloserve.export import InputSpec, OutputSpec, export_bundle
 
 from .clients import infer
+from .numerics import assert_close
 
 PARAMS: dict[str, np.ndarray] = {
     "w": np.arange(12, dtype=np.float32).reshape(4, 3) / 10,
@@ -38,7 +39,7 @@ def affine_output(client: Any, model: str, x: np.ndarray = X) -> np.ndarray:
 
 def assert_affine_answers(client: Any, model: str) -> None:
     """An affine bundle named `model` answers one row right."""
-    np.testing.assert_allclose(affine_output(client, model), affine(PARAMS, X), rtol=1e-6)
+    assert_close(affine_output(client, model), affine(PARAMS, X))
 
 
 def write_affine(directory: Path, batch_sizes: tuple[int, ...] = (1, 2)) -> Path:

@@ -23,6 +23,8 @@ from tritonclient.utils import np_to_triton_dtype
 
 from hloserve._proto import hloserve_control as hc
 
+from .numerics import assert_close
+
 __all__ = [
     "assert_control_refused",
     "assert_good_request_served",
@@ -78,7 +80,7 @@ def assert_good_request_served(client: grpcclient.InferenceServerClient) -> None
     """A good MLP request through `client` answers what the model computes in-process."""
     x = np.random.default_rng(0).random((2, 16), dtype=np.float32)
     result = infer(client, "mlp", {"INPUT0": x})
-    np.testing.assert_allclose(result.as_numpy("OUTPUT0"), reference("mlp", x), rtol=1e-5, atol=1e-6)
+    assert_close(result.as_numpy("OUTPUT0"), reference("mlp", x))
 
 
 def control(worker: _Listening, call: Callable[[hc.ControlServiceStub], Awaitable[T]]) -> T:

@@ -1,0 +1,57 @@
+"""Comparing computed tensors the way a client may rely on them.
+
+XLA:CPU generates different code on different CPUs, and a request joined into another compiled
+batch size runs another executable: the same input can differ in its last bits. So results of
+different executables are compared with a tolerance from their dtype, scaled by the magnitude of
+the values (an absolute part, since values near zero carry the rounding of the larger terms that
+made them), never bit for bit. Integers and bytes that were copied, not computed, compare exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+ULPS = 64
+"""Rounding steps of the dtype allowed, relative to the largest value (a few hundred fused
+multiply-adds of error, with room)."""
+
+
+def tolerance(expected: Any, dtype: Any = None, ulps: int = ULPS) -> tuple[float, float]:
+    """(rtol, atol) for comparing a computed tensor with `expected`; zero for integer dtypes."""
+    want = np.asarray(expected)
+    dtype = np.dtype(dtype or want.dtype)
+    if not np.issubdtype(dtype, np.inexact):
+        return 0.0, 0.0
+    rtol = ulps * float(np.finfo(dtype).eps)
+    scale = float(np.max(np.abs(want), initial=0.0)) if want.size else 0.0
+    return rtol, rtol * max(scale, 1.0)
+
+
+def assert_close(actual: Any, expected: Any, *, ulps: int = ULPS, dtype: Any = None) -> None:
+    """`actual` equals `expected` within `tolerance` of `actual`'s dtype (float32 for a float64
+    reference that a float32 model approximates)."""
+    got = np.asarray(actual)
+    rtol, atol = tolerance(expected, dtype or got.dtype, ulps)
+    np.testing.assert_allclose(got, expected, rtol=rtol, atol=atol)
+
+
+def close(actual: Any, expected: Any, *, ulps: int = ULPS) -> bool:
+    """`assert_close` as a predicate, for waiting until an answer changes."""
+    got = np.asarray(actual)
+    if got.shape != np.shape(expected):
+        return False
+    rtol, atol = tolerance(expected, got.dtype, ulps)
+    return bool(np.allclose(got, expected, rtol=rtol, atol=atol))
+
+
+def assert_grades(grades: Any, logits: Any) -> None:
+    """Each row's grade is the index of its first logit <= 0 (or the row's length), where a
+    logit within `tolerance` of zero may fall on either side."""
+    logits = np.asarray(logits)
+    _, atol = tolerance(logits, np.float32)
+    for grade, row in zip(np.asarray(grades).ravel(), logits, strict=True):
+        assert 0 <= grade <= len(row), (grade, row)
+        assert np.all(row[:grade] > -atol), f"grade {grade} passes a logit <= 0: {row}"
+        assert grade == len(row) or row[grade] <= atol, f"grade {grade} stops at a positive logit: {row}"
