@@ -22,14 +22,23 @@ while a batch runs still waits for the next pass). `install()` first checks trio
 version this was written for. Not filed upstream as such (python-trio/trio-asyncio#44 measures
 the cost of each callback's trip through trio); the fix there would be this loop in
 `BaseTrioEventLoop._main_loop`.
+
+On Python 3.12 and newer `asyncio.current_task` is C code that never consults trio-asyncio's
+running loop, so trio-asyncio replaces it when it is imported. A library imported before it keeps
+the C function it bound by name (grpclib's deadlines: "no running event loop", answered UNKNOWN;
+anyio's cancel scopes, under Starlette), which happens whenever a process imports grpclib,
+betterproto2's grpclib stubs, Starlette or `hloserve.client` before the worker. `install()`
+rebinds those names to trio-asyncio's function each time a worker starts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import sys
 from typing import Any
 
+import trio_asyncio  # noqa: F401  (replaces asyncio.current_task, see the module docstring)
 from trio_asyncio._base import BaseTrioEventLoop
 
 from hloserve._patch_requirements import Requires, check
@@ -65,9 +74,23 @@ def _call_soon(self: Any, callback: Any, *args: Any, **context: Any) -> asyncio.
     return self._queue_handle(asyncio.Handle(callback, args, self, **context))
 
 
-@functools.cache
+BOUND_BY_NAME = (("grpclib.utils", "_current_task"), ("anyio._backends._asyncio", "current_task"))
+"""Where libraries the worker runs keep `asyncio.current_task` under a name of their own."""
+
+
 def install() -> None:
-    """Check trio-asyncio's version and internals, then apply the patch (once per process)."""
+    """Check trio-asyncio's version and internals and patch its loop (once per process), then
+    point the libraries that bound `asyncio.current_task` before trio-asyncio replaced it at
+    trio-asyncio's function."""
+    _patch_loop()
+    for module_name, name in BOUND_BY_NAME:
+        module = sys.modules.get(module_name)  # one imported later binds trio-asyncio's function
+        if module is not None and getattr(module, name, asyncio.current_task) is not asyncio.current_task:
+            setattr(module, name, asyncio.current_task)
+
+
+@functools.cache
+def _patch_loop() -> None:
     check(REQUIRES)
     BaseTrioEventLoop._main_loop_one = _run_ready
     BaseTrioEventLoop.call_soon = _call_soon
