@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jaxlib.mlir.dialects import stablehlo
+from support.numerics import assert_close
 
 from hloserve import _xla
 
@@ -31,7 +32,7 @@ def test_compile_text_and_bytecode_then_run() -> None:
     for source in (text, bytecode):
         executable = _xla.compile_module(source)
         (out,) = _xla.to_numpy(_xla.run(executable, [_xla.put(x), _xla.put(w)]))
-        np.testing.assert_allclose(out, np.tanh(x * w), rtol=1e-6)
+        assert_close(out, np.tanh(x * w))
         assert _xla.compiled_memory(executable)["argument_bytes"] == x.nbytes + w.nbytes
 
 
@@ -65,6 +66,18 @@ def test_memory_stats_none_on_cpu_and_lapack_warm_up() -> None:
     spec = jax.ShapeDtypeStruct((3, 3), np.float32)
     executable = _xla.compile_module(_text(jnp.linalg.inv, spec))
     a = np.eye(3, dtype=np.float32) * 2
-    np.testing.assert_allclose(
-        _xla.to_numpy(_xla.run(executable, [_xla.put(a)]))[0], np.eye(3) / 2, rtol=1e-6
-    )
+    assert_close(_xla.to_numpy(_xla.run(executable, [_xla.put(a)]))[0], np.eye(3) / 2)
+
+
+def test_every_semi_public_jax_name_resolves_on_the_installed_jax() -> None:
+    _xla.check_jax()  # what importing _xla does at start-up, on whichever jax line runs the suite
+    assert "jaxlib.xla_client.batched_device_put" in _xla.SEMI_PUBLIC
+
+
+def test_a_missing_jax_name_is_named_with_the_versions() -> None:
+    with pytest.raises(_xla.JaxMismatch) as raised:
+        _xla.check_jax((*_xla.SEMI_PUBLIC, "jaxlib.xla_client.no_such_call", "jax.extend.nothing_here"))
+    message = str(raised.value)
+    assert f"jax {jax.__version__}" in message and "jaxlib " in message
+    assert "jaxlib.xla_client.no_such_call, jax.extend.nothing_here" in message
+    assert "batched_device_put" not in message  # only what is missing

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-__all__ = ["PatchMismatch", "Requires", "check"]
+__all__ = ["PatchMismatch", "Requires", "check", "missing"]
 
 
 class PatchMismatch(RuntimeError):
@@ -79,6 +79,17 @@ def _assigned_by_methods(cls: type, name: str) -> bool:
     return False
 
 
+def missing(members: tuple[str, ...]) -> list[str]:
+    """Those of the dotted names `members` that do not resolve."""
+    absent = []
+    for dotted in members:
+        try:
+            _resolve(dotted)
+        except LookupError:
+            absent.append(dotted)
+    return absent
+
+
 def _problems(requires: Requires) -> list[str]:
     try:
         found = version(requires.distribution)
@@ -87,11 +98,7 @@ def _problems(requires: Requires) -> list[str]:
     problems = []
     if found != requires.version:
         problems.append(f"version {found} is installed, {requires.version} expected")
-    for dotted in requires.members:
-        try:
-            _resolve(dotted)
-        except LookupError:
-            problems.append(f"{dotted} is missing")
+    problems.extend(f"{dotted} is missing" for dotted in missing(requires.members))
     for dotted, expected in requires.parameters.items():
         try:
             function = _resolve(dotted)

@@ -1,8 +1,10 @@
 """The one module that calls JAX: compile, place, run, read back, free, measure.
 
 `jax.extend` and the jaxlib classes used here are semi-public, so every use of them is kept in
-this file, behind plain functions, and covered by its own test. Importing this module turns on
-x64 (so int64 tensors are not narrowed to int32) before any array is made.
+this file, behind plain functions, and covered by its own test. Importing this module checks
+that the installed jax has every one of them (`SEMI_PUBLIC`), raising `JaxMismatch` naming the
+versions and what is missing, then turns on x64 (so int64 tensors are not narrowed to int32)
+before any array is made.
 
 Calls that block (compile, wait for a result) release the GIL; callers run them in a worker
 thread so the trio loop never stops.
@@ -11,6 +13,7 @@ thread so the trio loop never stops.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,12 +25,49 @@ import jax
 import jax.extend.backend
 import jax.extend.mlir
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
-from jax._src.interpreters import mlir as _jax_mlir
 from jaxlib import xla_client
 from jaxlib.mlir import ir
 
+from hloserve._patch_requirements import missing
 from hloserve.dtypes import DType, by_mlir
+
+SEMI_PUBLIC = (
+    "jax.extend.backend.get_backend",
+    "jax.extend.backend.get_compile_options",
+    "jax.extend.mlir.deserialize_portable_artifact",
+    "jax._src.interpreters.mlir.make_ir_context",
+    "jax.core.ShapedArray",
+    "jaxlib.xla_client.DeviceList",
+    "jaxlib.xla_client.batched_device_put",
+    "jaxlib.xla_client.Client.compile_and_load",
+    "jaxlib.xla_client.Client.deserialize_executable",
+    "jaxlib.xla_client.LoadedExecutable.execute_sharded",
+    "jaxlib.xla_client.LoadedExecutable.get_compiled_memory_stats",
+    "jaxlib.xla_client.LoadedExecutable.serialize",
+    "jaxlib._jax.ExecuteResults.disassemble_into_single_device_arrays",
+)
+"""The names below jax's public API that this module calls: they can move between releases."""
+
+
+class JaxMismatch(RuntimeError):
+    """The installed jax lacks names this module calls; raised at import, before serving."""
+
+
+def check_jax(names: tuple[str, ...] = SEMI_PUBLIC) -> None:
+    """Raise `JaxMismatch` naming the jax and jaxlib versions and every name in `names` missing."""
+    absent = missing(names)
+    if absent:
+        raise JaxMismatch(
+            f"jax {jax.__version__} (jaxlib {jaxlib.__version__}) lacks {', '.join(absent)}, which "
+            "hloserve's XLA adapter calls: install a jax that hloserve supports (see its README) "
+            "or update hloserve._xla for this one"
+        )
+
+
+check_jax()
+_jax_mlir: Any = importlib.import_module("jax._src.interpreters.mlir")
 
 jax.config.update("jax_enable_x64", True)
 # On CPU, run each execution in the calling thread rather than handing it to XLA's own: a tiny
@@ -39,8 +79,10 @@ jax.config.update("jax_cpu_enable_async_dispatch", False)
 __all__ = [
     "DeviceArray",
     "Executable",
+    "JaxMismatch",
     "Signature",
     "TensorType",
+    "check_jax",
     "compile_module",
     "compiled_memory",
     "deserialize_executable",
@@ -164,8 +206,6 @@ def deserialize_executable(blob: bytes) -> Executable:
 
 def runtime_identity() -> str:
     """What a serialized executable depends on: jaxlib's version, the platform, the device kind."""
-    import jaxlib
-
     dev = device()
     return f"jaxlib {jaxlib.__version__}; {dev.platform}; {dev.device_kind}"
 
