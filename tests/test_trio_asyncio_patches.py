@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import pytest
 import trio
@@ -83,3 +85,36 @@ def test_call_soon_checks_its_callback_in_debug_mode_as_asyncio_does() -> None:
 
     trio.run(main)
     assert ran == ["debug", "plain"]
+
+
+AS_ON_PYTHON_314 = """
+import asyncio
+import subprocess
+import sys
+del asyncio.AbstractChildWatcher  # as Python 3.14 removed it
+{first}
+import trio, trio_asyncio
+
+async def main():
+    async with trio_asyncio.open_loop():
+        return await trio_asyncio.aio_as_trio(asyncio.sleep)(0, result=42)
+
+print(trio.run(main))
+"""
+
+
+@pytest.mark.parametrize(("first", "works"), [("", False), ("import hloserve", True)])
+def test_trio_asyncio_imports_and_runs_without_the_child_watcher_python_314_removed(
+    first: str, works: bool
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", AS_ON_PYTHON_314.format(first=first)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if works:
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.split() == ["42"]
+    else:  # what a user of trio-asyncio 0.16.0 meets on Python 3.14 without hloserve's module
+        assert "AbstractChildWatcher" in done.stderr, done.stderr[-2000:]

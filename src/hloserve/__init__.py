@@ -7,6 +7,7 @@ call into JAX. A bundle's model.py uses `register_model`, `register_meta_model` 
 `NamedTensor` from here.
 """
 
+from hloserve import _asyncio_compat  # noqa: F401  (before any module imports trio-asyncio)
 from hloserve.config import Config as Config
 from hloserve.config import load_config as load_config
 from hloserve.model_py import NamedTensor as NamedTensor
