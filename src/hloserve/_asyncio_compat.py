@@ -23,4 +23,4 @@ if restored_child_watcher:
     class AbstractChildWatcher:
         """Stands in for the class Python 3.14 removed: trio-asyncio only subclasses it."""
 
-    asyncio.AbstractChildWatcher = AbstractChildWatcher  # type: ignore[attr-defined,misc]
+    setattr(asyncio, "AbstractChildWatcher", AbstractChildWatcher)  # noqa: B010  (typed as asyncio's own class)

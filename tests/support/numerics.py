@@ -29,21 +29,26 @@ def tolerance(expected: Any, dtype: Any = None, ulps: int = ULPS) -> tuple[float
     return rtol, rtol * max(scale, 1.0)
 
 
-def assert_close(actual: Any, expected: Any, *, ulps: int = ULPS, dtype: Any = None) -> None:
-    """`actual` equals `expected` within `tolerance` of `actual`'s dtype (float32 for a float64
-    reference that a float32 model approximates)."""
-    got = np.asarray(actual)
-    rtol, atol = tolerance(expected, dtype or got.dtype, ulps)
-    np.testing.assert_allclose(got, expected, rtol=rtol, atol=atol)
+def coarser(actual: Any, expected: Any) -> np.dtype[Any]:
+    """The less precise of the two dtypes: a float32 model's answer against a float64 reference,
+    or a float64 parsed from a float32's text against the float32, is as good as float32."""
+    dtypes = [np.asarray(a).dtype for a in (actual, expected)]
+    inexact = [d for d in dtypes if np.issubdtype(d, np.inexact)]
+    return max(inexact, key=lambda d: np.finfo(d).eps) if inexact else dtypes[0]
+
+
+def assert_close(actual: Any, expected: Any, *, ulps: int = ULPS) -> None:
+    """`actual` equals `expected` within `tolerance` of the coarser of their dtypes."""
+    rtol, atol = tolerance(expected, coarser(actual, expected), ulps)
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol)
 
 
 def close(actual: Any, expected: Any, *, ulps: int = ULPS) -> bool:
     """`assert_close` as a predicate, for waiting until an answer changes."""
-    got = np.asarray(actual)
-    if got.shape != np.shape(expected):
+    if np.shape(actual) != np.shape(expected):
         return False
-    rtol, atol = tolerance(expected, got.dtype, ulps)
-    return bool(np.allclose(got, expected, rtol=rtol, atol=atol))
+    rtol, atol = tolerance(expected, coarser(actual, expected), ulps)
+    return bool(np.allclose(actual, expected, rtol=rtol, atol=atol))
 
 
 def assert_grades(grades: Any, logits: Any) -> None:
