@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import closing
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +22,25 @@ os.environ.setdefault("HLOSERVE_SERVER_HTTP_PORT", "0")
 _FRONTENDS = {"params": [0, 2], "ids": ["frontends0", "frontends2"]}
 """The server-level fixtures run every test twice: one process, and an engine with two frontend
 processes (docs/frontends.md), which must answer the same."""
+
+
+@pytest.fixture(autouse=True)
+def _alone_when_serial(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Under pytest-xdist, a test marked `serial` (it asserts on timing, or floods the machine)
+    runs while no other worker is in a test: it holds a lock exclusively that every other test
+    holds shared. Run without workers, there is nothing to wait for."""
+    workerinput = getattr(request.config, "workerinput", None)
+    if workerinput is None:
+        yield
+        return
+    lock = Path(tempfile.gettempdir()) / f"hloserve-tests-{workerinput['testrunuid']}.lock"
+    with lock.open("a") as file:
+        serial = request.node.get_closest_marker("serial") is not None
+        fcntl.flock(file, fcntl.LOCK_EX if serial else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(file, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session", name="server", **_FRONTENDS)

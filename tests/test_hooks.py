@@ -164,6 +164,7 @@ def test_a_hook_returning_the_wrong_dtype_is_internal_and_names_the_tensor(hooke
     assert infer(hooked, "hooked", {"values": np.ones((2, 3))}).as_numpy("label").shape == (2, 1)
 
 
+@pytest.mark.serial
 def test_hooks_run_in_threads_beside_each_other_and_the_loop(hooked: Any, tmp_path: Path) -> None:
     slow = np.ones((1, 7))  # the hook sleeps 0.3 s for rows of 7 values
     plain = grpcclient.InferInput("INPUT", [1, 4], "FP32")

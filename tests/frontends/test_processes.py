@@ -23,7 +23,7 @@ from support.numerics import assert_close
 from support.servers import start_worker
 from tritonclient.utils import InferenceServerException
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 def children(pid: int) -> list[int]:

@@ -27,6 +27,8 @@ from tritonclient.utils import InferenceServerException
 
 from hloserve.export import InputSpec, export_bundle
 
+pytestmark = pytest.mark.serial  # asserts on timing, or floods the machine
+
 ROW_CAP = 512
 """The server's `max_request_rows` in these tests."""
 SLOW_ROWS = 480

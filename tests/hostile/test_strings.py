@@ -31,6 +31,8 @@ from hloserve import _hpack_patches
 from hloserve._proto import hloserve_control as hc
 from hloserve._status import MAX_STATUS_MESSAGE_CHARS, to_grpc_error
 
+pytestmark = pytest.mark.serial  # asserts on timing, or floods the machine
+
 LONG = "hostile-" + "x" * ((1 << 20) - 8)
 """A one-megabyte client string; its head says whose it is."""
 LENGTH = f"({len(LONG)} characters)"

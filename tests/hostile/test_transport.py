@@ -33,6 +33,8 @@ from hloserve._h2_limits import TransportLimits, default_max_connections
 from hloserve.config import load_config
 from hloserve.errors import ConfigError
 
+pytestmark = pytest.mark.serial  # asserts on timing, or floods the machine
+
 SERVICE = "/inference.GRPCInferenceService/"
 MiB = 1 << 20
 LIMITS = {

@@ -20,7 +20,10 @@ from hloserve.node import Child, GaveUp, Supervisor, WorkerSpec, find_gpus, work
 # process JAX may already be loaded by other tests, and JAX warns at every fork; the child execs
 # at once, so the warning's deadlock cannot happen here (`hloserve node` imports JAX but starts no
 # backend, so it has no JAX threads).
-pytestmark = pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning"),
+    pytest.mark.serial,
+]
 
 
 def _python(code: str) -> list[str]:

@@ -45,7 +45,10 @@ def assert_close(actual: Any, expected: Any, *, ulps: int = ULPS) -> None:
 
 def close(actual: Any, expected: Any, *, ulps: int = ULPS) -> bool:
     """`assert_close` as a predicate, for waiting until an answer changes."""
-    if np.shape(actual) != np.shape(expected):
+    try:
+        if np.broadcast_shapes(np.shape(actual), np.shape(expected)) != np.shape(actual):
+            return False
+    except ValueError:
         return False
     rtol, atol = tolerance(expected, coarser(actual, expected), ulps)
     return bool(np.allclose(actual, expected, rtol=rtol, atol=atol))
