@@ -60,7 +60,7 @@ from hloserve._proto import inference as kserve
 from hloserve._rest_http1 import Refused, StrictH11
 from hloserve._status import to_grpc_error
 from hloserve.config import ServerConfig
-from hloserve.rest_codec import decode_infer, encode_infer
+from hloserve.rest_codec import decode_infer, encode_infer, parse_json
 
 log = structlog.get_logger("hloserve.rest")
 
@@ -198,6 +198,7 @@ Handler = Callable[[Request], Awaitable[Response]]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
+_DIGITS = re.compile(r"[0-9]{1,19}")  # ASCII digits only: str.isdigit takes '²', int() does not
 _INFER_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
 _JSON = [(b"content-type", b"application/json")]
 _BINARY = [(b"content-type", b"application/octet-stream")]
@@ -328,6 +329,11 @@ class _Routes:
             raise self._too_large(f"{encoding} body that inflates to more than {self._limit} bytes")
         if not inflater.eof:
             raise HttpRefusal(f"the {encoding} body is truncated")
+        if inflater.unused_data:
+            raise HttpRefusal(
+                f"{len(inflater.unused_data)} bytes follow the end of the {encoding} data; "
+                "send one compressed stream"
+            )
         return memoryview(inflated)
 
     async def _receive(self, declared: str | None, receive: Receive) -> bytes | memoryview:
@@ -385,9 +391,9 @@ class _Routes:
         if not body.strip():
             return {}
         try:
-            value = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise HttpRefusal(f"the request is not valid JSON: {e}"[:200]) from None
+            value = parse_json(body)
+        except ValueError as e:
+            raise HttpRefusal(str(e)) from None
         if not isinstance(value, dict):
             raise HttpRefusal("the request must be a JSON object")
         return value
@@ -408,7 +414,7 @@ class _Routes:
         }
         try:
             header_length = headers.get(_HEADER_LENGTH)
-            if header_length is not None and not header_length.strip().isdigit():
+            if header_length is not None and not _DIGITS.fullmatch(header_length.strip()):
                 raise HttpRefusal(
                     f"Inference-Header-Content-Length must be a byte count, got {header_length!r}"[:200]
                 )
@@ -663,7 +669,11 @@ class _App:
         if scope["type"] != "http":
             return await self._starlette(scope, receive, send)
         # h11 bounds a head still arriving; one that came whole in a single read is counted here
-        head = len(scope["raw_path"]) + sum(len(name) + len(value) + 4 for name, value in scope["headers"])
+        head = (
+            len(scope["raw_path"])
+            + len(scope["query_string"])
+            + sum(len(name) + len(value) + 4 for name, value in scope["headers"])
+        )
         if head > self._max_head_bytes:
             message = (
                 f"the request line and headers take {head} bytes, past the server's limit of "

@@ -1,15 +1,17 @@
-"""Hostile HTTP/1.1 and h2c against the REST port (issue 25): ambiguous framing (request
-smuggling), one connection's exception, h2c on and off, and bodies declared but never sent. Raw
-sockets wherever an HTTP client would normalise the request. Each test asserts the status, that
-the message names the problem, and that the next good request on a fresh connection is
-served."""
+"""Hostile HTTP/1.1, h2c and JSON against the REST port (issue 25): ambiguous framing (request
+smuggling), one connection's exception, h2c on and off, client mistakes that used to be 5xx or
+accepted, and bodies declared but never sent. Raw sockets wherever an HTTP client would
+normalise the request. Each test asserts the status, that the message names the problem, and
+that the next good request on a fresh connection is served."""
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import json
 import socket
 import time
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -253,6 +255,109 @@ def test_h2c_when_on_serves_and_a_stream_flood_closes_only_its_connection(h2c: S
         assert _closed(sock, 10), "the flooding connection stayed open"
     _assert_rest_serves(h2c)
     assert_serves(h2c.url)
+
+
+# -- client mistakes: a 4xx that names them, valid JSON in every answer ------------------------
+
+DEEP = b"[" * 100_000
+SHM = "/v2/systemsharedmemory/region/r/register"
+
+
+def _mlp(**changes: Any) -> bytes:
+    return json.dumps({"inputs": [{**MLP_INPUT, **changes}]}).encode()
+
+
+def _raw_mlp(data: bytes) -> bytes:
+    """An MLP request whose `data` is the JSON text `data`, as sent (json.dumps writes no NaN)."""
+    return b'{"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 16], "data": ' + data + b"}]}"
+
+
+def _nested(depth: int) -> Any:
+    data: Any = 0.5
+    for _ in range(depth):
+        data = [data]
+    return data
+
+
+_BOTH = json.dumps({"inputs": [{**MLP_INPUT, "parameters": {"binary_data_size": 64}}]}).encode()
+_LENGTH = "Inference-Header-Content-Length"
+_SURROGATE = b'"\\ud800"'
+_LOAD_DEEP = json.dumps({"parameters": {"config": "[" * 60_000}}).encode()
+
+MISTAKES = [
+    ("deep infer", INFER, DEEP, {}, "too deeply"),
+    ("deep index", "/v2/repository/index", DEEP, {}, "too deeply"),
+    ("deep load", "/v2/repository/models/mlp/load", DEEP, {}, "too deeply"),
+    ("deep shared memory", SHM, DEEP, {}, "too deeply"),
+    ("surrogate id", INFER, b'{"id": ' + _SURROGATE + b', "inputs": []}', {}, "surrogate"),
+    ("surrogate input name", INFER, _mlp(name="\ud800"), {}, "surrogate"),
+    (
+        "surrogate parameter key",
+        INFER,
+        b'{"parameters": {' + _SURROGATE + b': 1}, "inputs": []}',
+        {},
+        "surrogate",
+    ),
+    ("surrogate shared memory key", SHM, b'{"key": ' + _SURROGATE + b', "byte_size": 8}', {}, "surrogate"),
+    ("superscript header length", INFER, MLP_BODY, {_LENGTH: "\u00b2"}, "byte count"),
+    ("NaN", INFER, _raw_mlp(b"[NaN" + b", 0.5" * 15 + b"]"), {}, "NaN is not a JSON number"),
+    ("Infinity", INFER, _raw_mlp(b"[Infinity" + b", 0.5" * 15 + b"]"), {}, "Infinity is not a JSON number"),
+    ("-Infinity", INFER, _raw_mlp(b"[-Infinity" + b", 0.5" * 15 + b"]"), {}, "Infinity is not a JSON number"),
+    ("1e400", INFER, _raw_mlp(b"[1e400" + b", 0.5" * 15 + b"]"), {}, "too large for a double"),
+    ("1e39 for FP32", INFER, _raw_mlp(b"[1e39" + b", 0.5" * 15 + b"]"), {}, "out of range for FP32"),
+    ("1e400 parameter", INFER, b'{"parameters": {"p": 1e400}, "inputs": []}', {}, "not a finite number"),
+    ("data and binary_data_size", INFER, _BOTH + b"\0" * 64, {_LENGTH: str(len(_BOTH))}, "both 'data' and"),
+    (
+        "bytes after gzip",
+        INFER,
+        gzip.compress(MLP_BODY) + b"junk",
+        {"Content-Encoding": "gzip"},
+        "follow the end",
+    ),
+    (
+        "bytes after deflate",
+        INFER,
+        zlib.compress(MLP_BODY) + b"junk",
+        {"Content-Encoding": "deflate"},
+        "follow the end",
+    ),
+    ("101 dimensions", INFER, _mlp(shape=[1] * 101, data=_nested(101)), {}, "too many dimensions"),
+    ("load config 60,000 [", "/v2/repository/models/mlp/load", _LOAD_DEEP, {}, "too deeply"),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "headers", "says"), [pytest.param(*case[1:], id=case[0]) for case in MISTAKES]
+)
+def test_client_mistakes_are_4xx_naming_the_problem(
+    server: ServerThread, path: str, body: bytes, headers: dict[str, str], says: str
+) -> None:
+    status, answer = _post(server, path, body, headers)
+    assert 400 <= status < 500, answer
+    assert says in answer["error"], answer
+    _assert_rest_serves(server)
+
+
+def test_a_query_string_past_the_head_bound_is_431(server: ServerThread) -> None:
+    status, answer = _post(server, "/v2/health/live?x=" + "a" * 40_000, b"", method="GET")
+    assert status == 431 and "server.http_max_header_bytes" in answer["error"], answer
+    _assert_rest_serves(server)
+
+
+def test_two_to_the_64_is_a_valid_fp32_value(server: ServerThread) -> None:
+    status, answer = _post(server, INFER, _mlp(data=[2**64] + [0.5] * 15))
+    assert status == 200, answer
+
+
+def test_non_finite_outputs_are_valid_json(server: ServerThread) -> None:
+    """Outputs that are NaN or infinite come back as the strings "NaN", "Infinity" and
+    "-Infinity" (protobuf's JSON mapping), never as tokens that are not JSON."""
+    status, answer = _post(server, INFER, _mlp(data=[3e38] * 8 + [-3e38] * 8))
+    assert status == 200, answer
+    values = answer["outputs"][0]["data"]
+    assert len(values) == 4
+    assert all(isinstance(v, float) or v in ("NaN", "Infinity", "-Infinity") for v in values), values
+    assert any(isinstance(v, str) for v in values), f"the MLP gave finite outputs: {values}"
 
 
 # -- budgets count the bytes received ----------------------------------------------------------
