@@ -54,6 +54,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from hloserve import _rest_http1
 from hloserve._h2_limits import default_max_connections
 from hloserve._patch_requirements import Requires, check
 from hloserve._proto import inference as kserve
@@ -808,7 +809,7 @@ class RestServer:
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         """Bind, report the bound port, serve until stopped; an address in use raises OSError."""
-        check(REQUIRES)
+        check(REQUIRES, _rest_http1.REQUIRES)
         settings = hypercorn.config.Config()
         settings.graceful_timeout = self._config.shutdown_grace_s
         settings.h11_max_incomplete_size = self._config.http_max_header_bytes
