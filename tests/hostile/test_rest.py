@@ -6,6 +6,7 @@ that the next good request on a fresh connection is served."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import http.client
 import json
@@ -21,6 +22,8 @@ import numpy as np
 import pytest
 from support.clients import assert_serves
 from support.servers import ServerThread, make_config, start_worker
+
+from hloserve import rest
 
 MLP_INPUT = {"name": "INPUT0", "datatype": "FP32", "shape": [1, 16], "data": [0.5] * 16}
 MLP_BODY = json.dumps({"inputs": [MLP_INPUT]}).encode()
@@ -193,6 +196,29 @@ def test_two_content_lengths_are_400_and_closed(server: ServerThread, lengths: b
     status, error = _refused(server, raw)
     assert status == 400 and "Content-Length" in error, error
     _assert_rest_serves(server)
+
+
+@pytest.mark.parametrize(
+    ("chunks", "says"),
+    [
+        ([b"{}", b""], r"^the body has 2 bytes, its Content-Length says 100$"),
+        ([b"x" * 60, b"x" * 60], r"^the body has more than its Content-Length of 100 bytes$"),
+    ],
+)
+def test_a_body_is_used_only_when_exactly_its_declared_bytes_arrived(chunks: list[bytes], says: str) -> None:
+    """h11 and h2 hold a client to its Content-Length; `_receive` checks it again, so that no
+    answer is ever computed from the unwritten tail of a recycled buffer."""
+    routes = rest._Routes(None, {}, make_config().server)  # no service: only the body is read
+    messages = [
+        {"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)
+    ]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0)
+
+    with pytest.raises(rest.HttpRefusal, match=says):
+        asyncio.run(routes._receive("100", receive))
+    assert routes.receiving == 0
 
 
 # -- one connection's exception; h2c off and on --------------------------------------------------
