@@ -223,17 +223,21 @@ def test_a_trickled_body_is_408_and_closed(bounded: ServerThread) -> None:
 
 
 def test_bodies_past_the_bytes_being_received_are_503(bounded: ServerThread) -> None:
-    """A body being received holds its Content-Length of `server.max_receiving_bytes` (8 MiB
-    here) until it is in; one that would pass it is refused, and the bytes come back."""
+    """The bytes of bodies that have arrived, not their Content-Lengths, count against
+    `server.max_receiving_bytes` (8 MiB here): a body that would pass it is refused, and the
+    bytes come back."""
     before = _descriptors()
-    head = b"POST /v2/models/mlp/infer HTTP/1.1\r\nhost: x\r\ncontent-length: 5000000\r\n\r\n"
+    declared = 8 << 20
+    arrived = declared - 100  # all but 100 bytes of the budget
+    head = f"POST /v2/models/mlp/infer HTTP/1.1\r\nhost: x\r\ncontent-length: {declared}\r\n\r\n"
     with _connect(bounded) as slow, _connect(bounded) as second:
-        slow.sendall(head + b"{")
+        slow.sendall(head.encode() + b" " * arrived)
         deadline = time.monotonic() + 5
-        while bounded.call(lambda: bounded.worker.rest.receiving_bytes) < 5_000_000:
+        while bounded.call(lambda: bounded.worker.rest.receiving_bytes) < arrived:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        second.sendall(head)
+        good = f"POST /v2/models/mlp/infer HTTP/1.1\r\nhost: x\r\ncontent-length: {len(MLP_BODY)}\r\n\r\n"
+        second.sendall(good.encode() + MLP_BODY)
         status, error = _status_and_error(_response(second))
         assert status == 503 and "server.max_receiving_bytes (8388608)" in error, error
         status, error = _status_and_error(_until_closed(slow, 5))  # the slow one runs out of time

@@ -39,7 +39,7 @@ from h2.errors import ErrorCodes
 from support.servers import ServerThread
 from tritonclient.grpc import service_pb2
 
-from hloserve import _grpclib_patches, _hpack_patches, _trio_asyncio_patches, rest
+from hloserve import _grpclib_patches, _hpack_patches, _rest_http1, _trio_asyncio_patches, rest
 from hloserve._grpclib_patches import GracefulServer, GuardedStream, send_reply
 from hloserve._h2_limits import LimitedH2Connection, TransportLimits
 from hloserve._patch_requirements import PatchMismatch, check
@@ -60,9 +60,11 @@ def test_the_installed_libraries_pass_every_check() -> None:
         _hpack_patches.REQUIRES,
         _trio_asyncio_patches.REQUIRES,
         rest.REQUIRES,
+        _rest_http1.REQUIRES,
     )
     check(*every)
     assert {r.distribution for r in every} == {
+        "h11",
         "grpclib",
         "h2",
         "hyperframe",

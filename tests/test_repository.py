@@ -198,6 +198,7 @@ def test_a_config_override_applies_the_serving_settings(repo: Any) -> None:
     [
         ("{not json", "load parameter 'config' is not JSON"),
         ("[1]", "must be a JSON object"),
+        ("[" * 60_000, "load parameter 'config' nests arrays or objects too deeply"),  # issue 25
         ('{"max_batch_size": "many"}', "field 'max_batch_size': must be an integer >= 1"),
         ('{"max_batch_size": 0}', "field 'max_batch_size': must be an integer >= 1"),
         ('{"name": "other"}', "field 'name': is 'other', the model loaded is 'steady'"),

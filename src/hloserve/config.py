@@ -83,6 +83,11 @@ class ServerConfig:
     is closed, and a client must take an inference answer within this, else its connection is
     dropped; so a client that trickles a body, or reads no answer, cannot hold a connection
     (60 s carries a 1 GiB body at 20 MB/s)."""
+    http2: bool = False
+    """Serve HTTP/2 without TLS (h2c: prior knowledge or `Upgrade: h2c`) on the REST port beside
+    HTTP/1.1. Off, a `PRI * HTTP/2.0` preface is answered 505 and closed and an upgrade is ignored.
+    On, each connection's streams are bounded by `max_concurrent_streams`, and one whose streams
+    break hypercorn's bounds is closed (only that connection)."""
     max_message_bytes: int = 1 << 30
     """Largest gRPC message, or REST request body, accepted or sent (Triton clients allow up to
     2 GiB)."""

@@ -55,6 +55,8 @@ def apply_config(
         config = json.loads(text)
     except ValueError as e:
         raise InvalidInput(model, f"load parameter 'config' is not JSON: {e}") from None
+    except RecursionError:
+        raise InvalidInput(model, "load parameter 'config' nests arrays or objects too deeply") from None
     if not isinstance(config, dict):
         raise InvalidInput(model, "load parameter 'config' must be a JSON object (a Triton ModelConfig)")
     changes: dict[str, Any] = {}

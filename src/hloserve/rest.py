@@ -41,23 +41,29 @@ import hypercorn.asyncio.tcp_server
 import hypercorn.config
 import hypercorn.utils
 import numpy as np
+import structlog
 import trio
 import trio_asyncio
 from grpclib.const import Status
 from hypercorn.asyncio.tcp_server import TCPServer
 from hypercorn.asyncio.worker_context import WorkerContext
+from hypercorn.events import Closed
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from hloserve import _rest_http1
 from hloserve._h2_limits import default_max_connections
 from hloserve._patch_requirements import Requires, check
 from hloserve._proto import inference as kserve
+from hloserve._rest_http1 import Refused, StrictH11
 from hloserve._status import to_grpc_error
 from hloserve.config import ServerConfig
-from hloserve.rest_codec import decode_infer, encode_infer
+from hloserve.rest_codec import decode_infer, encode_infer, parse_json
+
+log = structlog.get_logger("hloserve.rest")
 
 if TYPE_CHECKING:
     from hloserve.model_table import ModelEntry
@@ -72,6 +78,10 @@ REQUIRES = Requires(
     members=(
         "hypercorn.asyncio.tcp_server.MAX_RECV",
         "hypercorn.asyncio.tcp_server.TCPServer._read_data",
+        "hypercorn.protocol.h11.H11Protocol._check_protocol",
+        "hypercorn.protocol.h11.H11Protocol._send_error_response",
+        "hypercorn.protocol.h11.H11Protocol._send_h11_event",
+        "hypercorn.protocol.ProtocolWrapper.handle",
         "hypercorn.asyncio.tcp_server.TCPServer._initiate_server_close",
         "hypercorn.asyncio.tcp_server.TCPServer.idle_task",
         "hypercorn.asyncio.tcp_server.TCPServer.writer",
@@ -84,10 +94,15 @@ REQUIRES = Requires(
             "self", "app", "loop", "config", "context", "state", "reader", "writer"
         ),
         "hypercorn.asyncio.worker_context.WorkerContext.__init__": ("self", "max_requests"),
+        "hypercorn.protocol.h11.H11Protocol.__init__": (
+            "self", "app", "config", "context", "task_group", "connection_state", "ssl", "client",
+            "server", "send",
+        ),
     },
 )  # fmt: skip
 """What `RestServer` reaches into: it runs hypercorn's connection handler under its own accept
-loop (the connection cap) and replaces its idle-timeout task (`_Connection`)."""
+loop (the connection cap), replaces its idle-timeout task and its HTTP/1.1 protocol
+(`_Connection`, `StrictH11`)."""
 
 HTTP_STATUS = {
     Status.NOT_FOUND: 404,
@@ -184,6 +199,7 @@ Handler = Callable[[Request], Awaitable[Response]]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
+_DIGITS = re.compile(r"[0-9]{1,19}")  # ASCII digits only: str.isdigit takes '²', int() does not
 _INFER_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
 _JSON = [(b"content-type", b"application/json")]
 _BINARY = [(b"content-type", b"application/octet-stream")]
@@ -314,35 +330,45 @@ class _Routes:
             raise self._too_large(f"{encoding} body that inflates to more than {self._limit} bytes")
         if not inflater.eof:
             raise HttpRefusal(f"the {encoding} body is truncated")
+        if inflater.unused_data:
+            raise HttpRefusal(
+                f"{len(inflater.unused_data)} bytes follow the end of the {encoding} data; "
+                "send one compressed stream"
+            )
         return memoryview(inflated)
 
     async def _receive(self, declared: str | None, receive: Receive) -> bytes | memoryview:
-        """The body as sent: with a Content-Length (h11 holds the client to it), each chunk
-        copied once into a buffer of that size (numpy's: not zeroed first, as a bytearray is);
-        chunked, joined once it has all come. While it comes its bytes count against
-        `server.max_receiving_bytes`, as gRPC's messages being received do."""
+        """The body as sent: with a Content-Length, each chunk copied once into a buffer of that
+        size (numpy's: not zeroed first, as a bytearray is), used only once every declared byte
+        has been written into it; chunked, joined once it has all come. Its bytes count against
+        `server.max_receiving_bytes` as they arrive, as gRPC's messages being received do (a
+        declared length books nothing: a client that sends nothing holds nothing)."""
+        expected = None
         if declared is not None:
-            size = int(declared)
-            if size > self._limit:
+            expected = int(declared)  # h11 has checked it is digits, and the only length
+            if expected > self._limit:
                 raise self._too_large(f"request body of {declared} bytes")
-            self._reserve(size)
-            try:
-                view, filled = np.empty(size, np.uint8).data, 0
-                async for chunk in _stream(receive):
-                    view[filled : filled + len(chunk)] = chunk
-                    filled += len(chunk)
-                return view
-            finally:
-                self.receiving -= size
-        chunks, size = [], 0
+        chunks: list[bytes] = []
+        view, size = None, 0
         try:
             async for chunk in _stream(receive):
-                if size + len(chunk) > self._limit:
-                    raise self._too_large(f"request body of more than {self._limit} bytes")
+                if size + len(chunk) > (self._limit if expected is None else expected):
+                    if expected is None:
+                        raise self._too_large(f"request body of more than {self._limit} bytes")
+                    raise HttpRefusal(f"the body has more than its Content-Length of {expected} bytes")
                 self._reserve(len(chunk))
+                if expected is None:
+                    chunks.append(chunk)
+                else:
+                    if view is None:
+                        view = np.empty(expected, np.uint8).data
+                    view[size : size + len(chunk)] = chunk
                 size += len(chunk)
-                chunks.append(chunk)
-            return b"".join(chunks)
+            if expected is None:
+                return b"".join(chunks)
+            if size != expected:
+                raise HttpRefusal(f"the body has {size} bytes, its Content-Length says {expected}")
+            return b"" if view is None else view
         finally:
             self.receiving -= size
 
@@ -366,9 +392,9 @@ class _Routes:
         if not body.strip():
             return {}
         try:
-            value = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise HttpRefusal(f"the request is not valid JSON: {e}"[:200]) from None
+            value = parse_json(body)
+        except ValueError as e:
+            raise HttpRefusal(str(e)) from None
         if not isinstance(value, dict):
             raise HttpRefusal("the request must be a JSON object")
         return value
@@ -389,7 +415,7 @@ class _Routes:
         }
         try:
             header_length = headers.get(_HEADER_LENGTH)
-            if header_length is not None and not header_length.strip().isdigit():
+            if header_length is not None and not _DIGITS.fullmatch(header_length.strip()):
                 raise HttpRefusal(
                     f"Inference-Header-Content-Length must be a byte count, got {header_length!r}"[:200]
                 )
@@ -644,7 +670,11 @@ class _App:
         if scope["type"] != "http":
             return await self._starlette(scope, receive, send)
         # h11 bounds a head still arriving; one that came whole in a single read is counted here
-        head = len(scope["raw_path"]) + sum(len(name) + len(value) + 4 for name, value in scope["headers"])
+        head = (
+            len(scope["raw_path"])
+            + len(scope["query_string"])
+            + sum(len(name) + len(value) + 4 for name, value in scope["headers"])
+        )
         if head > self._max_head_bytes:
             message = (
                 f"the request line and headers take {head} bytes, past the server's limit of "
@@ -681,17 +711,30 @@ def _listen(host: str, port: int, backlog: int, reuse_port: bool = False) -> soc
 
 
 class _Connection(TCPServer):
-    """hypercorn's connection handler, which tells the routes when its client has gone and
-    keeps its idle deadline in `_InFlight` instead of an idle-timeout task."""
+    """hypercorn's connection handler, which tells the routes when its client has gone, keeps
+    its idle deadline in `_InFlight` instead of an idle-timeout task, speaks HTTP/1.1 through
+    `StrictH11` (h2c only with `server.http2`). What its protocol raises leaves `run` (whose
+    task group cancels the connection's streams) and is contained by `RestServer`."""
 
-    def __init__(self, inflight: _InFlight, client: Any, *args: Any) -> None:
+    def __init__(self, inflight: _InFlight, client: Any, http2: bool, *args: Any) -> None:
         super().__init__(*args)
-        self._inflight, self._client = inflight, client
+        self._inflight, self._client, self._http2 = inflight, client, http2
         self.idle_task = _IdleDeadline(inflight, self)  # type: ignore[assignment]  # duck-typed
 
     async def _read_data(self) -> None:
-        await super()._read_data()  # until the client closes (or the connection fails)
-        self._inflight.disconnected(self._client)
+        wrapper = self.protocol  # made by `run` before it reads, with nothing read yet
+        h11 = StrictH11(
+            wrapper.app, wrapper.config, wrapper.context, wrapper.task_group, wrapper.state,
+            wrapper.ssl, wrapper.client, wrapper.server, wrapper.send,
+        )  # fmt: skip
+        h11.http2 = self._http2
+        wrapper.protocol = h11
+        try:
+            await super()._read_data()  # until the client closes (or the connection fails)
+        except Refused:
+            await self.protocol.handle(Closed())  # answered, and the connection closes
+        finally:
+            self._inflight.disconnected(self._client)
 
     async def close_idle(self) -> None:
         await self._initiate_server_close()
@@ -766,10 +809,12 @@ class RestServer:
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         """Bind, report the bound port, serve until stopped; an address in use raises OSError."""
-        check(REQUIRES)
+        check(REQUIRES, _rest_http1.REQUIRES)
         settings = hypercorn.config.Config()
         settings.graceful_timeout = self._config.shutdown_grace_s
         settings.h11_max_incomplete_size = self._config.http_max_header_bytes
+        settings.h2_max_concurrent_streams = self._config.max_concurrent_streams
+        settings.h2_max_header_list_size = self._config.http_max_header_bytes
         settings.accesslog = settings.errorlog = None  # the routes answer and log what goes wrong
         # 64 KiB per read made a 4.8 MB body 75 passes through h11 and the ASGI queue.
         hypercorn.asyncio.tcp_server.MAX_RECV = _READ_BYTES
@@ -806,10 +851,15 @@ class RestServer:
             family = writer.get_extra_info("socket").family
             client = None if peer is None else hypercorn.utils.parse_socket_addr(family, peer)
             connection = inflight.connections[client] = _Connection(
-                inflight, client, app, loop, settings, context, state, reader, writer
+                inflight, client, self._config.http2, app, loop, settings, context, state, reader, writer
             )
             try:
                 await connection
+            except Exception:
+                # e.g. priority.TooManyStreamsError out of hypercorn's H2 protocol: left to the
+                # accept loop, it ended the worker. Only this connection ends.
+                log.exception("REST connection failed; closed it", client=str(client)[:80])
+                writer.transport.abort()
             finally:
                 del inflight.connections[client]
                 open_.discard(task)

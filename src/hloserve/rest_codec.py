@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ from hloserve.codec import SHM_REGION, bytes_contents
 from hloserve.errors import InvalidInput
 from hloserve.viewed_request import ViewedRequest
 
-__all__ = ["BINARY_DATA_SIZE", "RestInfer", "decode_infer", "encode_infer"]
+__all__ = ["BINARY_DATA_SIZE", "RestInfer", "decode_infer", "encode_infer", "parse_json"]
 
 BINARY_DATA_SIZE = "binary_data_size"
 """Input and output parameter: the tensor's bytes follow the JSON header, this many."""
@@ -34,6 +35,50 @@ _REST_ONLY = (BINARY_DATA_SIZE, _BINARY_DATA, _BINARY_DATA_OUTPUT)  # not passed
 _KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf", "V": "iuf"}  # JSON kinds each dtype takes
 """numpy kinds of the JSON values a tensor of each kind accepts (V: bfloat16)."""
 _KIND_NAMES = {"b": "booleans", "iu": "integers", "iuf": "numbers"}
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+"""A `\\uD800`..`\\uDFFF` escape in JSON text: a string may hold a lone surrogate."""
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_MAX_DIMENSIONS = 64  # numpy's
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not a JSON number (RFC 8259)")
+
+
+def _lone_surrogate(value: Any) -> bool:
+    """Whether a string anywhere in `value` (a key or a value) holds a UTF-16 surrogate, which
+    no UTF-8 text can (json.loads keeps an unpaired `\\ud800` as one)."""
+    pending = [value]
+    while pending:  # iterative: a client's nesting depth costs no stack
+        item = pending.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return True
+        elif isinstance(item, list):
+            pending.extend(item)
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+    return False
+
+
+def parse_json(text: bytes) -> Any:
+    """`text` as JSON, as RFC 8259 has it; ValueError naming the problem when it is not JSON
+    (NaN and Infinity included), nests too deep to parse, or holds a lone UTF-16 surrogate."""
+    try:
+        value = json.loads(text, parse_constant=_not_json)
+    except RecursionError:
+        raise ValueError("the request is not accepted: its JSON nests arrays or objects too deeply") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"the request is not valid JSON: {e}"[:200]) from None
+    if _SURROGATE_ESCAPE.search(text) and _lone_surrogate(value):
+        raise ValueError(
+            "the request holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape that is not "
+            "half of a pair); strings must be valid Unicode"
+        )
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +121,8 @@ def _set_parameters(target: Any, parameters: dict[str, Any], model: str, where: 
                 raise _fail(model, f"{where}parameter {key!r} = {value} does not fit in int64")
             param.int64_param = value
         elif isinstance(value, float):
+            if not math.isfinite(value):
+                raise _fail(model, f"{where}parameter {key!r} is not a finite number")
             param.double_param = value
         elif isinstance(value, str):
             param.string_param = value
@@ -118,13 +165,31 @@ def _json_tensor(model: str, name: str, data: Any, wire: str, shape: list[int]) 
         raise _fail(model, str(e.args[0]), name) from None
     if dtype is dtypes.BYTES:
         return _json_strings(model, name, data, shape)
+    accepted = _KINDS[dtype.numpy.kind]
+    not_numbers = _fail(model, f"'data' must hold JSON {_KIND_NAMES[accepted]} for {wire}", name)
     try:
         values = np.asarray(data)
     except ValueError:
+        depth, item = 0, data
+        while isinstance(item, list) and item:
+            depth, item = depth + 1, item[0]
+        if depth > _MAX_DIMENSIONS:
+            raise _fail(
+                model,
+                f"'data' has too many dimensions: it nests {depth} deep, a tensor has at most "
+                f"{_MAX_DIMENSIONS}",
+                name,
+            ) from None
         raise _fail(model, "'data' is a ragged array; nest it regularly or send it flat", name) from None
-    accepted = _KINDS[dtype.numpy.kind]
+    if values.dtype.kind == "O" and "f" in accepted:  # an integer past 64 bits is a float here
+        try:
+            values = np.asarray(data, dtype=np.float64)
+        except (TypeError, ValueError, OverflowError):
+            raise not_numbers from None
+        if np.isnan(values).any():  # a null (a NaN token was refused by the parser)
+            raise not_numbers
     if values.size and values.dtype.kind not in accepted:
-        raise _fail(model, f"'data' must hold JSON {_KIND_NAMES[accepted]} for {wire}", name)
+        raise not_numbers
     count = math.prod(shape)
     if values.size != count:
         raise _fail(model, f"'data' holds {values.size} values, shape {shape} needs {count}", name)
@@ -134,7 +199,15 @@ def _json_tensor(model: str, name: str, data: Any, wire: str, shape: list[int]) 
         if low < info.min or high > info.max:
             bad = low if low < info.min else high
             raise _fail(model, f"'data' value {bad} is out of range for {wire}", name)
-    return np.ascontiguousarray(values, dtype=dtype.numpy).tobytes()
+    if values.dtype.kind == "f" and not np.isfinite(values).all():
+        raise _fail(model, "'data' holds a number too large for a double (such as 1e400)", name)
+    with np.errstate(over="ignore"):
+        cast = np.ascontiguousarray(values, dtype=dtype.numpy)
+    if values.dtype.kind in "iuf" and "f" in accepted and dtype.numpy != np.float64 and values.size:
+        if not np.isfinite(cast.astype(np.float64)).all():
+            largest = float(np.abs(values).max())
+            raise _fail(model, f"'data' value {largest:g} is out of range for {wire}", name)
+    return cast.tobytes()
 
 
 def decode_infer(body: memoryview, header_length: int | None, model: str, version: str) -> RestInfer:
@@ -146,9 +219,9 @@ def decode_infer(body: memoryview, header_length: int | None, model: str, versio
             model, f"Inference-Header-Content-Length is {length}, the body has only {len(body)} bytes"
         )
     try:
-        header = json.loads(bytes(body[:length]))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise _fail(model, f"the request is not valid JSON: {e}"[:200]) from None
+        header = parse_json(bytes(body[:length]))
+    except ValueError as e:
+        raise _fail(model, str(e)) from None
     if not isinstance(header, dict):
         raise _fail(model, "the request must be a JSON object with 'inputs'")
     request = hot.ModelInferRequest(model_name=model, model_version=version)
@@ -177,6 +250,8 @@ def decode_infer(body: memoryview, header_length: int | None, model: str, versio
         if SHM_REGION in params:
             continue
         size = params.get(BINARY_DATA_SIZE)
+        if size is not None and tensor.get("data") is not None:
+            raise _fail(model, f"has both 'data' and {BINARY_DATA_SIZE}; send one", name)
         if size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise _fail(model, f"{BINARY_DATA_SIZE} must be a non-negative integer", name)
@@ -232,7 +307,7 @@ def encode_infer(response: Any, decoded: RestInfer) -> tuple[list[bytes], int | 
             array = np.frombuffer(raw, dtype=dtypes.by_wire(tensor.datatype).numpy)
             if array.dtype.kind == "V" or array.dtype == np.float16:  # bfloat16, float16: as floats
                 array = array.astype(np.float32)
-            out["data"] = array.tolist()
+            out["data"] = _finite_json(array)
         outputs.append(out)
     body: dict[str, Any] = {"model_name": response.model_name, "model_version": "1"}
     if response.id:
@@ -240,6 +315,18 @@ def encode_infer(response: Any, decoded: RestInfer) -> tuple[list[bytes], int | 
     body["outputs"] = outputs
     header = json.dumps(body, separators=(",", ":")).encode()
     return [header, *blobs], len(header) if blobs else None
+
+
+def _finite_json(array: np.ndarray) -> list[Any]:
+    """`array`'s values as JSON values; NaN and the infinities, which JSON has no number for, as
+    the strings "NaN", "Infinity" and "-Infinity" (protobuf's JSON mapping of a float)."""
+    if array.dtype.kind != "f" or np.isfinite(array).all():
+        return list(array.tolist())
+    values = array.astype(object)
+    values[np.isnan(array)] = "NaN"
+    values[np.isposinf(array)] = "Infinity"
+    values[np.isneginf(array)] = "-Infinity"
+    return list(values.tolist())
 
 
 def _strings(raw: bytes) -> list[str]:
