@@ -43,7 +43,7 @@ from hloserve.node import free_port
 sys.path.insert(0, str(ROOT / "benches"))
 from perf_analyzer import run_perf_analyzer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # Envoy and several workers: the machine
 
 MODELS = ("cnn", "mlp", "pool", "severity_grader")
 META, PART = "doubled", "part"
