@@ -64,7 +64,9 @@ def generate(out: Path) -> list[Path]:
         renamed.mkdir()
         source = (PROTO / "model_config.proto").read_text()
         assert "\npackage inference;\n" in source
-        (renamed / TRITON_PROTO).write_text(source.replace("\npackage inference;\n", "\npackage hloserve_triton;\n"))
+        (renamed / TRITON_PROTO).write_text(
+            source.replace("\npackage inference;\n", "\npackage hloserve_triton;\n")
+        )
         _protoc(f"-I{renamed}", f"--python_out={triton}", TRITON_PROTO)
         (triton / "__init__.py").touch()
         written = []
