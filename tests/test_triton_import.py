@@ -166,6 +166,7 @@ def _report_lines(report: str) -> dict[str, str]:
     return found
 
 
+@pytest.mark.slow
 def test_import_triton_converts_the_onnx_models_and_reports_the_others(
     imported: tuple[Path, Path, int, str],
 ) -> None:
@@ -202,6 +203,7 @@ def test_import_triton_converts_the_onnx_models_and_reports_the_others(
     assert sorted(p.name for p in out.iterdir()) == ["hloserve.yaml", "squeezenet", "tabular"]
 
 
+@pytest.mark.slow
 def test_import_triton_writes_manifests_and_settings_from_the_config(
     imported: tuple[Path, Path, int, str],
 ) -> None:
@@ -229,6 +231,7 @@ def _assert_agrees(got: np.ndarray, want: np.ndarray) -> None:
     assert got.shape == want.shape and float(np.max(np.abs(got - want))) <= allowed
 
 
+@pytest.mark.slow
 def test_imported_models_served_agree_with_onnx_runtime(imported: tuple[Path, Path, int, str]) -> None:
     """Served with the written config and queried with tritonclient, as a Triton client would."""
     repository, out, _, _ = imported
@@ -272,6 +275,7 @@ class SmallConvNet(torch.nn.Module):
         return self.head(features)
 
 
+@pytest.mark.slow
 def test_import_onnx_file_with_dims_for_dynamic_axes(tmp_path: Path) -> None:
     """Height and width dynamic in the file: --dims fixes them; without, a clear refusal."""
     torch.manual_seed(0)
@@ -303,6 +307,7 @@ def test_import_onnx_file_with_dims_for_dynamic_axes(tmp_path: Path) -> None:
     assert sorted(p.name for p in out.parent.iterdir()) == ["conv"]
 
 
+@pytest.mark.slow
 def test_import_onnx_that_does_not_verify_leaves_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

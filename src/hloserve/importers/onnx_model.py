@@ -241,6 +241,10 @@ def _resolve(
         raise NotConvertible(
             f"{where} is {model.dtype} in the ONNX model, {np.dtype(given.dtype)} in the config"
         )
+    if kind == "output":
+        # An output's shape is what the model computes: the ONNX file's declaration may be stale,
+        # so the config's dims are checked against ONNX Runtime's results (onnx_reference).
+        return TensorPlan(model.name, model.dtype, given.dims, None, given.labels)
     onnx_dims = model.dims
     if onnx_dims is None:
         if given.dims is None or VARIABLE in given.dims:
@@ -269,7 +273,7 @@ def _resolve(
             raise NotConvertible(
                 f"{where} axis {axis} is {onnx_size} in the ONNX model, {size} in the config"
             )
-        if size == VARIABLE and onnx_size == VARIABLE and kind == "input":
+        if size == VARIABLE and onnx_size == VARIABLE:
             raise NotConvertible(
                 f"{where} axis {axis} is dynamic in both the ONNX model and the config (dims "
                 f"{list(dims)}): hloserve compiles static shapes; give its size in config.pbtxt's dims"
