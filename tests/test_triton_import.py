@@ -138,6 +138,7 @@ def _triton_repository(root: Path) -> Path:
     _one_node_model(dynamic / "1" / "model.onnx", "Relu", "relu", ["batch", "seq"])
     unsupported = _model_dir(repository, "hardmax", 'platform: "onnxruntime_onnx"\nmax_batch_size: 2\n')
     _one_node_model(unsupported / "1" / "model.onnx", "Hardmax", "pick_max", ["batch", 5])
+    _one_node_model(repository / "autoconf" / "2" / "model.onnx", "Relu", "relu", ["batch", 5])  # no config
     broken = _model_dir(
         repository, "broken", 'platform: "onnxruntime_onnx"\nmax_batch_size: 2\ninput [ { nme: "X" } ]\n'
     )
@@ -174,13 +175,17 @@ def test_import_triton_converts_the_onnx_models_and_reports_the_others(
     _, out, status, report = imported
     assert status == 1, report
     lines = _report_lines(report)
-    assert "converted (2):" in report and "not converted (5):" in report, report
+    assert "converted (3):" in report and "not converted (5):" in report, report
     assert lines["squeezenet"].startswith("version 3, batch sizes 2, 4, agrees with ONNX Runtime (LOGITS "), (
         report
     )
     assert lines["tabular"].startswith(
         "version 1, batch sizes none (whole shapes), agrees with ONNX Runtime"
     ), report
+    assert lines["autoconf"].startswith("version 2, batch sizes 1, 4, agrees with ONNX Runtime (Y 0 <= "), (
+        report
+    )
+    assert "    no config.pbtxt: config completed from the ONNX model, as Triton does" in report.splitlines()
     assert lines["engine"] == (
         "platform 'tensorrt_plan' (TensorRT plan): only ONNX models convert; "
         "export the model's source with `hloserve export`"
@@ -200,7 +205,7 @@ def test_import_triton_converts_the_onnx_models_and_reports_the_others(
         "    ignored config.pbtxt fields: instance_group[0].count, instance_group[0].kind, "
         'parameters["intra_op_thread_count"].string_value'
     ) in report.splitlines()
-    assert sorted(p.name for p in out.iterdir()) == ["hloserve.yaml", "squeezenet", "tabular"]
+    assert sorted(p.name for p in out.iterdir()) == ["autoconf", "hloserve.yaml", "squeezenet", "tabular"]
 
 
 @pytest.mark.slow
@@ -221,7 +226,10 @@ def test_import_triton_writes_manifests_and_settings_from_the_config(
     assert yaml.safe_load((out / "hloserve.yaml").read_text()) == {
         "server": {"model_repository": str(out.resolve())},
         "scheduler": {
-            "models": {"squeezenet": {"max_batch_size": 4, "max_queue_delay_us": 500, "max_queue_depth": 16}}
+            "models": {
+                "autoconf": {"max_batch_size": 4},
+                "squeezenet": {"max_batch_size": 4, "max_queue_delay_us": 500, "max_queue_depth": 16},
+            }
         },
     }
 

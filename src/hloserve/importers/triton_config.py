@@ -31,6 +31,8 @@ __all__ = [
     "NotConvertible",
     "TensorPlan",
     "TritonConfigError",
+    "autocomplete_config",
+    "empty_config",
     "plan_model",
     "read_model_config",
 ]
@@ -40,6 +42,8 @@ ONNX_PLATFORM = "onnxruntime_onnx"
 ONNX_BACKEND = "onnxruntime"
 ONNX_FILE = "model.onnx"
 VARIABLE = -1
+DEFAULT_MAX_BATCH_SIZE = 4
+"""Triton's `--backend-config=default-max-batch-size`, used when it auto-completes a config."""
 
 HANDLED = frozenset(
     {
@@ -152,6 +156,28 @@ def read_model_config(path: Path) -> Any:
         raise TritonConfigError(f"{path}:{e}") from None
 
 
+def empty_config() -> Any:
+    """A ModelConfig with nothing set (a model directory without config.pbtxt)."""
+    return pb.ModelConfig()
+
+
+def autocomplete_config(signature: tuple[Sequence[TensorPlan], Sequence[TensorPlan]]) -> Any:
+    """The config Triton's auto-complete gives an ONNX model without config.pbtxt, from its
+    (inputs, outputs): a batch axis when every tensor's first axis is dynamic, then
+    `max_batch_size` 4 (Triton's default) and the dynamic batcher; whole shapes otherwise."""
+    inputs, outputs = signature
+    batched = all(t.dims and t.dims[0] == VARIABLE for t in (*inputs, *outputs))
+    config = pb.ModelConfig(platform=ONNX_PLATFORM, max_batch_size=DEFAULT_MAX_BATCH_SIZE if batched else 0)
+    if batched:
+        config.dynamic_batching.SetInParent()
+    for kind, tensors in ((config.input, inputs), (config.output, outputs)):
+        for t in tensors:
+            dims = (t.dims or ())[1 if batched else 0 :]
+            wire = dtypes.by_numpy(np.dtype(t.dtype)).wire
+            kind.add(name=t.name, data_type=pb.DataType.Value(f"TYPE_{wire}"), dims=dims)
+    return config
+
+
 def plan_model(directory: Path, config: Any) -> ModelPlan:
     """The import plan of the Triton model `directory` whose parsed config is `config`.
 
@@ -212,7 +238,7 @@ def _model_file(directory: Path, config: Any) -> tuple[int, Path]:
         present = sorted(p.name for p in (directory / str(version)).iterdir())
         if not platform:
             raise NotConvertible(
-                f"no platform or backend in config.pbtxt and no {filename} in version {version} "
+                f"no platform or backend named, and no {filename} in version {version} "
                 f"(it holds {present}): only ONNX models convert"
             )
         raise NotConvertible(f"version {version} has no {filename} (it holds {present})")

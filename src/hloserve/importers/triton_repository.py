@@ -22,12 +22,15 @@ from typing import Any
 import yaml
 
 from hloserve.importers._staging import write_staged
-from hloserve.importers.onnx_model import ImportedBundle, import_onnx
+from hloserve.importers.onnx_model import ImportedBundle, import_onnx, onnx_signature
 from hloserve.importers.triton_config import (
     CONFIG_FILE,
     ModelPlan,
     NotConvertible,
+    TensorPlan,
     TritonConfigError,
+    autocomplete_config,
+    empty_config,
     plan_model,
     read_model_config,
 )
@@ -48,6 +51,8 @@ class ModelOutcome:
     plan: ModelPlan | None = None
     bundle: ImportedBundle | None = None
     seconds: float = 0.0
+    autocompleted: bool = False
+    """It had no config.pbtxt: its config was completed from the ONNX model, as Triton does."""
 
     @property
     def converted(self) -> bool:
@@ -89,6 +94,8 @@ class ImportReport:
             lines.append(
                 f"  {o.name}: version {o.plan.version}, batch sizes {sizes}, {verified} [{o.seconds:.1f} s]"
             )
+            if o.autocompleted:
+                lines.append(f"    no {CONFIG_FILE}: config completed from the ONNX model, as Triton does")
             if o.plan.settings:
                 lines.append(f"    settings: {', '.join(f'{k} {v}' for k, v in o.plan.settings.items())}")
             if o.ignored:
@@ -124,8 +131,10 @@ def import_triton_repository(
     for directory in sorted(p for p in repository.iterdir() if p.is_dir() and not p.name.startswith(".")):
         started = time.perf_counter()
         outcome = _import_model(directory, out, platform, verify)
-        outcome = ModelOutcome(
-            outcome.name, outcome.reason, outcome.plan, outcome.bundle, time.perf_counter() - started
+        outcome = dataclasses.replace(
+            outcome,
+            seconds=time.perf_counter() - started,
+            autocompleted=not (directory / CONFIG_FILE).is_file(),
         )
         outcomes.append(outcome)
         if progress is not None:
@@ -137,17 +146,19 @@ def import_triton_repository(
 
 def _import_model(directory: Path, out: Path, platform: str, verify: bool) -> ModelOutcome:
     name = directory.name
-    config_file = directory / CONFIG_FILE
-    if not config_file.is_file():
-        return ModelOutcome(
-            name, f"no {CONFIG_FILE} (Triton's auto-completed configs are not imitated: write one)"
-        )
     if (out / name).exists():
         return ModelOutcome(name, f"{out / name} already exists; remove it or import into another --out")
+    config_file = directory / CONFIG_FILE
     try:
-        plan = plan_model(directory, read_model_config(config_file))
+        if config_file.is_file():
+            config = read_model_config(config_file)
+        else:  # as Triton's auto-complete for an ONNX model
+            config = autocomplete_config(_signature(plan_model(directory, empty_config()).model_file))
+        plan = plan_model(directory, config)
     except (TritonConfigError, NotConvertible) as e:
-        return ModelOutcome(name, str(e))
+        if config_file.is_file():
+            return ModelOutcome(name, str(e))
+        return ModelOutcome(name, f"no {CONFIG_FILE}, auto-completed as Triton does for ONNX models: {e}")
 
     def write(directory: Path) -> ImportedBundle:
         bundle = import_onnx(
@@ -169,6 +180,17 @@ def _import_model(directory: Path, out: Path, platform: str, verify: bool) -> Mo
     except Exception as e:  # one model's surprise never stops the others
         return ModelOutcome(name, f"{type(e).__name__}: {e}", plan)
     return ModelOutcome(name, None, plan, bundle)
+
+
+def _signature(model_file: Path) -> tuple[list[TensorPlan], list[TensorPlan]]:
+    import onnx
+
+    try:
+        return onnx_signature(onnx.load(str(model_file), load_external_data=False))
+    except NotConvertible:
+        raise
+    except Exception as e:
+        raise NotConvertible(f"{model_file} is not a readable ONNX model: {e}") from None
 
 
 def _add_labels(directory: Path, plan: ModelPlan) -> None:
