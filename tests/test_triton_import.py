@@ -31,7 +31,7 @@ from hloserve.config import load_config
 from hloserve.importers import NotConvertible, TritonConfigError, import_onnx_file
 from hloserve.importers import onnx_reference as reference
 from hloserve.importers._torchvision import import_torchvision
-from hloserve.importers.triton_config import read_model_config
+from hloserve.importers.triton_config import plan_model, read_model_config
 
 torchvision = import_torchvision()
 
@@ -337,3 +337,77 @@ def test_bad_config_pbtxt_names_the_file_line_and_field(tmp_path: Path) -> None:
         match=r"^.*/config\.pbtxt:2:17 : 'max_batch_size: \"eight\"': Couldn't parse integer: \"eight\"$",
     ):
         read_model_config(tmp_path / "config.pbtxt")
+
+
+def _plan(tmp_path: Path, config: str) -> Any:
+    directory = tmp_path / "m"
+    (directory / "1").mkdir(parents=True)
+    (directory / "1" / "model.onnx").write_bytes(b"")
+    (directory / "config.pbtxt").write_text(config)
+    return plan_model(directory, read_model_config(directory / "config.pbtxt"))
+
+
+@pytest.mark.parametrize(
+    ("config", "reason"),
+    [
+        (
+            'platform: "onnxruntime_onnx" sequence_batching { max_sequence_idle_microseconds: 5 }',
+            "sequence batching (a stateful model): a bundle is a stateless function",
+        ),
+        (
+            'platform: "tensorrt_plan" input [ { name: "x", data_type: TYPE_INT32, is_shape_tensor: true } ]',
+            "platform 'tensorrt_plan' (TensorRT plan): only ONNX models convert; "
+            "export the model's source with `hloserve export`",
+        ),
+        (
+            'backend: "onnxruntime" max_batch_size: 4 '
+            'input [ { name: "x", data_type: TYPE_FP32, dims: [ 2 ], reshape { shape: [ 1, 2 ] } } ]',
+            "a reshaped input: the bundle's input shape is the model's",
+        ),
+        (
+            'backend: "onnxruntime" max_batch_size: 4 dynamic_batching { preferred_batch_size: [ 2, 8 ] }',
+            "dynamic_batching.preferred_batch_size [8] must lie within 1..max_batch_size (4)",
+        ),
+        (
+            'name: "other" backend: "onnxruntime"',
+            "config.pbtxt names the model 'other', its directory is 'm'",
+        ),
+        (
+            'backend: "onnxruntime" input [ { name: "text", data_type: TYPE_STRING, dims: [ 1 ] } ]',
+            "input 'text' is TYPE_STRING: an executable takes numbers; strings need a model.py to turn them "
+            "into numbers (export the model's source with `hloserve export`)",
+        ),
+        (
+            'backend: "onnxruntime" output [ { name: "y", data_type: TYPE_FP32, dims: [ 3 ], '
+            'label_filename: "../labels.txt" } ]',
+            "output 'y': label_filename '../labels.txt' is not a file in ",
+        ),
+    ],
+)
+def test_plan_refuses_what_a_bundle_cannot_honour(tmp_path: Path, config: str, reason: str) -> None:
+    with pytest.raises(NotConvertible) as refused:
+        _plan(tmp_path, config)
+    assert str(refused.value).startswith(reason)
+
+
+def test_plan_lists_every_field_it_ignores_by_its_path(tmp_path: Path) -> None:
+    plan = _plan(
+        tmp_path,
+        'backend: "onnxruntime" max_batch_size: 8 version_policy { all {} }\n'
+        "dynamic_batching { preferred_batch_size: [ 4 ] priority_levels: 2 default_queue_policy { "
+        "max_queue_size: 3 default_timeout_microseconds: 100 } }\n"
+        'input [ { name: "x", data_type: TYPE_FP32, dims: [ 2 ], optional: true } ]\n'
+        'optimization { execution_accelerators { cpu_execution_accelerator [ { name: "openvino" } ] } }\n'
+        'model_warmup [ { name: "w", batch_size: 1 } ]\n',
+    )
+    assert plan.batch_sizes == (4, 8)
+    assert plan.settings == {"max_batch_size": 8, "max_queue_depth": 3}
+    assert plan.ignored == (
+        "version_policy.all",
+        "input[0].optional",
+        "dynamic_batching.priority_levels",
+        "dynamic_batching.default_queue_policy.default_timeout_microseconds",
+        "optimization.execution_accelerators.cpu_execution_accelerator[0].name",
+        "model_warmup[0].name",
+        "model_warmup[0].batch_size",
+    )

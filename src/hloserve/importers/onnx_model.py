@@ -135,6 +135,8 @@ def import_onnx(
         )
     except (ValueError, VerificationError) as e:
         raise NotConvertible(f"export failed: {e}") from None
+    except Exception as e:  # torchax or JAX failing on a converted operation, in its own words
+        raise NotConvertible(f"export failed: {type(e).__name__}: {e}") from e
     checks: tuple[OutputCheck, ...] = ()
     if verify:
         checks = verify_against_onnxruntime(

@@ -188,6 +188,13 @@ def plan_model(directory: Path, config: Any) -> ModelPlan:
     name = directory.name
     if config.name and config.name != name:
         raise NotConvertible(f"config.pbtxt names the model {config.name!r}, its directory is {name!r}")
+    platform = config.platform or config.backend
+    if platform not in (ONNX_PLATFORM, ONNX_BACKEND, ""):  # "": the model file decides, as in Triton
+        kind = _PLATFORMS.get(platform, platform)
+        raise NotConvertible(
+            f"platform {platform!r} ({kind}): only ONNX models convert; export the model's source "
+            "with `hloserve export`"
+        )
     set_fields = list(_set_fields(config, indexed=True))
     refused = sorted({REFUSED[r] for f in set_fields if (r := _within(f, REFUSED)) is not None})
     if refused:
@@ -216,12 +223,6 @@ def _model_file(directory: Path, config: Any) -> tuple[int, Path]:
     """The highest numbered version allowed by the version policy, and its ONNX file."""
     filename = config.default_model_filename or ONNX_FILE
     platform = config.platform or config.backend
-    if platform not in (ONNX_PLATFORM, ONNX_BACKEND, ""):
-        kind = _PLATFORMS.get(platform, platform)
-        raise NotConvertible(
-            f"platform {platform!r} ({kind}): only ONNX models convert; export the model's source "
-            "with `hloserve export`"
-        )
     versions = sorted(
         (int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit()), reverse=True
     )
