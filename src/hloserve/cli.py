@@ -358,10 +358,21 @@ def _add_import_command(commands: Any) -> None:
         command.add_argument("--no-verify", action="store_true", help="skip the comparison with ONNX Runtime")
 
 
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
 def _import(args: argparse.Namespace) -> int:
     from hloserve.importers import import_onnx_file, import_triton_repository
     from hloserve.importers.triton_config import NotConvertible
 
+    missing = [m for m in ("onnx", "onnxruntime", "onnx2torch", "torch", "torchax") if not _installed(m)]
+    if missing:
+        print(
+            f"hloserve import: needs the `onnx` extra (pip install 'hloserve[onnx]'); missing: {missing}",
+            file=sys.stderr,
+        )
+        return 2
     configure_logging(LoggingConfig())  # a progress line per batch size, on stderr
     if args.source == "triton":
         if not args.repository.is_dir():
