@@ -128,7 +128,8 @@ def import_triton_repository(
         raise NotADirectoryError(f"Triton repository {str(repository)!r} is not a directory")
     out.mkdir(parents=True, exist_ok=True)
     outcomes = []
-    for directory in sorted(p for p in repository.iterdir() if p.is_dir() and not p.name.startswith(".")):
+    models = (p for p in repository.iterdir() if p.is_dir() and not p.name.startswith("."))
+    for directory in sorted(p for p in models if p.resolve() != out.resolve()):  # --out inside REPO
         started = time.perf_counter()
         outcome = _import_model(directory, out, platform, verify)
         outcome = dataclasses.replace(
