@@ -1,6 +1,7 @@
 """The `hloserve` command: `hloserve serve` runs a worker until SIGINT or SIGTERM; `hloserve node`
 runs one worker per GPU (or N on CPU) behind one endpoint; `hloserve export` writes a bundle from
-a JAX, Flax or PyTorch model described by a Python function."""
+a JAX, Flax or PyTorch model described by a Python function; `hloserve import` converts a Triton
+repository's ONNX models, or one ONNX file, into bundles."""
 
 from __future__ import annotations
 
@@ -75,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
         help="frontend processes sharing the public ports in front of this engine (default 0: one process)",
     )
     _add_export_command(commands)
+    _add_import_command(commands)
     _add_node_command(commands)
     return parser
 
@@ -309,10 +311,114 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+_IMPORT_HELP = """\
+Convert models from other servers' formats into bundles (needs the `onnx` extra:
+pip install 'hloserve[onnx]'). ONNX files go through onnx2torch and the PyTorch exporter, and
+each bundle is compared with ONNX Runtime on random inputs at every batch size.
+
+  hloserve import triton REPO --out DIR
+      every model directory of a Triton repository (config.pbtxt, highest version's model.onnx);
+      prints which converted and which did not, and why; writes DIR/hloserve.yaml
+  hloserve import onnx MODEL.onnx --out DIR --batch-sizes 1,4,8
+      one file; DIR is the bundle, named after its directory
+
+Exit status: 0 every model converted, 1 some did not, 2 bad arguments.
+"""
+
+
+def _add_import_command(commands: Any) -> None:
+    imports = commands.add_parser(
+        "import",
+        help="convert a Triton repository or an ONNX file into bundles",
+        description=_IMPORT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sources = imports.add_subparsers(dest="source", required=True)
+    triton = sources.add_parser("triton", help="a Triton model repository (ONNX models)")
+    triton.add_argument("repository", metavar="REPO", type=Path, help="the Triton model repository")
+    triton.add_argument("--out", type=Path, required=True, help="the hloserve repository to write into")
+    onnx = sources.add_parser("onnx", help="one ONNX file")
+    onnx.add_argument("model", metavar="MODEL.onnx", type=Path, help="the ONNX file")
+    onnx.add_argument("--out", type=Path, required=True, help="bundle directory; its name is the model's")
+    onnx.add_argument("--batch-sizes", type=_batch_sizes, help="compiled batch sizes, e.g. 1,4,8 (default 1)")
+    onnx.add_argument(
+        "--no-batch-axis", action="store_true", help="whole shapes: the model's first axis is not a batch"
+    )
+    onnx.add_argument(
+        "--dims",
+        action="append",
+        default=[],
+        metavar="INPUT=D1,D2,...",
+        help="sizes of an input's axes after the batch axis, for axes the ONNX file leaves dynamic",
+    )
+    for command in (triton, onnx):
+        command.add_argument(
+            "--platform", choices=["cpu", "cuda"], default="cpu", help="platform to lower for"
+        )
+        command.add_argument("--no-verify", action="store_true", help="skip the comparison with ONNX Runtime")
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _import(args: argparse.Namespace) -> int:
+    from hloserve.importers import import_onnx_file, import_triton_repository
+    from hloserve.importers.triton_config import NotConvertible
+
+    missing = [m for m in ("onnx", "onnxruntime", "onnx2torch", "torch", "torchax") if not _installed(m)]
+    if missing:
+        print(
+            f"hloserve import: needs the `onnx` extra (pip install 'hloserve[onnx]'); missing: {missing}",
+            file=sys.stderr,
+        )
+        return 2
+    configure_logging(LoggingConfig())  # a progress line per batch size, on stderr
+    if args.source == "triton":
+        if not args.repository.is_dir():
+            print(f"hloserve import: {args.repository} is not a directory", file=sys.stderr)
+            return 2
+        report = import_triton_repository(
+            args.repository, args.out, platform=args.platform, verify=not args.no_verify
+        )
+        print(report.format())
+        return 0 if not report.failed else 1
+    if args.batch_sizes is not None and args.no_batch_axis:
+        print("hloserve import: --batch-sizes cannot go with --no-batch-axis", file=sys.stderr)
+        return 2
+    dims: dict[str, tuple[int, ...]] = {}
+    for item in args.dims:
+        name, equals, sizes = item.partition("=")
+        try:
+            dims[name] = tuple(int(d) for d in sizes.split(","))
+        except ValueError:
+            equals = ""
+        if not equals or not name:
+            print(f"hloserve import: --dims takes INPUT=D1,D2,..., got {item!r}", file=sys.stderr)
+            return 2
+    try:
+        bundle = import_onnx_file(
+            args.model,
+            args.out,
+            dims=dims,
+            batch_sizes=None if args.no_batch_axis else (args.batch_sizes or [1]),
+            platform=args.platform,
+            verify=not args.no_verify,
+        )
+    except (NotConvertible, FileExistsError, FileNotFoundError) as e:
+        print(f"hloserve import: {args.model}: {e}", file=sys.stderr)
+        return 1
+    checks = "; ".join(f"{c.name} {c.difference:.2g} <= {c.tolerance:.2g}" for c in bundle.checks)
+    print(f"{bundle.directory}: written{f', agrees with ONNX Runtime ({checks})' if checks else ''}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "export":
         return _export(args)
+    if args.command == "import":
+        return _import(args)
     try:
         config = _apply_flags(load_config(args.config), args)
         if args.command == "node":
