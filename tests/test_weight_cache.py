@@ -146,3 +146,67 @@ def test_compaction_every_n_loads(tmp_path: Path) -> None:
         assert {n for n, (resident, _, _) in state.items() if resident} == {"c"}
         assert server.call(lambda: server.worker.statistics.compactions) == 1
         client.close()
+
+
+def _pinned(server: ServerThread) -> dict[str, bool]:
+    stats = server.call(server.worker.statistics.snapshot)
+    return {n: s.host_pinned for n, s in sorted(stats.items()) if s.residency}
+
+
+def test_system_floors_are_pinned_at_start_and_load_from_there(tmp_path: Path) -> None:
+    with _server(tmp_path, "abu", budget=WEIGHT_BYTES + 10, u="unpinned") as server:
+        assert _pinned(server) == {"a": True, "b": True, "u": False}  # the CPU lists pinned_host too
+        client = grpcclient.InferenceServerClient(server.url)
+        for model in "abuab":
+            assert_affine_answers(client, model)
+        assert residency(server)["b"] == (True, 2, 1)
+        client.close()
+
+
+def test_pinning_can_be_turned_off(tmp_path: Path) -> None:
+    for name in "ab":
+        write_affine(tmp_path / name)
+    config = make_config(tmp_path).replace("weights", budget_bytes=WEIGHT_BYTES + 10, pin_host_floors=False)
+    with start_worker(config) as server:
+        assert _pinned(server) == {"a": False, "b": False}
+        client = grpcclient.InferenceServerClient(server.url)
+        for model in "aba":
+            assert_affine_answers(client, model)
+        client.close()
+
+
+def test_pinning_that_fails_leaves_the_floor_pageable_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hloserve import _xla
+
+    def refuse(arrays: object) -> None:
+        raise RuntimeError("RESOURCE_EXHAUSTED: cudaHostAlloc failed: locked memory limit\nmore")
+
+    monkeypatch.setattr(_xla, "pin", refuse)
+    with structlog.testing.capture_logs() as logs:
+        with _server(tmp_path, "ab", budget=WEIGHT_BYTES + 10) as server:
+            assert _pinned(server) == {"a": False, "b": False}
+            client = grpcclient.InferenceServerClient(server.url)
+            for model in "aba":
+                assert_affine_answers(client, model)
+            client.close()
+    failed = [e for e in logs if e["event"].startswith("pinning the host floor failed")]
+    assert [(e["model"], e["error"]) for e in failed] == [
+        ("a", "RESOURCE_EXHAUSTED: cudaHostAlloc failed: locked memory limit"),
+        ("b", "RESOURCE_EXHAUSTED: cudaHostAlloc failed: locked memory limit"),
+    ]
+    assert failed[0]["log_level"] == "warning"
+
+
+def test_shared_host_floors_stay_pageable_and_serve(tmp_path: Path) -> None:
+    """JAX pins only memory it allocates, so a region shared with other workers is not pinned."""
+    for name in "ab":
+        write_affine(tmp_path / name)
+    config = make_config(tmp_path).replace("weights", budget_bytes=WEIGHT_BYTES + 10, shared_host_weights=True)
+    with start_worker(config) as server:
+        assert _pinned(server) == {"a": False, "b": False}
+        client = grpcclient.InferenceServerClient(server.url)
+        for model in "aba":
+            assert_affine_answers(client, model)
+        client.close()
