@@ -110,7 +110,7 @@ def _copies(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[list[Copy], list[
         return placed
 
     monkeypatch.setattr(weight_cache, "device_copy", copy)
-    monkeypatch.setitem(COPY_DURATION, 0, COPY_S)
+    COPY_DURATION[0] = COPY_S
     yield recorded, servers
 
 
