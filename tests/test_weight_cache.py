@@ -203,7 +203,9 @@ def test_shared_host_floors_stay_pageable_and_serve(tmp_path: Path) -> None:
     """JAX pins only memory it allocates, so a region shared with other workers is not pinned."""
     for name in "ab":
         write_affine(tmp_path / name)
-    config = make_config(tmp_path).replace("weights", budget_bytes=WEIGHT_BYTES + 10, shared_host_weights=True)
+    config = make_config(tmp_path).replace(
+        "weights", budget_bytes=WEIGHT_BYTES + 10, shared_host_weights=True
+    )
     with start_worker(config) as server:
         assert _pinned(server) == {"a": False, "b": False}
         client = grpcclient.InferenceServerClient(server.url)

@@ -1,5 +1,6 @@
-"""Loads that overlap executions: while one model executes, the dispatcher starts the copy of a
-queued model that is not on the device, within the budget, evicting nothing in use.
+"""Weight loads on a live server: while one model executes, the dispatcher starts the copy of a
+queued model that is not on the device, within the budget, evicting nothing in use; and a cold
+model's load time counts against a request's deadline on arrival.
 
 On a CPU the real copy aliases host memory and takes microseconds, so the copy here is a stand-in
 of known duration (`weight_cache.device_copy`, the one thing that cannot exist without a device):
@@ -9,6 +10,7 @@ One process: the weight cache is the engine's.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +27,7 @@ from hloserve.actors import weight_cache
 from support.clients import infer
 from support.numerics import assert_close
 from support.servers import ServerThread, make_config, start_worker
+from tritonclient.utils import InferenceServerException
 
 from hloserve.export import InputSpec, export_bundle
 
@@ -225,3 +228,29 @@ def test_a_prefetch_never_evicts_a_model_in_use_and_the_budget_counts_it_in_flig
     assert b_copy.budget_count <= budget
     assert statistics["a"].weight_prefetches == 1 and statistics["b"].weight_prefetches == 0
     assert statistics["h"].weight_evictions == 1  # by b's load, after h ran
+
+
+def test_admission_counts_a_cold_model_s_load_at_the_measured_rate(
+    repository: Path, copies: tuple[list[Copy], list[ServerThread]]
+) -> None:
+    """a's load measures the copy at COPY_S per 512 bytes; b, twice the bytes, would take twice
+    that to load: a deadline shorter than that is refused on arrival while b is cold, not once
+    it is on the device."""
+    config = make_config(repository).replace("weights", budget_bytes=10 << 20)
+    x = np.linspace(-1, 1, 16, dtype=np.float32).reshape(1, 16)
+    with start_worker(config) as server:
+        client = grpcclient.InferenceServerClient(server.url)
+        _ask(client, "a", A_COLUMNS)
+        deadline_s = 1.5 * COPY_S  # b's load: 2 * COPY_S
+        with pytest.raises(InferenceServerException) as refused:
+            infer(client, "b", {"INPUT0": x}, client_timeout=deadline_s)
+        assert refused.value.status() == "StatusCode.UNAVAILABLE"
+        assert "cannot meet its deadline" in refused.value.message()
+        load_ms = float(re.search(r"its weights ([0-9.]+) ms to load", refused.value.message())[1])  # type: ignore[index]
+        assert 2 * COPY_S * 1e3 <= load_ms < 2 * COPY_S * 1e3 * 1.2
+        assert [c.nbytes for c in copies[0]] == [A_BYTES]  # refused before anything was copied
+        infer(client, "a", {"INPUT0": x}, client_timeout=deadline_s)  # resident: no load to count
+        _ask(client, "b", B_COLUMNS)  # no deadline: loads
+        infer(client, "b", {"INPUT0": x}, client_timeout=deadline_s)
+        assert server.call(lambda: server.worker.statistics["b"].drops["cannot_meet_deadline"]) == 1
+        client.close()
