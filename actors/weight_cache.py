@@ -107,7 +107,7 @@ class WeightCache:
         statistics: Statistics,
         compaction_interval: int = 0,
         share_mode: int | None = None,
-        pin_host_floors: bool = True,
+        pin_host_floors: bool | None = None,
     ) -> None:
         self._models = {
             name: _Model(bundle, floors.get(name, "system"), bundle.weight_nbytes, None)
@@ -121,7 +121,8 @@ class WeightCache:
         self._compaction_interval = compaction_interval  # loads between compactions; 0: never
         self._share_mode = share_mode  # permissions of shared host floors; None: private floors
         self._shared: dict[str, SharedHostWeights] = {}  # shared host floors held, by model
-        self._pin = pin_host_floors  # put `system` floors in pinned host memory where there is some
+        # put private `system` floors in pinned host memory (None: where that beats pageable memory)
+        self._pin = _xla.pinning_pays() if pin_host_floors is None else pin_host_floors
         self._loads_since_compaction = 0
         self._copied_bytes = 0  # bytes copied from host floors to the device since start...
         self._copy_seconds = 0.0  # ...and the seconds those copies took
@@ -347,7 +348,7 @@ class WeightCache:
     def _host_floor(self, name: str, bundle: Bundle) -> tuple[list[HostArray], bool]:
         """The model's host copy (blocking): in a region shared with the node's other workers
         (pageable: JAX cannot pin memory it did not allocate), else private, pinned where the
-        backend has pinned host memory and `weights.pin_host_floors` is on; and whether it is
+        device has pinned host memory and `weights.pin_host_floors` says so; and whether it is
         pinned. Pinning that fails leaves the floor pageable, with a warning."""
         if self._share_mode is not None and bundle.weights_path is not None:
             shared = self._shared.get(name) or SharedHostWeights.acquire(bundle, self._share_mode)

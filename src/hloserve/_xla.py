@@ -95,6 +95,7 @@ __all__ = [
     "memory_stats",
     "pin",
     "pinned_host_available",
+    "pinning_pays",
     "put",
     "put_all",
     "run",
@@ -261,6 +262,12 @@ def pinned_host_available() -> bool:
     """Whether `device()` lists pinned host memory among its memory kinds (GPUs, and the CPU
     backend from jax 0.4.32 on)."""
     return any(memory.kind == PINNED_HOST for memory in device().addressable_memories())
+
+
+def pinning_pays() -> bool:
+    """Whether a copy from pinned host memory beats one from pageable memory: on an accelerator.
+    On the CPU the device aliases a pageable array, and a pinned one costs a copy."""
+    return device().platform != "cpu"
 
 
 @functools.cache
