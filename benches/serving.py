@@ -17,6 +17,7 @@ import resource
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -144,9 +145,8 @@ def start_server(
         "--metrics-port",
         "-1",
     ]
-    process = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    errors = tempfile.TemporaryFile()  # the last words of a server that fails to start
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=errors)
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
@@ -159,7 +159,9 @@ def start_server(
         except Exception:
             time.sleep(0.2)
         if process.poll() is not None:
-            raise RuntimeError("hloserve exited during start-up")
+            errors.seek(0)
+            last = errors.read().decode(errors="replace").strip().splitlines()[-20:]
+            raise RuntimeError("hloserve exited during start-up:\n" + "\n".join(last))
     process.kill()
     raise RuntimeError("hloserve did not become ready in 120 s")
 
