@@ -271,6 +271,7 @@ class Dispatcher:
             case AddModel():
                 self._models[message.name] = message.compiled
                 self._state.policies[message.name] = message.policy
+                message.policy.charged_load_s = self._statistics[message.name].weight_load_seconds
                 self._statistics[message.name].weight = message.policy.weight
                 self._queues[message.name] = message.queue
                 self._state.for_weight_cache.append(
@@ -297,6 +298,7 @@ class Dispatcher:
         self._models[name] = message.compiled
         self._queues[name] = message.queue
         self._state.policies[name] = message.policy
+        message.policy.charged_load_s = self._statistics[name].weight_load_seconds  # the old one's
         self._statistics[name].weight = message.policy.weight
         self._state.waiting.pop(name, None)  # the old queue's; the new one reports its own
         then = (
@@ -447,7 +449,7 @@ class Dispatcher:
         asked: set[str] = {running}
         while True:
             waiting = self._state.waiting
-            keep = frozenset((running, *waiting))
+            keep = frozenset((running, *waiting, *self._state.splits))
             for summary in sorted(waiting.values(), key=lambda s: s.front_enqueued_at):
                 if summary.model not in asked:
                     asked.add(summary.model)
