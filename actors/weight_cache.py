@@ -270,9 +270,16 @@ class WeightCache:
             or self._externally_managed
         ):
             return
-        if not self._make_room(model, message.keep):
-            log.debug("no room to prefetch; the model loads when it runs", model=name)
-            return
+        if self._budget is not None:
+            evictable = sum(
+                self._models[n].nbytes
+                for n in self._lru
+                if n not in message.keep and self._models[n].transfer is None
+            )
+            if self.resident_bytes - evictable + model.nbytes > self._budget:
+                log.debug("no room to prefetch; the model loads when it runs", model=name)
+                return  # evicting would not make room: evict nothing
+        self._make_room(model, message.keep)
         started = time.perf_counter()
         self._reserve(name, model)
         self._statistics[name].weight_prefetches += 1

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import trio
 import tritonclient.grpc as grpcclient
 from hloserve.actors import weight_cache
 from support.clients import infer
@@ -254,3 +255,40 @@ def test_admission_counts_a_cold_model_s_load_at_the_measured_rate(
         infer(client, "b", {"INPUT0": x}, client_timeout=deadline_s)
         assert server.call(lambda: server.worker.statistics["b"].drops["cannot_meet_deadline"]) == 1
         client.close()
+
+
+def test_a_prefetch_evicts_only_what_makes_room_and_nothing_when_nothing_would(tmp_path: Path) -> None:
+    """The cache alone, room for x and y (512 bytes each) or for `big` (1024). Prefetching big
+    with x kept could make room only by evicting x as well as y: it evicts nothing and copies
+    nothing. With nothing kept it evicts both, least recently used first, and copies big."""
+    from hloserve.actors.weight_cache import WeightCache
+
+    from hloserve.bundle import load_bundle
+    from hloserve.statistics import Statistics
+
+    bundles = {name: load_bundle(write_sized(tmp_path / name, A_COLUMNS)) for name in "xy"}
+    bundles["big"] = load_bundle(write_sized(tmp_path / "big", B_COLUMNS))
+    statistics = Statistics()
+    cache = WeightCache(bundles, {}, 2 * A_BYTES + 10, False, statistics)
+
+    def state() -> dict[str, tuple[bool, int, int, int]]:
+        return {
+            n: (s.resident, s.weight_loads, s.weight_evictions, s.weight_prefetches)
+            for n, s in sorted(statistics.snapshot().items())
+        }
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            handle = await nursery.start(cache.run)
+            await handle.acquire("y")
+            await handle.acquire("x")
+            await handle.prefetch("big", frozenset({"x"}))
+            await handle.acquire("x")  # the prefetch has been handled
+            assert state() == {"big": (False, 0, 0, 0), "x": (True, 1, 0, 0), "y": (True, 1, 0, 0)}
+            await handle.prefetch("big", frozenset())
+            await handle.acquire("big")
+            assert state() == {"big": (True, 1, 0, 1), "x": (False, 1, 1, 0), "y": (False, 1, 1, 0)}
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert cache.resident_bytes == statistics.device_weight_bytes == B_BYTES
