@@ -47,8 +47,7 @@ SEMI_PUBLIC = (
     "jaxlib.xla_client.LoadedExecutable.get_compiled_memory_stats",
     "jaxlib.xla_client.LoadedExecutable.serialize",
     "jaxlib._jax.ExecuteResults.disassemble_into_single_device_arrays",
-    "jaxlib.xla_client.Device.addressable_memories",
-    "jaxlib.xla_client.Memory.kind",
+    "jax.Device.memory",
 )
 """The names below jax's public API that this module calls: they can move between releases."""
 
@@ -259,9 +258,13 @@ PINNED_HOST = "pinned_host"
 
 @functools.cache
 def pinned_host_available() -> bool:
-    """Whether `device()` lists pinned host memory among its memory kinds (GPUs, and the CPU
-    backend from jax 0.4.32 on)."""
-    return any(memory.kind == PINNED_HOST for memory in device().addressable_memories())
+    """Whether `device()` can address pinned host memory (GPUs, and the CPU backend from jax
+    0.4.32 on)."""
+    try:
+        device().memory(PINNED_HOST)
+    except Exception:  # JaxRuntimeError INVALID_ARGUMENT: no such memory kind on this device
+        return False
+    return True
 
 
 def pinning_pays() -> bool:
