@@ -1,8 +1,9 @@
 """The GPU scenarios in one go: `benches/gpu` runs this on a GPU machine (and on a CPU, `--quick`,
 which the test suite does so that it cannot rot).
 
-- Host-to-device bandwidth by transfer size, from pageable memory (64-byte aligned numpy arrays)
-  and from pinned host memory (where the weight cache keeps `system` floors), median of five.
+- Host-to-device bandwidth by transfer size, from pageable memory (64-byte aligned numpy arrays),
+  from a POSIX shared-memory region (a shared host floor) and from pinned host memory (where the
+  weight cache keeps private `system` floors on a GPU), median of five.
 - The self-sized weight budget: a worker started with no budget configured sizes it from the
   allocator's limit and the warm-up peaks; its resolved budget and the device statistics.
 - Cold against warm requests for 10, 100 and 500 MB models beside a raw put of the same bytes
@@ -57,8 +58,20 @@ def _median_s(action: Callable[[], list[Any]], repeats: int) -> float:
     return statistics.median(times)
 
 
+def _shared_put_s(region: Any, shape: tuple[int, ...], repeats: int) -> float:
+    from hloserve import _xla
+
+    shared = np.ndarray(shape, np.float32, buffer=region.buf)
+    shared[:] = 1.0
+    return _median_s(lambda: _xla.put_all([shared]), repeats)
+
+
 def bandwidth(sizes_mb: tuple[int, ...], repeats: int = 5) -> list[dict[str, Any]]:
-    """Host-to-device GB/s by size, from pageable and from pinned host memory."""
+    """Host-to-device GB/s by size, from pageable memory, from a POSIX shared-memory region (what
+    `weights.shared_host_weights` floors are: pageable, JAX cannot pin them) and from pinned host
+    memory."""
+    from multiprocessing import shared_memory
+
     from hloserve import _xla
 
     rows = []
@@ -72,6 +85,14 @@ def bandwidth(sizes_mb: tuple[int, ...], repeats: int = 5) -> list[dict[str, Any
             "pageable_ms": round(pageable * 1e3, 3),
             "pageable_gb_per_s": round(nbytes / pageable / 1e9, 2),
         }
+        region = shared_memory.SharedMemory(create=True, size=nbytes)
+        try:
+            seconds = _shared_put_s(region, host.shape, repeats)
+            row["shm_ms"] = round(seconds * 1e3, 3)
+            row["shm_gb_per_s"] = round(nbytes / seconds / 1e9, 2)
+        finally:
+            region.close()  # the array over it is gone with _shared_put_s's frame
+            region.unlink()
         try:
             pinned_host = _xla.pin([host])
         except Exception as e:  # the row says why instead of the figures
