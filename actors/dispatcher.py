@@ -10,6 +10,15 @@ request, and learns the model's cost. It owns the per-model policy state; only i
 executables. A batch with small inputs expected to take under `INLINE_WORK_S` runs on the
 loop's own thread; any other runs in a worker thread, so the loop never waits long on the device.
 
+While an execution runs in a worker thread the dispatcher keeps reading its inbox, and asks
+the weight cache to start copying the weights of every other model with requests queued
+(`Prefetch`, unless `overlap_loads` is off), naming those models and the executing one as not
+to be evicted: the cache copies what fits the budget beside the execution, so those models'
+loads hide behind it. Only the dispatcher asks for loads, so it stays the sole residency mutator.
+A model that is not on the device has its load time (its bytes at the cache's measured seconds
+per byte) counted in its edf laxity and latency budget, and every load is charged to the
+model that caused it in fair share's recent compute.
+
 A request larger than every compiled size runs one chunk per turn (`_Split`), ahead of its
 model's queue: other models' batches interleave by the normal selection, and its client going
 away or its deadline passing stops it before the next chunk, so no request holds the loop
@@ -21,7 +30,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,6 +64,7 @@ from hloserve.policy import (
     ModelPolicy,
     Pending,
     PolicyParams,
+    charge,
     drop_reason,
     record_execution,
     select,
@@ -129,8 +139,11 @@ class Dispatcher:
         policies: dict[str, ModelPolicy],
         params: PolicyParams,
         gather_passes: int = 0,
+        *,
+        overlap_loads: bool = True,
     ) -> None:
         self._models = models
+        self._overlap_loads = overlap_loads
         self._gather_passes = gather_passes
         self._weights: WeightCacheHandle | None = None
         self._statistics = statistics
@@ -180,7 +193,8 @@ class Dispatcher:
                     continue
                 policy = self._state.policies[model]
                 edf = (policy.discipline or self._state.discipline) == "edf"
-                await self._queues[model].take(Take(self._batches_send, edf, dict(policy.cost)))
+                take = Take(self._batches_send, edf, dict(policy.cost), self._load_seconds(model))
+                await self._queues[model].take(take)
                 batch = await self._batches.receive()
                 if batch.requests:
                     try:
@@ -257,6 +271,7 @@ class Dispatcher:
             case AddModel():
                 self._models[message.name] = message.compiled
                 self._state.policies[message.name] = message.policy
+                message.policy.charged_load_s = self._statistics[message.name].weight_load_seconds
                 self._statistics[message.name].weight = message.policy.weight
                 self._queues[message.name] = message.queue
                 self._state.for_weight_cache.append(
@@ -283,6 +298,7 @@ class Dispatcher:
         self._models[name] = message.compiled
         self._queues[name] = message.queue
         self._state.policies[name] = message.policy
+        message.policy.charged_load_s = self._statistics[name].weight_load_seconds  # the old one's
         self._statistics[name].weight = message.policy.weight
         self._state.waiting.pop(name, None)  # the old queue's; the new one reports its own
         then = (
@@ -342,11 +358,22 @@ class Dispatcher:
         if committed:  # meta sub-calls go ahead of the discipline, oldest first
             return min(committed, key=lambda s: s.front_enqueued_at).model
         ready = [
-            Candidate(s.model, s.batch_size, s.front_enqueued_at, s.earliest_deadline)
+            Candidate(
+                s.model, s.batch_size, s.front_enqueued_at, s.earliest_deadline, self._load_seconds(s.model)
+            )
             for s in summaries
             if s.ready_at <= now
         ]
         return select(self._state.discipline, ready, self._state.policies, now, self._params)
+
+    def _load_seconds(self, model: str) -> float:
+        """What loading a model's weights would take now: 0 when they are on the device (or the
+        cache does not manage them), else its bytes at the measured seconds per byte (0 until a
+        load was measured)."""
+        stats = self._statistics[model]
+        if stats.resident or not stats.residency:
+            return 0.0
+        return stats.weight_bytes * self._statistics.seconds_per_weight_byte
 
     # -- execution -----------------------------------------------------------------------------
 
@@ -378,9 +405,13 @@ class Dispatcher:
     ) -> ExecutionResult:
         """One execution at `batch_size` of the joined inputs; records its cost and statistics."""
         assert self._weights is not None, "use_weights before run"
-        weights = await self._weights.acquire(model.name)
-        specs = model.bundle.manifest.executable_inputs
+        stats = self._statistics[model.name]
         policy = self._state.policies[model.name]
+        weights = await self._weights.acquire(model.name)
+        if stats.weight_load_seconds > policy.charged_load_s:  # loads since its last turn: its own
+            charge(policy, stats.weight_load_seconds - policy.charged_load_s, time.monotonic(), self._params)
+            policy.charged_load_s = stats.weight_load_seconds
+        specs = model.bundle.manifest.executable_inputs
 
         def execute() -> ExecutionResult:
             return model.execute(batch_size, assemble(specs, inputs, batch_size), weights)
@@ -392,14 +423,39 @@ class Dispatcher:
             # A thread hop costs ~0.1 ms of CPU, more than a small batch's whole execution; the
             # loop waits for it, as it would wait for the one execution in flight anyway.
             result = execute()
+        elif self._overlap_loads:
+            result = await self._overlapping(model.name, execute)
         else:
             result = await trio.to_thread.run_sync(execute)
         seconds = result.input_s + result.infer_s
         record_execution(policy, batch_size, seconds, time.monotonic(), self._params)
-        stats = self._statistics[model.name]
         stats.record_execution(batch_size, rows, result.input_s, result.infer_s, 0.0)
         stats.cost = dict(policy.cost)
         return result
+
+    async def _overlapping(self, running: str, execute: Callable[[], ExecutionResult]) -> ExecutionResult:
+        """Run `execute` in a worker thread while reading the inbox and prefetching the weights
+        of the models with requests queued, so that their loads overlap this execution."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._prefetch_arrivals, running)
+            result = await trio.to_thread.run_sync(execute)
+            nursery.cancel_scope.cancel()
+        return result
+
+    async def _prefetch_arrivals(self, running: str) -> None:
+        """Prefetch what is queued now, then what arrives, until cancelled (the execution ended).
+        Messages are only recorded here, as between turns: control applies after the execution."""
+        assert self._weights is not None
+        asked: set[str] = {running}
+        while True:
+            waiting = self._state.waiting
+            keep = frozenset((running, *waiting, *self._state.splits))
+            for summary in sorted(waiting.values(), key=lambda s: s.front_enqueued_at):
+                if summary.model not in asked:
+                    asked.add(summary.model)
+                    await self._weights.prefetch(summary.model, keep)
+            self._on_message(await self._inbox.receive())
+            self._drain_inbox()
 
     async def _run_chunk(self, split: _Split) -> None:
         """The next execution of a split request, unless its client went away or its deadline
@@ -442,7 +498,8 @@ class Dispatcher:
         edf = (policy.discipline or self._state.discipline) == "edf" and not request.committed
         now = time.monotonic()
         pending = Pending(request.rows, request.enqueued_at, request.deadline)
-        if drop_reason(pending, now, edf=edf, expected_cost_s=policy.cost.get(size, 0.0)):
+        expected = policy.cost.get(size, 0.0) + self._load_seconds(request.model)
+        if drop_reason(pending, now, edf=edf, expected_cost_s=expected):
             assert request.deadline is not None
             stats.drops["deadline"] += 1
             request.fail(DeadlineExceeded(request.model, now - request.deadline))

@@ -37,6 +37,7 @@ __all__ = [
     "DispatcherMessage",
     "DropWeights",
     "Infer",
+    "Prefetch",
     "QueueAddress",
     "QueueSummary",
     "RemoveModel",
@@ -142,12 +143,14 @@ class QueueSummary:
 class Take:
     """Dispatcher → ModelQueue: hand over the next batch; reply a `Batch` on `reply_to`.
 
-    `edf` asks for laxity drops using `costs` (learned seconds per batch size).
+    `edf` asks for laxity drops using `costs` (learned seconds per batch size) plus `load_s`,
+    the time the model's weights take to load when they are not on the device.
     """
 
     reply_to: trio.MemorySendChannel[Batch]
     edf: bool = False
     costs: Mapping[int, float] = field(default_factory=dict)
+    load_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +184,19 @@ class Acquire:
 
     model: str
     reply_to: trio.MemorySendChannel[outcome.Outcome[list[DeviceArray]]]
+
+
+@dataclass(frozen=True, slots=True)
+class Prefetch:
+    """Dispatcher → WeightCache: start copying `model`'s weights to the device now, without
+    waiting, so the load overlaps the execution in flight; an `Acquire` of it later waits for
+    the copy to end. The cache may evict to make room, but never a model in `keep` (the one
+    executing, those with requests queued) nor one whose copy is in flight; when that leaves
+    no room it starts nothing. No reply."""
+
+    model: str
+    keep: frozenset[str]
+    reply_to: None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,5 +281,5 @@ class DropWeights:
 
 DispatcherMessage: TypeAlias = QueueSummary | SetPolicy | Compact | SetResidency | AddModel | RemoveModel
 """What the dispatcher's inbox takes."""
-WeightCacheMessage: TypeAlias = Acquire | Compact | SetResidency | AddWeights | DropWeights
+WeightCacheMessage: TypeAlias = Acquire | Prefetch | Compact | SetResidency | AddWeights | DropWeights
 """What the weight cache's inbox takes (all from the dispatcher)."""

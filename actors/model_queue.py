@@ -243,7 +243,7 @@ class ModelQueue:
         if request.reply.cancelled():
             stats.drops["cancelled"] += 1
             return True
-        cost = message.costs.get(batch_size, 0.0)
+        cost = message.costs.get(batch_size, 0.0) + message.load_s
         edf = message.edf and not request.committed  # a sub-call is exempt from laxity drops
         if drop_reason(_pending(request), now, edf=edf, expected_cost_s=cost):
             stats.drops["deadline"] += 1

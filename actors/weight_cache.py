@@ -1,13 +1,17 @@
 """WeightCache: whose weights are on the device, within a byte budget, least recently used out.
 
 Owns each model's residency floor (`unpinned`: read from the file at every load; `system`: read
-once into aligned host memory, so a load is one host-to-device copy; `device`: loaded at start
-and never evicted), the device buffers, the LRU order and the counters. Its inbox takes
-`Acquire` and `Compact` from the dispatcher, the only holder of its send side. `Acquire` is
-answered with the model's device weights, loaded first when needed after evicting
-least-recently-used unpinned models to fit the budget (or `NotResident` when residency is
-managed externally); `Compact` frees every resident unpinned model and reloads a list, to
-defragment the device allocator.
+once into host memory, pinned (page-locked) where the backend has it, so a load is one
+host-to-device copy by DMA; `device`: loaded at start and never evicted), the device buffers,
+the LRU order and the counters. Its inbox takes `Acquire`, `Prefetch` and `Compact` from the
+dispatcher, the only holder of its send side. `Acquire` is answered with the model's device
+weights, loaded first when needed after evicting least-recently-used unpinned models to fit the
+budget (or `NotResident` when residency is managed externally); `Prefetch` starts a model's
+copy in a worker thread and returns at once, so that the copy overlaps the execution in flight
+(the budget counts it from its start; nothing evicts a model whose copy is in flight, and
+an `Acquire` of it waits for the copy); `Compact` frees every resident unpinned model and
+reloads a list, to defragment the device allocator. Every other message waits for the copies
+in flight to end first.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import final
 
@@ -30,6 +34,7 @@ from hloserve.actors.messages import (
     Compact,
     Compacted,
     DropWeights,
+    Prefetch,
     SetResidency,
     WeightCacheMessage,
     answer,
@@ -42,9 +47,19 @@ from hloserve.shared_weights import SharedHostWeights
 from hloserve.statistics import Statistics
 from hloserve.types import Residency
 
-__all__ = ["WeightCache", "WeightCacheHandle"]
+__all__ = ["WeightCache", "WeightCacheHandle", "device_copy"]
 
 log = structlog.get_logger("hloserve.weight_cache")
+
+HostArray = np.ndarray | _xla.DeviceArray
+"""One array of a host floor: a numpy array (pageable), or a jax array in pinned host memory."""
+
+
+def device_copy(arrays: Sequence[HostArray]) -> list[_xla.DeviceArray]:
+    """Copy one model's weights from the host to the device. Looked up at each load, so a test
+    can stand in a copy of known duration: on a CPU the real one aliases host memory and takes
+    microseconds, which leaves nothing to overlap or to count."""
+    return _xla.put_all(arrays)
 
 
 @dataclass(slots=True)
@@ -52,8 +67,10 @@ class _Model:
     bundle: Bundle
     floor: Residency
     nbytes: int
-    host: list[np.ndarray] | None  # the host floor of a `system` model
+    host: list[HostArray] | None  # the host floor of a `system` model
     device: list[_xla.DeviceArray] | None = None  # on the device when not None
+    pinned: bool = False  # the host floor is in pinned host memory
+    transfer: trio.Event | None = None  # set when the copy in flight (started by a Prefetch) ends
 
 
 @final
@@ -68,6 +85,10 @@ class WeightCacheHandle:
         """The model's device weights, loading them if needed; raises NotResident."""
         await self._send.send(Acquire(model, self._reply_send))
         return (await self._replies.receive()).unwrap()
+
+    async def prefetch(self, model: str, keep: frozenset[str]) -> None:
+        """Start copying `model`'s weights to the device, evicting none of `keep`; no reply."""
+        await self._send.send(Prefetch(model, keep))
 
     async def forward(self, message: Compact | SetResidency | AddWeights | DropWeights) -> None:
         """Pass on a compaction (its reply goes straight to whoever asked)."""
@@ -86,6 +107,7 @@ class WeightCache:
         statistics: Statistics,
         compaction_interval: int = 0,
         share_mode: int | None = None,
+        pin_host_floors: bool | None = None,
     ) -> None:
         self._models = {
             name: _Model(bundle, floors.get(name, "system"), bundle.weight_nbytes, None)
@@ -99,15 +121,28 @@ class WeightCache:
         self._compaction_interval = compaction_interval  # loads between compactions; 0: never
         self._share_mode = share_mode  # permissions of shared host floors; None: private floors
         self._shared: dict[str, SharedHostWeights] = {}  # shared host floors held, by model
+        # put private `system` floors in pinned host memory (None: where that beats pageable memory)
+        self._pin = _xla.pinning_pays() if pin_host_floors is None else pin_host_floors
         self._loads_since_compaction = 0
-        self._put_seconds_per_byte = math.inf  # of the last load from a host floor; none yet
+        self._copied_bytes = 0  # bytes copied from host floors to the device since start...
+        self._copy_seconds = 0.0  # ...and the seconds those copies took
+        self._transfers = 0  # copies in flight (started by Prefetch)
+        self._transfers_ended = trio.Event()  # set when the last copy in flight ends
+        self._transfers_ended.set()
+        self._nursery: trio.Nursery | None = None
         self._send, self._receive = trio.open_memory_channel[WeightCacheMessage](0)
+
+    @property
+    def seconds_per_byte(self) -> float:
+        """The measured cost of copying a byte from a host floor to the device (inf: none yet)."""
+        return self._copy_seconds / self._copied_bytes if self._copied_bytes else math.inf
 
     async def run(
         self, *, task_status: trio.TaskStatus[WeightCacheHandle] = trio.TASK_STATUS_IGNORED
     ) -> None:
         try:
-            await self._run(task_status)
+            async with trio.open_nursery() as self._nursery:  # the copies in flight
+                await self._run(task_status)
         finally:
             for shared in self._shared.values():
                 shared.release()
@@ -120,6 +155,8 @@ class WeightCache:
         async with self._receive:
             async for message in self._receive:
                 try:
+                    if not isinstance(message, Acquire | Prefetch):
+                        await self._transfers_ended.wait()  # nothing else runs beside a copy
                     await self._on_message(message)
                 except Exception as e:  # a bug answers its asker (INTERNAL), the cache carries on
                     log.exception("weight cache message failed", message=type(message).__name__)
@@ -135,6 +172,8 @@ class WeightCache:
                 message.reply_to.send_nowait(outcome.Error(ModelNotFound(unknown[0], "it was unloaded")))
             case Acquire():
                 await self._on_acquire(message)
+            case Prefetch():
+                self._on_prefetch(message)
             case Compact():
                 message.reply_to.send_nowait(outcome.Value(await self._compact(message.reload)))
             case SetResidency():
@@ -150,7 +189,7 @@ class WeightCache:
         """Read `system` floors into host memory and load `device` models (blocking)."""
         for name, model in self._models.items():
             if model.floor == "system":
-                model.host = self._host_floor(name, model.bundle)
+                model.host, model.pinned = self._host_floor(name, model.bundle)
             elif model.floor == "device":
                 model.device = [_xla.put(a) for a in read_weights(model.bundle)]
         log.info(
@@ -162,6 +201,8 @@ class WeightCache:
 
     async def _on_acquire(self, message: Acquire) -> None:
         model = self._models[message.model]
+        if model.transfer is not None:  # prefetched: its copy is under way
+            await model.transfer.wait()
         if model.device is not None:
             if model.floor != "device":
                 self._lru.move_to_end(message.model)
@@ -171,6 +212,7 @@ class WeightCache:
             message.reply_to.send_nowait(outcome.Error(NotResident(message.model)))
             return
         if self._compaction_interval and self._loads_since_compaction >= self._compaction_interval:
+            await self._transfers_ended.wait()
             await self._compact(())
         try:
             await self._load(message.model, model)
@@ -182,59 +224,170 @@ class WeightCache:
         assert model.device is not None
         message.reply_to.send_nowait(outcome.Value(model.device))
 
+    def _make_room(self, model: _Model, keep: frozenset[str] = frozenset()) -> bool:
+        """Evict least-recently-used models, none in `keep` nor with a copy in flight, until
+        `model` fits the budget; whether it does."""
+        if self._budget is None:
+            return True
+        for victim in list(self._lru):
+            if self.resident_bytes + model.nbytes <= self._budget:
+                break
+            if victim not in keep and self._models[victim].transfer is None:
+                self._evict(victim)
+        return self.resident_bytes + model.nbytes <= self._budget
+
     async def _load(self, name: str, model: _Model) -> None:
         """Evict least-recently-used models until `model` fits, then copy it to the device."""
-        if self._budget is not None:
-            while self._lru and self.resident_bytes + model.nbytes > self._budget:
-                self._evict(next(iter(self._lru)))
-            if self.resident_bytes + model.nbytes > self._budget:
-                log.warning(
-                    "model exceeds the weight budget even with every other model evicted; loading anyway",
-                    model=name,
-                    weight_bytes=model.nbytes,
-                    budget_bytes=self._budget,
-                )
+        if not self._make_room(model) and self._transfers:
+            await self._transfers_ended.wait()  # the copies in flight hold the room: let them end
+            self._make_room(model)
+        if self._budget is not None and self.resident_bytes + model.nbytes > self._budget:
+            log.warning(
+                "model exceeds the weight budget even with every other model evicted; loading anyway",
+                model=name,
+                weight_bytes=model.nbytes,
+                budget_bytes=self._budget,
+            )
         started = time.perf_counter()
-        host = model.host
+        self._reserve(name, model)
+        try:
+            model.device = (
+                self._copy(model) if self._quick(model) else await trio.to_thread.run_sync(self._copy, model)
+            )
+        except BaseException:
+            self._unreserve(name, model)
+            raise
+        self._loaded(name, started)
 
-        def copy() -> list[_xla.DeviceArray]:
-            arrays = host if host is not None else read_weights(model.bundle)
-            copying = time.perf_counter()
-            device = [_xla.put(a) for a in arrays]
-            for array in device:
-                array.block_until_ready()
-            if host is not None and model.nbytes:
-                self._put_seconds_per_byte = (time.perf_counter() - copying) / model.nbytes
-            return device
+    def _on_prefetch(self, message: Prefetch) -> None:
+        """Start a model's copy unless it is on the device, under way, or has no room without
+        evicting what `keep` names or another copy in flight."""
+        name, model = message.model, self._models.get(message.model)
+        if (
+            model is None
+            or model.device is not None
+            or model.transfer is not None
+            or self._externally_managed
+        ):
+            return
+        if self._budget is not None:
+            evictable = sum(
+                self._models[n].nbytes
+                for n in self._lru
+                if n not in message.keep and self._models[n].transfer is None
+            )
+            if self.resident_bytes - evictable + model.nbytes > self._budget:
+                log.debug("no room to prefetch; the model loads when it runs", model=name)
+                return  # evicting would not make room: evict nothing
+        self._make_room(model, message.keep)
+        started = time.perf_counter()
+        self._reserve(name, model)
+        self._statistics[name].weight_prefetches += 1
+        if self._quick(model):  # microseconds (a CPU aliases the floor): no thread, nothing in flight
+            model.device = self._copy(model)
+            self._loaded(name, started)
+            return
+        model.transfer = trio.Event()
+        if not self._transfers:
+            self._transfers_ended = trio.Event()
+        self._transfers += 1
+        assert self._nursery is not None
+        self._nursery.start_soon(self._transfer, name, model, started)
 
-        # A host floor whose copy is known to be quick (on CPU the device aliases it: microseconds)
-        # loads on the loop's thread; a file read, or a copy not yet timed or too long, in a worker.
-        # (No weights at all is quick too: inf seconds per byte times 0 bytes would be NaN.)
-        quick = host is not None and (
-            model.nbytes == 0 or self._put_seconds_per_byte * model.nbytes <= INLINE_WORK_S
+    async def _transfer(self, name: str, model: _Model, started: float) -> None:
+        """A prefetched model's copy, in a worker thread; a failure leaves it to load when it runs."""
+        try:
+            model.device = await trio.to_thread.run_sync(self._copy, model)
+        except Exception as e:
+            log.warning("prefetching weights failed; the model loads when it runs", model=name, error=str(e))
+            self._unreserve(name, model)
+        else:
+            self._loaded(name, started)
+        finally:
+            assert model.transfer is not None
+            model.transfer.set()
+            model.transfer = None
+            self._transfers -= 1
+            if not self._transfers:
+                self._transfers_ended.set()
+
+    def _quick(self, model: _Model) -> bool:
+        """A host floor whose copy is known to be quick (on CPU the device aliases it: microseconds)
+        loads on the loop's thread; a file read, or a copy not yet timed or too long, in a worker.
+        (No weights at all is quick too: inf seconds per byte times 0 bytes would be NaN.)"""
+        return model.host is not None and (
+            model.nbytes == 0 or self.seconds_per_byte * model.nbytes <= INLINE_WORK_S
         )
-        model.device = copy() if quick else await trio.to_thread.run_sync(copy)
+
+    def _copy(self, model: _Model) -> list[_xla.DeviceArray]:
+        """Read (an `unpinned` floor) and copy a model's weights to the device (blocking)."""
+        host = model.host
+        arrays = host if host is not None else read_weights(model.bundle)
+        copying = time.perf_counter()
+        device = device_copy(arrays)
+        for array in device:
+            array.block_until_ready()
+        if host is not None and model.nbytes:
+            self._copy_seconds += time.perf_counter() - copying
+            self._copied_bytes += model.nbytes
+        return device
+
+    def _reserve(self, name: str, model: _Model) -> None:
+        """Count a model's bytes against the budget from the start of its copy."""
         self.resident_bytes += model.nbytes
         self._lru[name] = None
+        self._statistics.device_weight_bytes = self.resident_bytes
+
+    def _unreserve(self, name: str, model: _Model) -> None:
+        self.resident_bytes -= model.nbytes
+        self._lru.pop(name, None)
+        self._statistics.device_weight_bytes = self.resident_bytes
+
+    def _loaded(self, name: str, started: float) -> None:
         self._loads_since_compaction += 1
         stats = self._statistics[name]
         stats.weight_loads += 1
         stats.weight_load_seconds += time.perf_counter() - started
+        if self._copied_bytes:
+            self._statistics.seconds_per_weight_byte = self.seconds_per_byte
         self._publish(name)
 
-    def _host_floor(self, name: str, bundle: Bundle) -> list[np.ndarray]:
-        """The model's host copy: private, or in a region shared with the node's other workers."""
-        if self._share_mode is None or bundle.weights_path is None:
-            return read_weights(bundle)
-        shared = self._shared[name] = SharedHostWeights.acquire(bundle, self._share_mode)
-        log.info("shared host weights", model=name, region=shared.name, filled=shared.filled)
-        return shared.arrays
+    def _host_floor(self, name: str, bundle: Bundle) -> tuple[list[HostArray], bool]:
+        """The model's host copy (blocking): in a region shared with the node's other workers
+        (pageable: JAX cannot pin memory it did not allocate), else private, pinned where the
+        device has pinned host memory and `weights.pin_host_floors` says so; and whether it is
+        pinned. Pinning that fails leaves the floor pageable, with a warning."""
+        if self._share_mode is not None and bundle.weights_path is not None:
+            shared = self._shared.get(name) or SharedHostWeights.acquire(bundle, self._share_mode)
+            self._shared[name] = shared
+            log.info(
+                "shared host weights", model=name, region=shared.name, filled=shared.filled, pinned=False
+            )
+            return list(shared.arrays), False
+        arrays = read_weights(bundle)
+        if not self._pin or not arrays:
+            return list(arrays), False
+        if not _xla.pinned_host_available():
+            log.info("no pinned host memory on this device; host floors stay pageable", model=name)
+            return list(arrays), False
+        try:
+            return list(_xla.pin(arrays)), True
+        except Exception as e:  # the locked-memory limit, too little memory: serve from pageable memory
+            log.warning(
+                "pinning the host floor failed; its loads copy from pageable memory",
+                model=name,
+                weight_bytes=bundle.weight_nbytes,
+                error=str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__,
+            )
+            return list(arrays), False
 
     async def _on_add(self, message: AddWeights) -> None:
         floor: Residency = message.floor
         model = _Model(message.bundle, floor, message.bundle.weight_nbytes, None)
         if floor == "system":
-            model.host = await trio.to_thread.run_sync(self._host_floor, message.name, model.bundle)
+            model.host, model.pinned = await trio.to_thread.run_sync(
+                self._host_floor, message.name, model.bundle
+            )
         elif floor == "device":
             model.device = await trio.to_thread.run_sync(
                 lambda: [_xla.put(a) for a in read_weights(model.bundle)]
@@ -250,6 +403,8 @@ class WeightCache:
                 self.resident_bytes -= model.nbytes
                 self._lru.pop(message.name, None)
             _xla.free(model.device)
+        if model is not None and model.pinned and model.host is not None:
+            _xla.free([a for a in model.host if not isinstance(a, np.ndarray)])  # pinned memory back now
         self._models.pop(message.name, None)
         shared = self._shared.pop(message.name, None)
         if shared is not None:
@@ -283,9 +438,11 @@ class WeightCache:
                         model.floor = floor
                     self._evict(name)
                 if floor == "system" and model.host is None:
-                    model.host = await trio.to_thread.run_sync(read_weights, model.bundle)
+                    model.host, model.pinned = await trio.to_thread.run_sync(
+                        self._host_floor, name, model.bundle
+                    )
                 if floor == "unpinned":
-                    model.host = None
+                    model.host, model.pinned = None, False
         except Exception as e:  # the weights file cannot be read now
             failed = ExecutionFailed(name, f"changing residency failed: {e}")
             message.reply_to.send_nowait(outcome.Error(failed))
@@ -318,6 +475,7 @@ class WeightCache:
         model.device = None
         self.resident_bytes -= model.nbytes
         del self._lru[name]
+        self._statistics.device_weight_bytes = self.resident_bytes
         if counted:
             self._statistics[name].weight_evictions += 1
         self._publish(name)
@@ -329,3 +487,5 @@ class WeightCache:
         stats.weight_bytes = model.nbytes
         stats.residency = model.floor
         stats.host_resident = model.host is not None
+        stats.host_pinned = model.pinned
+        self._statistics.device_weight_bytes = self.resident_bytes

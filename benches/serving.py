@@ -17,6 +17,7 @@ import resource
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -144,24 +145,28 @@ def start_server(
         "--metrics-port",
         "-1",
     ]
-    process = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    import tritonclient.grpc as grpcclient
+    # The server's stderr, to say why if it dies starting (its logs are a few lines at start).
+    with tempfile.TemporaryFile() as errors:
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=errors)
+        import tritonclient.grpc as grpcclient
 
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if client.is_server_ready():
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if client.is_server_ready():
+                    client.close()
+                    return process
+            except Exception:
+                time.sleep(0.2)
+            if process.poll() is not None:
                 client.close()
-                return process
-        except Exception:
-            time.sleep(0.2)
-        if process.poll() is not None:
-            raise RuntimeError("hloserve exited during start-up")
-    process.kill()
-    raise RuntimeError("hloserve did not become ready in 120 s")
+                errors.seek(0)
+                last = errors.read().decode(errors="replace").strip().splitlines()[-20:]
+                raise RuntimeError("hloserve exited during start-up:\n" + "\n".join(last))
+        client.close()
+        process.kill()
+        raise RuntimeError("hloserve did not become ready in 120 s")
 
 
 def measure(

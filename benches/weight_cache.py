@@ -2,12 +2,14 @@
 
 Ten models of 8 MB of weights each (cheap maths: the weights are what moves), a budget of one
 model's weights, and four clients picking models by a Zipf law (s = 1.1). The same load runs
-against the same catalogue with no budget (everything resident); the table gives throughput,
-errors, loads and evictions, and the ratio of the two throughputs.
+against the same catalogue with no budget (everything resident), and with the budget without
+overlapping loads (`weights.overlap_loads` off); the table gives throughput, errors, loads and
+evictions, and each budgeted row's throughput over the all-resident one.
 
 Cold against warm: models of 10, 100 and 500 MB of weights, each requested right after another
-model evicted it (cold) and again (warm), beside a raw device_put of the same host arrays; the
-last column is the cold request's extra time over that raw put.
+model evicted it (cold) and again (warm), beside a raw device_put of the same host arrays from
+pageable memory and from pinned host memory (where the server's floors live); the last columns
+are the cold request's extra time over each raw put.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from benches.serving import _free_port, install, start_server
+from benches.serving import _free_port, start_server
 
 
 def platform() -> str:
@@ -108,16 +110,19 @@ def run(window_ms: int = 3000) -> list[Row | ColdRow]:
 
 
 def run_zipf() -> list[Row]:
-    install()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         repository = Path(tmp) / "catalogue"
         _catalogue(repository)
-        for label, budget in (
-            ("none (all resident)", None),
-            ("1/10 of the catalogue", WEIGHT_FLOATS * 4 + 1024),
+        for label, budget, overlap in (
+            ("none (all resident)", None, True),
+            ("1/10 of the catalogue", WEIGHT_FLOATS * 4 + 1024, True),
+            ("1/10, loads not overlapped", WEIGHT_FLOATS * 4 + 1024, False),
         ):
-            settings = {"HLOSERVE_SERVER_MODEL_REPOSITORY": str(repository)}
+            settings = {
+                "HLOSERVE_SERVER_MODEL_REPOSITORY": str(repository),
+                "HLOSERVE_WEIGHTS_OVERLAP_LOADS": str(overlap).lower(),
+            }
             if budget is not None:
                 settings["HLOSERVE_WEIGHTS_BUDGET_BYTES"] = str(budget)
             port = _free_port()
@@ -152,12 +157,15 @@ def _residency_counts(port: int) -> tuple[int, int]:
 
 def table(all_rows: list[Row | ColdRow]) -> str:
     rows = [r for r in all_rows if isinstance(r, Row)]
-    lines = ["{:<22} {:>9} {:>7} {:>6} {:>10}".format("budget", "infer/s", "errors", "loads", "evictions")]
+    lines = [
+        "{:<26} {:>9} {:>7} {:>6} {:>10} {:>13}".format(
+            "budget", "infer/s", "errors", "loads", "evictions", "/all resident"
+        )
+    ]
     for r in rows:
-        lines.append(f"{r.budget:<22} {r.throughput:9.1f} {r.errors:7d} {r.loads:6d} {r.evictions:10d}")
-    if len(rows) == 2:
+        ratio = r.throughput / rows[0].throughput if rows[0].throughput else float("nan")
         lines.append(
-            f"throughput with the budget / all resident: {rows[1].throughput / rows[0].throughput:.2f}"
+            f"{r.budget:<26} {r.throughput:9.1f} {r.errors:7d} {r.loads:6d} {r.evictions:10d} {ratio:13.2f}"
         )
     cold = [r for r in all_rows if isinstance(r, ColdRow)]
     return "\n".join(lines) + ("\n\n" + cold_table(cold) if cold else "")
@@ -165,7 +173,14 @@ def table(all_rows: list[Row | ColdRow]) -> str:
 
 def as_json(rows: list[Row | ColdRow]) -> list[dict[str, Any]]:
     return [
-        {**asdict(r), **({"overhead_ratio": r.overhead_ratio} if isinstance(r, ColdRow) else {})}
+        {
+            **asdict(r),
+            **(
+                {"overhead_ratio": r.overhead_ratio, "pinned_overhead_ratio": r.pinned_overhead_ratio}
+                if isinstance(r, ColdRow)
+                else {}
+            ),
+        }
         for r in rows
     ]
 
@@ -179,11 +194,20 @@ class ColdRow:
     warm_ms: float
     cold_ms: float
     raw_put_ms: float
+    raw_pinned_put_ms: float | None = None
+    """The same put from pinned host memory; None where pinning failed."""
 
     @property
     def overhead_ratio(self) -> float:
         """Cold request's extra time over a raw device_put of the same bytes."""
         return (self.cold_ms - self.warm_ms) / self.raw_put_ms
+
+    @property
+    def pinned_overhead_ratio(self) -> float | None:
+        """Cold request's extra time over a raw put of the same bytes from pinned host memory."""
+        if not self.raw_pinned_put_ms:
+            return None
+        return (self.cold_ms - self.warm_ms) / self.raw_pinned_put_ms
 
 
 def run_cold(repeats: int = 5) -> list[ColdRow]:
@@ -198,18 +222,29 @@ def run_cold(repeats: int = 5) -> list[ColdRow]:
         repository = Path(tmp) / "sizes"
         for mb in (*SIZES_MB, 0):
             _export_weighty(repository / f"w{mb}", np.ones(max(4, mb * (1 << 18)), np.float32))
-        raw = {}
-        for mb in SIZES_MB:
-            host = read_weights(load_bundle(repository / f"w{mb}"))
+        raw, raw_pinned = {}, {}
+
+        def median_put_ms(host: list[Any]) -> float:
             times = []
             for _ in range(repeats):
                 started = time.perf_counter()
-                placed = [_xla.put(a) for a in host]
+                placed = _xla.put_all(host)
                 for a in placed:
                     a.block_until_ready()
                 times.append(time.perf_counter() - started)
                 _xla.free(placed)
-            raw[mb] = stats.median(times) * 1e3
+            return stats.median(times) * 1e3
+
+        for mb in SIZES_MB:
+            host = read_weights(load_bundle(repository / f"w{mb}"))
+            raw[mb] = median_put_ms(host)
+            try:
+                pinned = _xla.pin(host)
+            except Exception:  # no pinned memory here: the row says so with None
+                raw_pinned[mb] = None
+            else:
+                raw_pinned[mb] = median_put_ms(pinned)
+                _xla.free(pinned)
         port = _free_port()
         server = start_server(  # a budget of 1 byte: every load evicts whatever else is there
             port,
@@ -221,7 +256,7 @@ def run_cold(repeats: int = 5) -> list[ColdRow]:
         try:
             for mb in SIZES_MB:
                 cold, warm = cold_and_warm(f"127.0.0.1:{port}", "w0", f"w{mb}", repeats)
-                rows.append(ColdRow(mb, stats.median(warm), stats.median(cold), raw[mb]))
+                rows.append(ColdRow(mb, stats.median(warm), stats.median(cold), raw[mb], raw_pinned[mb]))
         finally:
             server.terminate()
             server.wait(60)
@@ -258,11 +293,13 @@ def cold_and_warm(
 
 def cold_table(rows: list[ColdRow]) -> str:
     lines = [
-        "{:>10} {:>8} {:>8} {:>12} {:>15}".format(
-            "weights", "warm ms", "cold ms", "raw put ms", "overhead/put"
+        "{:>10} {:>8} {:>8} {:>12} {:>15} {:>15} {:>15}".format(
+            "weights", "warm ms", "cold ms", "raw put ms", "pinned put ms", "overhead/put", "overhead/pinned"
         )
     ]
     for r in rows:
-        times = f"{r.warm_ms:8.2f} {r.cold_ms:8.2f} {r.raw_put_ms:12.3f}"
-        lines.append(f"{r.weights_mb:>7} MB {times} {r.overhead_ratio:15.1f}")
+        pinned = "-" if r.raw_pinned_put_ms is None else f"{r.raw_pinned_put_ms:.3f}"
+        ratio = "-" if r.pinned_overhead_ratio is None else f"{r.pinned_overhead_ratio:.1f}"
+        times = f"{r.warm_ms:8.2f} {r.cold_ms:8.2f} {r.raw_put_ms:12.3f} {pinned:>15}"
+        lines.append(f"{r.weights_mb:>7} MB {times} {r.overhead_ratio:15.1f} {ratio:>15}")
     return "\n".join(lines)

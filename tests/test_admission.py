@@ -64,3 +64,12 @@ def test_a_lagging_loop_counts_twice_against_the_deadline() -> None:
     with pytest.raises(CannotMeetDeadline, match=r"server 300\.0 ms behind"):
         _admit(admission, 1, 1.3, 1.8)  # the probe is 0.3 s out: 0.6 s more than the 0.5 s left
     _admit(admission, 1, 1.3, 2.0)
+
+
+def test_a_cold_model_counts_its_load_against_the_deadline() -> None:
+    admission = Admission(_Loop().call_soon)
+    # 1 row at 0.5 ms, plus 300 ms to load its weights: 300.5 ms
+    with pytest.raises(CannotMeetDeadline, match=r"300\.5 ms.*its weights 300\.0 ms to load.*retry"):
+        admission.admit("m", 1, 0.0, 0.3, executed=0, costs=COSTS, backlog_rows=8, load_s=0.3)
+    assert admission.admit("m", 1, 0.0, 0.31, executed=0, costs=COSTS, backlog_rows=8, load_s=0.3).rows == 1
+    assert admission.admit("m", 1, 0.0, 0.3, executed=0, costs=COSTS, backlog_rows=8).rows == 1  # resident

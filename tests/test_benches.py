@@ -1,12 +1,22 @@
-"""The breakdown bench's patched servers serve what they claim (`python -m benches breakdown`)."""
+"""The breakdown bench's patched servers serve what they claim (`python -m benches breakdown`);
+`benches/gpu` runs to the end on a CPU (`--quick`) and carries the wheels it needs."""
 
 from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
 
 import export_examples
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from support.numerics import assert_close
+from support.servers import ROOT
 
 from benches.serving import _free_port, start_server
 
@@ -32,3 +42,57 @@ def test_breakdown_variant_answers_and_keeps_statistics(variant: str) -> None:
     finally:
         server.terminate()
         server.wait(30)
+
+
+@pytest.mark.slow
+def test_the_gpu_suite_dry_runs_on_a_cpu(tmp_path: Path) -> None:
+    """`benches/gpu --quick` as a GPU session runs it (the script, then the suite), small."""
+    output = tmp_path / "gpu.json"
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("HLOSERVE_")}
+    run = subprocess.run(
+        ["bash", "benches/gpu", "--quick", "--output", str(output)],
+        cwd=ROOT,
+        env={**environment, "PYTHON": sys.executable, "GPU_SUITE_SITE": str(tmp_path / "site")},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = json.loads(output.read_text())
+    assert set(results) >= {"bandwidth", "budget", "cold", "catalogue", "compaction", "real_models"}
+    assert all(
+        {"pageable_gb_per_s", "shm_gb_per_s", "pinned_gb_per_s"} <= set(row) for row in results["bandwidth"]
+    )
+    assert [row["weights_mb"] for row in results["cold"]] == [1, 4]
+    assert all(
+        row["raw_pinned_put_ms"] and row["pinned_overhead_ratio"] is not None for row in results["cold"]
+    )
+    assert [row["budget"] for row in results["catalogue"]] == [
+        "none (all resident)",
+        "1/10 of the catalogue",
+        "1/10, loads not overlapped",
+    ]
+    assert all(row["errors"] == 0 and row["throughput"] > 0 for row in results["catalogue"])
+    assert results["compaction"]["resident_bytes_after"] == 0
+    assert results["compaction"]["fragmentation"]["ran"] is False  # a CPU keeps no allocator statistics
+    assert results["real_models"]["ran"] is False and results["real_models"]["why"]
+
+
+def test_the_gpu_wheels_are_the_versions_hloserve_pins() -> None:
+    """Every exactly pinned dependency that the GPU image lacks travels in benches/gpu-wheels.txt
+    at the same version (the image has jax, numpy, protobuf and the rest: see that file)."""
+    wheels = {}
+    for line in (ROOT / "benches" / "gpu-wheels.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, version = line.split("==")
+            wheels[re.sub(r"[-_.]+", "-", name.lower())] = version
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pinned = {}
+    for requirement in project["dependencies"]:
+        match = re.fullmatch(r"([A-Za-z0-9_.-]+)(?:\[[^]]*\])?==([^;\s]+)", requirement.strip())
+        if match:
+            pinned[re.sub(r"[-_.]+", "-", match[1].lower())] = match[2]
+    assert pinned, "no pinned dependency found in pyproject.toml"
+    assert {name: wheels.get(name) for name in pinned} == pinned
+    tritonclient = next(r for r in project["optional-dependencies"]["dev"] if r.startswith("tritonclient"))
+    assert wheels["tritonclient"] == tritonclient.split("==")[1]

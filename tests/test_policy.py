@@ -13,6 +13,7 @@ from hloserve.policy import (
     ModelPolicy,
     Pending,
     PolicyParams,
+    charge,
     decay,
     drop_reason,
     fair_priority,
@@ -140,6 +141,22 @@ class TestFairShare:
         candidates = [Candidate("other", 1, 0.0, None), Candidate("instant", 1, 1.0, None)]
         assert select("fair", candidates, policies, now=0.0) == "instant"
 
+    def test_a_load_is_charged_to_recent_compute_not_to_the_cost(self) -> None:
+        policy = ModelPolicy(ema=2.0, ema_at=0.0, cost={1: 0.01})
+        charge(policy, 0.5, now=30.0)
+        assert policy.ema == pytest.approx(1.5) and policy.ema_at == 30.0
+        assert policy.cost == {1: 0.01}
+
+    def test_a_model_that_keeps_loading_yields_its_turn(self) -> None:
+        """Equal weights and costs: the one whose loads were charged has used its share."""
+        policies = {"cold": ModelPolicy(cost={1: 0.01}), "warm": ModelPolicy(cost={1: 0.01})}
+        record_execution(policies["cold"], 1, 0.01, now=0.0)
+        record_execution(policies["warm"], 1, 0.01, now=0.0)
+        candidates = [Candidate("cold", 1, 0.0, None), Candidate("warm", 1, 1.0, None)]
+        assert select("fair", candidates, policies, now=0.0) == "cold"  # a tie: the older front
+        charge(policies["cold"], 0.2, now=0.0)
+        assert select("fair", candidates, policies, now=0.0) == "warm"
+
 
 class TestFifoAndEdf:
     def test_fifo_ignores_weights(self) -> None:
@@ -158,6 +175,22 @@ class TestFifoAndEdf:
         assert (
             select("edf", [Candidate("a", 1, 1.0, None), Candidate("b", 1, 0.0, None)], policies, 0.0) == "b"
         )
+
+    def test_edf_starts_the_load_of_a_cold_model_in_time(self) -> None:
+        """Deadline less load time: a cold model due at 12 s that takes 5 s to load goes before a
+        resident one due at 10 s."""
+        policies = {m: ModelPolicy() for m in "cw"}
+        candidates = [Candidate("w", 1, 0.0, 10.0), Candidate("c", 1, 1.0, 12.0, load_s=5.0)]
+        assert select("edf", candidates, policies, 0.0) == "c"
+        candidates[1] = Candidate("c", 1, 1.0, 12.0, load_s=1.0)
+        assert select("edf", candidates, policies, 0.0) == "w"
+
+    def test_a_latency_budget_counts_the_load(self) -> None:
+        policies = {"slow": ModelPolicy(), "budget": ModelPolicy(latency_budget_s=0.010, cost={1: 0.002})}
+        warm = [Candidate("slow", 1, 0.0, None), Candidate("budget", 1, 1.0, None)]
+        cold = [Candidate("slow", 1, 0.0, None), Candidate("budget", 1, 1.0, None, load_s=0.005)]
+        assert select("fifo", warm, policies, now=1.004) == "slow"
+        assert select("fifo", cold, policies, now=1.004) == "budget"  # 6 ms left, 2 to run + 5 to load
 
     def test_an_endangered_latency_budget_goes_first(self) -> None:
         policies = {

@@ -28,13 +28,18 @@ from hloserve.config import ModelSettings, WeightsConfig
 
 
 def _server(
-    tmp_path: Path, names: str, budget: int | None, external: bool = False, **floors: str
+    tmp_path: Path,
+    names: str,
+    budget: int | None,
+    external: bool = False,
+    pin: bool | None = None,
+    **floors: str,
 ) -> ServerThread:
     for name in names:
         write_affine(tmp_path / name)
     settings = {name: ModelSettings(residency=floor) for name, floor in floors.items()}  # type: ignore[arg-type]
     config = make_config(tmp_path, scheduler={"models": settings})
-    config = config.replace("weights", budget_bytes=budget, externally_managed=external)
+    config = config.replace("weights", budget_bytes=budget, externally_managed=external, pin_host_floors=pin)
     return start_worker(config)
 
 
@@ -145,4 +150,69 @@ def test_compaction_every_n_loads(tmp_path: Path) -> None:
         state = residency(server)
         assert {n for n, (resident, _, _) in state.items() if resident} == {"c"}
         assert server.call(lambda: server.worker.statistics.compactions) == 1
+        client.close()
+
+
+def _pinned(server: ServerThread) -> dict[str, bool]:
+    stats = server.call(server.worker.statistics.snapshot)
+    return {n: s.host_pinned for n, s in sorted(stats.items()) if s.residency}
+
+
+def test_system_floors_are_pinned_at_start_and_load_from_there(tmp_path: Path) -> None:
+    with _server(tmp_path, "abu", budget=WEIGHT_BYTES + 10, pin=True, u="unpinned") as server:
+        assert _pinned(server) == {"a": True, "b": True, "u": False}  # the CPU lists pinned_host too
+        client = grpcclient.InferenceServerClient(server.url)
+        for model in "abuab":
+            assert_affine_answers(client, model)
+        assert residency(server)["b"] == (True, 2, 1)
+        client.close()
+
+
+@pytest.mark.parametrize("pin", [False, None])
+def test_pinning_off_and_by_default_on_a_cpu_keeps_floors_pageable(tmp_path: Path, pin: bool | None) -> None:
+    """On a CPU the device aliases a pageable floor; a pinned one would cost a copy per load."""
+    with _server(tmp_path, "ab", budget=WEIGHT_BYTES + 10, pin=pin) as server:
+        assert _pinned(server) == {"a": False, "b": False}
+        client = grpcclient.InferenceServerClient(server.url)
+        for model in "aba":
+            assert_affine_answers(client, model)
+        client.close()
+
+
+def test_pinning_that_fails_leaves_the_floor_pageable_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hloserve import _xla
+
+    def refuse(arrays: object) -> None:
+        raise RuntimeError("RESOURCE_EXHAUSTED: cudaHostAlloc failed: locked memory limit\nmore")
+
+    monkeypatch.setattr(_xla, "pin", refuse)
+    with structlog.testing.capture_logs() as logs:
+        with _server(tmp_path, "ab", budget=WEIGHT_BYTES + 10, pin=True) as server:
+            assert _pinned(server) == {"a": False, "b": False}
+            client = grpcclient.InferenceServerClient(server.url)
+            for model in "aba":
+                assert_affine_answers(client, model)
+            client.close()
+    failed = [e for e in logs if e["event"].startswith("pinning the host floor failed")]
+    assert [(e["model"], e["error"]) for e in failed] == [
+        ("a", "RESOURCE_EXHAUSTED: cudaHostAlloc failed: locked memory limit"),
+        ("b", "RESOURCE_EXHAUSTED: cudaHostAlloc failed: locked memory limit"),
+    ]
+    assert failed[0]["log_level"] == "warning"
+
+
+def test_shared_host_floors_stay_pageable_and_serve(tmp_path: Path) -> None:
+    """JAX pins only memory it allocates, so a region shared with other workers is not pinned."""
+    for name in "ab":
+        write_affine(tmp_path / name)
+    config = make_config(tmp_path).replace(
+        "weights", budget_bytes=WEIGHT_BYTES + 10, shared_host_weights=True, pin_host_floors=True
+    )
+    with start_worker(config) as server:
+        assert _pinned(server) == {"a": False, "b": False}
+        client = grpcclient.InferenceServerClient(server.url)
+        for model in "aba":
+            assert_affine_answers(client, model)
         client.close()

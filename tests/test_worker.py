@@ -160,6 +160,8 @@ def test_metrics_endpoint_counts_requests(server: ServerThread, triton: Any) -> 
     assert "hloserve_models_loaded 4.0" in text
     assert 'hloserve_model_resident{model="mlp"} 1.0' in text
     assert 'hloserve_weight_loads_total{model="mlp"} 1.0' in text
+    assert 'hloserve_weight_prefetches_total{model="mlp"} 0.0' in text
+    assert 'hloserve_model_host_pinned{model="mlp"} 0.0' in text  # a CPU: pageable by default
     assert "hloserve_compactions_total 0.0" in text
     assert "hloserve_device_memory" not in text  # the CPU backend keeps no allocator statistics
 

@@ -81,3 +81,15 @@ def test_a_missing_jax_name_is_named_with_the_versions() -> None:
     assert f"jax {jax.__version__}" in message and "jaxlib " in message
     assert "jaxlib.xla_client.no_such_call, jax.extend.nothing_here" in message
     assert "batched_device_put" not in message  # only what is missing
+
+
+def test_pinned_host_floor_copies_to_the_device() -> None:
+    assert _xla.pinned_host_available()  # the CPU backend lists it too, so this path runs in CI
+    host = [np.arange(12, dtype=np.float32).reshape(3, 4), np.ones(5, np.int64)]
+    pinned = _xla.pin(host)
+    assert [a.sharding.memory_kind for a in pinned] == ["pinned_host", "pinned_host"]
+    placed = _xla.put_all(pinned)
+    assert [a.sharding.memory_kind for a in placed] == ["device", "device"]
+    for original, back in zip(host, _xla.to_numpy(placed), strict=True):
+        np.testing.assert_array_equal(original, back)
+    assert [a.dtype for a in _xla.put_all(host)] == [np.float32, np.int64]  # pageable numpy too

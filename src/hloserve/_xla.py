@@ -47,6 +47,7 @@ SEMI_PUBLIC = (
     "jaxlib.xla_client.LoadedExecutable.get_compiled_memory_stats",
     "jaxlib.xla_client.LoadedExecutable.serialize",
     "jaxlib._jax.ExecuteResults.disassemble_into_single_device_arrays",
+    "jax.Device.memory",
 )
 """The names below jax's public API that this module calls: they can move between releases."""
 
@@ -91,7 +92,11 @@ __all__ = [
     "host_buffer",
     "main_signature",
     "memory_stats",
+    "pin",
+    "pinned_host_available",
+    "pinning_pays",
     "put",
+    "put_all",
     "run",
     "runtime_identity",
     "serialize_executable",
@@ -245,6 +250,52 @@ def put(array: np.ndarray) -> DeviceArray:
     return xla_client.batched_device_put(
         jax.core.ShapedArray(array.shape, array.dtype), _sharding(), [array], [dev]
     )
+
+
+PINNED_HOST = "pinned_host"
+"""JAX's memory kind for page-locked host memory, which a GPU copies from by DMA."""
+
+
+@functools.cache
+def pinned_host_available() -> bool:
+    """Whether `device()` can address pinned host memory (GPUs, and the CPU backend from jax
+    0.4.32 on)."""
+    try:
+        device().memory(PINNED_HOST)
+    except Exception:  # JaxRuntimeError INVALID_ARGUMENT: no such memory kind on this device
+        return False
+    return True
+
+
+def pinning_pays() -> bool:
+    """Whether a copy from pinned host memory beats one from pageable memory: on an accelerator.
+    On the CPU the device aliases a pageable array, and a pinned one costs a copy."""
+    return device().platform != "cpu"
+
+
+@functools.cache
+def _pinned_sharding() -> jax.sharding.SingleDeviceSharding:
+    return jax.sharding.SingleDeviceSharding(device(), memory_kind=PINNED_HOST)
+
+
+def pin(arrays: Sequence[np.ndarray]) -> list[DeviceArray]:
+    """Copies of host arrays in pinned (page-locked) host memory, from which `put_all` copies to
+    the device at the bus's speed. Blocks until they are in place. Pinning is slow (about
+    1-2 GB/s on a GPU machine): do it once, at start-up. Raises what the backend raises when it
+    cannot (no pinned memory kind, the locked-memory limit, too little memory)."""
+    pinned: list[DeviceArray] = jax.device_put(list(arrays), _pinned_sharding())
+    for array in pinned:
+        array.block_until_ready()
+    return pinned
+
+
+def put_all(arrays: Sequence[np.ndarray | DeviceArray]) -> list[DeviceArray]:
+    """Copy a model's host floor to the device: numpy arrays one by one through `put`; arrays
+    in pinned host memory (`pin`) in one batched transfer (a DMA per array on a GPU)."""
+    if arrays and not isinstance(arrays[0], np.ndarray):
+        placed: list[DeviceArray] = jax.device_put(list(arrays), _sharding())
+        return placed
+    return [put(a) for a in arrays]  # type: ignore[arg-type]
 
 
 def run(executable: Executable, args: Sequence[DeviceArray]) -> list[DeviceArray]:

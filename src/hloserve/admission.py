@@ -22,8 +22,10 @@ The estimate, from running figures (O(1) per request, no scans):
   before their handler starts, where the gRPC deadline is read, and a reply waits about as
   long again to go out; neither shows in the queue.
 
-A request with a deadline is refused when `2 * loop_lag + (rows ahead + its rows) *
-seconds_per_row` is more than the time it has left. One without a deadline is never refused
+A request with a deadline is refused when `2 * loop_lag + load_s + (rows ahead + its rows) *
+seconds_per_row` is more than the time it has left, where `load_s` is the time the model's
+weights take to load when they are not on the device (their bytes at the weight cache's
+measured seconds per byte; 0 when they are there). One without a deadline is never refused
 here (the queue's depth limit still applies).
 """
 
@@ -97,11 +99,13 @@ class Admission:
         executed: int,
         costs: Mapping[int, float],
         backlog_rows: int,
+        load_s: float = 0.0,
     ) -> Ticket:
         """Count a request of `rows` in, or raise `CannotMeetDeadline` (nothing counted).
 
         `executed` is the model's running count of executed rows, `costs` its learned seconds
-        per execution by batch size, `backlog_rows` its largest batch.
+        per execution by batch size, `backlog_rows` its largest batch, `load_s` what loading its
+        weights would take now.
         """
         load = self._loads.get(model)
         if load is None:
@@ -117,9 +121,9 @@ class Admission:
         if deadline is not None:
             per_row = max(load.seconds_per_row, _floor(load, costs))
             lag = self._loop_lag(now)
-            expected = 2 * lag + (ahead + rows) * per_row
+            expected = 2 * lag + load_s + (ahead + rows) * per_row
             if now + expected > deadline:
-                raise CannotMeetDeadline(model, expected, deadline - now, ahead, rows, per_row, lag)
+                raise CannotMeetDeadline(model, expected, deadline - now, ahead, rows, per_row, lag, load_s)
         load.rows += rows
         return Ticket(model, rows)
 

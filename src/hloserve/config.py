@@ -312,6 +312,18 @@ class WeightsConfig:
     """Keep `system` host floors in POSIX shared memory shared by the workers of a node."""
     shared_host_weights_mode: str = "660"
     """Octal permissions of those regions and their lock files."""
+    pin_host_floors: bool | None = None
+    """Keep each private `system` host floor in pinned (page-locked) host memory, pinned once as
+    it is read, so a load is one DMA at the bus's speed instead of a copy staged from pageable
+    memory. None (default): on an accelerator (a GPU) only; on the CPU the device aliases a
+    pageable floor, which a pinned one would turn into a copy. true: wherever the device lists
+    pinned host memory, the CPU included. false: never. Pinning that fails (the locked-memory
+    limit, too little memory) leaves that floor pageable, with a warning. Shared floors stay
+    pageable."""
+    overlap_loads: bool = True
+    """While a model executes, start copying the weights of models with queued requests that
+    are not on the device, so their loads hide behind the execution (within the budget, never
+    evicting a model with requests queued)."""
 
     def validate(self) -> None:
         _check(self.budget_bytes is None or self.budget_bytes >= 0, "weights.budget_bytes", "must be >= 0")

@@ -146,12 +146,14 @@ class CannotMeetDeadline(HloserveError):
         rows: int,
         s_per_row: float,
         loop_lag_s: float,
+        load_s: float = 0.0,
     ) -> None:
         self.model, self.expected_s, self.remaining_s = model, expected_s, remaining_s
+        load = f", its weights {load_s * 1e3:.1f} ms to load" if load_s else ""
         super().__init__(
             f"model {model!r}: refused on arrival, it cannot meet its deadline: it would be "
             f"answered in about {expected_s * 1e3:.1f} ms ({ahead} rows ahead of its {rows} at "
-            f"{s_per_row * 1e3:.3f} ms per row, the server {loop_lag_s * 1e3:.1f} ms behind) and "
+            f"{s_per_row * 1e3:.3f} ms per row{load}, the server {loop_lag_s * 1e3:.1f} ms behind) and "
             f"{max(remaining_s, 0.0) * 1e3:.1f} ms are left; retryable: retry later or with a "
             "longer deadline"
         )

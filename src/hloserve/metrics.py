@@ -65,6 +65,16 @@ class _StatisticsCollector(Collector):
         load_seconds = CounterMetricFamily(
             "hloserve_weight_load_seconds", "Time spent loading weights", labels=model
         )
+        prefetches = CounterMetricFamily(
+            "hloserve_weight_prefetches",
+            "Weight loads started while another model executed (counted in the loads too)",
+            labels=model,
+        )
+        pinned = GaugeMetricFamily(
+            "hloserve_model_host_pinned",
+            "Host copy of the weights in pinned memory (1) or not (0)",
+            labels=model,
+        )
         for name, s in stats.items():
             executions.add_metric([name], s.execution_count)
             requests.add_metric([name], s.requests_served)
@@ -87,8 +97,10 @@ class _StatisticsCollector(Collector):
                 loads.add_metric([name], s.weight_loads)
                 evictions.add_metric([name], s.weight_evictions)
                 load_seconds.add_metric([name], s.weight_load_seconds)
+                prefetches.add_metric([name], s.weight_prefetches)
+                pinned.add_metric([name], int(s.host_pinned))
         yield from (executions, requests, rows, queue, compute, batches, drops, depth, wait, cost)
-        yield from (resident, weight_bytes, loads, evictions, load_seconds)
+        yield from (resident, weight_bytes, loads, evictions, load_seconds, prefetches, pinned)
 
 
 class _CompactionCollector(Collector):

@@ -166,6 +166,8 @@ class ModelPolicy:
     discipline: Discipline | None = None
     """Overrides the global discipline for this model's own queue (edf: laxity drops)."""
     latency_budget_s: float | None = None
+    charged_load_s: float = 0.0
+    """The model's weight-load seconds already charged to `ema` (its statistics count them)."""
 
     def expected_cost(self, batch_size: int, params: PolicyParams = PolicyParams()) -> float:
         """The learned seconds of a batch; never zero (a clock can read two equal times), so
@@ -190,6 +192,13 @@ def record_execution(
     learn_cost(policy.cost, batch_size, seconds, params)
 
 
+def charge(policy: ModelPolicy, seconds: float, now: float, params: PolicyParams = PolicyParams()) -> None:
+    """Charge a load of the model's weights to its recent compute (it caused the load), without
+    touching its learned cost: a model that keeps being evicted pays for its reloads in fair share."""
+    policy.ema = decay(policy.ema, now - policy.ema_at, params.ema_halflife_s) + seconds
+    policy.ema_at = now
+
+
 @dataclass(frozen=True, slots=True)
 class Candidate:
     """A model with a batch ready to run, as the dispatcher sees it."""
@@ -198,6 +207,8 @@ class Candidate:
     batch_size: int
     front_enqueued_at: float
     earliest_deadline: float | None
+    load_s: float = 0.0
+    """Seconds its weights take to load before it can run (0 when they are on the device)."""
 
 
 def _urgent_at(candidate: Candidate, policy: ModelPolicy, params: PolicyParams) -> float:
@@ -208,6 +219,7 @@ def _urgent_at(candidate: Candidate, policy: ModelPolicy, params: PolicyParams) 
         candidate.front_enqueued_at
         + policy.latency_budget_s
         - policy.expected_cost(candidate.batch_size, params)
+        - candidate.load_s
     )
 
 
@@ -221,9 +233,10 @@ def select(
     """The model to run next.
 
     Models whose oldest request is about to miss its latency budget go first (soonest first).
-    Otherwise: `fifo` takes the oldest front request; `edf` the earliest deadline (none counts
-    as latest); `fair` the highest `fair_priority`, with shares and recent compute summed over
-    every model, idle ones included. Ties go to the older front request, then the smaller name.
+    Otherwise: `fifo` takes the oldest front request; `edf` the earliest deadline less the
+    model's load time, when to start its load at the latest (none counts as latest); `fair` the
+    highest `fair_priority`, with shares and recent compute summed over every model, idle ones
+    included. Ties go to the older front request, then the smaller name.
     """
     ready = list(candidates)
     if len(ready) <= 1:  # every discipline picks a lone candidate (the common case): skip the maths
@@ -237,7 +250,7 @@ def select(
         return min(
             ready,
             key=lambda c: (
-                math.inf if c.earliest_deadline is None else c.earliest_deadline,
+                math.inf if c.earliest_deadline is None else c.earliest_deadline - c.load_s,
                 c.front_enqueued_at,
                 c.model,
             ),

@@ -275,6 +275,9 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
                 executed=stats.inference_count,
                 costs=stats.cost,
                 backlog_rows=1 if compiled is None else max(compiled.batch_sizes[-1], 1),
+                load_s=0.0
+                if stats.resident or not stats.residency
+                else stats.weight_bytes * self._statistics.seconds_per_weight_byte,
             )
         except CannotMeetDeadline:
             stats.drops["cannot_meet_deadline"] += 1

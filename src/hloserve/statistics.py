@@ -67,12 +67,17 @@ class ModelStatistics:
     """Its weights are on the device now."""
     host_resident: bool = False
     """Its weights are held in host memory (a `system` floor)."""
+    host_pinned: bool = False
+    """That host copy is in pinned (page-locked) host memory."""
     weight: float = 1.0
     """Its scheduling weight (kept by the dispatcher)."""
     weight_bytes: int = 0
     weight_loads: int = 0
     weight_evictions: int = 0
     weight_load_seconds: float = 0.0
+    """Seconds its loads took, from the start of each copy to its end (overlapped or not)."""
+    weight_prefetches: int = 0
+    """Loads started ahead of the model's execution, to overlap another's (counted in loads)."""
 
     def wait_quantile(self, q: float) -> float:
         """A quantile of the recent queue waits (0 when none)."""
@@ -100,6 +105,10 @@ class Statistics:
         self._models: dict[str, ModelStatistics] = {}
         self.compactions = 0
         """Weight-cache compactions since start."""
+        self.device_weight_bytes = 0
+        """Bytes of on-demand weights on the device or being copied there (the budget's count)."""
+        self.seconds_per_weight_byte = 0.0
+        """The weight cache's measured seconds per byte copied from a host floor (0: none yet)."""
 
     def __getitem__(self, model: str) -> ModelStatistics:
         stats = self._models.get(model)

@@ -117,6 +117,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         statistics,
         scheduler.compaction_interval,
         int(config.weights.shared_host_weights_mode, 8) if config.weights.shared_host_weights else None,
+        config.weights.pin_host_floors,
     )
     params = PolicyParams(
         scheduler.ema_halflife_s,
@@ -124,7 +125,15 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         scheduler.coalescing_discount,
         scheduler.cost_ema_alpha,
     )
-    dispatcher = Dispatcher({}, statistics, scheduler.discipline, {}, params, scheduler.gather_passes)
+    dispatcher = Dispatcher(
+        {},
+        statistics,
+        scheduler.discipline,
+        {},
+        params,
+        scheduler.gather_passes,
+        overlap_loads=config.weights.overlap_loads,
+    )
     async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
         dispatcher.use_weights(await nursery.start(supervised, "weight cache", weight_cache.run))
         await nursery.start(supervised, "dispatcher", dispatcher.run)
