@@ -190,3 +190,32 @@ def test_restrictions_from_environment_separated_by_semicolons() -> None:
     assert config.server.grpc_restricted_protocol == ("health:a=1", "inference:b=2")
     rules = Restrictions.grpc(config.server.grpc_restricted_protocol).rules
     assert rules["inference"].header == "triton-grpc-protocol-b" and rules["inference"].value == "2"
+
+
+def test_flags_as_triton_names_them() -> None:
+    from hloserve.cli import _apply_flags, _parser
+
+    argv = [
+        "serve",
+        "--grpc-restricted-protocol=model-repository,control:admin-key=admin-value",
+        "--grpc-restricted-protocol",
+        "inference:infer-key=infer-value",
+        "--http-restricted-api=model-repository:admin-key=admin-value",
+    ]
+    server = _apply_flags(load_config(environ={}), _parser().parse_args(argv)).server
+    assert server.grpc_restricted_protocol == (
+        "model-repository,control:admin-key=admin-value",
+        "inference:infer-key=infer-value",
+    )
+    assert server.http_restricted_api == ("model-repository:admin-key=admin-value",)
+
+
+def test_restricted_by_flags_in_a_subprocess() -> None:
+    """As an operator starts it: the flags reach the listening process."""
+    args = ["--grpc-restricted-protocol=model-repository:admin-key=admin-value"]
+    with start_worker(process="subprocess", args=args) as worker:
+        with closing(grpcclient.InferenceServerClient(worker.url)) as client:
+            with pytest.raises(InferenceServerException, match=GRPC_RESTRICTED):
+                client.get_model_repository_index()
+            assert client.get_model_repository_index(headers=ADMIN).models
+            assert_good_request_served(client)
