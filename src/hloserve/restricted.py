@@ -29,6 +29,8 @@ from hloserve.errors import ConfigError
 __all__ = [
     "GROUPS",
     "GRPC_HEADER_PREFIX",
+    "GRPC_PATHS",
+    "HTTP_PATHS",
     "Restriction",
     "Restrictions",
     "grpc_group",
@@ -124,6 +126,43 @@ def http_group(path: str) -> str | None:
     if match is not None:
         return _MODEL_KINDS.get(match["kind"])
     return None
+
+
+_V2_MODEL = r"/v2/models/[^/]+(?:/versions/[^/]+)?"
+_INFERENCE_SERVICE = r"/inference[.]GRPCInferenceService/"
+
+HTTP_PATHS = {
+    "health": rf"/v2/health/.*|{_V2_MODEL}/ready",
+    "metadata": rf"/v2/?|{_V2_MODEL}",
+    "inference": rf"{_V2_MODEL}/(?:infer|generate|generate_stream)",
+    "model-config": rf"{_V2_MODEL}/config",
+    "statistics": rf"/v2/models/stats|{_V2_MODEL}/stats",
+    "model-repository": r"/v2/repository(?:/.*)?",
+    "shared-memory": r"/v2/(?:system|cuda)sharedmemory(?:/.*)?",
+    "trace": rf"/v2/trace(?:/.*)?|{_V2_MODEL}/trace/setting",
+    "logging": r"/v2/logging(?:/.*)?",
+}
+"""Each group's REST paths as full-match regular expressions (RE2 and Python alike): what
+Envoy's routes match to refuse them at the node's edge (`http_group` sorts a path alike)."""
+
+
+def _methods(*names: str) -> str:
+    return _INFERENCE_SERVICE + "(?:" + "|".join(names) + ")"
+
+
+GRPC_PATHS = {
+    "health": _methods("ServerLive", "ServerReady", "ModelReady") + r"|/grpc[.]health[.]v1[.]Health/.*",
+    "metadata": _methods("ServerMetadata", "ModelMetadata"),
+    "inference": _methods("ModelInfer", "ModelStreamInfer"),
+    "model-config": _methods("ModelConfig"),
+    "statistics": _methods("ModelStatistics"),
+    "model-repository": _methods("RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload"),
+    "shared-memory": _INFERENCE_SERVICE + r"(?:System|Cuda)SharedMemory.*",
+    "trace": _methods("TraceSetting"),
+    "logging": _methods("LogSettings"),
+    "control": r"/hloserve_control[.]ControlService/.*|/hloserve_gateway[.]GatewayControlService/.*",
+}
+"""Each group's gRPC method paths, likewise (`grpc_group` sorts a path alike)."""
 
 
 @dataclass(frozen=True, slots=True)
