@@ -219,3 +219,61 @@ def test_restricted_by_flags_in_a_subprocess() -> None:
                 client.get_model_repository_index()
             assert client.get_model_repository_index(headers=ADMIN).models
             assert_good_request_served(client)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v2",
+        "/v2/health/live",
+        "/v2/models/mlp/ready",
+        "/v2/models/mlp/versions/1",
+        "/v2/models/mlp/infer",
+        "/v2/models/mlp/versions/2/config",
+        "/v2/models/stats",
+        "/v2/models/mlp/stats",
+        "/v2/repository/index",
+        "/v2/repository/models/mlp/unload",
+        "/v2/systemsharedmemory/region/r/register",
+        "/v2/cudasharedmemory/status",
+        "/v2/trace/setting",
+        "/v2/models/mlp/trace/setting",
+        "/v2/logging",
+        "/v2/unknown/thing",
+    ],
+)
+def test_envoy_http_paths_sort_as_the_worker_does(path: str) -> None:
+    """The regular expressions Envoy's refusal routes match name the group `http_group` does."""
+    import re
+
+    from hloserve.restricted import HTTP_PATHS
+
+    order = ["statistics", *(g for g in HTTP_PATHS if g != "statistics")]  # as Envoy's routes
+    matched = [g for g in order if re.fullmatch(HTTP_PATHS[g], path)]
+    assert matched[:1] == ([] if http_group(path) is None else [http_group(path)])
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        *(
+            f"/inference.GRPCInferenceService/{m}"
+            for m in (
+                "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata",
+                "ModelInfer", "ModelStreamInfer", "ModelConfig", "ModelStatistics", "RepositoryIndex",
+                "RepositoryModelLoad", "RepositoryModelUnload", "SystemSharedMemoryStatus",
+                "CudaSharedMemoryRegister", "TraceSetting", "LogSettings",
+            )
+        ),
+        "/grpc.health.v1.Health/Watch",
+        "/hloserve_control.ControlService/SetModelPolicy",
+        "/hloserve_gateway.GatewayControlService/GetSchedulingStatus",
+    ],
+)  # fmt: skip
+def test_envoy_grpc_paths_sort_as_the_worker_does(method: str) -> None:
+    import re
+
+    from hloserve.restricted import GRPC_PATHS
+
+    matched = [g for g, regex in GRPC_PATHS.items() if re.fullmatch(regex, method)]
+    assert matched == [grpc_group(method)]

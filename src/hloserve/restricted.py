@@ -143,7 +143,8 @@ HTTP_PATHS = {
     "logging": r"/v2/logging(?:/.*)?",
 }
 """Each group's REST paths as full-match regular expressions (RE2 and Python alike): what
-Envoy's routes match to refuse them at the node's edge (`http_group` sorts a path alike)."""
+Envoy's routes match to refuse them at the node's edge (`http_group` sorts a path alike;
+`/v2/models/stats` matches `metadata` too, so Envoy tries `statistics` first)."""
 
 
 def _methods(*names: str) -> str:

@@ -153,3 +153,43 @@ def test_rest_over_tls_restricted_through_the_node(secure_node: SecureNode) -> N
     assert (status, answer) == (403, {"error": "This API is restricted, expecting header 'admin-key'"})
     status, answer = secure_node.https("POST", "/v2/repository/index", b"{}", **{"admin-key": "admin-value"})
     assert status == 200 and any(m["name"] == "mlp" for m in answer)
+
+
+def test_workers_behind_envoy_get_the_restrictions_and_no_tls(tmp_path: Path) -> None:
+    from hloserve.config import load_config
+    from hloserve.node import WorkerSpec, worker_child
+
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    config = load_config(environ={}).replace(
+        "server",
+        grpc_restricted_protocol=("inference:k=v", "health:h=1"),
+        grpc_use_ssl=True,
+        grpc_server_cert=cert,
+        grpc_server_key=key,
+    )
+    spec = WorkerSpec("worker0", 9100, 9101, 9102, None)
+    behind = worker_child(spec, config, None, public=False).env
+    assert behind["HLOSERVE_SERVER_GRPC_RESTRICTED_PROTOCOL"] == "inference:k=v;health:h=1"
+    assert behind["HLOSERVE_SERVER_GRPC_USE_SSL"] == "false"
+    assert behind["HLOSERVE_SERVER_GRPC_SERVER_CERT"] == ""
+    assert "HLOSERVE_SERVER_HTTP_USE_SSL" not in behind  # REST has no TLS: nothing to override
+    alone = worker_child(spec, config, None, public=True).env
+    assert alone["HLOSERVE_SERVER_GRPC_USE_SSL"] == "true" and alone[
+        "HLOSERVE_SERVER_GRPC_SERVER_KEY"
+    ] == str(key)
+    assert "HLOSERVE_SERVER_HTTP_RESTRICTED_API" not in alone
+
+
+def test_envoy_listeners_terminate_tls(tmp_path: Path) -> None:
+    from hloserve.fleet import envoy
+
+    grpc_tls = envoy.Tls(tmp_path / "c.pem", tmp_path / "k.pem", tmp_path / "ca.pem")
+    config = envoy.bootstrap(tmp_path, "127.0.0.1", 1, 2, 3, 1 << 30, grpc_tls, None)
+    public, public_http = config["static_resources"]["listeners"]
+    socket = public["filter_chains"][0]["transport_socket"]["typed_config"]
+    assert socket["require_client_certificate"] is True
+    assert socket["common_tls_context"]["alpn_protocols"] == ["h2"]
+    assert socket["common_tls_context"]["validation_context"]["trusted_ca"]["filename"] == str(
+        tmp_path / "ca.pem"
+    )
+    assert "transport_socket" not in public_http["filter_chains"][0]

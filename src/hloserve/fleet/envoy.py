@@ -422,14 +422,16 @@ _GRPC_MESSAGE_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
 """What gRPC's grpc-message header carries unencoded: printable ASCII but `%`."""
 
 
-def _refusals(restrictions: Restrictions | None, grpc: bool) -> list[dict[str, Any]]:
+def _refusals(
+    restrictions: Restrictions | None, grpc: bool, groups: Sequence[str] | None = None
+) -> list[dict[str, Any]]:
     """Routes answering a call to a restricted group without its header as Triton would (gRPC
     UNAVAILABLE, REST 403, naming the header), before any route to a worker: a worker's own
     refusal would be retried on every other worker (and count against them as failures)."""
     refusals = []
     for group, rule in sorted((restrictions.rules if restrictions else {}).items()):
         paths = (GRPC_PATHS if grpc else HTTP_PATHS).get(group)
-        if paths is None:
+        if paths is None or (groups is not None and group not in groups):
             continue
         missing = {
             "name": rule.header,
@@ -527,8 +529,10 @@ def http_routes(
         if any(e.http is not None for e in endpoints)
     ]
     fallback = {"match": {"prefix": "/"}, "route": {"cluster": CONTROLLER_HTTP, **_UNTIMED}}
-    refusals = _refusals(restrictions, grpc=False)
-    return _route_config("routes_http", [*refusals, *statistics, *model_routes, fallback])
+    # Statistics first: `/v2/models/stats` also has the form of a model's metadata path.
+    first = _refusals(restrictions, grpc=False, groups=["statistics"])
+    others = _refusals(restrictions, grpc=False, groups=[g for g in HTTP_PATHS if g != "statistics"])
+    return _route_config("routes_http", [*first, *statistics, *others, *model_routes, fallback])
 
 
 def write_atomically(path: Path, data: bytes | dict[str, Any]) -> None:
