@@ -6,7 +6,9 @@ next good client is served. One process and an engine with two frontends answer 
 from __future__ import annotations
 
 import http.client
+import socket
 import ssl
+import time
 from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
@@ -35,8 +37,11 @@ def _certs(tmp_path_factory: pytest.TempPathFactory) -> Certificates:
     return make_certificates(tmp_path_factory.mktemp("certs"))
 
 
+HANDSHAKE_S = 2.0
+
+
 def _tls_settings(certs: Certificates, mutual: bool) -> dict[str, Any]:
-    settings: dict[str, Any] = {}
+    settings: dict[str, Any] = {"handshake_timeout_s": HANDSHAKE_S}
     for proto in ("grpc", "http"):
         settings[f"{proto}_use_ssl_mutual" if mutual else f"{proto}_use_ssl"] = True
         settings[f"{proto}_server_cert"] = certs.server_cert
@@ -213,3 +218,20 @@ def test_flags_as_triton_names_them(certs: Certificates) -> None:
     assert server.http_tls and not server.http_use_ssl_mutual and server.http_server_key == certs.server_key
     off = _parser().parse_args(["serve", "--grpc-use-ssl=false"])
     assert not _apply_flags(load_config(environ={}), off).server.grpc_tls
+
+
+def test_a_client_that_never_finishes_the_handshake_is_closed(
+    tls_server: ServerThread, certs: Certificates
+) -> None:
+    """A connection stuck before its TLS handshake is not counted as a connection yet: it is
+    closed after `server.handshake_timeout_s`, on both ports."""
+    for port in (tls_server.grpc_port, tls_server.worker.http_port):
+        with socket.create_connection(("127.0.0.1", port), timeout=HANDSHAKE_S + 10) as idle:
+            started = time.monotonic()
+            try:
+                assert idle.recv(1024) == b""
+            except ConnectionResetError:
+                pass
+            assert time.monotonic() - started < HANDSHAKE_S + 5
+    with closing(_grpc(tls_server.url, certs)) as client:
+        assert_good_request_served(client)

@@ -275,7 +275,11 @@ async def _serve(link_fd: int, port: int, http_port: int, setup: Setup) -> None:
             )
             restrict_grpc(server, Restrictions.grpc(config.server.grpc_restricted_protocol))
             await trio_asyncio.aio_as_trio(server.start)(
-                config.server.host, port, reuse_port=True, ssl=server_context(config.server, "grpc")
+                config.server.host,
+                port,
+                reuse_port=True,
+                ssl=server_context(config.server, "grpc"),
+                handshake_timeout_s=config.server.handshake_timeout_s,
             )
             rest = None
             if http_port >= 0:

@@ -194,7 +194,10 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
                 worker.http_port = None if http_port < 0 else http_port
             else:
                 await trio_asyncio.aio_as_trio(server.start)(
-                    server_config.host, server_config.grpc_port, ssl=grpc_tls
+                    server_config.host,
+                    server_config.grpc_port,
+                    ssl=grpc_tls,
+                    handshake_timeout_s=server_config.handshake_timeout_s,
                 )
                 worker.grpc_port = server.port
         except ConfigError:  # a port the frontends cannot have
