@@ -137,7 +137,8 @@ class ServerConfig:
     hard metadata limit); past it RESOURCE_EXHAUSTED, past 4x it (or a header block of 4x it
     before END_HEADERS) the connection gets GOAWAY ENHANCE_YOUR_CALM."""
     handshake_timeout_s: float = 10.0
-    """A connection that has not sent the HTTP/2 preface and SETTINGS by then is closed."""
+    """A connection that has not sent the HTTP/2 preface and SETTINGS by then is closed; so is
+    one (on either port) that has not finished its TLS handshake, with TLS on."""
     idle_timeout_s: float = 300.0
     """A connection with no call for one to two of these is sent GOAWAY and closed (gRPC's
     MAX_CONNECTION_IDLE; clients reconnect when they next call); one whose peer accepts none of

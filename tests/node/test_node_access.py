@@ -1,10 +1,12 @@
 """Restricted APIs and TLS through `hloserve node --cpu-workers 2`: Envoy terminates TLS on the
-public gRPC and REST ports with the node's certificate; the workers behind it (plain text on
+public gRPC (mutual: clients need a certificate of the node's CA) and REST ports with the node's
+certificate; the workers behind it (plain text on
 loopback) and the controller refuse a call without its restriction's header, which Envoy passes
 through, as Triton would (gRPC UNAVAILABLE, REST 403), and serve the next one that has it."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import ssl
@@ -43,9 +45,13 @@ class SecureNode:
     certs: Certificates
     log: Path
 
-    def client(self) -> Any:
+    def client(self, certificate: bool = True) -> Any:
         return triton.InferenceServerClient(
-            f"127.0.0.1:{self.grpc_port}", ssl=True, root_certificates=str(self.certs.ca)
+            f"127.0.0.1:{self.grpc_port}",
+            ssl=True,
+            root_certificates=str(self.certs.ca),
+            private_key=str(self.certs.client_key) if certificate else None,
+            certificate_chain=str(self.certs.client_cert) if certificate else None,
         )
 
     def https(self, method: str, path: str, body: bytes | None = None, **headers: str) -> tuple[int, Any]:
@@ -55,7 +61,8 @@ class SecureNode:
         )
         try:
             with urllib.request.urlopen(request, timeout=30, context=context) as answer:
-                return answer.status, json.loads(answer.read())
+                data = answer.read()
+                return answer.status, json.loads(data) if data else None
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read())
 
@@ -74,8 +81,8 @@ def secure_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureNode
              "--grpc-restricted-protocol=inference:infer-key=infer-value",
              "--http-restricted-api=model-repository:admin-key=admin-value",
              "--http-restricted-api=inference:infer-key=infer-value",
-             "--grpc-use-ssl", f"--grpc-server-cert={certs.server_cert}",
-             f"--grpc-server-key={certs.server_key}",
+             "--grpc-use-ssl-mutual", f"--grpc-server-cert={certs.server_cert}",
+             f"--grpc-server-key={certs.server_key}", f"--grpc-root-cert={certs.ca}",
              "--http-use-ssl", f"--http-server-cert={certs.server_cert}",
              f"--http-server-key={certs.server_key}"],
             stdout=out, stderr=subprocess.STDOUT, env=env,
@@ -107,13 +114,33 @@ def _mlp_inputs() -> list[triton.InferInput]:
     return [tensor]
 
 
-def test_grpc_plain_text_refused_by_envoy(secure_node: SecureNode) -> None:
-    with closing(triton.InferenceServerClient(f"127.0.0.1:{secure_node.grpc_port}")) as plain:
-        with pytest.raises(InferenceServerException) as raised:
-            plain.is_server_live(client_timeout=10)
-        assert raised.value.status() == "StatusCode.UNAVAILABLE"
+def test_grpc_plain_text_and_clients_without_certificates_refused_by_envoy(secure_node: SecureNode) -> None:
+    stranger = triton.InferenceServerClient(
+        f"127.0.0.1:{secure_node.grpc_port}",
+        ssl=True,
+        root_certificates=str(secure_node.certs.ca),
+        private_key=str(secure_node.certs.stranger_key),
+        certificate_chain=str(secure_node.certs.stranger_cert),
+    )
+    plain = triton.InferenceServerClient(f"127.0.0.1:{secure_node.grpc_port}")
+    for refused in (plain, secure_node.client(certificate=False), stranger):
+        with closing(refused):
+            with pytest.raises(InferenceServerException) as raised:
+                refused.is_server_live(client_timeout=10)
+            assert raised.value.status() == "StatusCode.UNAVAILABLE"
     with closing(secure_node.client()) as client:
         assert client.is_server_live()
+
+
+def test_rest_plain_text_refused_by_envoy(secure_node: SecureNode) -> None:
+    connection = http.client.HTTPConnection("127.0.0.1", secure_node.http_port, timeout=10)
+    try:
+        with pytest.raises((http.client.RemoteDisconnected, ConnectionError, http.client.BadStatusLine)):
+            connection.request("GET", "/v2/health/ready")
+            connection.getresponse()
+    finally:
+        connection.close()
+    assert secure_node.https("GET", "/v2/health/ready")[0] == 200
 
 
 def test_grpc_inference_restricted_at_the_worker_through_envoy(secure_node: SecureNode) -> None:
