@@ -5,9 +5,11 @@ header is served. One process and an engine with two frontends answer alike."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 from collections.abc import Iterator
 from contextlib import closing
+from typing import Any
 
 import numpy as np
 import pytest
@@ -121,8 +123,6 @@ def test_http_restricted_groups_403_naming_the_header(restricted: ServerThread) 
 
 
 def test_http_restricted_answer_is_json_and_keeps_the_connection(restricted: ServerThread) -> None:
-    import http.client
-
     connection = http.client.HTTPConnection("127.0.0.1", restricted.worker.http_port, timeout=30)
     try:
         body = json.dumps({"ready": True}).encode()
@@ -277,3 +277,50 @@ def test_envoy_grpc_paths_sort_as_the_worker_does(method: str) -> None:
 
     matched = [g for g, regex in GRPC_PATHS.items() if re.fullmatch(regex, method)]
     assert matched == [grpc_group(method)]
+
+
+def test_restricted_health_covers_grpc_health_checking(worker_factory: Any) -> None:
+    """Triton puts the gRPC health protocol in `health` too: a probe must send the header."""
+    from hloserve._proto.grpc.health import v1 as health
+
+    worker = worker_factory(
+        make_config(grpc_restricted_protocol=("health:probe=p",), http_restricted_api=("health:probe=p",))
+    )
+
+    async def check(metadata: dict[str, str] | None) -> health.HealthCheckResponse:
+        channel = Channel("127.0.0.1", worker.grpc_port)
+        try:
+            return await health.HealthStub(channel).check(health.HealthCheckRequest(), metadata=metadata)
+        finally:
+            channel.close()
+
+    with pytest.raises(GRPCError) as raised:
+        asyncio.run(check(None))
+    assert raised.value.status == Status.UNAVAILABLE
+    assert (
+        raised.value.message == "This protocol is restricted, expecting header 'triton-grpc-protocol-probe'"
+    )
+    assert (
+        asyncio.run(check({"triton-grpc-protocol-probe": "p"})).status
+        == health.HealthCheckResponseServingStatus.SERVING
+    )
+    with closing(grpcclient.InferenceServerClient(worker.url)) as client:
+        with pytest.raises(InferenceServerException, match="expecting header 'triton-grpc-protocol-probe'"):
+            client.is_server_ready()
+        assert client.is_server_ready(headers={"triton-grpc-protocol-probe": "p"})
+        assert_good_request_served(client)  # inference is not restricted
+    rest = httpclient.InferenceServerClient(worker.http_url)
+    try:
+        assert not rest.is_server_ready()  # tritonclient reads only the status of a health call
+        assert rest.is_server_ready(headers={"probe": "p"})
+    finally:
+        rest.close()
+
+    connection = http.client.HTTPConnection("127.0.0.1", worker.worker.http_port, timeout=30)
+    try:
+        connection.request("GET", "/v2/health/live")
+        response = connection.getresponse()
+        assert response.status == 403
+        assert json.loads(response.read()) == {"error": "This API is restricted, expecting header 'probe'"}
+    finally:
+        connection.close()
