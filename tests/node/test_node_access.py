@@ -220,3 +220,37 @@ def test_envoy_listeners_terminate_tls(tmp_path: Path) -> None:
         tmp_path / "ca.pem"
     )
     assert "transport_socket" not in public_http["filter_chains"][0]
+
+
+def test_gateway_restricted_as_control(secure_node: SecureNode) -> None:
+    """The node's own GatewayControlService is in the `control` group (refused by Envoy, then
+    by the controller); grpclib over mutual TLS as another client."""
+    import asyncio
+
+    from grpclib.client import Channel
+    from grpclib.const import Status
+    from grpclib.exceptions import GRPCError
+
+    from hloserve._proto import hloserve_gateway as gateway
+
+    context = ssl.create_default_context(cafile=str(secure_node.certs.ca))
+    context.load_cert_chain(str(secure_node.certs.client_cert), str(secure_node.certs.client_key))
+    context.set_alpn_protocols(["h2"])
+
+    async def status(metadata: dict[str, str] | None) -> gateway.GetSchedulingStatusResponse:
+        channel = Channel("127.0.0.1", secure_node.grpc_port, ssl=context)
+        try:
+            stub = gateway.GatewayControlServiceStub(channel)
+            return await stub.get_scheduling_status(gateway.GetSchedulingStatusRequest(), metadata=metadata)
+        finally:
+            channel.close()
+            await asyncio.sleep(0.2)  # the TLS close_notify, then the socket's close, take loop turns
+
+    with pytest.raises(GRPCError) as raised:
+        asyncio.run(status(None))
+    assert raised.value.status == Status.UNAVAILABLE
+    assert (
+        raised.value.message
+        == "This protocol is restricted, expecting header 'triton-grpc-protocol-admin-key'"
+    )
+    assert len(asyncio.run(status(ADMIN)).workers) == 2
