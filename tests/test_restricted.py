@@ -122,13 +122,24 @@ def test_http_restricted_groups_403_naming_the_header(restricted: ServerThread) 
         client.close()
 
 
-def test_http_restricted_answer_is_json_and_keeps_the_connection(restricted: ServerThread) -> None:
-    connection = http.client.HTTPConnection("127.0.0.1", restricted.worker.http_port, timeout=30)
+def test_http_restricted_answer_is_json_and_never_reads_the_body(restricted: ServerThread) -> None:
+    """A refused request with a body is answered and its connection closed, its body unread; one
+    without a body keeps the connection for the next request."""
+    port = restricted.worker.http_port
+    body = json.dumps({"ready": True}).encode()
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
-        body = json.dumps({"ready": True}).encode()
         connection.request("POST", "/v2/repository/index", body)
         response = connection.getresponse()
-        assert response.status == 403
+        assert (response.status, response.getheader("connection")) == (403, "close")
+        assert json.loads(response.read()) == {"error": HTTP_RESTRICTED}
+    finally:
+        connection.close()
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        connection.request("GET", "/v2/models/mlp/config")
+        response = connection.getresponse()
+        assert (response.status, response.getheader("connection")) == (403, None)
         assert json.loads(response.read()) == {"error": HTTP_RESTRICTED}
         connection.request("POST", "/v2/repository/index", body, {"admin-key": "admin-value"})
         response = connection.getresponse()

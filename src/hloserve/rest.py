@@ -692,7 +692,13 @@ class _App:
             headers = {name.decode("latin-1"): value for name, value in scope["headers"]}
             rule = self._restrictions.refusal(http_group(scope["path"]), headers)
             if rule is not None:  # Triton's status and words (http_server.cc RespondIfRestricted)
-                return await _respond(send, 403, [json.dumps({"error": http_message(rule)}).encode()], _JSON)
+                # A body it declared is never read: the connection closes after the answer
+                # (reading it would let a client without the header make the server take its
+                # bytes), else it stays open for the next request.
+                body = headers.get("content-length", b"0") != b"0" or "transfer-encoding" in headers
+                extra = [(b"connection", b"close")] if body else []
+                error = json.dumps({"error": http_message(rule)}).encode()
+                return await _respond(send, 403, [error], [*_JSON, *extra])
         if scope["method"] == "POST":
             match = _INFER_PATH.fullmatch(scope["path"])
             if match is not None:
