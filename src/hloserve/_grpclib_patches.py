@@ -333,10 +333,30 @@ class GracefulServer(grpclib.server.Server):
         self._protocols.add(protocol)
         return protocol
 
-    async def start(self, *args: Any, **kwargs: Any) -> None:
-        """grpclib's start; running out of descriptors pauses accepting instead of failing."""
+    async def start(
+        self, *args: Any, ssl: Any = None, handshake_timeout_s: float = 60.0, **kwargs: Any
+    ) -> None:
+        """grpclib's start; running out of descriptors pauses accepting instead of failing.
+        With `ssl` (a TLS context) a connection must finish its TLS handshake within
+        `handshake_timeout_s` (grpclib leaves asyncio's 60 s): until then it is no connection of
+        this server's, so `max_connections` does not count it."""
         self._loop.set_exception_handler(self.guard.exception_handler(self._loop.get_exception_handler()))
-        await super().start(*args, **kwargs)
+        if ssl is None:
+            await super().start(*args, **kwargs)
+            return
+        host, port = args
+        if self._server is not None:
+            raise RuntimeError("Server is already started")
+        self._server = await self._loop.create_server(
+            self._protocol_factory,
+            host,
+            port,
+            ssl=ssl,
+            ssl_handshake_timeout=handshake_timeout_s,
+            backlog=100,  # as grpclib's start
+            **kwargs,
+        )
+        self._server_closed_fut = self._loop.create_future()
 
     @property
     def port(self) -> int:

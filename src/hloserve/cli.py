@@ -75,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         help="frontend processes sharing the public ports in front of this engine (default 0: one process)",
     )
+    _add_access_flags(serve)
     _add_export_command(commands)
     _add_import_command(commands)
     _add_node_command(commands)
@@ -101,6 +102,7 @@ def _add_node_command(commands: Any) -> None:
     node.add_argument(
         "--allow-client-shm", action="store_true", default=None, help="as for `serve`, on every worker"
     )
+    _add_access_flags(node, " (Envoy's listeners, and every worker's restrictions)")
     node.add_argument("--cpu-workers", type=int, help="run N CPU workers instead of one per GPU")
     node.add_argument("--gpus", help="auto (default), a count, or comma-separated ordinals or UUIDs")
     node.add_argument(
@@ -108,6 +110,49 @@ def _add_node_command(commands: Any) -> None:
         choices=["round_robin", "least_outstanding", "lpt_packing"],
         help="how requests are spread over the workers serving a model (default round_robin)",
     )
+
+
+def _boolean(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _add_access_flags(parser: argparse.ArgumentParser, where: str = "") -> None:
+    """Triton's restriction and TLS flags (theirs for gRPC; the REST ones named alike)."""
+    for flag, what in (
+        ("--grpc-restricted-protocol", "gRPC protocol groups; header triton-grpc-protocol-<key>"),
+        ("--http-restricted-api", "REST API groups; header <key>"),
+    ):
+        parser.add_argument(
+            flag,
+            action="append",
+            metavar="<groups>:<key>=<value>",
+            help=f"restrict {what} (as Triton's flag; repeatable; docs/security.md){where}",
+        )
+    for proto, name in (("grpc", "gRPC"), ("http", "REST")):
+        parser.add_argument(
+            f"--{proto}-use-ssl",
+            nargs="?",
+            const=True,
+            type=_boolean,
+            help=f"serve {name} over TLS with --{proto}-server-cert and --{proto}-server-key{where}",
+        )
+        parser.add_argument(
+            f"--{proto}-use-ssl-mutual",
+            nargs="?",
+            const=True,
+            type=_boolean,
+            help=f"also require client certificates signed by --{proto}-root-cert (implies TLS)",
+        )
+        for part, what in (
+            ("server-cert", "server certificate"),
+            ("server-key", "its key"),
+            ("root-cert", "CAs"),
+        ):
+            parser.add_argument(f"--{proto}-{part}", type=Path, help=f"PEM file of the {name} {what}")
 
 
 SERVER_FLAGS = {
@@ -120,6 +165,18 @@ SERVER_FLAGS = {
     "reload": "--reload",
     "repository_poll_s": "--repository-poll-secs",
     "frontends": "--frontends",
+    "grpc_restricted_protocol": "--grpc-restricted-protocol",
+    "http_restricted_api": "--http-restricted-api",
+    "grpc_use_ssl": "--grpc-use-ssl",
+    "grpc_use_ssl_mutual": "--grpc-use-ssl-mutual",
+    "grpc_server_cert": "--grpc-server-cert",
+    "grpc_server_key": "--grpc-server-key",
+    "grpc_root_cert": "--grpc-root-cert",
+    "http_use_ssl": "--http-use-ssl",
+    "http_use_ssl_mutual": "--http-use-ssl-mutual",
+    "http_server_cert": "--http-server-cert",
+    "http_server_key": "--http-server-key",
+    "http_root_cert": "--http-root-cert",
 }
 """The `server` fields `hloserve serve` takes as flags (the configuration reference lists them)."""
 
@@ -129,6 +186,9 @@ def _apply_flags(config: Config, args: argparse.Namespace) -> Config:
     if given["repository_poll_s"] is not None:  # as Triton's flag: polling implies reloading
         given["reload"] = True
     changes = {field: value for field, value in given.items() if value is not None}
+    for field in ("grpc_restricted_protocol", "http_restricted_api"):  # repeatable flags
+        if field in changes:
+            changes[field] = tuple(changes[field])
     return config.replace("server", **changes) if changes else config
 
 

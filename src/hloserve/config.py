@@ -22,6 +22,7 @@ from typing import Any, Literal
 import yaml
 
 from hloserve.errors import ConfigError
+from hloserve.restricted import Restrictions
 from hloserve.types import Discipline, Residency
 
 __all__ = [
@@ -88,6 +89,39 @@ class ServerConfig:
     HTTP/1.1. Off, a `PRI * HTTP/2.0` preface is answered 505 and closed and an upgrade is ignored.
     On, each connection's streams are bounded by `max_concurrent_streams`, and one whose streams
     break hypercorn's bounds is closed (only that connection)."""
+    grpc_restricted_protocol: tuple[str, ...] = ()
+    """Restricted gRPC protocol groups, as Triton's `--grpc-restricted-protocol`: each entry
+    `<group>,<group>,...:<key>=<value>` makes a call to those groups need the metadata
+    `triton-grpc-protocol-<key>: <value>`, else UNAVAILABLE "This protocol is restricted,
+    expecting header '...'". Groups: health, metadata, inference, shared-memory, model-config,
+    model-repository, statistics, trace, logging, control (hloserve's control service); each in
+    one entry at most. In an environment variable, entries are separated by `;`."""
+    http_restricted_api: tuple[str, ...] = ()
+    """Restricted REST API groups, as Triton's `--http-restricted-api`: the same entries, whose
+    header is `<key>` itself; a request without it is answered 403 "This API is restricted,
+    expecting header '<key>'"."""
+    grpc_use_ssl: bool = False
+    """Serve gRPC over TLS (Triton's `--grpc-use-ssl`) with `grpc_server_cert` and
+    `grpc_server_key`; a plain-text client is then refused at the handshake."""
+    grpc_use_ssl_mutual: bool = False
+    """Also require a client certificate signed by `grpc_root_cert` (Triton's
+    `--grpc-use-ssl-mutual`; implies `grpc_use_ssl`)."""
+    grpc_server_cert: Path | None = None
+    """PEM file of the gRPC server's certificate (chain)."""
+    grpc_server_key: Path | None = None
+    """PEM file of its private key."""
+    grpc_root_cert: Path | None = None
+    """PEM file of the CAs a client certificate must chain to, with `grpc_use_ssl_mutual`."""
+    http_use_ssl: bool = False
+    """Serve REST over TLS (HTTPS, HTTP/1.1) with `http_server_cert` and `http_server_key`."""
+    http_use_ssl_mutual: bool = False
+    """Also require a client certificate signed by `http_root_cert` (implies `http_use_ssl`)."""
+    http_server_cert: Path | None = None
+    """PEM file of the REST server's certificate (chain)."""
+    http_server_key: Path | None = None
+    """PEM file of its private key."""
+    http_root_cert: Path | None = None
+    """PEM file of the CAs a client certificate must chain to, with `http_use_ssl_mutual`."""
     max_message_bytes: int = 1 << 30
     """Largest gRPC message, or REST request body, accepted or sent (Triton clients allow up to
     2 GiB)."""
@@ -103,7 +137,8 @@ class ServerConfig:
     hard metadata limit); past it RESOURCE_EXHAUSTED, past 4x it (or a header block of 4x it
     before END_HEADERS) the connection gets GOAWAY ENHANCE_YOUR_CALM."""
     handshake_timeout_s: float = 10.0
-    """A connection that has not sent the HTTP/2 preface and SETTINGS by then is closed."""
+    """A connection that has not sent the HTTP/2 preface and SETTINGS by then is closed; so is
+    one (on either port) that has not finished its TLS handshake, with TLS on."""
     idle_timeout_s: float = 300.0
     """A connection with no call for one to two of these is sent GOAWAY and closed (gRPC's
     MAX_CONNECTION_IDLE; clients reconnect when they next call); one whose peer accepts none of
@@ -258,6 +293,32 @@ class ServerConfig:
         _check(self.max_load_files >= 0, "server.max_load_files", "must be >= 0 (0: off)")
         _check(self.max_load_file_bytes >= 0, "server.max_load_file_bytes", "must be >= 0")
         _check(self.max_health_watches >= 0, "server.max_health_watches", "must be >= 0 (0: Check only)")
+        Restrictions.grpc(self.grpc_restricted_protocol)
+        Restrictions.http(self.http_restricted_api)
+        for proto in ("grpc", "http"):
+            if getattr(self, f"{proto}_use_ssl") or getattr(self, f"{proto}_use_ssl_mutual"):
+                for part in ("server_cert", "server_key"):
+                    _check(
+                        getattr(self, f"{proto}_{part}") is not None,
+                        f"server.{proto}_{part}",
+                        f"must name a PEM file when server.{proto}_use_ssl is on",
+                    )
+            if getattr(self, f"{proto}_use_ssl_mutual"):
+                _check(
+                    getattr(self, f"{proto}_root_cert") is not None,
+                    f"server.{proto}_root_cert",
+                    f"must name a PEM file of CAs when server.{proto}_use_ssl_mutual is on",
+                )
+
+    @property
+    def grpc_tls(self) -> bool:
+        """gRPC is served over TLS."""
+        return self.grpc_use_ssl or self.grpc_use_ssl_mutual
+
+    @property
+    def http_tls(self) -> bool:
+        """REST is served over TLS."""
+        return self.http_use_ssl or self.http_use_ssl_mutual
 
 
 @dataclass(frozen=True, slots=True)
@@ -542,6 +603,8 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
             raise ConfigError(where, f"got {value!r}; expected an integer")
         return number
     if origin is tuple:  # tuple[T, ...]: a YAML list
+        if isinstance(value, str) and typing.get_args(hint)[0] is str:  # an environment variable
+            value = [part for part in value.split(";") if part.strip()]
         if not isinstance(value, list | tuple):
             raise ConfigError(where, f"got {value!r}; expected a list")
         item = typing.get_args(hint)[0]

@@ -47,8 +47,10 @@ from hloserve.metrics import Metrics
 from hloserve.model_table import Failed, Loaded, Meta, ModelEntry, _registration
 from hloserve.policy import PolicyParams
 from hloserve.rest import RestServer, build_app
+from hloserve.restricted import Restrictions, restrict_grpc
 from hloserve.service import InferenceService
 from hloserve.statistics import Statistics
+from hloserve.tls import server_context
 
 __all__ = ["ARENA_PREFIX", "ModelSummary", "Setup"]
 
@@ -271,7 +273,14 @@ async def _serve(link_fd: int, port: int, http_port: int, setup: Setup) -> None:
                 codec=KnownFieldsCodec(),
                 limits=_grpclib_patches.TransportLimits.from_config(config.server),
             )
-            await trio_asyncio.aio_as_trio(server.start)(config.server.host, port, reuse_port=True)
+            restrict_grpc(server, Restrictions.grpc(config.server.grpc_restricted_protocol))
+            await trio_asyncio.aio_as_trio(server.start)(
+                config.server.host,
+                port,
+                reuse_port=True,
+                ssl=server_context(config.server, "grpc"),
+                handshake_timeout_s=config.server.handshake_timeout_s,
+            )
             rest = None
             if http_port >= 0:
                 rest_config = dataclasses.replace(config.server, http_port=http_port)

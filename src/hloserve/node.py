@@ -30,7 +30,7 @@ from pathlib import Path
 import structlog
 import trio
 
-from hloserve.config import Config, NodeConfig
+from hloserve.config import Config, NodeConfig, ServerConfig
 from hloserve.errors import ConfigError
 
 __all__ = [
@@ -264,7 +264,33 @@ def worker_child(spec: WorkerSpec, config: Config, config_path: Path | None, pub
         env = {"CUDA_VISIBLE_DEVICES": "", "JAX_PLATFORMS": "cpu"}
     else:
         env = {"CUDA_VISIBLE_DEVICES": spec.devices}
+    env.update(_access_env(server, public))
     return Child(spec.name, argv, env, config.node.worker_grace_s)
+
+
+def _access_env(server: ServerConfig, public: bool) -> dict[str, str]:
+    """What a worker is told of restrictions and TLS, as environment variables (over its config
+    file, whatever the node's own flags said), when the node has any: the restrictions, so a
+    worker behind Envoy refuses what the node would (Envoy passes the headers through); TLS as
+    the node's when the worker serves the public ports itself, else off (Envoy terminates it;
+    the worker listens on 127.0.0.1 only)."""
+    env = {}
+    if server.grpc_restricted_protocol:
+        env["HLOSERVE_SERVER_GRPC_RESTRICTED_PROTOCOL"] = ";".join(server.grpc_restricted_protocol)
+    if server.http_restricted_api:
+        env["HLOSERVE_SERVER_HTTP_RESTRICTED_API"] = ";".join(server.http_restricted_api)
+    for proto in ("grpc", "http"):
+        if not getattr(server, f"{proto}_tls"):
+            continue
+        for key in ("use_ssl", "use_ssl_mutual"):
+            on = public and getattr(server, f"{proto}_{key}")
+            env[f"HLOSERVE_SERVER_{proto.upper()}_{key.upper()}"] = "true" if on else "false"
+        for key in ("server_cert", "server_key", "root_cert"):
+            path = getattr(server, f"{proto}_{key}")
+            env[f"HLOSERVE_SERVER_{proto.upper()}_{key.upper()}"] = (
+                str(path.resolve()) if public and path else ""
+            )
+    return env
 
 
 @dataclass(frozen=True, slots=True)

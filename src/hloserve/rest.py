@@ -30,6 +30,7 @@ import functools
 import json
 import re
 import socket
+import ssl
 import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
@@ -62,6 +63,8 @@ from hloserve._rest_http1 import Refused, StrictH11
 from hloserve._status import to_grpc_error
 from hloserve.config import ServerConfig
 from hloserve.rest_codec import decode_infer, encode_infer, parse_json
+from hloserve.restricted import Restrictions, http_group, http_message
+from hloserve.tls import server_context
 
 log = structlog.get_logger("hloserve.rest")
 
@@ -656,14 +659,18 @@ def build_app(service: InferenceService, models: Mapping[str, ModelEntry], confi
             get(model + "/stats", r.model_stats, "ModelStatistics"),
         ]
     starlette = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
-    return _App(r, starlette, config.http_max_header_bytes)
+    return _App(r, starlette, config.http_max_header_bytes, Restrictions.http(config.http_restricted_api))
 
 
 class _App:
-    """The ASGI application: inference straight to its handler, the rest through Starlette."""
+    """The ASGI application: inference straight to its handler, the rest through Starlette;
+    a request to a restricted API group without its header is answered 403 first."""
 
-    def __init__(self, routes: _Routes, starlette: Starlette, max_head_bytes: int) -> None:
+    def __init__(
+        self, routes: _Routes, starlette: Starlette, max_head_bytes: int, restrictions: Restrictions
+    ) -> None:
         self.routes, self._starlette, self._max_head_bytes = routes, starlette, max_head_bytes
+        self._restrictions = restrictions
         self.inflight = routes.inflight
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
@@ -681,6 +688,17 @@ class _App:
                 f"{self._max_head_bytes} (server.http_max_header_bytes)"
             )
             return await _respond(send, 431, [json.dumps({"error": message}).encode()], _JSON)
+        if self._restrictions:
+            headers = {name.decode("latin-1"): value for name, value in scope["headers"]}
+            rule = self._restrictions.refusal(http_group(scope["path"]), headers)
+            if rule is not None:  # Triton's status and words (http_server.cc RespondIfRestricted)
+                # A body it declared is never read: the connection closes after the answer
+                # (reading it would let a client without the header make the server take its
+                # bytes), else it stays open for the next request.
+                body = headers.get("content-length", b"0") != b"0" or "transfer-encoding" in headers
+                extra = [(b"connection", b"close")] if body else []
+                error = json.dumps({"error": http_message(rule)}).encode()
+                return await _respond(send, 403, [error], [*_JSON, *extra])
         if scope["method"] == "POST":
             match = _INFER_PATH.fullmatch(scope["path"])
             if match is not None:
@@ -818,15 +836,18 @@ class RestServer:
         settings.accesslog = settings.errorlog = None  # the routes answer and log what goes wrong
         # 64 KiB per read made a 4.8 MB body 75 passes through h11 and the ASGI queue.
         hypercorn.asyncio.tcp_server.MAX_RECV = _READ_BYTES
+        tls = server_context(self._config, "http")  # a bad file: ConfigError before binding
         try:
             sock = _listen(self._config.host, self._config.http_port, settings.backlog, self._reuse_port)
             task_status.started(sock.getsockname()[1])
-            await trio_asyncio.aio_as_trio(self._serve)(sock, settings)
+            await trio_asyncio.aio_as_trio(self._serve)(sock, settings, tls)
         finally:
             self.stopped.set()
 
-    async def _serve(self, sock: socket.socket, settings: hypercorn.config.Config) -> None:
-        """hypercorn's `worker_serve` for one plain TCP socket, with the connection cap."""
+    async def _serve(
+        self, sock: socket.socket, settings: hypercorn.config.Config, tls: ssl.SSLContext | None
+    ) -> None:
+        """hypercorn's `worker_serve` for one TCP socket (TLS with `tls`), with the connection cap."""
         loop = asyncio.get_running_loop()
         app = hypercorn.utils.wrap_app(self._app, settings.wsgi_max_body_size, "asgi")  # type: ignore[arg-type]
         context = WorkerContext(None)
@@ -865,7 +886,14 @@ class RestServer:
                 open_.discard(task)
                 self.connections = len(open_)
 
-        server = await asyncio.start_server(connected, sock=sock, backlog=settings.backlog, limit=_READ_BYTES)
+        server = await asyncio.start_server(
+            connected,
+            sock=sock,
+            backlog=settings.backlog,
+            limit=_READ_BYTES,
+            ssl=tls,
+            ssl_handshake_timeout=self._config.handshake_timeout_s if tls is not None else None,
+        )
         sweep = loop.create_task(inflight.sweep())
         try:
             await trio_asyncio.trio_as_aio(self._stop.wait)()

@@ -41,8 +41,10 @@ from hloserve.model_table import ModelTable, Prepared, prepare_repository
 from hloserve.policy import PolicyParams
 from hloserve.reloader import RepositoryWatcher
 from hloserve.rest import RestServer, build_app
+from hloserve.restricted import Restrictions, restrict_grpc
 from hloserve.service import InferenceService
 from hloserve.statistics import Statistics
+from hloserve.tls import server_context
 
 __all__ = ["Worker", "serve"]
 
@@ -172,6 +174,13 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
             codec=KnownFieldsCodec(),
             limits=_grpclib_patches.TransportLimits.from_config(server_config),
         )
+        restrict_grpc(server, Restrictions.grpc(server_config.grpc_restricted_protocol))
+        try:  # both read here, so a bad file stops the engine before any frontend starts
+            grpc_tls = server_context(server_config, "grpc")
+            server_context(server_config, "http")
+        except ConfigError:
+            metrics.close()
+            raise
         rest = None
         if server_config.http_port >= 0 and not server_config.frontends:  # else each frontend serves REST
             # before gRPC: a failed bind cancels it with the nursery
@@ -193,7 +202,12 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
                 worker.grpc_port, http_port = await nursery.start(frontends.run)
                 worker.http_port = None if http_port < 0 else http_port
             else:
-                await trio_asyncio.aio_as_trio(server.start)(server_config.host, server_config.grpc_port)
+                await trio_asyncio.aio_as_trio(server.start)(
+                    server_config.host,
+                    server_config.grpc_port,
+                    ssl=grpc_tls,
+                    handshake_timeout_s=server_config.handshake_timeout_s,
+                )
                 worker.grpc_port = server.port
         except ConfigError:  # a port the frontends cannot have
             metrics.close()

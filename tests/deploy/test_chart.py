@@ -237,3 +237,66 @@ def test_bad_values_fail_rendering_with_a_message_naming_them(
     with pytest.raises(error) as failed:
         render(values)
     assert message in str(failed.value)
+
+
+# -- restricted APIs and TLS (issue 25) --------------------------------------------------------
+
+SECURE = {
+    "modelRepository": PVC,
+    "restricted": {
+        "grpc": ["model-repository,control:admin-key=admin-value", "health:probe-key=p"],
+        "http": ["model-repository:admin-key=admin-value", "health:probe-key=p"],
+    },
+    "tls": {"enabled": True, "secretName": "hloserve-tls"},
+}
+
+
+@pytest.mark.parametrize("mode", ["worker", "node", "fleet"])
+def test_tls_and_restrictions_reach_hloserve_from_a_secret(mode: str, tmp_path: Path) -> None:
+    values = {**SECURE, "mode": mode, **({"gpus": 1} if mode == "fleet" else {})}
+    lint_report = lint(CHART, values, strict=True, kube_version=f"v{KUBERNETES}")
+    assert not lint_report["errors"], lint_report
+    objects = render(values)
+    for obj in objects:
+        validate_kubernetes(obj)
+    front = named(objects, "Deployment", "hloserve-router" if mode == "fleet" else "hloserve")
+    pod = _pod(front)
+    (container,) = pod["containers"]
+    environ = {e["name"]: e["value"] for e in container["env"]}
+    server = load_config(environ=environ).server
+    assert server.grpc_restricted_protocol == tuple(SECURE["restricted"]["grpc"])
+    assert server.http_restricted_api == tuple(SECURE["restricted"]["http"])
+    assert server.grpc_tls and server.http_tls and not server.grpc_use_ssl_mutual
+    assert str(server.grpc_server_cert) == "/etc/hloserve-tls/tls.crt"
+    assert str(server.http_server_key) == "/etc/hloserve-tls/tls.key"
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+    assert volume["secret"]["secretName"] == "hloserve-tls"
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "tls"]
+    assert mount == {"name": "tls", "mountPath": "/etc/hloserve-tls", "readOnly": True}
+    # The kubelet's gRPC probe has no TLS: REST's health over HTTPS, with the health header.
+    for probe, path in (("startupProbe", "/v2/health/live"), ("readinessProbe", "/v2/health/ready")):
+        get = container[probe]["httpGet"]
+        assert (get["path"], get["port"], get["scheme"]) == (path, 8000, "HTTPS")
+        assert get["httpHeaders"] == [{"name": "probe-key", "value": "p"}]
+    service = named(objects, "Service", "hloserve")
+    assert next(p for p in service["spec"]["ports"] if p["name"] == "grpc")["appProtocol"] == "grpc"
+    if mode == "fleet":  # the workers behind the routers: restrictions, no TLS
+        (worker,) = _pod(named(objects, "Deployment", "hloserve"))["containers"]
+        behind = load_config(environ={e["name"]: e["value"] for e in worker["env"]}).server
+        assert behind.grpc_restricted_protocol and not behind.grpc_tls and not behind.http_tls
+        assert "tls" not in [m["name"] for m in worker["volumeMounts"]]
+        assert worker["readinessProbe"]["httpGet"]["scheme"] == "HTTP"  # its gRPC health is restricted
+
+
+def test_mutual_tls_probes_open_a_tcp_connection() -> None:
+    values = {"modelRepository": PVC, "tls": {"enabled": True, "secretName": "s", "mutual": True}}
+    (container,) = _pod(named(render(values), "Deployment", "hloserve"))["containers"]
+    environ = {e["name"]: e["value"] for e in container["env"]}
+    server = load_config(environ=environ).server
+    assert server.grpc_use_ssl_mutual and str(server.http_root_cert) == "/etc/hloserve-tls/ca.crt"
+    assert container["readinessProbe"]["tcpSocket"] == {"port": 8001}
+
+
+def test_tls_without_a_secret_fails_rendering() -> None:
+    with pytest.raises(HelmRenderError, match=r"tls\.secretName: name the kubernetes\.io/tls Secret"):
+        render({"modelRepository": PVC, "tls": {"enabled": True}})

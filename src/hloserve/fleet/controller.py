@@ -31,6 +31,7 @@ from typing import Any
 import structlog
 from grpclib.client import Channel
 from grpclib.config import Configuration
+from grpclib.events import SendRequest, listen
 
 from hloserve._proto import hloserve_control as control
 from hloserve._proto import inference as kserve
@@ -59,6 +60,9 @@ class WorkerLink:
     status: control.ModelControlStatusResponse | None = None
     http: str | None = None  # host:port of its REST
     parts: dict[str, tuple[str, ...]] = field(default_factory=dict)  # meta -> the parts it serves
+    headers: tuple[tuple[str, str], ...] = ()
+    """Metadata sent with every call: the restricted protocols' headers (`Controller` sets them),
+    so that a worker that restricts them answers the controller."""
     _channel: Channel | None = None
 
     @property
@@ -71,6 +75,14 @@ class WorkerLink:
                 int(port),
                 config=Configuration(http2_connection_window_size=window, http2_stream_window_size=window),
             )
+            if self.headers:
+                headers = self.headers
+
+                async def add_headers(event: SendRequest) -> None:
+                    for name, value in headers:
+                        event.metadata[name] = value
+
+                listen(self._channel, SendRequest, add_headers)
         return self._channel
 
     @property
@@ -140,8 +152,13 @@ class Controller:
         node: NodeConfig,
         workers: Sequence[WorkerLink],
         publish: Callable[[Mapping[str, Sequence[Endpoint]]], None],
+        headers: Sequence[tuple[str, str]] = (),
     ) -> None:
         self.node = node
+        self.headers = tuple(headers)
+        """Sent with every call to a worker (`WorkerLink.headers`)."""
+        for worker in workers:
+            worker.headers = self.headers
         self.policy: dict[str, Any] = {
             "rebalance_compute_seconds": node.rebalance_compute_s,
             "first_rebalance_compute_seconds": node.first_rebalance_compute_s,
@@ -255,6 +272,7 @@ class Controller:
                     address,
                     _join(host, metrics_port),
                     http=_join(host, self.node.workers_http_port),
+                    headers=self.headers,
                 )
             )
         if not known and len(workers) == len(self.workers):

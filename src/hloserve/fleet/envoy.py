@@ -31,10 +31,12 @@ from typing import Any
 from google.protobuf import descriptor_pb2
 
 from hloserve.errors import ConfigError
+from hloserve.restricted import GRPC_PATHS, HTTP_PATHS, Restrictions, grpc_message, http_message
 
 __all__ = [
     "MODEL_HEADER",
     "Endpoint",
+    "Tls",
     "bootstrap",
     "clusters",
     "descriptor_set",
@@ -174,23 +176,70 @@ def _manager(
     }
 
 
-def _listener(name: str, host: str, port: int, window: int, manager: dict[str, Any]) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Tls:
+    """A public listener's TLS: PEM files of its certificate and key, and with `root` the CAs a
+    client certificate must chain to (mutual TLS, a client without one refused)."""
+
+    cert: Path
+    key: Path
+    root: Path | None = None
+
+
+def _tls(tls: Tls, alpn: Sequence[str]) -> dict[str, Any]:
+    """Envoy's downstream TLS transport socket for `tls`."""
+    common: dict[str, Any] = {
+        "tls_params": {"tls_minimum_protocol_version": "TLSv1_2"},
+        "tls_certificates": [
+            {"certificate_chain": {"filename": str(tls.cert)}, "private_key": {"filename": str(tls.key)}}
+        ],
+        "alpn_protocols": list(alpn),
+    }
+    config: dict[str, Any] = {
+        "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+        "common_tls_context": common,
+    }
+    if tls.root is not None:
+        common["validation_context"] = {"trusted_ca": {"filename": str(tls.root)}}
+        config["require_client_certificate"] = True
+    return {"name": "envoy.transport_sockets.tls", "typed_config": config}
+
+
+def _listener(
+    name: str,
+    host: str,
+    port: int,
+    window: int,
+    manager: dict[str, Any],
+    tls: Tls | None = None,
+    alpn: Sequence[str] = (),
+) -> dict[str, Any]:
+    chain: dict[str, Any] = {
+        "filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]
+    }
+    if tls is not None:
+        chain["transport_socket"] = _tls(tls, alpn)
     return {
         "name": name,
         "address": _address(host, port),
         "per_connection_buffer_limit_bytes": window,
-        "filter_chains": [
-            {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}
-        ],
+        "filter_chains": [chain],
     }
 
 
 def bootstrap(
-    directory: Path, host: str, port: int, http_port: int, admin_port: int, max_message_bytes: int
+    directory: Path,
+    host: str,
+    port: int,
+    http_port: int,
+    admin_port: int,
+    max_message_bytes: int,
+    grpc_tls: Tls | None = None,
+    http_tls: Tls | None = None,
 ) -> dict[str, Any]:
     """Envoy's static configuration: the public gRPC listener with its filters, the public REST
-    listener (`http_port` -1: none), the admin interface, and where the routes (`routes.json`,
-    `routes_http.json`) and clusters (`clusters.json`) are."""
+    listener (`http_port` -1: none), each over TLS when given its files, the admin interface,
+    and where the routes (`routes.json`, `routes_http.json`) and clusters (`clusters.json`) are."""
     window = _window(max_message_bytes)
     descriptors = directory / "routing.pb"
     extraction = [
@@ -214,14 +263,11 @@ def bootstrap(
             },
         },
     ]
-    listeners = [
-        _listener(
-            "public", host, port, window, _manager("public", "HTTP2", window, "routes", directory, extraction)
-        )
-    ]
+    manager = _manager("public", "HTTP2", window, "routes", directory, extraction)
+    listeners = [_listener("public", host, port, window, manager, grpc_tls, ["h2"])]
     if http_port >= 0:  # HTTP/1.1, or HTTP/2 for a client that starts with it
         manager = _manager("public_http", "AUTO", window, "routes_http", directory, [])
-        listeners.append(_listener("public_http", host, http_port, window, manager))
+        listeners.append(_listener("public_http", host, http_port, window, manager, http_tls, ["http/1.1"]))
     return {
         "node": {"id": "hloserve-node", "cluster": "hloserve"},
         "admin": {"address": _address("127.0.0.1", admin_port)},
@@ -372,10 +418,59 @@ def _route_config(name: str, routes: list[dict[str, Any]]) -> dict[str, Any]:
 _UNTIMED = {"timeout": "0s", "max_stream_duration": {"grpc_timeout_header_max": "0s"}}
 
 
-def routes(placement: Mapping[str, Sequence[Endpoint]]) -> dict[str, Any]:
+_GRPC_MESSAGE_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
+"""What gRPC's grpc-message header carries unencoded: printable ASCII but `%`."""
+
+
+def _refusals(
+    restrictions: Restrictions | None, grpc: bool, groups: Sequence[str] | None = None
+) -> list[dict[str, Any]]:
+    """Routes answering a call to a restricted group without its header as Triton would (gRPC
+    UNAVAILABLE, REST 403, naming the header), before any route to a worker: a worker's own
+    refusal would be retried on every other worker (and count against them as failures)."""
+    refusals = []
+    for group, rule in sorted((restrictions.rules if restrictions else {}).items()):
+        paths = (GRPC_PATHS if grpc else HTTP_PATHS).get(group)
+        if paths is None or (groups is not None and group not in groups):
+            continue
+        missing = {
+            "name": rule.header,
+            "string_match": {"exact": rule.value},
+            "invert_match": True,
+            "treat_missing_header_as_empty": True,
+        }
+        match: dict[str, Any] = {"safe_regex": {"regex": paths}, "headers": [missing]}
+        if grpc:
+            match["grpc"] = {}
+            answer: dict[str, Any] = {"status": 200}
+            headers = {
+                "content-type": "application/grpc",
+                "grpc-status": "14",  # UNAVAILABLE
+                "grpc-message": urllib.parse.quote(grpc_message(rule), safe=_GRPC_MESSAGE_SAFE),
+            }
+        else:
+            answer = {"status": 403, "body": {"inline_string": json.dumps({"error": http_message(rule)})}}
+            headers = {"content-type": "application/json"}
+        refusals.append(
+            {
+                "match": match,
+                "direct_response": answer,
+                "response_headers_to_add": [
+                    {"header": {"key": k, "value": v}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+                    for k, v in headers.items()
+                ],
+            }
+        )
+    return refusals
+
+
+def routes(
+    placement: Mapping[str, Sequence[Endpoint]], restrictions: Restrictions | None = None
+) -> dict[str, Any]:
     """Per-model RPCs to the model's cluster by the `x-model-name` header; the rest to the
-    controller. A request that fails because its worker is gone or refused it as UNAVAILABLE is
-    retried on another worker of the cluster."""
+    controller; first, the refusals of `restrictions` (`server.grpc_restricted_protocol`). A
+    request that fails because its worker is gone or refused it as UNAVAILABLE is retried on
+    another worker of the cluster."""
     paths = "|".join(ROUTED_RPCS)
     retry = _retry("connect-failure,refused-stream,reset,unavailable")
     model_routes = [
@@ -397,7 +492,7 @@ def routes(placement: Mapping[str, Sequence[Endpoint]]) -> dict[str, Any]:
         if endpoints
     ]
     fallback = {"match": {"prefix": "/"}, "route": {"cluster": CONTROLLER, **_UNTIMED}}
-    return _route_config("routes", [*model_routes, fallback])
+    return _route_config("routes", [*_refusals(restrictions, grpc=True), *model_routes, fallback])
 
 
 def _path_name(model: str) -> str:
@@ -406,9 +501,12 @@ def _path_name(model: str) -> str:
     return "(?:" + "|".join(re.escape(f) for f in forms) + ")"
 
 
-def http_routes(placement: Mapping[str, Sequence[Endpoint]]) -> dict[str, Any]:
+def http_routes(
+    placement: Mapping[str, Sequence[Endpoint]], restrictions: Restrictions | None = None
+) -> dict[str, Any]:
     """REST by path: `/v2/models/{m}[/versions/{v}]/...` to the model's REST cluster (statistics
-    excepted: the controller sums them over the workers), everything else to the controller.
+    excepted: the controller sums them over the workers), everything else to the controller;
+    first, the refusals of `restrictions` (`server.http_restricted_api`).
     Retried on another worker as gRPC is: on a lost worker, and on 503 (which is also how REST
     says UNAVAILABLE)."""
     retry = _retry(
@@ -431,7 +529,10 @@ def http_routes(placement: Mapping[str, Sequence[Endpoint]]) -> dict[str, Any]:
         if any(e.http is not None for e in endpoints)
     ]
     fallback = {"match": {"prefix": "/"}, "route": {"cluster": CONTROLLER_HTTP, **_UNTIMED}}
-    return _route_config("routes_http", [*statistics, *model_routes, fallback])
+    # Statistics first: `/v2/models/stats` also has the form of a model's metadata path.
+    first = _refusals(restrictions, grpc=False, groups=["statistics"])
+    others = _refusals(restrictions, grpc=False, groups=[g for g in HTTP_PATHS if g != "statistics"])
+    return _route_config("routes_http", [*first, *statistics, *others, *model_routes, fallback])
 
 
 def write_atomically(path: Path, data: bytes | dict[str, Any]) -> None:

@@ -9,7 +9,7 @@ import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import structlog
 import trio
@@ -18,12 +18,14 @@ from grpclib.config import Configuration
 from grpclib.server import Server
 
 from hloserve import rest
-from hloserve.config import Config
+from hloserve.config import Config, ServerConfig
 from hloserve.fleet import envoy
 from hloserve.fleet.controller import Controller, WorkerLink
 from hloserve.fleet.http import NodeHttp
 from hloserve.fleet.services import ControlFront, GatewayFront, InferenceFront, node_readiness
 from hloserve.health import Health
+from hloserve.restricted import Restrictions, restrict_grpc
+from hloserve.tls import server_context
 
 if TYPE_CHECKING:
     from hloserve.node import Supervisor, WorkerSpec
@@ -56,6 +58,8 @@ class _Publisher:
         """The controller's REST address, with REST (set before the first call)."""
         self._balance = "ROUND_ROBIN" if config.node.scheduling == "round_robin" else "LEAST_REQUEST"
         self._max_message_bytes = config.server.max_message_bytes
+        self._grpc_restrictions = Restrictions.grpc(config.server.grpc_restricted_protocol)
+        self._http_restrictions = Restrictions.http(config.server.http_restricted_api)
         self._previous: Mapping[str, Sequence[envoy.Endpoint]] = {}
 
     def __call__(self, routes: Mapping[str, Sequence[envoy.Endpoint]]) -> None:
@@ -72,10 +76,24 @@ class _Publisher:
                 self.controller_http,
             ),
         )
-        envoy.write_atomically(self._directory / "routes.json", envoy.routes(routes))
+        envoy.write_atomically(self._directory / "routes.json", envoy.routes(routes, self._grpc_restrictions))
         if self.controller_http is not None:
-            envoy.write_atomically(self._directory / "routes_http.json", envoy.http_routes(routes))
+            envoy.write_atomically(
+                self._directory / "routes_http.json", envoy.http_routes(routes, self._http_restrictions)
+            )
         self._previous = routes
+
+
+def _envoy_tls(server: ServerConfig, protocol: Literal["grpc", "http"]) -> envoy.Tls | None:
+    """The TLS of Envoy's public `protocol` listener: the node's settings, its files read first
+    (so a bad one is a `ConfigError` here, not an Envoy that will not start)."""
+    if server_context(server, protocol) is None:
+        return None
+    cert, key = getattr(server, f"{protocol}_server_cert"), getattr(server, f"{protocol}_server_key")
+    mutual = getattr(server, f"{protocol}_use_ssl_mutual")
+    return envoy.Tls(
+        cert.resolve(), key.resolve(), getattr(server, f"{protocol}_root_cert").resolve() if mutual else None
+    )
 
 
 async def run_front(
@@ -105,13 +123,23 @@ async def run_front(
         ]
         async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
             publish = _Publisher(directory, controller_address, config)
-            controller = Controller(config.node, workers, publish)
+            grpc_restrictions = Restrictions.grpc(server_config.grpc_restricted_protocol)
+            # The controller passes every restriction of the workers it calls.
+            headers = [*grpc_restrictions.headers()]
+            controller = Controller(config.node, workers, publish, headers)
             inference = InferenceFront(controller)
             controller.on_ready = inference.restore_regions
             rest_server = None
             if serves_http:  # the controller's REST: what Envoy's REST routes give no worker
                 # The REST routes call the same methods on InferenceFront as on a worker's service.
-                settings = dataclasses.replace(server_config, host="127.0.0.1", http_port=0)
+                # Behind Envoy, which terminates TLS; its restrictions are the node's.
+                settings = dataclasses.replace(
+                    server_config,
+                    host="127.0.0.1",
+                    http_port=0,
+                    http_use_ssl=False,
+                    http_use_ssl_mutual=False,
+                )
                 app = rest.build_app(inference, {}, settings)  # type: ignore[arg-type]
                 rest_server = rest.RestServer(app, settings)
                 publish.controller_http = f"127.0.0.1:{await nursery.start(rest_server.run)}"
@@ -124,6 +152,8 @@ async def run_front(
                 server_config.http_port if serves_http else -1,
                 admin,
                 server_config.max_message_bytes,
+                _envoy_tls(server_config, "grpc"),
+                _envoy_tls(server_config, "http"),
             )
             envoy.write_atomically(directory / "envoy.json", bootstrap)
             window = 16 << 20
@@ -138,6 +168,7 @@ async def run_front(
                 [inference, ControlFront(controller), GatewayFront(controller), health],
                 config=Configuration(http2_connection_window_size=window, http2_stream_window_size=window),
             )
+            restrict_grpc(server, grpc_restrictions)  # Envoy passes the client's headers through
             host, _, port = controller_address.rpartition(":")
             await trio_asyncio.aio_as_trio(server.start)(host, int(port))
             http = None

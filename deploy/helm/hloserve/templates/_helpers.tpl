@@ -38,6 +38,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- if ne $sources 1 -}}
 {{- fail (printf "modelRepository: set exactly one of modelRepository.pvc.claimName, modelRepository.hostPath.path or modelRepository.initContainer.image (where the bundles come from); %d are set" $sources) -}}
 {{- end -}}
+{{- if and .Values.tls.enabled (not .Values.tls.secretName) -}}
+{{- fail "tls.secretName: name the kubernetes.io/tls Secret (tls.crt, tls.key; ca.crt with tls.mutual) when tls.enabled is true" -}}
+{{- end -}}
 {{- if and (ne .Values.mode "node") (gt (int .Values.gpus) 1) -}}
 {{- fail (printf "gpus: a %s pod runs one worker on at most one GPU, not %v; for several GPUs in one pod use mode: node, or more replicas" .Values.mode .Values.gpus) -}}
 {{- end -}}
@@ -70,12 +73,17 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 
 {{/*
-gRPC probes (grpc.health.v1): the port opens once the repository is compiled, so the startup
+gRPC probes (grpc.health.v1), given (dict "root" . "tls" <this container serves TLS>): the port opens once the repository is compiled, so the startup
 probe waits for compilation; liveness asks the inference service, which a bundle that failed
 to load does not fail; readiness asks the whole server (every bundle ready), as ServerReady.
 */}}
 {{- define "hloserve.probes" -}}
+{{- $tls := .tls -}}
+{{- with .root -}}
 {{- $p := .Values.probes -}}
+{{- if or $tls (include "hloserve.healthHeader" .Values.restricted.grpc) -}}
+{{- include "hloserve.otherProbes" (dict "root" . "tls" $tls) -}}
+{{- else -}}
 startupProbe:
   grpc:
     port: {{ .Values.ports.grpc }}
@@ -95,6 +103,88 @@ readinessProbe:
   periodSeconds: {{ $p.readiness.periodSeconds }}
   failureThreshold: {{ $p.readiness.failureThreshold }}
   timeoutSeconds: {{ $p.readiness.timeoutSeconds }}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The `<key>=<value>` of the restriction entry (of a list) that names the `health` group, or "".
+*/}}
+{{- define "hloserve.healthHeader" -}}
+{{- range . -}}
+{{- $entry := splitn ":" 2 . -}}
+{{- if has "health" (splitList "," $entry._0) }}{{ $entry._1 }}{{ end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Probes when gRPC's cannot serve (TLS, or a restricted health group): REST's health over HTTP(S)
+with the health restriction's header, when REST is on and no client certificate is required;
+else a TCP connection to the gRPC port.
+*/}}
+{{- define "hloserve.otherProbes" -}}
+{{- $tls := .tls -}}
+{{- $root := .root -}}
+{{- with .root -}}
+{{- $p := .Values.probes -}}
+{{- $header := include "hloserve.healthHeader" .Values.restricted.http -}}
+{{- range $name, $path := dict "startupProbe" "/v2/health/live" "livenessProbe" "/v2/health/live" "readinessProbe" "/v2/health/ready" }}
+{{ $name }}:
+  {{- if and $root.Values.http.enabled (not (and $tls $root.Values.tls.mutual)) }}
+  httpGet:
+    path: {{ $path }}
+    port: {{ $root.Values.ports.http }}
+    scheme: {{ $tls | ternary "HTTPS" "HTTP" }}
+    {{- if $header }}
+    {{- $kv := splitn "=" 2 $header }}
+    httpHeaders:
+      - name: {{ $kv._0 }}
+        value: {{ $kv._1 | quote }}
+    {{- end }}
+  {{- else }}
+  tcpSocket:
+    port: {{ $root.Values.ports.grpc }}
+  {{- end }}
+  {{- $settings := get $p (trimSuffix "Probe" $name) }}
+  periodSeconds: {{ $settings.periodSeconds }}
+  failureThreshold: {{ $settings.failureThreshold }}
+  {{- with $settings.timeoutSeconds }}
+  timeoutSeconds: {{ . }}
+  {{- end }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/*
+The restrictions and TLS settings of a container, as hloserve's environment; `tls` says whether
+this container serves TLS (fleet workers behind the routers do not).
+*/}}
+{{- define "hloserve.accessEnv" -}}
+{{- $values := .root.Values -}}
+{{- with $values.restricted.grpc }}
+- name: HLOSERVE_SERVER_GRPC_RESTRICTED_PROTOCOL
+  value: {{ join ";" . | quote }}
+{{- end }}
+{{- with $values.restricted.http }}
+- name: HLOSERVE_SERVER_HTTP_RESTRICTED_API
+  value: {{ join ";" . | quote }}
+{{- end }}
+{{- if .tls }}
+{{- range $proto := list "GRPC" "HTTP" }}
+- name: HLOSERVE_SERVER_{{ $proto }}_USE_SSL
+  value: "true"
+- name: HLOSERVE_SERVER_{{ $proto }}_SERVER_CERT
+  value: /etc/hloserve-tls/tls.crt
+- name: HLOSERVE_SERVER_{{ $proto }}_SERVER_KEY
+  value: /etc/hloserve-tls/tls.key
+{{- if $values.tls.mutual }}
+- name: HLOSERVE_SERVER_{{ $proto }}_USE_SSL_MUTUAL
+  value: "true"
+- name: HLOSERVE_SERVER_{{ $proto }}_ROOT_CERT
+  value: /etc/hloserve-tls/ca.crt
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end -}}
 
 {{/* What every hloserve pod shares: pull secrets, security, the drain's grace. */}}
