@@ -211,6 +211,16 @@ def _batch_sizes(text: str) -> list[int]:
         ) from None
 
 
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
 def _add_export_command(commands: Any) -> None:
     export = commands.add_parser(
         "export",
@@ -233,6 +243,18 @@ def _add_export_command(commands: Any) -> None:
         "--bytecode", action="store_true", help="write StableHLO portable artifacts instead of text"
     )
     export.add_argument("--no-verify", action="store_true", help="skip the fresh-process check")
+    export.add_argument(
+        "--rtol",
+        type=_tolerance,
+        help="verification: allowed difference as a fraction of each element "
+        "(default by dtype: 1e-4 for f32)",
+    )
+    export.add_argument(
+        "--atol",
+        type=_tolerance,
+        help="verification: allowed difference as a fraction of each output's largest magnitude "
+        "(default by dtype: 1e-5 for f32)",
+    )
 
 
 def _load_spec(spec: str) -> dict[str, Any]:
@@ -277,6 +299,8 @@ def _export(args: argparse.Namespace) -> int:
         ("platform", args.platform),
         ("module_format", "bytecode" if args.bytecode else None),
         ("verify", False if args.no_verify else None),
+        ("rtol", args.rtol),
+        ("atol", args.atol),
     ):
         if value is not None:
             options[option] = value

@@ -33,7 +33,7 @@ import yaml
 import hloserve
 from hloserve import _xla, dtypes
 from hloserve.bundle import MODEL_PY, WEIGHTS
-from hloserve.verification import DEFAULT_ATOL, DEFAULT_RTOL, VerificationError, verify_bundle
+from hloserve.verification import VerificationError, verify_bundle
 
 __all__ = ["InputSpec", "OutputSpec", "Traceable", "VerificationError", "export_bundle", "verify_bundle"]
 # VerificationError and verify_bundle live in hloserve.verification; exported here for callers.
@@ -262,8 +262,8 @@ def export_bundle(
     model_py: Path | None = None,
     verify: bool = True,
     sample_inputs: Sequence[np.ndarray] | None = None,
-    rtol: float = DEFAULT_RTOL,
-    atol: float = DEFAULT_ATOL,
+    rtol: float | None = None,
+    atol: float | None = None,
 ) -> Path:
     """Export `fn(params, *inputs)` as the bundle `directory`; returns the directory.
 
@@ -281,8 +281,11 @@ def export_bundle(
 
     With `verify` (the default), the bundle is loaded in a fresh process by the server's own
     loader, run at each batch size on `sample_inputs` (rows repeated to fill a batch; seeded
-    random data when None) and compared with `fn` within `rtol`/`atol`. Verification needs the
-    platform of this machine; for another it is skipped with a logged warning.
+    random data when None) and compared with `fn`: element by element within `atol` times the
+    output's largest magnitude plus `rtol` times the element's (by default per dtype, see
+    `hloserve.verification.DEFAULT_TOLERANCES`; given, they apply to every output).
+    Verification needs the platform of this machine; for another it is skipped with a logged
+    warning.
 
     Raises:
         ValueError: the arguments are inconsistent, or the model cannot be a bundle (it branches
@@ -299,6 +302,9 @@ def export_bundle(
         raise ValueError(f"platform must be 'cpu' or 'cuda', got {platform!r}")
     if module_format not in ("text", "bytecode"):
         raise ValueError(f"module_format must be 'text' or 'bytecode', got {module_format!r}")
+    for option, value in (("rtol", rtol), ("atol", atol)):
+        if value is not None and not 0 <= value < float("inf"):
+            raise ValueError(f"{option} must be a finite number >= 0, got {value!r}")
     if (client_inputs is not None or client_outputs is not None) and model_py is None:
         raise ValueError("client_inputs and client_outputs need a model_py that produces them")
     if model_py is not None and not Path(model_py).is_file():
@@ -436,8 +442,8 @@ def _verify_export(
     sizes: Sequence[int],
     platform: str,
     sample_inputs: Sequence[np.ndarray] | None,
-    rtol: float,
-    atol: float,
+    rtol: float | None,
+    atol: float | None,
     batch_axis: bool,
 ) -> None:
     local = "cpu" if _xla.device().platform == "cpu" else "cuda"
@@ -458,7 +464,8 @@ def _verify_export(
     log.info(
         "bundle verified in a fresh process",
         bundle=directory.name,
-        max_abs_difference=max(differences, default=0.0),
+        max_abs_difference=float(f"{max((d.max_abs for d in differences), default=0.0):.3g}"),
+        max_relative_difference=float(f"{max((d.relative for d in differences), default=0.0):.3g}"),
     )
 
 
