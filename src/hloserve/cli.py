@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import trio
 
+from hloserve._torchvision import prepare_torchvision_import
 from hloserve.allocator import keep_freed_memory
 from hloserve.config import Config, LoggingConfig, load_config
 from hloserve.errors import ConfigError
@@ -262,6 +263,7 @@ def _load_spec(spec: str) -> dict[str, Any]:
     target, colon, attribute = spec.rpartition(":")
     if not colon or not target or not attribute:
         raise _BadSpec(f"expected FILE.py:FUNCTION or package.module:FUNCTION, got {spec!r}")
+    prepare_torchvision_import()  # a spec importing torchvision or timm beside a CPU torch
     try:
         if target.endswith(".py"):
             path = Path(target)
