@@ -27,7 +27,14 @@ from tritonclient.utils import InferenceServerException
 from hloserve import _xla
 from hloserve.bundle import load_bundle, read_weights
 from hloserve.cli import main
-from hloserve.export import InputSpec, OutputSpec, VerificationError, export_bundle, verify_bundle
+from hloserve.export import (
+    InputSpec,
+    OutputSpec,
+    ScratchError,
+    VerificationError,
+    export_bundle,
+    verify_bundle,
+)
 
 sys.path.insert(0, str(EXAMPLES.parent))
 import export_examples
@@ -487,3 +494,40 @@ def test_cli_export_no_batch_axis(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert not bundle.manifest.batched
     assert [m.batch_size for m in bundle.modules] == [0]
     assert main(["export", f"{tmp_path / 'spec.py'}:make", "--out", str(out), "--no-batch-axis"]) == 1
+
+
+def per_token(params: dict, x: Any) -> Any:  # type: ignore[type-arg]
+    """A weight broadcast to one copy per token before a batched matmul: 13x the module's bytes."""
+    return jnp.einsum("bti,tio->bto", x, jnp.broadcast_to(params["w"], (64, 32, 32)))
+
+
+def test_export_refuses_a_module_whose_scratch_dwarfs_its_weights_and_inputs(tmp_path: Path) -> None:
+    params = {"w": np.eye(32, dtype=np.float32)}
+    inputs = [InputSpec("X", (64, 32))]
+    with pytest.raises(
+        ScratchError,
+        match=r"^bundle 'wide', batch size 1: XLA plans 270 kB of scratch, 13.2x the module's weights, "
+        r"inputs and outputs \(20.5 kB\); the limit is 4x\. .* accept it with --max-scratch-ratio N or "
+        r"--allow-large-scratch \(max_scratch_ratio=None\)$",
+    ):
+        export_bundle(per_token, params, inputs, tmp_path / "wide", max_scratch_ratio=4)
+    assert not (tmp_path / "wide").exists()
+    with structlog.testing.capture_logs() as logs:
+        export_bundle(per_token, params, inputs, tmp_path / "wide", max_scratch_ratio=None)
+    assert logs[0]["scratch_mb"] == 0.3 and logs[0]["scratch_ratio"] == 13.2
+
+
+def test_cli_export_takes_the_scratch_limit_and_its_override(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "spec.py").write_text(
+        "import numpy as np\nfrom test_export import per_token\nfrom hloserve.export import InputSpec\n\n"
+        "def make():\n"
+        "    return {'fn': per_token, 'params': {'w': np.eye(32, dtype=np.float32)},\n"
+        "            'inputs': [InputSpec('X', (64, 32))]}\n"
+    )
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the spec's folder is put on it
+    spec, out = f"{tmp_path / 'spec.py'}:make", str(tmp_path / "wide")
+    assert main(["export", spec, "--out", out, "--max-scratch-ratio", "4"]) == 1
+    assert "XLA plans 270 kB of scratch" in capsys.readouterr().err
+    assert main(["export", spec, "--out", out, "--allow-large-scratch"]) == 0

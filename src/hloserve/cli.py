@@ -222,6 +222,13 @@ def _tolerance(text: str) -> float:
     return value
 
 
+def _ratio(text: str) -> float:
+    value = _tolerance(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
 def _add_export_command(commands: Any) -> None:
     export = commands.add_parser(
         "export",
@@ -255,6 +262,16 @@ def _add_export_command(commands: Any) -> None:
         type=_tolerance,
         help="verification: allowed difference as a fraction of each output's largest magnitude "
         "(default by dtype: 1e-5 for f32)",
+    )
+    scratch = export.add_mutually_exclusive_group()
+    scratch.add_argument(
+        "--max-scratch-ratio",
+        type=_ratio,
+        help="refuse a module whose XLA scratch exceeds this multiple of its weights, inputs and "
+        "outputs (default 16)",
+    )
+    scratch.add_argument(
+        "--allow-large-scratch", action="store_true", help="report a module's scratch, never refuse it"
     )
 
 
@@ -303,9 +320,12 @@ def _export(args: argparse.Namespace) -> int:
         ("verify", False if args.no_verify else None),
         ("rtol", args.rtol),
         ("atol", args.atol),
+        ("max_scratch_ratio", args.max_scratch_ratio),
     ):
         if value is not None:
             options[option] = value
+    if args.allow_large_scratch:
+        options["max_scratch_ratio"] = None
     from hloserve.export import VerificationError, export_bundle  # imports JAX: not for --help
 
     exporter: Callable[..., Path] = export_bundle

@@ -32,10 +32,19 @@ import yaml
 
 import hloserve
 from hloserve import _xla, dtypes
+from hloserve._scratch import DEFAULT_MAX_SCRATCH_RATIO, ScratchError, check_scratch, module_memory
 from hloserve.bundle import MODEL_PY, WEIGHTS
 from hloserve.verification import VerificationError, verify_bundle
 
-__all__ = ["InputSpec", "OutputSpec", "Traceable", "VerificationError", "export_bundle", "verify_bundle"]
+__all__ = [
+    "InputSpec",
+    "OutputSpec",
+    "ScratchError",
+    "Traceable",
+    "VerificationError",
+    "export_bundle",
+    "verify_bundle",
+]
 # VerificationError and verify_bundle live in hloserve.verification; exported here for callers.
 
 jax = _xla.jax
@@ -264,6 +273,7 @@ def export_bundle(
     sample_inputs: Sequence[np.ndarray] | None = None,
     rtol: float | None = None,
     atol: float | None = None,
+    max_scratch_ratio: float | None = DEFAULT_MAX_SCRATCH_RATIO,
 ) -> Path:
     """Export `fn(params, *inputs)` as the bundle `directory`; returns the directory.
 
@@ -287,9 +297,14 @@ def export_bundle(
     Verification needs the platform of this machine; for another it is skipped with a logged
     warning.
 
+    On this machine's platform each module is also compiled once after lowering and its
+    scratch (XLA's planned temporary memory) logged; a module whose scratch exceeds
+    `max_scratch_ratio` times its weights, inputs and outputs is refused (None: never).
+
     Raises:
         ValueError: the arguments are inconsistent, or the model cannot be a bundle (it branches
             on input values, an output has no batch axis, its module takes other arguments).
+        ScratchError: (a ValueError) a module plans more scratch than `max_scratch_ratio` allows.
         VerificationError: the written bundle does not reproduce the model.
     """
     directory = Path(directory)
@@ -302,6 +317,8 @@ def export_bundle(
         raise ValueError(f"platform must be 'cpu' or 'cuda', got {platform!r}")
     if module_format not in ("text", "bytecode"):
         raise ValueError(f"module_format must be 'text' or 'bytecode', got {module_format!r}")
+    if max_scratch_ratio is not None and not max_scratch_ratio > 0:
+        raise ValueError(f"max_scratch_ratio must be > 0 or None, got {max_scratch_ratio!r}")
     for option, value in (("rtol", rtol), ("atol", atol)):
         if value is not None and not 0 <= value < float("inf"):
             raise ValueError(f"{option} must be a finite number >= 0, got {value!r}")
@@ -334,6 +351,7 @@ def export_bundle(
     weights = list(traceable.weights)
     weight_specs = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights]
 
+    local = "cpu" if _xla.device().platform == "cpu" else "cuda"
     modules: dict[int, str | bytes] = {}
     traced_outputs: list[tuple[tuple[int, ...], np.dtype]] = []
     for step, size in enumerate(sizes, 1):
@@ -358,12 +376,21 @@ def export_bundle(
         text = lowered.as_text()
         signature = _xla.main_signature(text)
         modules[size] = _portable_artifact(text) if module_format == "bytecode" else text
+        memory = {}  # what XLA plans: measurable on this machine's platform only
+        if platform == local:
+            measured = module_memory(text)
+            memory = {
+                "scratch_mb": round(measured.scratch / 1e6, 1),
+                "scratch_ratio": round(measured.ratio, 2),
+            }
+            check_scratch(measured, f"bundle {directory.name!r}, batch size {size}", max_scratch_ratio)
         log.info(
             "exported batch size",
             bundle=directory.name,
             batch_size=size,
             step=f"{step}/{len(sizes)}",
             seconds=round(time.perf_counter() - started, 2),
+            **memory,
         )
     out_specs = (
         list(outputs)
