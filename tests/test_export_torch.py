@@ -21,7 +21,7 @@ from support.servers import make_config, start_worker
 from hloserve.bundle import load_bundle
 from hloserve.cli import main
 from hloserve.export import InputSpec, OutputSpec
-from hloserve.export_torch import export_torch_bundle
+from hloserve.export_torch import LoweringError, export_torch_bundle
 
 
 class SmallCNN(torch.nn.Module):
@@ -172,3 +172,78 @@ def test_torch_export_without_a_batch_axis_serves_what_torch_computes(tmp_path: 
             expected = model(torch.from_numpy(other)).numpy()
         assert_close(client.infer("gram", [tensor]).as_numpy("output_0"), expected)
         client.close()
+
+
+class Shifted(torch.nn.Module):
+    """A buffer, then a constant made in forward (lifted by torch.export), in each of two blocks:
+    torch 2.13 interleaves the two kinds in the program's arguments (Swin-T's case)."""
+
+    def __init__(self, offset: float) -> None:
+        super().__init__()
+        self.register_buffer("index", torch.tensor([2, 0, 1]))
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, self.index] + torch.tensor([self.offset, 0.0, -self.offset])
+
+
+def test_torch_export_binds_buffers_and_lifted_constants_in_the_programs_order(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(Shifted(1.0), Shifted(10.0))
+    directory = export_torch_bundle(model, (torch.randn(2, 3),), tmp_path / "shifted", batch_sizes=(2,))
+    names = [w.name for w in load_bundle(directory).weights]
+    assert names == ["0.index", "0.lifted_tensor_0", "1.index", "1.lifted_tensor_1"]
+
+
+def test_torch_linear_on_a_transposed_input_keeps_its_weight_2d(tmp_path: Path) -> None:
+    """nn.MultiheadAttention (batch_first) projects a transposed input: torch's decomposition
+    would broadcast the in-projection weight across the tokens (ViT-B/16's 1.39 GB per layer)."""
+    torch.manual_seed(0)
+    attention = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+
+    class SelfAttention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention = attention
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.attention(x, x, x, need_weights=False)[0]
+
+    directory = export_torch_bundle(
+        SelfAttention(), (torch.randn(3, 5, 8),), tmp_path / "mha", batch_sizes=(3,)
+    )
+    (module,) = load_bundle(directory).modules
+    assert isinstance(module.source, str)
+    assert "x8x24x" not in module.source and "x24x8x" not in module.source  # no per-token weight
+
+
+@torch.library.custom_op("hloserve_test::twice", mutates_args=())
+def twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@twice.register_fake
+def _twice_shape(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class Twice(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return twice(x) + 1
+
+
+def test_torch_export_names_an_operation_without_lowering_and_its_source_line(tmp_path: Path) -> None:
+    with pytest.raises(LoweringError) as refused:
+        export_torch_bundle(Twice(), (torch.ones(2, 3),), tmp_path / "twice")
+    assert str(refused.value).startswith(
+        "cannot lower hloserve_test.twice.default (graph node twice) called at "
+        f"{__file__}:{Twice.forward.__code__.co_firstlineno + 1} in forward (`return twice(x) + 1`): "
+        "torchax has no JAX lowering for it. Rewrite that line with other torch operations, or pass "
+        "export_torch_bundle lowerings={torch.ops.hloserve_test.twice.default: fn}"
+    )
+    assert not (tmp_path / "twice").exists()
+    export_torch_bundle(
+        Twice(),
+        (torch.ones(2, 3),),
+        tmp_path / "twice",
+        lowerings={torch.ops.hloserve_test.twice.default: lambda x: x * 2},
+    )

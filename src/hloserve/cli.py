@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import trio
 
+from hloserve._torchvision import prepare_torchvision_import
 from hloserve.allocator import keep_freed_memory
 from hloserve.config import Config, LoggingConfig, load_config
 from hloserve.errors import ConfigError
@@ -273,6 +274,23 @@ def _batch_sizes(text: str) -> list[int]:
         ) from None
 
 
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def _ratio(text: str) -> float:
+    value = _tolerance(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
 def _add_export_command(commands: Any) -> None:
     export = commands.add_parser(
         "export",
@@ -295,6 +313,28 @@ def _add_export_command(commands: Any) -> None:
         "--bytecode", action="store_true", help="write StableHLO portable artifacts instead of text"
     )
     export.add_argument("--no-verify", action="store_true", help="skip the fresh-process check")
+    export.add_argument(
+        "--rtol",
+        type=_tolerance,
+        help="verification: allowed difference as a fraction of each element "
+        "(default by dtype: 1e-4 for f32)",
+    )
+    export.add_argument(
+        "--atol",
+        type=_tolerance,
+        help="verification: allowed difference as a fraction of each output's largest magnitude "
+        "(default by dtype: 1e-5 for f32)",
+    )
+    scratch = export.add_mutually_exclusive_group()
+    scratch.add_argument(
+        "--max-scratch-ratio",
+        type=_ratio,
+        help="refuse a module whose XLA scratch exceeds this multiple of its weights, inputs and "
+        "outputs (default 16)",
+    )
+    scratch.add_argument(
+        "--allow-large-scratch", action="store_true", help="report a module's scratch, never refuse it"
+    )
 
 
 def _load_spec(spec: str) -> dict[str, Any]:
@@ -302,6 +342,7 @@ def _load_spec(spec: str) -> dict[str, Any]:
     target, colon, attribute = spec.rpartition(":")
     if not colon or not target or not attribute:
         raise _BadSpec(f"expected FILE.py:FUNCTION or package.module:FUNCTION, got {spec!r}")
+    prepare_torchvision_import()  # a spec importing torchvision or timm beside a CPU torch
     try:
         if target.endswith(".py"):
             path = Path(target)
@@ -339,9 +380,14 @@ def _export(args: argparse.Namespace) -> int:
         ("platform", args.platform),
         ("module_format", "bytecode" if args.bytecode else None),
         ("verify", False if args.no_verify else None),
+        ("rtol", args.rtol),
+        ("atol", args.atol),
+        ("max_scratch_ratio", args.max_scratch_ratio),
     ):
         if value is not None:
             options[option] = value
+    if args.allow_large_scratch:
+        options["max_scratch_ratio"] = None
     from hloserve.export import VerificationError, export_bundle  # imports JAX: not for --help
 
     exporter: Callable[..., Path] = export_bundle

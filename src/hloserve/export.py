@@ -32,10 +32,19 @@ import yaml
 
 import hloserve
 from hloserve import _xla, dtypes
+from hloserve._scratch import DEFAULT_MAX_SCRATCH_RATIO, ScratchError, check_scratch, module_memory
 from hloserve.bundle import MODEL_PY, WEIGHTS
-from hloserve.verification import DEFAULT_ATOL, DEFAULT_RTOL, VerificationError, verify_bundle
+from hloserve.verification import VerificationError, verify_bundle
 
-__all__ = ["InputSpec", "OutputSpec", "Traceable", "VerificationError", "export_bundle", "verify_bundle"]
+__all__ = [
+    "InputSpec",
+    "OutputSpec",
+    "ScratchError",
+    "Traceable",
+    "VerificationError",
+    "export_bundle",
+    "verify_bundle",
+]
 # VerificationError and verify_bundle live in hloserve.verification; exported here for callers.
 
 jax = _xla.jax
@@ -262,8 +271,9 @@ def export_bundle(
     model_py: Path | None = None,
     verify: bool = True,
     sample_inputs: Sequence[np.ndarray] | None = None,
-    rtol: float = DEFAULT_RTOL,
-    atol: float = DEFAULT_ATOL,
+    rtol: float | None = None,
+    atol: float | None = None,
+    max_scratch_ratio: float | None = DEFAULT_MAX_SCRATCH_RATIO,
 ) -> Path:
     """Export `fn(params, *inputs)` as the bundle `directory`; returns the directory.
 
@@ -281,12 +291,20 @@ def export_bundle(
 
     With `verify` (the default), the bundle is loaded in a fresh process by the server's own
     loader, run at each batch size on `sample_inputs` (rows repeated to fill a batch; seeded
-    random data when None) and compared with `fn` within `rtol`/`atol`. Verification needs the
-    platform of this machine; for another it is skipped with a logged warning.
+    random data when None) and compared with `fn`: element by element within `atol` times the
+    output's largest magnitude plus `rtol` times the element's (by default per dtype, see
+    `hloserve.verification.DEFAULT_TOLERANCES`; given, they apply to every output).
+    Verification needs the platform of this machine; for another it is skipped with a logged
+    warning.
+
+    On this machine's platform each module is also compiled once after lowering and its
+    scratch (XLA's planned temporary memory) logged; a module whose scratch exceeds
+    `max_scratch_ratio` times its weights, inputs and outputs is refused (None: never).
 
     Raises:
         ValueError: the arguments are inconsistent, or the model cannot be a bundle (it branches
             on input values, an output has no batch axis, its module takes other arguments).
+        ScratchError: (a ValueError) a module plans more scratch than `max_scratch_ratio` allows.
         VerificationError: the written bundle does not reproduce the model.
     """
     directory = Path(directory)
@@ -299,6 +317,11 @@ def export_bundle(
         raise ValueError(f"platform must be 'cpu' or 'cuda', got {platform!r}")
     if module_format not in ("text", "bytecode"):
         raise ValueError(f"module_format must be 'text' or 'bytecode', got {module_format!r}")
+    if max_scratch_ratio is not None and not max_scratch_ratio > 0:
+        raise ValueError(f"max_scratch_ratio must be > 0 or None, got {max_scratch_ratio!r}")
+    for option, value in (("rtol", rtol), ("atol", atol)):
+        if value is not None and not 0 <= value < float("inf"):
+            raise ValueError(f"{option} must be a finite number >= 0, got {value!r}")
     if (client_inputs is not None or client_outputs is not None) and model_py is None:
         raise ValueError("client_inputs and client_outputs need a model_py that produces them")
     if model_py is not None and not Path(model_py).is_file():
@@ -328,6 +351,7 @@ def export_bundle(
     weights = list(traceable.weights)
     weight_specs = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights]
 
+    local = "cpu" if _xla.device().platform == "cpu" else "cuda"
     modules: dict[int, str | bytes] = {}
     traced_outputs: list[tuple[tuple[int, ...], np.dtype]] = []
     for step, size in enumerate(sizes, 1):
@@ -352,12 +376,21 @@ def export_bundle(
         text = lowered.as_text()
         signature = _xla.main_signature(text)
         modules[size] = _portable_artifact(text) if module_format == "bytecode" else text
+        memory = {}  # what XLA plans: measurable on this machine's platform only
+        if platform == local:
+            measured = module_memory(text)
+            memory = {
+                "scratch_mb": round(measured.scratch / 1e6, 1),
+                "scratch_ratio": round(measured.ratio, 2),
+            }
+            check_scratch(measured, f"bundle {directory.name!r}, batch size {size}", max_scratch_ratio)
         log.info(
             "exported batch size",
             bundle=directory.name,
             batch_size=size,
             step=f"{step}/{len(sizes)}",
             seconds=round(time.perf_counter() - started, 2),
+            **memory,
         )
     out_specs = (
         list(outputs)
@@ -436,8 +469,8 @@ def _verify_export(
     sizes: Sequence[int],
     platform: str,
     sample_inputs: Sequence[np.ndarray] | None,
-    rtol: float,
-    atol: float,
+    rtol: float | None,
+    atol: float | None,
     batch_axis: bool,
 ) -> None:
     local = "cpu" if _xla.device().platform == "cpu" else "cuda"
@@ -458,7 +491,8 @@ def _verify_export(
     log.info(
         "bundle verified in a fresh process",
         bundle=directory.name,
-        max_abs_difference=max(differences, default=0.0),
+        max_abs_difference=float(f"{max((d.max_abs for d in differences), default=0.0):.3g}"),
+        max_relative_difference=float(f"{max((d.relative for d in differences), default=0.0):.3g}"),
     )
 
 
