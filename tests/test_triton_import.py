@@ -25,16 +25,16 @@ import yaml
 from onnx import TensorProto, helper
 from support.servers import start_worker
 
-from hloserve import cli
+from hloserve import cli, verification
+from hloserve._torchvision import prepare_torchvision_import
 from hloserve.bundle import load_bundle
 from hloserve.cli import main
 from hloserve.config import load_config
 from hloserve.importers import NotConvertible, TritonConfigError, import_onnx_file
-from hloserve.importers import onnx_reference as reference
-from hloserve.importers._torchvision import import_torchvision
 from hloserve.importers.triton_config import plan_model, read_model_config
 
-torchvision = import_torchvision()
+prepare_torchvision_import()
+import torchvision  # noqa: E402  (after the schemas it needs beside a CPU torch)
 
 SQUEEZENET_CONFIG = """
 name: "squeezenet"
@@ -236,8 +236,9 @@ def test_import_triton_writes_manifests_and_settings_from_the_config(
 
 
 def _assert_agrees(got: np.ndarray, want: np.ndarray) -> None:
-    allowed = reference.tolerance([want], want.dtype)
-    assert got.shape == want.shape and float(np.max(np.abs(got - want))) <= allowed
+    assert got.shape == want.shape
+    difference = verification.compare(got, want, verification.default_tolerance(want.dtype))
+    assert difference.ok, difference.describe()
 
 
 @pytest.mark.slow
@@ -322,10 +323,10 @@ def test_import_onnx_that_does_not_verify_leaves_nothing(
 ) -> None:
     """A bundle that differs from ONNX Runtime is reported and never moved into its place."""
     model = _one_node_model(tmp_path / "tanh.onnx", "Tanh", "squash", ["batch", 6])
-    monkeypatch.setitem(reference.TOLERANCES, np.dtype(np.float32), (-1.0, -1.0))
+    monkeypatch.setitem(verification.DEFAULT_TOLERANCES, "f32", verification.Tolerance(-1.0, -1.0))
     out = tmp_path / "repo" / "tanh"
     with pytest.raises(
-        NotConvertible, match=r"^output 'Y' differs from ONNX Runtime by up to \S+ at batch sizes"
+        NotConvertible, match=r"^differs from ONNX Runtime: bundle 'tanh', output 'Y', batch size 1"
     ):
         import_onnx_file(model, out, batch_sizes=[1, 3])
     assert list(out.parent.iterdir()) == []

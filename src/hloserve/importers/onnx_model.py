@@ -336,9 +336,9 @@ def _check_operators(model: Any) -> None:
 
 
 def _import_onnx2torch() -> Any:
-    from hloserve.importers._torchvision import import_torchvision
+    from hloserve._torchvision import prepare_torchvision_import
 
-    import_torchvision()  # onnx2torch imports it; beside a CPU torch it needs two op schemas first
+    prepare_torchvision_import()  # onnx2torch imports torchvision; beside a CPU torch it needs this
     import onnx2torch
 
     return onnx2torch
