@@ -360,7 +360,10 @@ class Dispatcher:
             return
         try:
             inputs = [r.inputs for r in requests]
-            result = await self._run(model, batch.batch_size, inputs, sum(r.rows for r in requests))
+            traced = [r for r in requests if r.trace is not None]
+            result = await self._run(
+                model, batch.batch_size, inputs, sum(r.rows for r in requests), traced or None
+            )
             per_request = split_outputs(
                 model.bundle.manifest.executable_outputs, result.outputs, [r.rows for r in requests]
             )
@@ -374,11 +377,22 @@ class Dispatcher:
         self._statistics[batch.model].requests_served += len(requests)
 
     async def _run(
-        self, model: CompiledModel, batch_size: int, inputs: list[list[np.ndarray]], rows: int
+        self,
+        model: CompiledModel,
+        batch_size: int,
+        inputs: list[list[np.ndarray]],
+        rows: int,
+        traced: list[Infer] | None = None,
     ) -> ExecutionResult:
-        """One execution at `batch_size` of the joined inputs; records its cost and statistics."""
+        """One execution at `batch_size` of the joined inputs; records its cost and statistics
+        (and, for the `traced` requests among them, their phases: `_record_phases`)."""
         assert self._weights is not None, "use_weights before run"
+        if traced is not None:
+            acquiring = time.monotonic()
+            loads_before = self._statistics[model.name].weight_loads
         weights = await self._weights.acquire(model.name)
+        if traced is not None:
+            acquired = time.monotonic()
         specs = model.bundle.manifest.executable_inputs
         policy = self._state.policies[model.name]
 
@@ -399,6 +413,10 @@ class Dispatcher:
         stats = self._statistics[model.name]
         stats.record_execution(batch_size, rows, result.input_s, result.infer_s, 0.0)
         stats.cost = dict(policy.cost)
+        if traced is not None:
+            loaded = stats.weight_loads > loads_before
+            load = (acquiring, acquired, stats.weight_bytes, False) if loaded else None
+            _record_phases(traced, acquiring, load, (acquired, time.monotonic(), batch_size, rows))
         return result
 
     async def _run_chunk(self, split: _Split) -> None:
@@ -413,7 +431,7 @@ class Dispatcher:
         manifest = split.model.bundle.manifest
         inputs = slice_rows(manifest.executable_inputs, request.inputs, split.done, rows)
         try:
-            result = await self._run(split.model, size, [inputs], rows)
+            result = await self._run(split.model, size, [inputs], rows, [request] if request.trace else None)
         except (ExecutionFailed, NotResident) as e:
             _log_failure(name, size, e)
             del self._state.splits[name]
@@ -461,6 +479,23 @@ class Dispatcher:
                 if current is None
                 else ModelNotReady(name, "it was reloaded while this request ran; send it again")
             )
+
+
+def _record_phases(
+    traced: list[Infer],
+    dequeued_at: float,
+    load: tuple[float, float, int, bool] | None,
+    execution: tuple[float, float, int, int],
+) -> None:
+    """Note an execution (and the weight load it waited for) in each traced request's record."""
+    for request in traced:
+        record = request.trace
+        assert record is not None
+        if not record.dequeued_at:
+            record.dequeued_at = dequeued_at
+        if load is not None:
+            record.loads.append(load)
+        record.executions.append((*execution, request.rows))
 
 
 def _log_failure(model: str, batch_size: int, error: Exception) -> None:

@@ -120,6 +120,7 @@ _INFER_HEADERS = {
     b"content-encoding",
     b"accept-encoding",
     _HEADER_LENGTH.encode(),
+    b"traceparent",
 }  # the request headers inference reads
 _WBITS = {"gzip": 31, "deflate": 15}  # zlib window bits: gzip container, zlib container (as Triton)
 
@@ -413,6 +414,9 @@ class _Routes:
             for name, value in scope["headers"]
             if name in _INFER_HEADERS
         }
+        spans = None
+        if self._service.tracing is not None:
+            spans = self._service.trace_request(label, headers.get("traceparent"), time.monotonic_ns())
         try:
             header_length = headers.get(_HEADER_LENGTH)
             if header_length is not None and not _DIGITS.fullmatch(header_length.strip()):
@@ -425,13 +429,17 @@ class _Routes:
                 model,
                 version,
             )
-            response = await self._unless_disconnected(decoded.request, scope["client"])
+            response = await self._unless_disconnected(decoded.request, scope["client"], spans)
             pieces, binary_length = encode_infer(response, decoded)
         except _Disconnected:
+            if spans is not None:
+                spans.end("CANCELLED")
             return  # nobody to answer; as a cancelled gRPC call, it is not counted
         except Exception as e:
             status, http, message, extra = _error(e, "ModelInfer")
             self._service._count(label, status.name, started)
+            if spans is not None:
+                spans.end(status.name)
             body = json.dumps({"error": message}).encode()
             extra_headers = [(k.lower().encode(), v.encode()) for k, v in extra.items()]
             await _respond(send, http, [body], _JSON + extra_headers)
@@ -450,15 +458,18 @@ class _Routes:
             await _respond(send, 200, pieces, response_headers)
         finally:
             sending.pop(client, None)
+        if spans is not None:
+            spans.mark("reply")
+            spans.end()
 
-    async def _unless_disconnected(self, request: Any, client: Any) -> Any:
+    async def _unless_disconnected(self, request: Any, client: Any, spans: Any = None) -> Any:
         """The service's answer; a client that disconnects meanwhile cancels it, so that a
         request still in its model's queue is withdrawn (as a gRPC cancellation withdraws one)."""
         task, serving = asyncio.current_task(), self.inflight.serving
         assert task is not None
         serving[client] = task
         try:
-            return await self._service._infer(request, None)
+            return await self._service._infer(request, None, spans)
         except asyncio.CancelledError:
             if not self.inflight.ours(task):
                 raise

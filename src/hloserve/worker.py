@@ -43,6 +43,7 @@ from hloserve.reloader import RepositoryWatcher
 from hloserve.rest import RestServer, build_app
 from hloserve.service import InferenceService
 from hloserve.statistics import Statistics
+from hloserve.tracing import open_tracing
 
 __all__ = ["Worker", "serve"]
 
@@ -148,7 +149,10 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         metrics.models_failed.set(len(entries) - len(ready))
         if server_config.metrics_port >= 0:
             worker.metrics_port = metrics.serve(server_config.host, server_config.metrics_port)
-        service = worker.inference = InferenceService(config, entries, statistics, metrics, worker, metas)
+        tracing = open_tracing(config.tracing)
+        service = worker.inference = InferenceService(
+            config, entries, statistics, metrics, worker, metas, tracing=tracing
+        )
         # grpclib looks up the event loop when constructed: build it inside trio-asyncio's loop.
         server = _grpclib_patches.GracefulServer(
             [
@@ -229,4 +233,6 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
                 service.close()
                 metas.close()
                 worker.close()  # the bundles sent in loads: nothing left in the temp directory
+                if tracing is not None:  # exports the spans still pending
+                    await trio.to_thread.run_sync(tracing.shutdown)
             nursery.cancel_scope.cancel()
