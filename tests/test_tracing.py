@@ -29,6 +29,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 from support.bundles import WEIGHT_BYTES, X, write_affine
 from support.clients import infer
 from support.servers import EXAMPLES, make_config, start_worker
+from tritonclient.utils import InferenceServerException
 
 from hloserve.config import ConfigError, TracingConfig
 from hloserve.tracing import open_tracing, settings
@@ -222,6 +223,52 @@ def test_frontends_and_the_engine_join_one_trace(tmp_path: Path, receiver: Recei
     # the engine's clock and the frontend's are one machine's: the engine's span is in the link's
     assert link.start_time_unix_nano <= engine.start_time_unix_nano
     assert engine.end_time_unix_nano <= link.end_time_unix_nano
+
+
+def test_trace_settings_answer_hloserves_over_grpc_and_rest(tmp_path: Path, receiver: Receiver) -> None:
+    write_affine(tmp_path / "a")
+    config = _tracing_config(tmp_path, receiver.endpoint).replace(
+        "tracing", sampler="parentbased_traceidratio", sampler_arg="0.01"
+    )
+    with start_worker(config) as server:
+        grpc_client = grpcclient.InferenceServerClient(server.url)
+        http_client = httpclient.InferenceServerClient(server.http_url)
+        answered = grpc_client.get_trace_settings(as_json=True)["settings"]
+        assert {k: v["value"] for k, v in answered.items()} == {
+            "trace_mode": ["opentelemetry"],
+            "trace_level": ["TIMESTAMPS"],
+            "trace_rate": ["100"],
+            "trace_count": ["-1"],
+            "log_frequency": ["0"],
+            "trace_file": [""],
+            "url": [receiver.endpoint],
+            "sampler": ["parentbased_traceidratio"],
+            "sampler_arg": ["0.01"],
+            "service_name": ["hloserve"],
+        }
+        for model in ("", "a"):
+            rest = http_client.get_trace_settings(model_name=model)
+            assert rest["trace_level"] == ["TIMESTAMPS"] and rest["trace_rate"] == "100", rest
+            assert rest["url"] == receiver.endpoint
+        assert grpc_client.get_trace_settings(model_name="a", as_json=True) == {"settings": answered}
+        with pytest.raises(InferenceServerException, match="nope"):
+            grpc_client.get_trace_settings(model_name="nope")
+        with pytest.raises(InferenceServerException, match="changing trace settings while serving"):
+            grpc_client.update_trace_settings(settings={"trace_rate": "1"})
+        with pytest.raises(InferenceServerException, match="changing trace settings while serving"):
+            http_client.update_trace_settings(model_name="a", settings={"trace_rate": "1"})
+        grpc_client.close()
+        http_client.close()
+
+
+def test_trace_settings_say_off_when_tracing_is_off(tmp_path: Path) -> None:
+    write_affine(tmp_path / "a")
+    with start_worker(make_config(tmp_path)) as server:
+        client = httpclient.InferenceServerClient(server.http_url)
+        answered = client.get_trace_settings()
+        client.close()
+    assert answered["trace_level"] == ["OFF"] and answered["trace_mode"] == "opentelemetry"
+    assert answered["url"] == ""
 
 
 def test_off_by_default_without_importing_the_sdk() -> None:

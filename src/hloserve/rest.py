@@ -517,6 +517,24 @@ class _Routes:
         reply = await self._service.model_statistics(kserve.ModelStatisticsRequest(name, version))
         return JSONResponse(_to_json(reply))
 
+    async def trace_setting(self, request: Request) -> Response:
+        """GET or POST /v2[/models/{model}]/trace/setting: the settings as Triton writes them
+        (`trace_level` a list, the others strings); a POST that changes any is refused (501)."""
+        changes = await self._json(request) if request.method == "POST" else {}
+        message = kserve.TraceSettingRequest(
+            {
+                str(key)[:64]: kserve.TraceSettingRequestSettingValue(
+                    [str(v) for v in value] if isinstance(value, list) else [str(value)]
+                )
+                for key, value in changes.items()
+            },
+            request.path_params.get("model", ""),
+        )
+        reply = await self._service.trace_setting(message)
+        return JSONResponse(
+            {k: v.value if k == "trace_level" else "".join(v.value) for k, v in reply.settings.items()}
+        )
+
     # -- model repository ----------------------------------------------------------------------
 
     async def repository_index(self, request: Request) -> Response:
@@ -653,6 +671,7 @@ def build_app(service: InferenceService, models: Mapping[str, ModelEntry], confi
             r.cuda_shm_unregister,
             "CudaSharedMemoryUnregister",
         ),
+        Route("/v2/trace/setting", _endpoint(r.trace_setting, "TraceSetting"), methods=["GET", "POST"]),
         Route(
             "/v2/cudasharedmemory/{rest:path}",
             _endpoint(r.cuda_shm, "CudaSharedMemory"),
@@ -665,6 +684,9 @@ def build_app(service: InferenceService, models: Mapping[str, ModelEntry], confi
             get(model + "/ready", r.model_ready, "ModelReady"),
             get(model + "/config", r.model_config, "ModelConfig"),
             get(model + "/stats", r.model_stats, "ModelStatistics"),
+            Route(
+                model + "/trace/setting", _endpoint(r.trace_setting, "TraceSetting"), methods=["GET", "POST"]
+            ),
         ]
     starlette = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     return _App(r, starlette, config.http_max_header_bytes)

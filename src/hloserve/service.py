@@ -53,6 +53,7 @@ from hloserve.metrics import Metrics
 from hloserve.pipeline import Route
 from hloserve.shm_registry import Region, ShmRegistry
 from hloserve.statistics import Duration, ExecutionTimes, Statistics
+from hloserve.tracing import settings, triton_trace_settings
 
 if TYPE_CHECKING:
     from hloserve.model_table import ModelEntry, ModelHost
@@ -82,6 +83,7 @@ _BUILT = {
     "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
     "RepositoryModelLoad", "RepositoryModelUnload",
     "CudaSharedMemoryStatus", "CudaSharedMemoryUnregister",
+    "TraceSetting",
 }  # fmt: skip
 _VERSIONS = ("", "1")  # every model has exactly one version, "1"
 
@@ -486,6 +488,28 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
                 else None,
             )
         )
+
+    @_rpc("TraceSetting")
+    async def trace_setting(self, message: kserve.TraceSettingRequest) -> kserve.TraceSettingResponse:
+        """The trace settings in Triton's keys (the same for every model: `model_name`, if any,
+        must be served). They are fixed at start (the tracing section, OTEL_* variables): a
+        request that changes any is refused."""
+        if message.model_name:
+            self._entry(check_model_name(message.model_name))
+        if message.settings:
+            raise Unimplemented(
+                "TraceSetting",
+                "changing trace settings while serving; they are set at start by the tracing "
+                "section of the configuration or the OTEL_* variables",
+            )
+        current = self.trace_settings()
+        return kserve.TraceSettingResponse(
+            {k: kserve.TraceSettingResponseSettingValue(v) for k, v in current.items()}
+        )
+
+    def trace_settings(self) -> dict[str, list[str]]:
+        """This worker's trace settings, in the keys of Triton's TraceSetting."""
+        return triton_trace_settings(settings(self._config.tracing))
 
     @_rpc("ModelStatistics")
     async def model_statistics(

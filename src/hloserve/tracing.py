@@ -29,7 +29,7 @@ from typing import Any
 from hloserve.actors.messages import EngineTrace
 from hloserve.config import TracingConfig
 
-__all__ = ["RequestSpans", "Tracing", "open_tracing", "settings"]
+__all__ = ["RequestSpans", "Tracing", "open_tracing", "settings", "triton_trace_settings"]
 
 _SAMPLER_DEFAULT = "parentbased_always_on"
 
@@ -50,6 +50,28 @@ def settings(config: TracingConfig, environ: Mapping[str, str] | None = None) ->
         "sampler": (config.sampler or env.get("OTEL_TRACES_SAMPLER", "") or _SAMPLER_DEFAULT).lower(),
         "sampler_arg": config.sampler_arg or env.get("OTEL_TRACES_SAMPLER_ARG", "") or "1.0",
         "service_name": config.service_name or env.get("OTEL_SERVICE_NAME", "") or "hloserve",
+    }
+
+
+def triton_trace_settings(chosen: Mapping[str, str]) -> dict[str, list[str]]:
+    """`settings` as Triton's TraceSetting answers them (`trace_mode` opentelemetry; Triton's
+    `trace_rate` is one request in N, here the sampler's ratio as N), plus the exporter's own."""
+    on = chosen["exporter"] == "otlp"
+    sampler = chosen["sampler"]
+    ratio = 0.0 if sampler.endswith("always_off") else 1.0
+    if sampler.endswith("traceidratio"):
+        ratio = float(chosen["sampler_arg"])
+    return {
+        "trace_mode": ["opentelemetry"],
+        "trace_level": ["TIMESTAMPS" if on else "OFF"],
+        "trace_rate": [str(round(1 / ratio)) if ratio > 0 else "0"],
+        "trace_count": ["-1"],
+        "log_frequency": ["0"],
+        "trace_file": [""],
+        "url": [chosen["endpoint"] if on else ""],
+        "sampler": [sampler],
+        "sampler_arg": [chosen["sampler_arg"]],
+        "service_name": [chosen["service_name"]],
     }
 
 
