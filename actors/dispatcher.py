@@ -387,12 +387,10 @@ class Dispatcher:
         """One execution at `batch_size` of the joined inputs; records its cost and statistics
         (and, for the `traced` requests among them, their phases: `_record_phases`)."""
         assert self._weights is not None, "use_weights before run"
-        if traced is not None:
-            acquiring = time.monotonic()
-            loads_before = self._statistics[model.name].weight_loads
+        acquiring = time.monotonic()
+        loads_before = self._statistics[model.name].weight_loads
         weights = await self._weights.acquire(model.name)
-        if traced is not None:
-            acquired = time.monotonic()
+        acquired = time.monotonic()
         specs = model.bundle.manifest.executable_inputs
         policy = self._state.policies[model.name]
 
@@ -413,8 +411,10 @@ class Dispatcher:
         stats = self._statistics[model.name]
         stats.record_execution(batch_size, rows, result.input_s, result.infer_s, 0.0)
         stats.cost = dict(policy.cost)
+        loaded = stats.weight_loads > loads_before
+        if loaded:  # every request of the batch waited for the load
+            stats.load_wait_seconds += (acquired - acquiring) * len(inputs)
         if traced is not None:
-            loaded = stats.weight_loads > loads_before
             load = (acquiring, acquired, stats.weight_bytes, False) if loaded else None
             _record_phases(traced, acquiring, load, (acquired, time.monotonic(), batch_size, rows))
         return result

@@ -217,9 +217,7 @@ class WeightCache:
         self.resident_bytes += model.nbytes
         self._lru[name] = None
         self._loads_since_compaction += 1
-        stats = self._statistics[name]
-        stats.weight_loads += 1
-        stats.weight_load_seconds += time.perf_counter() - started
+        self._statistics[name].record_load(time.perf_counter() - started, model.nbytes)
         self._publish(name)
 
     def _host_floor(self, name: str, bundle: Bundle) -> list[np.ndarray]:
@@ -281,7 +279,7 @@ class WeightCache:
                         self.resident_bytes += model.nbytes
                         self._lru[name] = None
                         model.floor = floor
-                    self._evict(name)
+                    self._evict(name, cause="control")
                 if floor == "system" and model.host is None:
                     model.host = await trio.to_thread.run_sync(read_weights, model.bundle)
                 if floor == "unpinned":
@@ -298,7 +296,7 @@ class WeightCache:
         """Free every resident unpinned model, then load `reload` (pinned ones stay as they are)."""
         before = self.resident_bytes
         for name in list(self._lru):
-            self._evict(name, counted=False)
+            self._evict(name, counted=False, cause="compaction")
         reloaded = []
         for name in reload:
             model = self._models[name]
@@ -311,7 +309,9 @@ class WeightCache:
                  reloaded=reloaded, device_memory=_xla.memory_stats())  # fmt: skip
         return Compacted(tuple(reloaded), self.resident_bytes)
 
-    def _evict(self, name: str, counted: bool = True) -> None:
+    def _evict(self, name: str, counted: bool = True, cause: str = "budget") -> None:
+        """Free `name`'s device weights; `cause` (budget, compaction, control) is counted in
+        its evictions by cause, `counted` ones in its evictions too."""
         model = self._models[name]
         assert model.device is not None and model.floor != "device"
         _xla.free(model.device)
@@ -320,6 +320,7 @@ class WeightCache:
         del self._lru[name]
         if counted:
             self._statistics[name].weight_evictions += 1
+        self._statistics[name].evictions_by_cause[cause] += 1
         self._publish(name)
 
     def _publish(self, name: str) -> None:

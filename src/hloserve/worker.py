@@ -109,6 +109,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         (m.compiled, m.peak_bytes) for m in prepared.values() if isinstance(m, Prepared) and m.compiled
     ]
     budget_bytes = resolve_budget(config, compiled)
+    statistics.weight_budget_bytes = budget_bytes
     # The actors start empty: the models join them through the model table, as any load does.
     weight_cache = WeightCache(
         {},
