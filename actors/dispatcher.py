@@ -431,7 +431,8 @@ class Dispatcher:
         manifest = split.model.bundle.manifest
         inputs = slice_rows(manifest.executable_inputs, request.inputs, split.done, rows)
         try:
-            result = await self._run(split.model, size, [inputs], rows, [request] if request.trace else None)
+            traced = [request] if request.trace is not None else None
+            result = await self._run(split.model, size, [inputs], rows, traced)
         except (ExecutionFailed, NotResident) as e:
             _log_failure(name, size, e)
             del self._state.splits[name]

@@ -174,6 +174,24 @@ def test_rest_traceparent_parents_a_hooked_request(tmp_path: Path, receiver: Rec
     _assert_children_of(root, spans, phases)
 
 
+def test_a_split_request_has_one_execute_span_per_execution(tmp_path: Path, receiver: Receiver) -> None:
+    write_affine(tmp_path / "a")  # compiled at 1 and 2 rows: 5 rows run as 2 + 2 + 1
+    with start_worker(_tracing_config(tmp_path, receiver.endpoint)) as server:
+        client = grpcclient.InferenceServerClient(server.url)
+        traceparent, trace_id, _ = _traceparent()
+        rows = np.arange(20, dtype=np.float32).reshape(5, 4)
+        infer(client, "a", {"INPUT": rows}, headers={"traceparent": traceparent})
+        receiver.trace(trace_id, {"ModelInfer", "execute", "reply"})
+        client.close()
+    executions = sorted(
+        (s.start_time_unix_nano, _attributes(s)["hloserve.batch_rows"])
+        for _, s in receiver.spans
+        if s.trace_id == trace_id and s.name == "execute"
+    )
+    assert [batch_rows for _, batch_rows in executions] == [2, 2, 1]
+    assert all(_attributes(s)["hloserve.rows"] == 5 for _, s in receiver.spans if s.name == "execute")
+
+
 def test_a_request_without_traceparent_is_a_root(tmp_path: Path, receiver: Receiver) -> None:
     write_affine(tmp_path / "a")
     with start_worker(_tracing_config(tmp_path, receiver.endpoint)) as server:
@@ -223,6 +241,23 @@ def test_frontends_and_the_engine_join_one_trace(tmp_path: Path, receiver: Recei
     # the engine's clock and the frontend's are one machine's: the engine's span is in the link's
     assert link.start_time_unix_nano <= engine.start_time_unix_nano
     assert engine.end_time_unix_nano <= link.end_time_unix_nano
+
+
+@pytest.mark.slow
+def test_rest_through_a_frontend_joins_the_engines_trace(tmp_path: Path, receiver: Receiver) -> None:
+    write_affine(tmp_path / "a")
+    with start_worker(_tracing_config(tmp_path, receiver.endpoint, frontends=2)) as server:
+        client = httpclient.InferenceServerClient(server.http_url)
+        tensor = httpclient.InferInput("INPUT", list(X.shape), "FP32")
+        tensor.set_data_from_numpy(X)
+        traceparent, trace_id, client_span = _traceparent()
+        client.infer("a", [tensor], headers={"traceparent": traceparent})
+        spans = receiver.trace(trace_id, {"ModelInfer", "link", "engine", "queue", "execute", "reply"})
+        client.close()
+    assert spans["ModelInfer"].parent_span_id == client_span
+    assert spans["link"].parent_span_id == spans["ModelInfer"].span_id
+    assert spans["engine"].parent_span_id == spans["link"].span_id
+    assert spans["execute"].parent_span_id == spans["engine"].span_id
 
 
 def test_trace_settings_answer_hloserves_over_grpc_and_rest(tmp_path: Path, receiver: Receiver) -> None:

@@ -106,6 +106,7 @@ class Tracing:
 
     def __init__(self, chosen: dict[str, str]) -> None:
         try:
+            from opentelemetry import trace
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider
@@ -127,6 +128,7 @@ class Tracing:
         self._tracer = self._provider.get_tracer("hloserve")
         self._propagator = TraceContextTextMapPropagator()
         self._kinds = SpanKind
+        self._in_context = trace.set_span_in_context
         # monotonic → epoch nanoseconds, fixed once (the phases are marked with the monotonic clock)
         self._epoch_offset = time.time_ns() - time.monotonic_ns()
 
@@ -156,8 +158,6 @@ class RequestSpans:
     def __init__(
         self, tracing: Tracing, name: str, model: str, traceparent: str | None, started_ns: int, kind: Any
     ) -> None:
-        from opentelemetry import trace
-
         self._tracing = tracing
         carrier = {"traceparent": traceparent} if traceparent else {}
         parent = tracing._propagator.extract(carrier)
@@ -171,7 +171,7 @@ class RequestSpans:
         self._last = started_ns
         self.engine: EngineTrace | None = EngineTrace()
         """What the dispatcher fills for this request (None: the engine is in another process)."""
-        self._context = trace.set_span_in_context(self._root)
+        self._context = tracing._in_context(self._root)
 
     def mark(self, phase: str, **attributes: Any) -> None:
         """End the phase that began at the last mark now."""
@@ -198,13 +198,11 @@ class RequestSpans:
     def link_span(self) -> tuple[Any, str]:
         """Open the `link` span (CLIENT) of a call to the engine process; returns it and the
         `traceparent` that names it, for the link's Run message."""
-        from opentelemetry import trace
-
         span = self._tracing._tracer.start_span(
             "link", context=self._context, kind=self._tracing._kinds.CLIENT
         )
         carrier: dict[str, str] = {}
-        self._tracing._propagator.inject(carrier, context=trace.set_span_in_context(span))
+        self._tracing._propagator.inject(carrier, context=self._tracing._in_context(span))
         return span, carrier.get("traceparent", "")
 
     def record_engine(self) -> None:
