@@ -8,6 +8,7 @@ Needs the `otel` extra (the tests fail without it, as every extra's tests do).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -27,11 +28,13 @@ import tritonclient.http as httpclient
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
 from support.bundles import WEIGHT_BYTES, X, write_affine
-from support.clients import infer
+from support.clients import infer, wait_until
 from support.servers import EXAMPLES, make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
 from hloserve.config import ConfigError, TracingConfig
+from hloserve.fleet import envoy
+from hloserve.node import free_port
 from hloserve.tracing import open_tracing, settings
 
 SERVER = trace_pb2.Span.SPAN_KIND_SERVER
@@ -304,6 +307,84 @@ def test_trace_settings_say_off_when_tracing_is_off(tmp_path: Path) -> None:
         client.close()
     assert answered["trace_level"] == ["OFF"] and answered["trace_mode"] == "opentelemetry"
     assert answered["url"] == ""
+
+
+def test_envoy_accepts_its_tracing(tmp_path: Path) -> None:
+    envoy.write_atomically(tmp_path / "routing.pb", envoy.descriptor_set())
+    envoy.write_atomically(tmp_path / "routes.json", envoy.routes({}))
+    envoy.write_atomically(tmp_path / "routes_http.json", envoy.http_routes({}))
+    clusters = envoy.clusters({}, "127.0.0.1:9", "LEAST_REQUEST", 1 << 30, controller_http="127.0.0.1:10")
+    envoy.write_atomically(tmp_path / "clusters.json", clusters)
+    chosen = settings(
+        TracingConfig(exporter="otlp", endpoint="http://127.0.0.1:4317", sampler="traceidratio"),
+        {"OTEL_TRACES_SAMPLER_ARG": "0.5"},
+    )
+    bootstrap = envoy.bootstrap(tmp_path, "127.0.0.1", 0, 0, 0, 1 << 30, traces=chosen)
+    managers = [
+        listener["filter_chains"][0]["filters"][0]["typed_config"]
+        for listener in bootstrap["static_resources"]["listeners"]
+    ]
+    assert [m["tracing"]["random_sampling"]["value"] for m in managers] == [50.0, 50.0]
+    path = tmp_path / "envoy.json"
+    path.write_text(json.dumps(bootstrap))
+    checked = subprocess.run(
+        [envoy.find_envoy(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "clusters" not in envoy.bootstrap(tmp_path, "127.0.0.1", 0, 0, 0, 1 << 30)["static_resources"]
+
+
+@pytest.mark.slow
+@pytest.mark.serial  # Envoy and two workers
+def test_envoy_and_the_worker_join_the_clients_trace_through_the_node(
+    tmp_path: Path, receiver: Receiver
+) -> None:
+    write_affine(tmp_path / "a")
+    grpc_port, metrics_port = free_port(), free_port()
+    env = {
+        **os.environ,
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+        "HLOSERVE_NODE_DISCOVERY_INTERVAL_S": "0.3",
+    }
+    log = tmp_path / "node.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            ["setpriv", "--pdeathsig", "KILL", "--", sys.executable, "-m", "hloserve.cli", "node",
+             "--cpu-workers", "2", "--grpc-port", str(grpc_port), "--http-port", "-1",
+             "--metrics-port", str(metrics_port), "--model-repository", str(tmp_path)],
+            stdout=out, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+    try:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+
+        def ready() -> bool:
+            try:
+                return process.poll() is not None or client.is_model_ready("a")
+            except InferenceServerException:
+                return False
+
+        wait_until(ready, 120, "the node")
+        assert process.poll() is None, log.read_text()[-4000:]
+        traceparent, trace_id, client_span = _traceparent()
+        infer(client, "a", {"INPUT": X}, headers={"traceparent": traceparent})
+        client.close()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with receiver._lock:
+                found = [(service, s) for service, s in receiver.spans if s.trace_id == trace_id]
+            services = {service for service, _ in found}
+            if {"hloserve", "hloserve-envoy"} <= services and any(s.name == "reply" for _, s in found):
+                break
+            time.sleep(0.1)
+    finally:
+        process.terminate()
+        process.wait(30)
+    (proxy,) = [s for service, s in found if service == "hloserve-envoy"]
+    (root,) = [s for service, s in found if service == "hloserve" and s.name == "ModelInfer"]
+    assert proxy.parent_span_id == client_span
+    assert root.parent_span_id == proxy.span_id
 
 
 def test_off_by_default_without_importing_the_sdk() -> None:
