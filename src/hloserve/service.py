@@ -214,6 +214,10 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
             if spans is not None:
                 spans.end(error.status.name)
             raise error from None
+        except asyncio.CancelledError:  # the client cancelled or went away: not counted, but traced
+            if spans is not None:
+                spans.end("CANCELLED")
+            raise
         self._count(label, "OK", started)
         await _grpclib_patches.send_reply(stream, response)
         if spans is not None:
