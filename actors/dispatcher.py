@@ -387,7 +387,10 @@ class Dispatcher:
             return
         try:
             inputs = [r.inputs for r in requests]
-            result = await self._run(model, batch.batch_size, inputs, sum(r.rows for r in requests))
+            traced = [r for r in requests if r.trace is not None]
+            result = await self._run(
+                model, batch.batch_size, inputs, sum(r.rows for r in requests), traced or None
+            )
             per_request = split_outputs(
                 model.bundle.manifest.executable_outputs, result.outputs, [r.rows for r in requests]
             )
@@ -401,15 +404,24 @@ class Dispatcher:
         self._statistics[batch.model].requests_served += len(requests)
 
     async def _run(
-        self, model: CompiledModel, batch_size: int, inputs: list[list[np.ndarray]], rows: int
+        self,
+        model: CompiledModel,
+        batch_size: int,
+        inputs: list[list[np.ndarray]],
+        rows: int,
+        traced: list[Infer] | None = None,
     ) -> ExecutionResult:
-        """One execution at `batch_size` of the joined inputs; records its cost and statistics."""
+        """One execution at `batch_size` of the joined inputs; records its cost and statistics
+        (and, for the `traced` requests among them, their phases: `_record_phases`)."""
         assert self._weights is not None, "use_weights before run"
         stats = self._statistics[model.name]
         policy = self._state.policies[model.name]
+        acquiring = time.monotonic()
+        loads_before = stats.weight_loads
         weights = await self._weights.acquire(model.name)
+        acquired = time.monotonic()
         if stats.weight_load_seconds > policy.charged_load_s:  # loads since its last turn: its own
-            charge(policy, stats.weight_load_seconds - policy.charged_load_s, time.monotonic(), self._params)
+            charge(policy, stats.weight_load_seconds - policy.charged_load_s, acquired, self._params)
             policy.charged_load_s = stats.weight_load_seconds
         specs = model.bundle.manifest.executable_inputs
 
@@ -431,6 +443,12 @@ class Dispatcher:
         record_execution(policy, batch_size, seconds, time.monotonic(), self._params)
         stats.record_execution(batch_size, rows, result.input_s, result.infer_s, 0.0)
         stats.cost = dict(policy.cost)
+        loaded = stats.weight_loads > loads_before
+        if loaded:  # every request of the batch waited for the load
+            stats.load_wait_seconds += (acquired - acquiring) * len(inputs)
+        if traced is not None:
+            load = (acquiring, acquired, stats.weight_bytes, False) if loaded else None
+            _record_phases(traced, acquiring, load, (acquired, time.monotonic(), batch_size, rows))
         return result
 
     async def _overlapping(self, running: str, execute: Callable[[], ExecutionResult]) -> ExecutionResult:
@@ -469,7 +487,8 @@ class Dispatcher:
         manifest = split.model.bundle.manifest
         inputs = slice_rows(manifest.executable_inputs, request.inputs, split.done, rows)
         try:
-            result = await self._run(split.model, size, [inputs], rows)
+            traced = [request] if request.trace is not None else None
+            result = await self._run(split.model, size, [inputs], rows, traced)
         except (ExecutionFailed, NotResident) as e:
             _log_failure(name, size, e)
             del self._state.splits[name]
@@ -518,6 +537,23 @@ class Dispatcher:
                 if current is None
                 else ModelNotReady(name, "it was reloaded while this request ran; send it again")
             )
+
+
+def _record_phases(
+    traced: list[Infer],
+    dequeued_at: float,
+    load: tuple[float, float, int, bool] | None,
+    execution: tuple[float, float, int, int],
+) -> None:
+    """Note an execution (and the weight load it waited for) in each traced request's record."""
+    for request in traced:
+        record = request.trace
+        assert record is not None
+        if not record.dequeued_at:
+            record.dequeued_at = dequeued_at
+        if load is not None:
+            record.loads.append(load)
+        record.executions.append((*execution, request.rows))
 
 
 def _log_failure(model: str, batch_size: int, error: Exception) -> None:

@@ -36,6 +36,7 @@ __all__ = [
     "Compacted",
     "DispatcherMessage",
     "DropWeights",
+    "EngineTrace",
     "Infer",
     "Prefetch",
     "QueueAddress",
@@ -91,6 +92,8 @@ class Infer:
     deadline: float | None = None
     committed: bool = False
     """A meta model's sub-call: queued ahead of other requests, never dropped for laxity."""
+    trace: EngineTrace | None = None
+    """Where the dispatcher records this request's phases for its trace (None: not traced)."""
 
     def answer(self, result: list[np.ndarray]) -> None:
         if not self.reply.done():
@@ -99,6 +102,20 @@ class Infer:
     def fail(self, error: BaseException) -> None:
         if not self.reply.done():
             self.reply.set_exception(error)
+
+
+@dataclass(slots=True)
+class EngineTrace:
+    """A traced request's phases in the engine, filled by the dispatcher (monotonic seconds) and
+    read by whoever made the spans once the request is answered (`hloserve.tracing`)."""
+
+    enqueued_at: float = 0.0
+    dequeued_at: float = 0.0
+    """When the dispatcher took its batch (0: it never ran)."""
+    loads: list[tuple[float, float, int, bool]] = field(default_factory=list)
+    """(start, end, bytes, overlapped) of each weight load it waited for."""
+    executions: list[tuple[float, float, int, int, int]] = field(default_factory=list)
+    """(start, end, compiled batch size, rows in the batch, rows of this request) of each."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -346,8 +346,7 @@ class WeightCache:
     def _loaded(self, name: str, started: float) -> None:
         self._loads_since_compaction += 1
         stats = self._statistics[name]
-        stats.weight_loads += 1
-        stats.weight_load_seconds += time.perf_counter() - started
+        stats.record_load(time.perf_counter() - started, self._models[name].nbytes)
         if self._copied_bytes:
             self._statistics.seconds_per_weight_byte = self.seconds_per_byte
         self._publish(name)
@@ -436,7 +435,7 @@ class WeightCache:
                         self.resident_bytes += model.nbytes
                         self._lru[name] = None
                         model.floor = floor
-                    self._evict(name)
+                    self._evict(name, cause="control")
                 if floor == "system" and model.host is None:
                     model.host, model.pinned = await trio.to_thread.run_sync(
                         self._host_floor, name, model.bundle
@@ -455,7 +454,7 @@ class WeightCache:
         """Free every resident unpinned model, then load `reload` (pinned ones stay as they are)."""
         before = self.resident_bytes
         for name in list(self._lru):
-            self._evict(name, counted=False)
+            self._evict(name, counted=False, cause="compaction")
         reloaded = []
         for name in reload:
             model = self._models[name]
@@ -468,7 +467,9 @@ class WeightCache:
                  reloaded=reloaded, device_memory=_xla.memory_stats())  # fmt: skip
         return Compacted(tuple(reloaded), self.resident_bytes)
 
-    def _evict(self, name: str, counted: bool = True) -> None:
+    def _evict(self, name: str, counted: bool = True, cause: str = "budget") -> None:
+        """Free `name`'s device weights; `cause` (budget, compaction, control) is counted in
+        its evictions by cause, `counted` ones in its evictions too."""
         model = self._models[name]
         assert model.device is not None and model.floor != "device"
         _xla.free(model.device)
@@ -478,6 +479,7 @@ class WeightCache:
         self._statistics.device_weight_bytes = self.resident_bytes
         if counted:
             self._statistics[name].weight_evictions += 1
+        self._statistics[name].evictions_by_cause[cause] += 1
         self._publish(name)
 
     def _publish(self, name: str) -> None:

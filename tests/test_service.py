@@ -327,7 +327,12 @@ class TestBadInput:
     @pytest.mark.parametrize(
         ("call", "request_"),
         [
-            ("TraceSetting", service_pb2.TraceSettingRequest()),
+            (  # the settings are answered (tests/test_tracing.py); changing them is not built
+                "TraceSetting",
+                service_pb2.TraceSettingRequest(
+                    settings={"trace_rate": service_pb2.TraceSettingRequest.SettingValue(value=["10"])}
+                ),
+            ),
             ("LogSettings", service_pb2.LogSettingsRequest()),
         ],
     )

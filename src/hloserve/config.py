@@ -1,6 +1,6 @@
 """Worker configuration: one YAML file, environment overrides, command-line flags, in that order.
 
-Every field lives in a section (`server`, `scheduler`, `weights`, `logging`, `node`) and can be
+Every field lives in a section (`server`, `scheduler`, `weights`, `logging`, `node`, `tracing`) and can be
 overridden by the variable `HLOSERVE_<SECTION>_<FIELD>` (`HLOSERVE_SERVER_GRPC_PORT=9001`). Per-model settings
 (`scheduler.models.<name>`) exist only in the file. A bad value is a `ConfigError` naming the
 field and what it accepts, raised before anything starts.
@@ -32,6 +32,7 @@ __all__ = [
     "NodeConfig",
     "SchedulerConfig",
     "ServerConfig",
+    "TracingConfig",
     "WeightsConfig",
     "load_config",
 ]
@@ -546,6 +547,47 @@ class NodeConfig:
             _check(1 <= getattr(self, key) <= 65535, f"node.{key}", "must be a port number")
 
 
+_SAMPLERS = (
+    "always_on",
+    "always_off",
+    "traceidratio",
+    "parentbased_always_on",
+    "parentbased_always_off",
+    "parentbased_traceidratio",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TracingConfig:
+    """OpenTelemetry traces of inferences (the `otel` extra). Each field left empty takes the
+    standard `OTEL_*` variable named beside it, as every OpenTelemetry SDK does."""
+
+    exporter: str = ""
+    """`otlp` (OTLP/gRPC) or `none` ("": `OTEL_TRACES_EXPORTER`, else `none`: no span is made and
+    the SDK is not imported)."""
+    endpoint: str = ""
+    """Where the OTLP/gRPC collector listens, such as `http://127.0.0.1:4317` ("":
+    `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, else `OTEL_EXPORTER_OTLP_ENDPOINT`, else the SDK's
+    default `http://localhost:4317`)."""
+    sampler: str = ""
+    """always_on, always_off, traceidratio or their `parentbased_` forms ("":
+    `OTEL_TRACES_SAMPLER`, else `parentbased_always_on`: a client's `traceparent` decides)."""
+    sampler_arg: str = ""
+    """The ratio of `traceidratio` samplers, 0 to 1 ("": `OTEL_TRACES_SAMPLER_ARG`, else 1)."""
+    service_name: str = ""
+    """The `service.name` of the spans ("": `OTEL_SERVICE_NAME`, else `hloserve`)."""
+
+    def validate(self) -> None:
+        _check(self.exporter in ("", "otlp", "none"), "tracing.exporter", "expected otlp or none")
+        _check(self.sampler in ("", *_SAMPLERS), "tracing.sampler", f"expected one of {', '.join(_SAMPLERS)}")
+        if self.sampler_arg:
+            try:
+                ratio = float(self.sampler_arg)
+            except ValueError:
+                ratio = -1.0
+            _check(0.0 <= ratio <= 1.0, "tracing.sampler_arg", "expected a ratio from 0 to 1")
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -553,12 +595,14 @@ class Config:
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     node: NodeConfig = field(default_factory=NodeConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def validate(self) -> Config:
         self.server.validate()
         self.scheduler.validate()
         self.weights.validate()
         self.node.validate()
+        self.tracing.validate()
         return self
 
     def replace(self, section: str, **changes: Any) -> Config:
@@ -655,7 +699,8 @@ def load_config(path: Path | None = None, environ: Mapping[str, str] | None = No
             raise ConfigError(str(path), f"cannot read: {e}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(
-                str(path), "expected a mapping of sections (server, scheduler, weights, logging, node)"
+                str(path),
+                "expected a mapping of sections (server, scheduler, weights, logging, node, tracing)",
             )
         data = dict(loaded or {})
     sections = {f.name: f.type for f in dataclasses.fields(Config)}

@@ -43,6 +43,7 @@ from hloserve.link import (
 
 if TYPE_CHECKING:
     from hloserve.model_table import ModelEntry
+    from hloserve.tracing import RequestSpans, Tracing
 
 __all__ = ["EngineLink", "EngineServices"]
 
@@ -62,6 +63,8 @@ class EngineServices:
     raise why not (`Overloaded`, `CannotMeetDeadline`)."""
     release: Callable[[object], None] = lambda ticket: None
     """Count a `Run`'s ticket out (answered, failed or dropped)."""
+    tracing: Tracing | None = None
+    """The engine's traces: a `Run` carrying a traceparent gets an `engine` span under it."""
 
 
 @dataclass(eq=False, slots=True)
@@ -76,6 +79,8 @@ class _LinkReply:
     """Its admission ticket, released with its final event."""
     withdrawn: bool = False
     finished: bool = False
+    spans: RequestSpans | None = None
+    """The engine's spans of a traced request, ended with its final event."""
 
     def _finish(self, event: object) -> None:
         if not self.finished:
@@ -248,6 +253,9 @@ class EngineLink:
         if self._services is not None:
             reply.ticket = self._services.admit(entry, run.rows, deadline)
         request = Infer(run.model, inputs, run.rows, run.outputs, reply, now, deadline)
+        if run.traceparent and self._services is not None and self._services.tracing is not None:
+            spans = reply.spans = self._services.tracing.engine_request(run.model, run.traceparent)
+            request.trace = spans.engine
         try:
             entry.queue.submit_nowait(request)
         except BaseException:
@@ -279,6 +287,9 @@ class EngineLink:
     def _final_frame(self, reply: _LinkReply, event: object) -> bytes:
         if self._pending.pop(reply.ident, None) is not None and self._services is not None:
             self._services.release(reply.ticket)
+        if reply.spans is not None:
+            reply.spans.record_engine()
+            reply.spans.end(_status_name(event))
         match event:
             case Released() | Returned():
                 message: object = event
@@ -307,6 +318,15 @@ class EngineLink:
             written.append((cursor, array.dtype.str, array.shape))
             cursor += array.nbytes
         return written
+
+
+def _status_name(event: object) -> str:
+    """The gRPC status name a final event stands for (a traced request's)."""
+    if isinstance(event, Released):
+        return "CANCELLED"
+    if isinstance(event, Exception):
+        return to_grpc_error(event, "ModelInfer").status.name
+    return "OK"
 
 
 def _map_arena(key: str, size: int) -> np.ndarray:

@@ -51,6 +51,7 @@ from hloserve.restricted import Restrictions, restrict_grpc
 from hloserve.service import InferenceService
 from hloserve.statistics import Statistics
 from hloserve.tls import server_context
+from hloserve.tracing import RequestSpans, Tracing, open_tracing
 
 __all__ = ["ARENA_PREFIX", "ModelSummary", "Setup"]
 
@@ -134,8 +135,11 @@ class FrontendService(InferenceService):
         host: Any,
         metas: MetaModels,
         platform: str,
+        tracing: Tracing | None = None,
     ) -> None:
-        super().__init__(config, models, statistics, metrics, host, metas, execute=execute_over(link))
+        super().__init__(
+            config, models, statistics, metrics, host, metas, execute=execute_over(link), tracing=tracing
+        )
         self._engine_platform = platform
         self._shm = None  # the worker's one registry is the engine's
         self._link = link
@@ -147,7 +151,7 @@ class FrontendService(InferenceService):
     def _platform(self) -> str:
         return f"stablehlo_{self._engine_platform}"  # the engine's device, never one of ours
 
-    async def _infer(self, request: Any, grpc_deadline: Any) -> Any:
+    async def _infer(self, request: Any, grpc_deadline: Any, spans: RequestSpans | None = None) -> Any:
         entry = self._models.get(request.model_name)
         # Without client regions allowed, one named fails here as at K=0: no need to look.
         regions = self._config.server.allow_client_shm and _names_a_region(request)
@@ -155,7 +159,7 @@ class FrontendService(InferenceService):
             remaining = None if grpc_deadline is None else grpc_deadline.time_remaining()
             reply = await self._call(FORWARD, (request.SerializeToString(), remaining))
             return hot.ModelInferResponse.FromString(cast(bytes, reply))
-        return await super()._infer(request, grpc_deadline)
+        return await super()._infer(request, grpc_deadline, spans)
 
     async def model_statistics(self, message: kserve.ModelStatisticsRequest) -> Any:
         return await self._call("model_statistics", message)
@@ -250,6 +254,7 @@ async def _serve(link_fd: int, port: int, http_port: int, setup: Setup) -> None:
             await nursery.start(link.run)
             host = _Host(config, models, statistics)
             nursery.start_soon(_apply_changes, link, models, host)
+            tracing = open_tracing(config.tracing)
             service = FrontendService(
                 link,
                 config,
@@ -259,6 +264,7 @@ async def _serve(link_fd: int, port: int, http_port: int, setup: Setup) -> None:
                 cast(Any, host),
                 MetaModels(models, 1, 1, None, statistics, PolicyParams()),
                 setup.platform,
+                tracing,
             )
             server = _grpclib_patches.GracefulServer(
                 [
@@ -296,6 +302,8 @@ async def _serve(link_fd: int, port: int, http_port: int, setup: Setup) -> None:
                 if rest is not None:
                     with trio.move_on_after(config.server.shutdown_grace_s + 1):
                         await rest.stopped.wait()
+                if tracing is not None:
+                    await trio.to_thread.run_sync(tracing.shutdown)
             nursery.cancel_scope.cancel()
 
 

@@ -40,6 +40,7 @@ from hloserve.link import (
 if TYPE_CHECKING:
     from hloserve.model_table import ModelEntry
     from hloserve.service import Execute
+    from hloserve.tracing import RequestSpans
 
 __all__ = ["FrontendLink", "execute_over"]
 
@@ -218,6 +219,7 @@ class FrontendLink:
         outputs: list[int],
         timeout_s: float | None,
         out_nbytes: int,
+        traceparent: str = "",
     ) -> tuple[int, _Waiting]:
         """Copy the inputs into the slot, each aligned, then reserve `out_nbytes` for the outputs
         (the layout `_span` bounds), and send `Run`."""
@@ -231,7 +233,7 @@ class FrontendLink:
         cursor += -cursor % ALIGNMENT
         ident = self._new_id()
         waiting = self._waiting[ident] = _Waiting(slot)
-        self._post(ident, Run(model, refs, rows, outputs, timeout_s, (cursor, out_nbytes)))
+        self._post(ident, Run(model, refs, rows, outputs, timeout_s, (cursor, out_nbytes), traceparent))
         return ident, waiting
 
     def _span(self, inputs: list[np.ndarray], out_nbytes: int) -> int:
@@ -256,6 +258,7 @@ class FrontendLink:
         timeout_s: float | None,
         out_nbytes: int,
         future: asyncio.Future[list[np.ndarray]],
+        traceparent: str = "",
     ) -> int | None:
         """Send a request whose answer resolves `future`, and return its id (a caller that
         leaves calls `leave` with it); None, and nothing sent, when the arena has no room now
@@ -265,7 +268,7 @@ class FrontendLink:
         slot = self._arena.try_acquire_slot(self._span(inputs, out_nbytes))
         if slot is None:
             return None
-        ident, waiting = self._stage(slot, model, inputs, rows, outputs, timeout_s, out_nbytes)
+        ident, waiting = self._stage(slot, model, inputs, rows, outputs, timeout_s, out_nbytes, traceparent)
         waiting.future = future
         return ident
 
@@ -277,13 +280,14 @@ class FrontendLink:
         outputs: list[int],
         timeout_s: float | None,
         out_nbytes: int,
+        traceparent: str = "",
     ) -> list[np.ndarray]:
         """Run `inputs` on the engine, waiting in line for room in the arena; the outputs are
         copies (the slot is reused at once)."""
         if self.closed.is_set():
             raise GRPCError(Status.UNAVAILABLE, "the engine closed the link")
         slot = await self._arena.acquire_slot(self._span(inputs, out_nbytes))
-        ident, waiting = self._stage(slot, model, inputs, rows, outputs, timeout_s, out_nbytes)
+        ident, waiting = self._stage(slot, model, inputs, rows, outputs, timeout_s, out_nbytes, traceparent)
         waiting.done = done = trio.Event()
         try:
             await done.wait()
@@ -313,6 +317,24 @@ def execute_over(link: FrontendLink) -> Execute:
         outputs: list[int],
         deadline: float | None,
         now: float,
+        spans: RequestSpans | None = None,
+    ) -> list[Any]:
+        if spans is not None:
+            span, traceparent = spans.link_span()
+            try:
+                return await over_link(entry, inputs, rows, outputs, deadline, traceparent)
+            finally:
+                span.end()
+                spans.skip()
+        return await over_link(entry, inputs, rows, outputs, deadline, "")
+
+    async def over_link(
+        entry: ModelEntry,
+        inputs: list[Any],
+        rows: int,
+        outputs: list[int],
+        deadline: float | None,
+        traceparent: str,
     ) -> list[Any]:
         assert entry.bundle is not None
         specs = entry.bundle.manifest.executable_outputs
@@ -320,9 +342,9 @@ def execute_over(link: FrontendLink) -> Execute:
         timeout_s = None if deadline is None else deadline - time.monotonic()
         arrays = [np.asarray(a) for a in inputs]
         future: asyncio.Future[list[np.ndarray]] = asyncio.get_running_loop().create_future()
-        ident = link.submit(entry.name, arrays, rows, outputs, timeout_s, out_nbytes, future)
+        ident = link.submit(entry.name, arrays, rows, outputs, timeout_s, out_nbytes, future, traceparent)
         if ident is None:
-            return list(await infer(entry.name, arrays, rows, outputs, timeout_s, out_nbytes))
+            return list(await infer(entry.name, arrays, rows, outputs, timeout_s, out_nbytes, traceparent))
         try:
             return await future
         except asyncio.CancelledError:  # the client cancelled or went away (as `infer` does)

@@ -101,7 +101,11 @@ class Frontends:
         self._config = host.config
         self._service = service
         self._services = EngineServices(
-            service.count_elapsed, engine_calls(host, service), self._admit, self._release
+            service.count_elapsed,
+            engine_calls(host, service),
+            self._admit,
+            self._release,
+            tracing=service.tracing,
         )
         self._processes: dict[int, _Child] = {}
         self._links: set[EngineLink] = set()

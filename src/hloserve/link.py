@@ -100,6 +100,8 @@ class Run:
     outputs: list[int]
     timeout_s: float | None
     out: tuple[int, int]
+    traceparent: str = ""
+    """The W3C traceparent of the frontend's `link` span ("": the request is not traced)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +174,16 @@ _RUN, _RAN, _COUNTED = 0, 1, 2
 def _encode(message: object) -> object:
     if isinstance(message, Run):
         inputs = [tuple(t) for t in message.inputs]
-        return (_RUN, message.model, inputs, message.rows, message.outputs, message.timeout_s, message.out)
+        return (
+            _RUN,
+            message.model,
+            inputs,
+            message.rows,
+            message.outputs,
+            message.timeout_s,
+            message.out,
+            message.traceparent,
+        )
     if isinstance(message, Ran):
         return (_RAN, message.outputs)
     if isinstance(message, Counted):
@@ -184,8 +195,8 @@ def _decode(wire: Any) -> object:
     if type(wire) is not tuple:
         return wire
     if wire[0] == _RUN:
-        _, model, inputs, rows, outputs, timeout_s, out = wire
-        return Run(model, [TensorRef(*t) for t in inputs], rows, outputs, timeout_s, out)
+        _, model, inputs, rows, outputs, timeout_s, out, traceparent = wire
+        return Run(model, [TensorRef(*t) for t in inputs], rows, outputs, timeout_s, out, traceparent)
     if wire[0] == _RAN:
         return Ran(wire[1])
     return Counted(wire[1])

@@ -12,11 +12,11 @@ from typing import Any
 
 import prometheus_client
 import trio
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from hloserve import _xla
-from hloserve.statistics import ModelStatistics, Statistics
+from hloserve.statistics import LOAD_BUCKETS_S, ModelStatistics, Statistics
 
 __all__ = ["Metrics"]
 
@@ -103,6 +103,68 @@ class _StatisticsCollector(Collector):
         yield from (resident, weight_bytes, loads, evictions, load_seconds, prefetches, pinned)
 
 
+_EVICTION_CAUSES = ("budget", "compaction", "control")
+
+
+class _SwapCollector(Collector):
+    """Weight swaps: per model, loads (a duration histogram, bytes), evictions by cause, the
+    time requests waited for loads and the residency state; per worker, the budget and the bytes
+    resident and pinned."""
+
+    def __init__(self, read: Callable[[], tuple[dict[str, ModelStatistics], int | None]]):
+        self._read = read
+
+    def collect(self) -> Iterator[Any]:
+        stats, budget = self._read()
+        model = ["model"]
+        durations = HistogramMetricFamily(
+            "hloserve_weight_load_duration_seconds", "Duration of each weight load", labels=model
+        )
+        moved = CounterMetricFamily("hloserve_weight_load_bytes", "Bytes copied to the device", labels=model)
+        causes = CounterMetricFamily(
+            "hloserve_weight_evictions_by_cause", "Weight evictions by cause", labels=["model", "cause"]
+        )
+        waited = CounterMetricFamily(
+            "hloserve_weight_load_wait_seconds",
+            "Time requests waited for their model's weights to load, summed over requests",
+            labels=model,
+        )
+        state = GaugeMetricFamily(
+            "hloserve_model_residency",
+            "Where a model's weights are: 1 for its state (device, host, none) and floor",
+            labels=["model", "state", "floor"],
+        )
+        resident_bytes = pinned_bytes = 0
+        for name, s in stats.items():
+            if not s.residency:
+                continue
+            cumulative, buckets = 0, []
+            for bound, count in zip(LOAD_BUCKETS_S, s.weight_load_buckets, strict=True):
+                cumulative += count
+                buckets.append((repr(bound), cumulative))
+            buckets.append(("+Inf", s.weight_loads))
+            durations.add_metric([name], buckets, s.weight_load_seconds)
+            moved.add_metric([name], s.weight_load_bytes)
+            for cause in _EVICTION_CAUSES:
+                causes.add_metric([name, cause], s.evictions_by_cause.get(cause, 0))
+            waited.add_metric([name], s.load_wait_seconds)
+            where = "device" if s.resident else "host" if s.host_resident else "none"
+            state.add_metric([name, where, s.residency], 1)
+            if s.resident:
+                if s.residency == "device":
+                    pinned_bytes += s.weight_bytes
+                else:
+                    resident_bytes += s.weight_bytes
+        yield from (durations, moved, causes, waited, state)
+        gauge = GaugeMetricFamily
+        yield gauge(
+            "hloserve_weight_resident_bytes", "Weight bytes on the device, budgeted", value=resident_bytes
+        )
+        yield gauge("hloserve_weight_pinned_bytes", "Weight bytes pinned on the device", value=pinned_bytes)
+        if budget is not None:
+            yield gauge("hloserve_weight_budget_bytes", "The weight cache's byte budget", value=budget)
+
+
 class _CompactionCollector(Collector):
     def __init__(self, read: Callable[[], int]):
         self._read = read
@@ -167,6 +229,9 @@ class Metrics:
 
         self.registry.register(_StatisticsCollector(on_loop(statistics.snapshot)))
         self.registry.register(_CompactionCollector(on_loop(lambda: statistics.compactions)))
+        self.registry.register(
+            _SwapCollector(on_loop(lambda: (statistics.snapshot(), statistics.weight_budget_bytes)))
+        )
         self.registry.register(_DeviceMemoryCollector())
         self._httpd: Any = None
 

@@ -123,6 +123,7 @@ _INFER_HEADERS = {
     b"content-encoding",
     b"accept-encoding",
     _HEADER_LENGTH.encode(),
+    b"traceparent",
 }  # the request headers inference reads
 _WBITS = {"gzip": 31, "deflate": 15}  # zlib window bits: gzip container, zlib container (as Triton)
 
@@ -416,6 +417,9 @@ class _Routes:
             for name, value in scope["headers"]
             if name in _INFER_HEADERS
         }
+        spans = None
+        if self._service.tracing is not None:
+            spans = self._service.trace_request(label, headers.get("traceparent"), time.monotonic_ns())
         try:
             header_length = headers.get(_HEADER_LENGTH)
             if header_length is not None and not _DIGITS.fullmatch(header_length.strip()):
@@ -428,13 +432,17 @@ class _Routes:
                 model,
                 version,
             )
-            response = await self._unless_disconnected(decoded.request, scope["client"])
+            response = await self._unless_disconnected(decoded.request, scope["client"], spans)
             pieces, binary_length = encode_infer(response, decoded)
         except _Disconnected:
+            if spans is not None:
+                spans.end("CANCELLED")
             return  # nobody to answer; as a cancelled gRPC call, it is not counted
         except Exception as e:
             status, http, message, extra = _error(e, "ModelInfer")
             self._service._count(label, status.name, started)
+            if spans is not None:
+                spans.end(status.name)
             body = json.dumps({"error": message}).encode()
             extra_headers = [(k.lower().encode(), v.encode()) for k, v in extra.items()]
             await _respond(send, http, [body], _JSON + extra_headers)
@@ -453,15 +461,18 @@ class _Routes:
             await _respond(send, 200, pieces, response_headers)
         finally:
             sending.pop(client, None)
+        if spans is not None:
+            spans.mark("reply")
+            spans.end()
 
-    async def _unless_disconnected(self, request: Any, client: Any) -> Any:
+    async def _unless_disconnected(self, request: Any, client: Any, spans: Any = None) -> Any:
         """The service's answer; a client that disconnects meanwhile cancels it, so that a
         request still in its model's queue is withdrawn (as a gRPC cancellation withdraws one)."""
         task, serving = asyncio.current_task(), self.inflight.serving
         assert task is not None
         serving[client] = task
         try:
-            return await self._service._infer(request, None)
+            return await self._service._infer(request, None, spans)
         except asyncio.CancelledError:
             if not self.inflight.ours(task):
                 raise
@@ -508,6 +519,24 @@ class _Routes:
         name, version = request.path_params.get("model", ""), request.path_params.get("version", "")
         reply = await self._service.model_statistics(kserve.ModelStatisticsRequest(name, version))
         return JSONResponse(_to_json(reply))
+
+    async def trace_setting(self, request: Request) -> Response:
+        """GET or POST /v2[/models/{model}]/trace/setting: the settings as Triton writes them
+        (`trace_level` a list, the others strings); a POST that changes any is refused (501)."""
+        changes = await self._json(request) if request.method == "POST" else {}
+        message = kserve.TraceSettingRequest(
+            {
+                str(key)[:64]: kserve.TraceSettingRequestSettingValue(
+                    [str(v) for v in value] if isinstance(value, list) else [str(value)]
+                )
+                for key, value in changes.items()
+            },
+            request.path_params.get("model", ""),
+        )
+        reply = await self._service.trace_setting(message)
+        return JSONResponse(
+            {k: v.value if k == "trace_level" else "".join(v.value) for k, v in reply.settings.items()}
+        )
 
     # -- model repository ----------------------------------------------------------------------
 
@@ -645,6 +674,7 @@ def build_app(service: InferenceService, models: Mapping[str, ModelEntry], confi
             r.cuda_shm_unregister,
             "CudaSharedMemoryUnregister",
         ),
+        Route("/v2/trace/setting", _endpoint(r.trace_setting, "TraceSetting"), methods=["GET", "POST"]),
         Route(
             "/v2/cudasharedmemory/{rest:path}",
             _endpoint(r.cuda_shm, "CudaSharedMemory"),
@@ -657,6 +687,9 @@ def build_app(service: InferenceService, models: Mapping[str, ModelEntry], confi
             get(model + "/ready", r.model_ready, "ModelReady"),
             get(model + "/config", r.model_config, "ModelConfig"),
             get(model + "/stats", r.model_stats, "ModelStatistics"),
+            Route(
+                model + "/trace/setting", _endpoint(r.trace_setting, "TraceSetting"), methods=["GET", "POST"]
+            ),
         ]
     starlette = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     return _App(r, starlette, config.http_max_header_bytes, Restrictions.http(config.http_restricted_api))

@@ -14,7 +14,7 @@ import functools
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import betterproto2
 import trio
@@ -53,17 +53,25 @@ from hloserve.metrics import Metrics
 from hloserve.pipeline import Route
 from hloserve.shm_registry import Region, ShmRegistry
 from hloserve.statistics import Duration, ExecutionTimes, Statistics
+from hloserve.tracing import settings, triton_trace_settings
 
 if TYPE_CHECKING:
     from hloserve.model_table import ModelEntry, ModelHost
+    from hloserve.tracing import RequestSpans, Tracing
 
 __all__ = ["EXTENSIONS", "Execute", "InferenceService"]
 
 T = TypeVar("T")
 
-Execute = Callable[["ModelEntry", list[Any], int, list[int], float | None, float], Awaitable[list[Any]]]
-"""How executable inputs reach the engine: `(entry, inputs, rows, outputs, deadline, now)` to the
-outputs; in-process, the model's queue (`InferenceService._execute`)."""
+Execute = Callable[
+    ["ModelEntry", list[Any], int, list[int], float | None, float, "RequestSpans | None"],
+    Awaitable[list[Any]],
+]
+"""How executable inputs reach the engine: `(entry, inputs, rows, outputs, deadline, now, spans)`
+to the outputs; in-process, the model's queue (`InferenceService._execute`). `spans` is the
+request's trace, None when it is not traced."""
+
+_TRACEPARENT_MAX = 256  # a W3C traceparent is 55 characters; anything much longer is not one
 
 EXTENSIONS = ("model_configuration", "model_repository", "statistics", "system_shared_memory")
 """Triton protocol extensions hloserve implements, reported by ServerMetadata."""
@@ -75,6 +83,7 @@ _BUILT = {
     "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
     "RepositoryModelLoad", "RepositoryModelUnload",
     "CudaSharedMemoryStatus", "CudaSharedMemoryUnregister",
+    "TraceSetting",
 }  # fmt: skip
 _VERSIONS = ("", "1")  # every model has exactly one version, "1"
 
@@ -109,6 +118,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         worker: ModelHost,
         metas: MetaModels,
         execute: Execute | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         if execute is not None:  # a frontend process: executable inputs go over its link
             self._execute = execute  # type: ignore[method-assign,assignment]
@@ -123,12 +133,19 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         self._admission = Admission(lambda callback, arg: asyncio.get_running_loop().call_soon(callback, arg))
         self._worker = worker
         self._metas = metas
+        self._tracing = tracing
+        """The worker's traces; None when tracing is off (then each phase costs one None check)."""
         server = config.server
         self._shm = (
             ShmRegistry(server.shm_max_regions, server.shm_max_bytes, server.shm_owner_uids)
             if server.allow_client_shm
             else None
         )
+
+    @property
+    def tracing(self) -> Tracing | None:
+        """The worker's traces (None: off)."""
+        return self._tracing
 
     def close(self) -> None:
         """Close every registered shared-memory region."""
@@ -181,18 +198,40 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
     # -- ModelInfer (hot path) -----------------------------------------------------------------
 
     async def _model_infer(self, stream: Any) -> None:
+        received = 0 if self._tracing is None else time.monotonic_ns()
         request = await stream.recv_message()
         started = time.perf_counter()
         name = request.model_name
         label = name if name in self._models else "<unknown>"
+        spans = None
+        if self._tracing is not None:
+            spans = self.trace_request(label, stream.metadata.get("traceparent"), received)
         try:
-            response = await self._infer(request, stream.deadline)
+            response = await self._infer(request, stream.deadline, spans)
         except Exception as e:
             error = to_grpc_error(e, "ModelInfer")
             self._count(label, error.status.name, started)
+            if spans is not None:
+                spans.end(error.status.name)
             raise error from None
+        except asyncio.CancelledError:  # the client cancelled or went away: not counted, but traced
+            if spans is not None:
+                spans.end("CANCELLED")
+            raise
         self._count(label, "OK", started)
         await _grpclib_patches.send_reply(stream, response)
+        if spans is not None:
+            spans.mark("reply")
+            spans.end()
+
+    def trace_request(self, model: str, traceparent: Any, started_ns: int) -> RequestSpans | None:
+        """The spans of a ModelInfer call that began at `started_ns` (`time.monotonic_ns()`),
+        parented by the client's `traceparent` header if it sent one; None when tracing is off."""
+        if self._tracing is None:
+            return None
+        if not isinstance(traceparent, str) or len(traceparent) > _TRACEPARENT_MAX:
+            traceparent = None
+        return self._tracing.request("ModelInfer", model, traceparent, started_ns)
 
     def _count(self, model: str, status: str, started: float) -> None:
         self.count_elapsed(model, status, time.perf_counter() - started)
@@ -213,7 +252,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
             stats = self._statistics[model]
             (stats.success if status == "OK" else stats.fail).add(elapsed)
 
-    async def _infer(self, request: Any, grpc_deadline: Any) -> Any:
+    async def _infer(self, request: Any, grpc_deadline: Any, spans: RequestSpans | None = None) -> Any:
         entry = self._ready_entry(request.model_name, request.model_version)
         assert entry.bundle is not None
         manifest = entry.bundle.manifest
@@ -236,30 +275,46 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
             )
         if self._inflight >= server.max_inflight_requests:
             raise Overloaded(server.max_inflight_requests)
+        if spans is not None:
+            spans.mark("decode", **{"hloserve.rows": decoded.rows})
         now = time.monotonic()
         remaining = None if grpc_deadline is None else grpc_deadline.time_remaining()
         deadline = request_deadline(decoded.timeout_s, remaining, now)
         ticket = self.admit(entry, decoded.rows, now, deadline)
+        if spans is not None:
+            spans.mark("admission")
         self._inflight += 1
         try:
             if meta_run is not None:
                 infer_meta = trio_asyncio.trio_as_aio(self._metas.infer)
                 outputs = await infer_meta(entry, decoded.inputs, decoded.rows, deadline)
                 outputs = [outputs[i] for i in decoded.outputs]
+                if spans is not None:
+                    spans.mark("meta_model")
             elif hooks is not None:
                 route = Route(entry.name, manifest, hooks, decoded.outputs)
                 inputs, rows = await _run_hook(hooks.preprocess, route.inward, decoded.inputs, decoded.rows)
+                if spans is not None:
+                    spans.mark("preprocess", **{"hloserve.rows": rows})
                 entry.check_rows(rows, "preprocess")
-                outputs = await self._execute(entry, inputs, rows, route.executable_outputs, deadline, now)
+                outputs = await self._execute(
+                    entry, inputs, rows, route.executable_outputs, deadline, now, spans
+                )
                 outputs = await _run_hook(hooks.postprocess, route.outward, outputs, decoded.rows)
+                if spans is not None:
+                    spans.mark("postprocess")
             else:
                 outputs = await self._execute(
-                    entry, decoded.inputs, decoded.rows, decoded.outputs, deadline, now
+                    entry, decoded.inputs, decoded.rows, decoded.outputs, deadline, now, spans
                 )
         finally:
             self._inflight -= 1
             self._admission.release(ticket)
-        return encode_response(request, entry.name, manifest.outputs, decoded, outputs, entry.bundle.labels)
+        labels = entry.bundle.labels
+        response = encode_response(request, entry.name, manifest.outputs, decoded, outputs, labels)
+        if spans is not None:
+            spans.mark("encode")
+        return response
 
     def admit(self, entry: ModelEntry, rows: int, now: float, deadline: float | None) -> Ticket:
         """Count a request in, or refuse it if it cannot meet its deadline (`Admission`, from
@@ -294,16 +349,32 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         outputs: list[int],
         deadline: float | None,
         now: float,
+        spans: RequestSpans | None = None,
     ) -> list[Any]:
         """Queue executable inputs on the model's queue and await its outputs."""
         assert entry.queue is not None
         reply: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
         queued = Infer(entry.name, inputs, rows, outputs, reply, now, deadline)
         queue = entry.queue
+        if spans is not None:
+            return await self._execute_traced(queue, queued, spans)
         queue.submit_nowait(queued)
         # A client that cancels or disconnects cancels this handler, and so the future.
         reply.add_done_callback(lambda f: queue.withdraw_nowait(queued) if f.cancelled() else None)
         return await reply
+
+    async def _execute_traced(self, queue: Any, queued: Infer, spans: RequestSpans) -> list[Any]:
+        """`_execute` of a traced request: the dispatcher notes its phases in `queued.trace`."""
+        record = queued.trace = spans.engine
+        if record is not None:
+            record.enqueued_at = time.monotonic()
+        reply = queued.reply
+        queue.submit_nowait(queued)
+        reply.add_done_callback(lambda f: queue.withdraw_nowait(queued) if f.cancelled() else None)
+        try:
+            return cast(list[Any], await reply)
+        finally:
+            spans.record_engine()
 
     # -- health and metadata -------------------------------------------------------------------
 
@@ -424,6 +495,28 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
                 else None,
             )
         )
+
+    @_rpc("TraceSetting")
+    async def trace_setting(self, message: kserve.TraceSettingRequest) -> kserve.TraceSettingResponse:
+        """The trace settings in Triton's keys (the same for every model: `model_name`, if any,
+        must be served). They are fixed at start (the tracing section, OTEL_* variables): a
+        request that changes any is refused."""
+        if message.model_name:
+            self._entry(check_model_name(message.model_name))
+        if message.settings:
+            raise Unimplemented(
+                "TraceSetting",
+                "changing trace settings while serving; they are set at start by the tracing "
+                "section of the configuration or the OTEL_* variables",
+            )
+        current = self.trace_settings()
+        return kserve.TraceSettingResponse(
+            {k: kserve.TraceSettingResponseSettingValue(v) for k, v in current.items()}
+        )
+
+    def trace_settings(self) -> dict[str, list[str]]:
+        """This worker's trace settings, in the keys of Triton's TraceSetting."""
+        return triton_trace_settings(settings(self._config.tracing))
 
     @_rpc("ModelStatistics")
     async def model_statistics(

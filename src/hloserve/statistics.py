@@ -6,12 +6,15 @@ so the counters need no lock; readers in other threads take `snapshot()` copies.
 
 from __future__ import annotations
 
+import bisect
 import copy
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
-__all__ = ["Duration", "ExecutionTimes", "ModelStatistics", "Statistics"]
+__all__ = ["LOAD_BUCKETS_S", "Duration", "ExecutionTimes", "ModelStatistics", "Statistics"]
+
+LOAD_BUCKETS_S = tuple(0.0001 * 4**k for k in range(9))  # 0.1 ms .. 6.6 s: a weight load's duration
 
 
 @dataclass(slots=True)
@@ -78,6 +81,25 @@ class ModelStatistics:
     """Seconds its loads took, from the start of each copy to its end (overlapped or not)."""
     weight_prefetches: int = 0
     """Loads started ahead of the model's execution, to overlap another's (counted in loads)."""
+    weight_load_bytes: int = 0
+    """Bytes copied to the device by its loads."""
+    weight_load_buckets: list[int] = field(default_factory=lambda: [0] * len(LOAD_BUCKETS_S))
+    """Its loads by duration: how many took at most each of `LOAD_BUCKETS_S` (not cumulative;
+    a longer load counts in none)."""
+    evictions_by_cause: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+    """Its evictions by cause: budget (to fit another model), compaction, control (residency
+    set by the control API)."""
+    load_wait_seconds: float = 0.0
+    """Time its requests waited for its weights to load, summed over the requests."""
+
+    def record_load(self, seconds: float, nbytes: int) -> None:
+        """One load of its weights to the device."""
+        self.weight_loads += 1
+        self.weight_load_seconds += seconds
+        self.weight_load_bytes += nbytes
+        index = bisect.bisect_left(LOAD_BUCKETS_S, seconds)
+        if index < len(LOAD_BUCKETS_S):
+            self.weight_load_buckets[index] += 1
 
     def wait_quantile(self, q: float) -> float:
         """A quantile of the recent queue waits (0 when none)."""
@@ -109,6 +131,8 @@ class Statistics:
         """Bytes of on-demand weights on the device or being copied there (the budget's count)."""
         self.seconds_per_weight_byte = 0.0
         """The weight cache's measured seconds per byte copied from a host floor (0: none yet)."""
+        self.weight_budget_bytes: int | None = None
+        """The weight cache's byte budget (None: every model stays resident)."""
 
     def __getitem__(self, model: str) -> ModelStatistics:
         stats = self._models.get(model)

@@ -45,6 +45,7 @@ from hloserve.restricted import Restrictions, restrict_grpc
 from hloserve.service import InferenceService
 from hloserve.statistics import Statistics
 from hloserve.tls import server_context
+from hloserve.tracing import open_tracing
 
 __all__ = ["Worker", "serve"]
 
@@ -110,6 +111,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         (m.compiled, m.peak_bytes) for m in prepared.values() if isinstance(m, Prepared) and m.compiled
     ]
     budget_bytes = resolve_budget(config, compiled)
+    statistics.weight_budget_bytes = budget_bytes
     # The actors start empty: the models join them through the model table, as any load does.
     weight_cache = WeightCache(
         {},
@@ -159,7 +161,10 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         metrics.models_failed.set(len(entries) - len(ready))
         if server_config.metrics_port >= 0:
             worker.metrics_port = metrics.serve(server_config.host, server_config.metrics_port)
-        service = worker.inference = InferenceService(config, entries, statistics, metrics, worker, metas)
+        tracing = open_tracing(config.tracing)
+        service = worker.inference = InferenceService(
+            config, entries, statistics, metrics, worker, metas, tracing=tracing
+        )
         # grpclib looks up the event loop when constructed: build it inside trio-asyncio's loop.
         server = _grpclib_patches.GracefulServer(
             [
@@ -252,4 +257,6 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
                 service.close()
                 metas.close()
                 worker.close()  # the bundles sent in loads: nothing left in the temp directory
+                if tracing is not None:  # exports the spans still pending
+                    await trio.to_thread.run_sync(tracing.shutdown)
             nursery.cancel_scope.cancel()

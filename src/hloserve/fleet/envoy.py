@@ -227,6 +227,51 @@ def _listener(
     }
 
 
+_COLLECTOR = "opentelemetry_collector"
+
+
+def tracing(settings: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """Envoy's OpenTelemetry tracing for `hloserve.tracing.settings` (None when traces are off):
+    the connection managers' `tracing` and the static cluster of the OTLP/gRPC collector. Envoy's
+    span joins the client's trace (its `traceparent`) and is the parent of the worker's."""
+    if settings["exporter"] != "otlp":
+        return None
+    endpoint = urllib.parse.urlsplit(settings["endpoint"])
+    host, port = endpoint.hostname or "localhost", endpoint.port or 4317
+    sampler = settings["sampler"]
+    ratio = 0.0 if sampler.endswith("always_off") else 1.0
+    if sampler.endswith("traceidratio"):
+        ratio = float(settings["sampler_arg"])
+    manager = {
+        "provider": {
+            "name": "envoy.tracers.opentelemetry",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig",
+                "grpc_service": {"envoy_grpc": {"cluster_name": _COLLECTOR}, "timeout": "5s"},
+                "service_name": f"{settings['service_name']}-envoy",
+            },
+        },
+        "random_sampling": {"value": 100 * ratio},  # a trace Envoy starts; a client's decides its own
+        "spawn_upstream_span": False,
+    }
+    collector = {
+        "name": _COLLECTOR,
+        "type": "STRICT_DNS",
+        "connect_timeout": "1s",
+        "load_assignment": {
+            "cluster_name": _COLLECTOR,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _address(host, port)}}]}],
+        },
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        },
+    }
+    return manager, collector
+
+
 def bootstrap(
     directory: Path,
     host: str,
@@ -236,10 +281,13 @@ def bootstrap(
     max_message_bytes: int,
     grpc_tls: Tls | None = None,
     http_tls: Tls | None = None,
+    traces: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Envoy's static configuration: the public gRPC listener with its filters, the public REST
     listener (`http_port` -1: none), each over TLS when given its files, the admin interface,
-    and where the routes (`routes.json`, `routes_http.json`) and clusters (`clusters.json`) are."""
+    and where the routes (`routes.json`, `routes_http.json`) and clusters (`clusters.json`) are;
+    with `traces` (the node's `hloserve.tracing.settings`) exporting spans, Envoy's own spans
+    too (`tracing`)."""
     window = _window(max_message_bytes)
     descriptors = directory / "routing.pb"
     extraction = [
@@ -268,10 +316,17 @@ def bootstrap(
     if http_port >= 0:  # HTTP/1.1, or HTTP/2 for a client that starts with it
         manager = _manager("public_http", "AUTO", window, "routes_http", directory, [])
         listeners.append(_listener("public_http", host, http_port, window, manager, http_tls, ["http/1.1"]))
+    static: dict[str, Any] = {"listeners": listeners}
+    traced = None if traces is None else tracing(traces)
+    if traced is not None:
+        manager_tracing, collector = traced
+        for listener in listeners:
+            listener["filter_chains"][0]["filters"][0]["typed_config"]["tracing"] = manager_tracing
+        static["clusters"] = [collector]
     return {
         "node": {"id": "hloserve-node", "cluster": "hloserve"},
         "admin": {"address": _address("127.0.0.1", admin_port)},
-        "static_resources": {"listeners": listeners},
+        "static_resources": static,
         "dynamic_resources": {"cds_config": _watched(directory / "clusters.json")},
         "overload_manager": {  # a bound on connections, which Envoy warns about when unset
             "resource_monitors": [

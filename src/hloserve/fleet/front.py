@@ -17,7 +17,7 @@ import trio_asyncio
 from grpclib.config import Configuration
 from grpclib.server import Server
 
-from hloserve import rest
+from hloserve import rest, tracing
 from hloserve.config import Config, ServerConfig
 from hloserve.fleet import envoy
 from hloserve.fleet.controller import Controller, WorkerLink
@@ -154,6 +154,7 @@ async def run_front(
                 server_config.max_message_bytes,
                 _envoy_tls(server_config, "grpc"),
                 _envoy_tls(server_config, "http"),
+                traces=tracing.settings(config.tracing),
             )
             envoy.write_atomically(directory / "envoy.json", bootstrap)
             window = 16 << 20

@@ -175,8 +175,17 @@ class InferenceFront(kserve.GrpcInferenceServiceBase):
 
     # What the REST routes call besides the RPCs above.
 
-    async def _infer(self, request: Any, grpc_deadline: Any) -> Any:
+    tracing = None
+    """The node's front makes no spans: its workers (and Envoy) do."""
+
+    async def _infer(self, request: Any, grpc_deadline: Any, spans: Any = None) -> Any:
         raise _not_served(request.model_name)
+
+    async def trace_setting(self, message: kserve.TraceSettingRequest) -> kserve.TraceSettingResponse:
+        """A worker's answer: every worker of a node has the node's trace settings."""
+        return await _ready(self._controller)[0].inference.trace_setting(
+            message, timeout=self._controller.node.probe_timeout_s
+        )
 
     def _count(self, model: str, status: str, started: float) -> None:
         """Nothing: the workers count the requests they serve."""
