@@ -83,6 +83,25 @@ class ServerConfig:
     is closed, and a client must take an inference answer within this, else its connection is
     dropped; so a client that trickles a body, or reads no answer, cannot hold a connection
     (60 s carries a 1 GiB body at 20 MB/s)."""
+    http_max_json_bytes: int = 16 << 20
+    """JSON in a REST request (a JSON body, or the JSON header of a binary one), after
+    decompression; past it 400 naming the key (as Triton's `--http-max-input-size`), refused from
+    the Content-Length before the body is read when it can be. A load's body, whose `file:`
+    contents are base64 strings, is bounded by `max_message_bytes` instead. JSON becomes Python
+    objects of 10 to 30 times its size, so this bounds the memory one request claims. JSON up to
+    256 KiB is parsed on the event loop, with at most one array or object per 64 bytes (30 to 45
+    ms at worst on a busy 2-core machine); larger JSON in a worker thread by Python's pure-Python
+    parser, 5 times slower but giving the interpreter back to the loop every 5 ms (the C parser
+    would hold it throughout: a 64 MB body stalled every client for 5.9 s). Send large tensors in
+    binary (Triton's binary tensor extension: tritonclient's default) or through shared memory;
+    those bytes are never parsed."""
+    http_max_inflation_ratio: int = 100
+    """A gzip or deflate REST body may inflate to this many times its compressed size (or 1 MiB,
+    whichever is more), and to at most `max_message_bytes`; inflation stops at the first byte past
+    the bound and the request is refused (400). Bodies are inflated in a worker thread (zlib
+    frees the interpreter), so inflation never stalls the event loop; the ratio bounds the memory
+    and CPU one small body can claim (a 1 MB gzip bomb of 1 GiB of zeros inflates 100 MB at most
+    before it is refused, where real tensors and JSON compress 2 to 10 times)."""
     http2: bool = False
     """Serve HTTP/2 without TLS (h2c: prior knowledge or `Upgrade: h2c`) on the REST port beside
     HTTP/1.1. Off, a `PRI * HTTP/2.0` preface is answered 505 and closed and an upgrade is ignored.
@@ -216,6 +235,8 @@ class ServerConfig:
         )
         _check(self.http_idle_timeout_s > 0, "server.http_idle_timeout_s", "must be > 0")
         _check(self.http_body_timeout_s > 0, "server.http_body_timeout_s", "must be > 0")
+        _check(self.http_max_json_bytes >= 1024, "server.http_max_json_bytes", "must be >= 1024")
+        _check(self.http_max_inflation_ratio >= 1, "server.http_max_inflation_ratio", "must be >= 1")
         _check(self.max_message_bytes >= 1 << 20, "server.max_message_bytes", "must be >= 1048576")
         _check(self.max_concurrent_streams >= 1, "server.max_concurrent_streams", "must be >= 1")
         _check(
