@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from hloserve.admission import Admission
-from hloserve.errors import CannotMeetDeadline
+from hloserve.errors import CannotMeetDeadline, DeadlineExceeded
 
 COSTS = {1: 0.001, 8: 0.004}  # 0.5 ms per row in a full batch of 8
 
@@ -64,3 +64,13 @@ def test_a_lagging_loop_counts_twice_against_the_deadline() -> None:
     with pytest.raises(CannotMeetDeadline, match=r"server 300\.0 ms behind"):
         _admit(admission, 1, 1.3, 1.8)  # the probe is 0.3 s out: 0.6 s more than the 0.5 s left
     _admit(admission, 1, 1.3, 2.0)
+
+
+def test_a_budget_already_spent_is_deadline_exceeded_not_a_refusal_to_retry() -> None:
+    """A relative budget of 1 ns was UNAVAILABLE (retryable); it can never be met (issue 25)."""
+    admission = Admission(_Loop().call_soon)
+    with pytest.raises(DeadlineExceeded, match=r"^model 'm': deadline passed 1.000 ms before execution"):
+        _admit(admission, 1, 1.0, 0.999)
+    assert admission._loads["m"].rows == 0
+    _admit(admission, 1, 1.0, 2.0)
+    assert admission._loads["m"].rows == 1
