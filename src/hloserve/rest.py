@@ -50,6 +50,7 @@ from grpclib.const import Status
 from hypercorn.asyncio.tcp_server import TCPServer
 from hypercorn.asyncio.worker_context import WorkerContext
 from hypercorn.events import Closed
+from hypercorn.protocol.h2 import H2Protocol
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -332,7 +333,9 @@ class _InFlight:
         self.serving: dict[Any, asyncio.Task[Any]] = {}
         self.reading: dict[asyncio.Task[Any], float] = {}
         self.idle: dict[_Connection, float] = {}
-        self.sending: dict[Any, float] = {}
+        self.sending: dict[asyncio.Task[Any], tuple[float, Any]] = {}
+        """The deadline of each answer being sent, and its client, by the task sending it: one
+        stream's answer completing (h2c, or pipelined HTTP/1.1) leaves its siblings' deadlines."""
         self.connections: dict[Any, _Connection] = {}
         """Open connections by client address."""
         self.cancelled: set[asyncio.Task[Any]] = set()
@@ -354,11 +357,20 @@ class _InFlight:
                 del self.reading[task]
                 self._cancel(task)
             self.close_idle([c for c, deadline in self.idle.items() if deadline <= now])
-            for client in [c for c, deadline in self.sending.items() if deadline <= now]:
-                del self.sending[client]
+            late = {client for deadline, client in self.sending.values() if deadline <= now}
+            for client in late:
                 connection = self.connections.get(client)
                 if connection is not None:
                     connection.abort()
+            for task, (_, client) in list(self.sending.items()):
+                if client in late:  # hypercorn's h2 streams would wait on their windows for good
+                    del self.sending[task]
+                    task.cancel()
+            for connection in self.connections.values():
+                if connection not in self.idle and connection.h2_idle():
+                    # hypercorn stops the idle timer at the PRI preface and restarts it only when
+                    # a stream closes: an h2c connection that never opens one was never timed out
+                    self.idle[connection] = now + self.idle_timeout_s
 
     def close_idle(self, connections: list[_Connection]) -> None:
         for connection in connections:
@@ -587,12 +599,13 @@ class _Routes:
         if encoding is not None:
             pieces = [_compress(b"".join(pieces), encoding)]
             response_headers = [*response_headers, (b"content-encoding", encoding.encode())]
-        sending, client = self.inflight.sending, scope["client"]
-        sending[client] = asyncio.get_running_loop().time() + self.inflight.body_timeout_s
+        sending, task = self.inflight.sending, asyncio.current_task()
+        assert task is not None
+        sending[task] = (asyncio.get_running_loop().time() + self.inflight.body_timeout_s, scope["client"])
         try:
             await _respond(send, 200, pieces, response_headers)
         finally:
-            sending.pop(client, None)
+            sending.pop(task, None)
 
     async def _unless_disconnected(self, request: Any, client: Any) -> Any:
         """The service's answer; a client that disconnects meanwhile cancels it, so that a
@@ -881,6 +894,11 @@ class _Connection(TCPServer):
 
     async def close_idle(self) -> None:
         await self._initiate_server_close()
+
+    def h2_idle(self) -> bool:
+        """Whether this connection speaks h2c and has no stream open."""
+        protocol = getattr(getattr(self, "protocol", None), "protocol", None)
+        return isinstance(protocol, H2Protocol) and not protocol.streams
 
     def abort(self) -> None:
         """Drop the connection now, with whatever it has not sent (a close would wait for it)."""
