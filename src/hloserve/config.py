@@ -117,6 +117,14 @@ class ServerConfig:
     """Connections held at once; past it a new one gets GOAWAY and is closed. None: the soft
     RLIMIT_NOFILE less 128 descriptors for the worker's own files (16..10000), so a flood of
     connections is refused before the process runs out of descriptors."""
+    max_open_connections: int | None = None
+    """Connections one process holds at once on all its listeners together (gRPC, REST and
+    metrics), each a descriptor from one RLIMIT_NOFILE; past it a new one is refused as its
+    listener refuses one past its own cap (GOAWAY, 503) and closed. None: the soft RLIMIT_NOFILE
+    less 128 descriptors for the process's own files (16..10000). The per-listener caps
+    (`max_connections`, `http_max_connections`) default to the same number and were counted
+    apart: idle REST and gRPC connections together used every descriptor and new clients on both
+    ports hung."""
     max_header_list_bytes: int = 16 << 10
     """Request metadata per call, counted as HTTP/2 does (SETTINGS_MAX_HEADER_LIST_SIZE; gRPC's
     hard metadata limit); past it RESOURCE_EXHAUSTED, past 4x it (or a header block of 4x it
@@ -242,6 +250,11 @@ class ServerConfig:
         _check(
             self.max_connections is None or self.max_connections >= 1,
             "server.max_connections",
+            "must be >= 1, or null to size it from RLIMIT_NOFILE",
+        )
+        _check(
+            self.max_open_connections is None or self.max_open_connections >= 1,
+            "server.max_open_connections",
             "must be >= 1, or null to size it from RLIMIT_NOFILE",
         )
         _check(self.max_header_list_bytes >= 1024, "server.max_header_list_bytes", "must be >= 1024")

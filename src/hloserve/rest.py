@@ -58,7 +58,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from hloserve import _rest_http1
-from hloserve._h2_limits import default_max_connections
+from hloserve._h2_limits import CONNECTIONS, default_max_connections
 from hloserve._patch_requirements import Requires, check
 from hloserve._proto import inference as kserve
 from hloserve._rest_http1 import Refused, StrictH11
@@ -920,9 +920,10 @@ class _IdleDeadline:
         self._inflight.idle.pop(self._connection, None)
 
 
-def _refusal(cap: int) -> bytes:
-    """The whole answer to a connection past `server.http_max_connections`."""
-    body = json.dumps({"error": f"server.http_max_connections ({cap}) reached; retry later"}).encode()
+def _refusal(key: str, cap: int) -> bytes:
+    """The whole answer to a connection past `server.http_max_connections` or the process's
+    `server.max_open_connections`."""
+    body = json.dumps({"error": f"{key} ({cap}) reached; retry later"}).encode()
     head = (
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\nconnection: close\r\nretry-after: 1\r\n\r\n"
@@ -993,13 +994,17 @@ class RestServer:
         context = WorkerContext(None)
         state: dict[str, Any] = {}
         cap = self._config.http_max_connections or default_max_connections()
-        refusal = _refusal(cap)
+        refusal = _refusal("server.http_max_connections", cap)
         open_: set[asyncio.Task[Any]] = set()
         inflight = self._app.inflight
 
         async def connected(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             if len(open_) >= cap:
                 writer.write(refusal)
+                writer.close()
+                return
+            if not CONNECTIONS.take():  # the process's budget, shared with gRPC and metrics
+                writer.write(_refusal("server.max_open_connections", CONNECTIONS.cap))
                 writer.close()
                 return
             # asyncio's recv size (256 KiB) made a 4.8 MB body 19 passes through the stack
@@ -1023,6 +1028,7 @@ class RestServer:
                 writer.transport.abort()
             finally:
                 del inflight.connections[client]
+                CONNECTIONS.give()
                 open_.discard(task)
                 self.connections = len(open_)
 

@@ -23,6 +23,7 @@ import trio_asyncio
 from grpclib.config import Configuration
 
 from hloserve import _grpclib_patches, _trio_asyncio_patches, _xla
+from hloserve._h2_limits import CONNECTIONS
 from hloserve._proto_codec import KnownFieldsCodec
 from hloserve.actors import supervised
 from hloserve.actors.dispatcher import Dispatcher
@@ -163,6 +164,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
             codec=KnownFieldsCodec(),
             limits=_grpclib_patches.TransportLimits.from_config(server_config),
         )
+        CONNECTIONS.configure(server_config.max_open_connections)
         rest = None
         if server_config.http_port >= 0 and not server_config.frontends:  # else each frontend serves REST
             # before gRPC: a failed bind cancels it with the nursery

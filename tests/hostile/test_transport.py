@@ -546,7 +546,14 @@ def test_running_out_of_descriptors_refuses_connections_and_keeps_serving(
     above the limit leaves accept() failing, which pauses accepting instead of killing the worker."""
     repository = tmp_path / "repository"
     shutil.copytree(EXAMPLES / "mlp", repository / "mlp")
-    env = {"HLOSERVE_SERVER_MAX_CONNECTIONS": str(max_connections)} if max_connections else {}
+    env = (  # the process's budget too (it would refuse first)
+        {
+            "HLOSERVE_SERVER_MAX_CONNECTIONS": str(max_connections),
+            "HLOSERVE_SERVER_MAX_OPEN_CONNECTIONS": str(max_connections),
+        }
+        if max_connections
+        else {}
+    )
     with ExitStack() as stack:
         with nofile(256):
             process = stack.enter_context(start_worker(process="subprocess", repository=repository, env=env))
