@@ -63,6 +63,12 @@ class ServerConfig:
     """KServe V2 gRPC port; 0 picks a free one (the worker reports which)."""
     metrics_port: int = 8002
     """Prometheus port; 0 picks a free one, -1 turns the endpoint off."""
+    metrics_max_connections: int = 64
+    """Connections to the metrics port held at once (each also counted in
+    `max_open_connections`); past it a new one is answered 503 and closed."""
+    metrics_timeout_s: float = 10.0
+    """A scrape's request must arrive and its answer leave within this, else its connection is
+    closed (one scrape per connection)."""
     http_port: int = 8000
     """KServe V2 REST port (as Triton's 8000); 0 picks a free one, -1 turns REST off. Request
     bodies are bounded by `max_message_bytes`, as gRPC messages are."""
@@ -243,6 +249,8 @@ class ServerConfig:
         )
         _check(self.http_idle_timeout_s > 0, "server.http_idle_timeout_s", "must be > 0")
         _check(self.http_body_timeout_s > 0, "server.http_body_timeout_s", "must be > 0")
+        _check(self.metrics_max_connections >= 1, "server.metrics_max_connections", "must be >= 1")
+        _check(self.metrics_timeout_s > 0, "server.metrics_timeout_s", "must be > 0")
         _check(self.http_max_json_bytes >= 1024, "server.http_max_json_bytes", "must be >= 1024")
         _check(self.http_max_inflation_ratio >= 1, "server.http_max_inflation_ratio", "must be >= 1")
         _check(self.max_message_bytes >= 1 << 20, "server.max_message_bytes", "must be >= 1048576")

@@ -148,7 +148,12 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         metrics.models_loaded.set(len(ready))
         metrics.models_failed.set(len(entries) - len(ready))
         if server_config.metrics_port >= 0:
-            worker.metrics_port = metrics.serve(server_config.host, server_config.metrics_port)
+            worker.metrics_port = await metrics.serve(
+                server_config.host,
+                server_config.metrics_port,
+                server_config.metrics_max_connections,
+                server_config.metrics_timeout_s,
+            )
         service = worker.inference = InferenceService(config, entries, statistics, metrics, worker, metas)
         # grpclib looks up the event loop when constructed: build it inside trio-asyncio's loop.
         server = _grpclib_patches.GracefulServer(
