@@ -308,6 +308,10 @@ class GuardedProtocol(grpclib.protocol.H2Protocol):
             events = self.connection.feed(data)
         except h2.exceptions.ProtocolError as e:
             self._wind_down(f"protocol error: {e}")  # sends the GOAWAY h2 prepared (grpclib drops it)
+            if not self._shaken:  # no preface (garbage, an HTTP/1.1 request): no call to finish
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._transport.close()  # after the GOAWAY; it stayed open for the grace period
             return
         self.connection.flush()
         for event in events:
