@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from hloserve.admission import Admission
-from hloserve.errors import CannotMeetDeadline
+from hloserve.errors import CannotMeetDeadline, DeadlineExceeded
 
 COSTS = {1: 0.001, 8: 0.004}  # 0.5 ms per row in a full batch of 8
 
@@ -73,3 +73,13 @@ def test_a_cold_model_counts_its_load_against_the_deadline() -> None:
         admission.admit("m", 1, 0.0, 0.3, executed=0, costs=COSTS, backlog_rows=8, load_s=0.3)
     assert admission.admit("m", 1, 0.0, 0.31, executed=0, costs=COSTS, backlog_rows=8, load_s=0.3).rows == 1
     assert admission.admit("m", 1, 0.0, 0.3, executed=0, costs=COSTS, backlog_rows=8).rows == 1  # resident
+
+
+def test_a_budget_already_spent_is_deadline_exceeded_not_a_refusal_to_retry() -> None:
+    """A relative budget of 1 ns was UNAVAILABLE (retryable); it can never be met (issue 25)."""
+    admission = Admission(_Loop().call_soon)
+    with pytest.raises(DeadlineExceeded, match=r"^model 'm': deadline passed 1.000 ms before execution"):
+        _admit(admission, 1, 1.0, 0.999)
+    assert admission._loads["m"].rows == 0
+    _admit(admission, 1, 1.0, 2.0)
+    assert admission._loads["m"].rows == 1

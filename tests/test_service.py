@@ -264,7 +264,16 @@ class TestBadInput:
             stub.ModelInfer,
             request,
             grpc.StatusCode.INVALID_ARGUMENT,
-            "tensor 'INPUT0': holds typed contents in a request with raw_input_contents",
+            "contents field must not be specified when using raw_input_contents for 'INPUT0' for model 'mlp'",
+        )
+        # an input with typed contents has no raw entry: the mix is named, not the entry count
+        request.inputs.add(name="INPUT1", datatype="FP32", shape=[1, 16])
+        assert_refused(
+            triton,
+            stub.ModelInfer,
+            request,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "contents field must not be specified when using raw_input_contents for 'INPUT0' for model 'mlp'",
         )
 
     def test_responses_carry_the_served_version(self, stub: Any) -> None:
@@ -487,6 +496,16 @@ def test_a_call_whose_deadline_passed_before_it_began_is_deadline_exceeded(serve
         server.worker.grpc_port, "ServerLive", frame(request, False), [("grpc-timeout", "10S")]
     )
     assert live["grpc-status"] == "0"
+    infer = _raw_request([1, 16], b"\0" * 64).SerializeToString()
+    for _ in range(3):  # inference, whose admission read a spent budget as a full queue (UNAVAILABLE)
+        answer, _ = raw_call(
+            server.worker.grpc_port, "ModelInfer", frame(infer, False), [("grpc-timeout", "1n")]
+        )
+        assert answer["grpc-status"] == "4", answer
+    answer, _ = raw_call(
+        server.worker.grpc_port, "ModelInfer", frame(infer, False), [("grpc-timeout", "10S")]
+    )
+    assert answer["grpc-status"] == "0", answer
 
 
 _TEXT_MODEL_PY = """

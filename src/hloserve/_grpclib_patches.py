@@ -196,7 +196,7 @@ class GuardedStream(grpclib.server.Stream[Any, Any]):
         stream = self._stream
         rpc = self._method_name.rpartition("/")[2]
         unary = not self._cardinality.client_streaming
-        meta = await stream.recv_data(5)
+        meta = await _whole(stream, 5, rpc, "5-byte message prefix")
         if not meta:
             if unary and not self._messages_received:
                 raise GRPCError(
@@ -216,7 +216,7 @@ class GuardedStream(grpclib.server.Stream[Any, Any]):
                 "send large tensors through system shared memory or raise the limit",
             )
         with protocol.receiving(length, rpc):
-            data = await stream.recv_data(length)
+            data = await _whole(stream, length, rpc, f"{length}-byte message its prefix declares")
             if meta[0]:  # while the compressed bytes are held: the inflated ones count too
                 data = _compression.inflate(self, data, limit, rpc, protocol)
         try:
@@ -236,6 +236,19 @@ class GuardedStream(grpclib.server.Stream[Any, Any]):
         stream.connection.messages_received += 1
         stream.connection.last_message_received = time.monotonic()
         return message
+
+
+async def _whole(stream: Any, size: int, rpc: str, what: str) -> bytes:
+    """`size` bytes of `stream`'s data (b"" at its end); INVALID_ARGUMENT when it ends sooner:
+    grpclib asserts instead ("Received less data than expected"), which was answered UNKNOWN."""
+    try:
+        return await stream.recv_data(size)
+    except AssertionError as e:
+        if "less data than expected" not in str(e):
+            raise
+        raise GRPCError(
+            Status.INVALID_ARGUMENT, f"{rpc}: the request ended before the whole {what} arrived"
+        ) from None
 
 
 def _guarded(handler: grpclib.const.Handler) -> grpclib.const.Handler:

@@ -44,8 +44,10 @@ if TYPE_CHECKING:
     from hloserve.config import ServerConfig
 
 __all__ = [
+    "CONNECTIONS",
     "MAX_FRAME_SIZE",
     "REQUIRES",
+    "ConnectionBudget",
     "LimitedH2Connection",
     "ServerGuard",
     "TransportLimits",
@@ -105,6 +107,40 @@ def default_max_connections() -> int:
     if soft == resource.RLIM_INFINITY:
         return 10_000
     return max(16, min(10_000, soft - _DESCRIPTOR_RESERVE))
+
+
+class ConnectionBudget:
+    """The connections this process holds on all its listeners (gRPC, REST, metrics), against one
+    budget of descriptors: `server.max_open_connections`, else `default_max_connections()`.
+    A listener `take`s one for each connection it admits (refusing the connection when it gets
+    none) and `give`s it back when the connection closes."""
+
+    def __init__(self) -> None:
+        self.open = 0
+        self.limit: int | None = None
+
+    def configure(self, limit: int | None) -> None:
+        self.limit = limit
+
+    @property
+    def cap(self) -> int:
+        return self.limit or default_max_connections()
+
+    def take(self) -> bool:
+        if self.open >= self.cap:
+            return False
+        self.open += 1
+        return True
+
+    def give(self) -> None:
+        self.open -= 1
+
+    def __repr__(self) -> str:
+        return f"<ConnectionBudget {self.open}/{self.cap}>"
+
+
+CONNECTIONS = ConnectionBudget()
+"""This process's: every listener's connections count here."""
 
 
 @dataclass(frozen=True, slots=True)

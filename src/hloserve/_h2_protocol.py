@@ -32,7 +32,7 @@ from h2.events import RemoteSettingsChanged, RequestReceived, StreamReset
 from h2.stream import StreamState
 
 from hloserve import _compression
-from hloserve._h2_limits import LimitedH2Connection, ServerGuard
+from hloserve._h2_limits import CONNECTIONS, LimitedH2Connection, ServerGuard
 
 __all__ = ["GuardedProtocol"]
 
@@ -191,7 +191,10 @@ class GuardedProtocol(grpclib.protocol.H2Protocol):
         limits = self.guard.limits
         self._transport = transport
         if self.guard.connections >= limits.max_connections:
-            self._refuse_connection(transport, limits.max_connections)
+            self._refuse_connection(transport, "server.max_connections", limits.max_connections)
+            return
+        if not CONNECTIONS.take():
+            self._refuse_connection(transport, "server.max_open_connections", CONNECTIONS.cap)
             return
         self.guard.refusing = False
         self._admitted = True
@@ -216,25 +219,25 @@ class GuardedProtocol(grpclib.protocol.H2Protocol):
         self._reset_at = asyncio.get_event_loop().time()
         self._timer = asyncio.get_event_loop().call_later(limits.handshake_timeout_s, self._handshake_due)
 
-    def _refuse_connection(self, transport: Any, cap: int) -> None:
-        """Past `server.max_connections`: our preface and GOAWAY, then close."""
+    def _refuse_connection(self, transport: Any, key: str, cap: int) -> None:
+        """Past `server.max_connections` or the process's `server.max_open_connections`: our
+        preface and GOAWAY, then close."""
         h2_connection = h2.connection.H2Connection(self.h2_config)
         h2_connection.initiate_connection()
-        h2_connection.close_connection(
-            ErrorCodes.NO_ERROR, f"server.max_connections ({cap}) reached; retry later".encode(), 0
-        )
+        h2_connection.close_connection(ErrorCodes.NO_ERROR, f"{key} ({cap}) reached; retry later".encode(), 0)
         transport.write(h2_connection.data_to_send())
         transport.close()
         self.handler.close()
         if not self.guard.refusing:  # once per spell at the cap
             self.guard.refusing = True
-            log.warning("refusing connections", max_connections=cap)
+            log.warning("refusing connections", key=key, cap=cap)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if not self._admitted:
             return
         self._admitted = False
         self.guard.connections -= 1
+        CONNECTIONS.give()
         if self._timer is not None:
             self._timer.cancel()
         super().connection_lost(exc)
@@ -305,6 +308,10 @@ class GuardedProtocol(grpclib.protocol.H2Protocol):
             events = self.connection.feed(data)
         except h2.exceptions.ProtocolError as e:
             self._wind_down(f"protocol error: {e}")  # sends the GOAWAY h2 prepared (grpclib drops it)
+            if not self._shaken:  # no preface (garbage, an HTTP/1.1 request): no call to finish
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._transport.close()  # after the GOAWAY; it stayed open for the grace period
             return
         self.connection.flush()
         for event in events:

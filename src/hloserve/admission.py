@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hloserve.errors import CannotMeetDeadline
+from hloserve.errors import CannotMeetDeadline, DeadlineExceeded
 
 __all__ = ["Admission", "Ticket"]
 
@@ -101,7 +101,8 @@ class Admission:
         backlog_rows: int,
         load_s: float = 0.0,
     ) -> Ticket:
-        """Count a request of `rows` in, or raise `CannotMeetDeadline` (nothing counted).
+        """Count a request of `rows` in, or raise `CannotMeetDeadline` (nothing counted), or
+        `DeadlineExceeded` when its deadline has passed already (DEADLINE_EXCEEDED, as Triton).
 
         `executed` is the model's running count of executed rows, `costs` its learned seconds
         per execution by batch size, `backlog_rows` its largest batch, `load_s` what loading its
@@ -118,6 +119,8 @@ class Admission:
                 load.seconds_per_row = LEARNING_RATE * measured + (1 - LEARNING_RATE) * old
             load.sampled_at, load.sampled_executed, load.least_rows = now, executed, load.rows
         ahead = load.rows
+        if deadline is not None and deadline <= now:  # spent already (a budget of 1 ns): no retry helps
+            raise DeadlineExceeded(model, now - deadline)
         if deadline is not None:
             per_row = max(load.seconds_per_row, _floor(load, costs))
             lag = self._loop_lag(now)

@@ -17,7 +17,7 @@ import numpy as np
 
 from hloserve import dtypes
 from hloserve._proto.hot import hot_infer_pb2 as pb
-from hloserve.errors import InvalidInput, ShmDisabled, ShmRegionError, UnknownTensor, clip
+from hloserve.errors import InvalidInput, MixedContents, ShmDisabled, ShmRegionError, UnknownTensor, clip
 from hloserve.manifest import TensorSpec
 from hloserve.shm_registry import Region, ShmRegistry
 
@@ -215,6 +215,10 @@ def decode_request(
     in_shm = [_shm_target(model, t, registry) for t in request.inputs]
     raw = list(request.raw_input_contents)
     inline = sum(target is None for target in in_shm)
+    if raw:  # as Triton, before counting the entries: a typed input has none
+        for tensor, target in zip(request.inputs, in_shm, strict=True):
+            if target is None and tensor.HasField("contents"):
+                raise MixedContents(model, tensor.name)
     if raw and len(raw) != inline:
         raise InvalidInput(
             model,
@@ -254,13 +258,6 @@ def decode_request(
                 )
             array = target.region.read(target.offset, needed).view(spec.dtype.numpy).reshape(shape)
         elif raw:
-            if tensor.HasField("contents"):
-                raise InvalidInput(
-                    model,
-                    "holds typed contents in a request with raw_input_contents; the KServe V2 "
-                    "protocol forbids mixing them: send every input raw or every input typed",
-                    tensor.name,
-                )
             array = _array_from_raw(model, tensor.name, next(raw_entries), spec.dtype, shape)
         else:
             array = _array_from_contents(model, tensor, spec.dtype, shape)

@@ -65,6 +65,12 @@ class ServerConfig:
     """KServe V2 gRPC port; 0 picks a free one (the worker reports which)."""
     metrics_port: int = 8002
     """Prometheus port; 0 picks a free one, -1 turns the endpoint off."""
+    metrics_max_connections: int = 64
+    """Connections to the metrics port held at once (each also counted in
+    `max_open_connections`); past it a new one is answered 503 and closed."""
+    metrics_timeout_s: float = 10.0
+    """A scrape's request must arrive and its answer leave within this, else its connection is
+    closed (one scrape per connection)."""
     http_port: int = 8000
     """KServe V2 REST port (as Triton's 8000); 0 picks a free one, -1 turns REST off. Request
     bodies are bounded by `max_message_bytes`, as gRPC messages are."""
@@ -85,6 +91,25 @@ class ServerConfig:
     is closed, and a client must take an inference answer within this, else its connection is
     dropped; so a client that trickles a body, or reads no answer, cannot hold a connection
     (60 s carries a 1 GiB body at 20 MB/s)."""
+    http_max_json_bytes: int = 16 << 20
+    """JSON in a REST request (a JSON body, or the JSON header of a binary one), after
+    decompression; past it 400 naming the key (as Triton's `--http-max-input-size`), refused from
+    the Content-Length before the body is read when it can be. A load's body, whose `file:`
+    contents are base64 strings, is bounded by `max_message_bytes` instead. JSON becomes Python
+    objects of 10 to 30 times its size, so this bounds the memory one request claims. JSON up to
+    256 KiB is parsed on the event loop, with at most one array or object per 64 bytes (30 to 45
+    ms at worst on a busy 2-core machine); larger JSON in a worker thread by Python's pure-Python
+    parser, 5 times slower but giving the interpreter back to the loop every 5 ms (the C parser
+    would hold it throughout: a 64 MB body stalled every client for 5.9 s). Send large tensors in
+    binary (Triton's binary tensor extension: tritonclient's default) or through shared memory;
+    those bytes are never parsed."""
+    http_max_inflation_ratio: int = 100
+    """A gzip or deflate REST body may inflate to this many times its compressed size (or 1 MiB,
+    whichever is more), and to at most `max_message_bytes`; inflation stops at the first byte past
+    the bound and the request is refused (400). Bodies are inflated in a worker thread (zlib
+    frees the interpreter), so inflation never stalls the event loop; the ratio bounds the memory
+    and CPU one small body can claim (a 1 MB gzip bomb of 1 GiB of zeros inflates 100 MB at most
+    before it is refused, where real tensors and JSON compress 2 to 10 times)."""
     http2: bool = False
     """Serve HTTP/2 without TLS (h2c: prior knowledge or `Upgrade: h2c`) on the REST port beside
     HTTP/1.1. Off, a `PRI * HTTP/2.0` preface is answered 505 and closed and an upgrade is ignored.
@@ -133,6 +158,14 @@ class ServerConfig:
     """Connections held at once; past it a new one gets GOAWAY and is closed. None: the soft
     RLIMIT_NOFILE less 128 descriptors for the worker's own files (16..10000), so a flood of
     connections is refused before the process runs out of descriptors."""
+    max_open_connections: int | None = None
+    """Connections one process holds at once on all its listeners together (gRPC, REST and
+    metrics), each a descriptor from one RLIMIT_NOFILE; past it a new one is refused as its
+    listener refuses one past its own cap (GOAWAY, 503) and closed. None: the soft RLIMIT_NOFILE
+    less 128 descriptors for the process's own files (16..10000). The per-listener caps
+    (`max_connections`, `http_max_connections`) default to the same number and were counted
+    apart: idle REST and gRPC connections together used every descriptor and new clients on both
+    ports hung."""
     max_header_list_bytes: int = 16 << 10
     """Request metadata per call, counted as HTTP/2 does (SETTINGS_MAX_HEADER_LIST_SIZE; gRPC's
     hard metadata limit); past it RESOURCE_EXHAUSTED, past 4x it (or a header block of 4x it
@@ -252,11 +285,20 @@ class ServerConfig:
         )
         _check(self.http_idle_timeout_s > 0, "server.http_idle_timeout_s", "must be > 0")
         _check(self.http_body_timeout_s > 0, "server.http_body_timeout_s", "must be > 0")
+        _check(self.metrics_max_connections >= 1, "server.metrics_max_connections", "must be >= 1")
+        _check(self.metrics_timeout_s > 0, "server.metrics_timeout_s", "must be > 0")
+        _check(self.http_max_json_bytes >= 1024, "server.http_max_json_bytes", "must be >= 1024")
+        _check(self.http_max_inflation_ratio >= 1, "server.http_max_inflation_ratio", "must be >= 1")
         _check(self.max_message_bytes >= 1 << 20, "server.max_message_bytes", "must be >= 1048576")
         _check(self.max_concurrent_streams >= 1, "server.max_concurrent_streams", "must be >= 1")
         _check(
             self.max_connections is None or self.max_connections >= 1,
             "server.max_connections",
+            "must be >= 1, or null to size it from RLIMIT_NOFILE",
+        )
+        _check(
+            self.max_open_connections is None or self.max_open_connections >= 1,
+            "server.max_open_connections",
             "must be >= 1, or null to size it from RLIMIT_NOFILE",
         )
         _check(self.max_header_list_bytes >= 1024, "server.max_header_list_bytes", "must be >= 1024")

@@ -123,6 +123,19 @@ class UnknownTensor(InvalidInput):
         )
 
 
+class MixedContents(InvalidInput):
+    """An input holds typed `contents` in a request with `raw_input_contents` (the KServe V2
+    protocol forbids mixing them); the message is Triton's, which its clients match on."""
+
+    def __init__(self, model: str, tensor: str) -> None:
+        self.model, self.tensor, self.problem = model, tensor, "typed contents with raw_input_contents"
+        HloserveError.__init__(
+            self,
+            f"contents field must not be specified when using raw_input_contents for {clip(tensor)} "
+            f"for model {clip(model)}",
+        )
+
+
 class QueueFull(HloserveError):
     """The model's queue holds `max_queue_depth` requests; retry later (UNAVAILABLE)."""
 

@@ -29,6 +29,7 @@ import trio_asyncio
 from grpclib.config import Configuration
 
 from hloserve import _grpclib_patches, _trio_asyncio_patches
+from hloserve._h2_limits import CONNECTIONS
 from hloserve._proto import hloserve_control as hc
 from hloserve._proto import inference as kserve
 from hloserve._proto.hot import hot_infer_pb2 as hot
@@ -279,6 +280,7 @@ async def _serve(link_fd: int, port: int, http_port: int, setup: Setup) -> None:
                 codec=KnownFieldsCodec(),
                 limits=_grpclib_patches.TransportLimits.from_config(config.server),
             )
+            CONNECTIONS.configure(config.server.max_open_connections)
             restrict_grpc(server, Restrictions.grpc(config.server.grpc_restricted_protocol))
             await trio_asyncio.aio_as_trio(server.start)(
                 config.server.host,

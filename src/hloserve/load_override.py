@@ -36,7 +36,9 @@ def apply_config(
 ) -> ModelSettings | None:
     """`settings` with the load parameters' config applied; None when there is no config.
 
-    `parameters` maps each parameter's key to its string value (None: not a string)."""
+    `parameters` maps each parameter's key to its string value (None: not a string). A config
+    that is no JSON object is refused with "failed to load" in the message, Triton's words, which
+    its clients match on."""
     for key in sorted(parameters):
         if key != CONFIG_PARAM:
             raise InvalidInput(
@@ -49,16 +51,22 @@ def apply_config(
     text = parameters[CONFIG_PARAM]
     if text is None or len(text) > _MAX_CONFIG_CHARS:
         raise InvalidInput(
-            model, f"load parameter 'config' must be a JSON string of at most {_MAX_CONFIG_CHARS} characters"
+            model,
+            f"failed to load: load parameter 'config' must be a JSON string of at most {_MAX_CONFIG_CHARS} "
+            "characters",
         )
     try:
         config = json.loads(text)
     except ValueError as e:
-        raise InvalidInput(model, f"load parameter 'config' is not JSON: {e}") from None
+        raise InvalidInput(model, f"failed to load: load parameter 'config' is not JSON: {e}") from None
     except RecursionError:
-        raise InvalidInput(model, "load parameter 'config' nests arrays or objects too deeply") from None
+        raise InvalidInput(
+            model, "failed to load: load parameter 'config' nests arrays or objects too deeply"
+        ) from None
     if not isinstance(config, dict):
-        raise InvalidInput(model, "load parameter 'config' must be a JSON object (a Triton ModelConfig)")
+        raise InvalidInput(
+            model, "failed to load: load parameter 'config' must be a JSON object (a Triton ModelConfig)"
+        )
     changes: dict[str, Any] = {}
     for field, value in config.items():
         if field == "name":

@@ -1,5 +1,11 @@
 """Prometheus metrics of one worker, on its own registry and HTTP endpoint.
 
+The endpoint is an asyncio server on the worker's loop, bounded as the other listeners are
+(prometheus_client's own took a thread and a descriptor per connection, with no cap or timeout
+and a listen backlog of 5): at most `server.metrics_max_connections` connections, each counted in
+the process's `server.max_open_connections`, one request each within `server.metrics_timeout_s`,
+a backlog of 1024; the exposition is built in a worker thread (its collectors hop to the loop).
+
 Request counters and latency histograms are updated as requests finish; per-model execution
 statistics are read at scrape time from `Statistics`, fetched on the event-loop thread (which
 owns them) through the trio token, so a scrape never sees a half-updated record.
@@ -7,15 +13,20 @@ owns them) through the trio token, so a scrape never sees a half-updated record.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import prometheus_client
+import structlog
 import trio
+import trio_asyncio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from hloserve import _xla
+from hloserve._h2_limits import CONNECTIONS
 from hloserve.statistics import LOAD_BUCKETS_S, ModelStatistics, Statistics
 
 __all__ = ["Metrics"]
@@ -233,15 +244,70 @@ class Metrics:
             _SwapCollector(on_loop(lambda: (statistics.snapshot(), statistics.weight_budget_bytes)))
         )
         self.registry.register(_DeviceMemoryCollector())
-        self._httpd: Any = None
+        self._server: asyncio.Server | None = None
+        self._open = 0
+        """Connections open now."""
+        self._cap, self._timeout_s = 64, 10.0
 
-    def serve(self, host: str, port: int) -> int:
-        """Start the HTTP endpoint in a daemon thread; returns the bound port."""
-        self._httpd, _ = prometheus_client.start_http_server(port, addr=host, registry=self.registry)
-        return int(self._httpd.server_port)
+    async def serve(self, host: str, port: int, max_connections: int, timeout_s: float) -> int:
+        """Start the HTTP endpoint on the worker's trio-asyncio loop; returns the bound port."""
+        self._cap, self._timeout_s = max_connections, timeout_s
+        self._server = await trio_asyncio.aio_as_trio(asyncio.start_server)(
+            self._connected, host, port, backlog=_BACKLOG, limit=_MAX_HEAD_BYTES
+        )
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._open >= self._cap:
+            return _refuse(writer, f"server.metrics_max_connections ({self._cap}) reached; retry later")
+        if not CONNECTIONS.take():
+            return _refuse(writer, f"server.max_open_connections ({CONNECTIONS.cap}) reached; retry later")
+        self._open += 1
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                head = await reader.readuntil(b"\r\n\r\n")
+                request = head.split(b"\r\n", 1)[0].split()
+                if len(request) < 2 or request[0] not in (b"GET", b"HEAD"):
+                    writer.write(_answer(405, b"Method Not Allowed", b"GET /metrics\n"))
+                elif request[1].split(b"?")[0] not in (b"/metrics", b"/"):
+                    writer.write(_answer(404, b"Not Found", b"GET /metrics\n"))
+                else:
+                    loop = asyncio.get_running_loop()
+                    body = await loop.run_in_executor(None, generate_latest, self.registry)
+                    writer.write(_answer(200, b"OK", b"" if request[0] == b"HEAD" else body))
+                await writer.drain()
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass  # slow, silent, oversized or gone: closed
+        except Exception:
+            log.exception("metrics scrape failed")
+        finally:
+            self._open -= 1
+            CONNECTIONS.give()
+            writer.close()
 
     def close(self) -> None:
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            self._httpd = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+
+_BACKLOG = 1024
+"""The listen backlog: 50 scrapers at once are queued, not reset (prometheus_client's was 5)."""
+_MAX_HEAD_BYTES = 8 << 10
+"""A scrape's request line and headers."""
+log = structlog.get_logger("hloserve.metrics")
+
+
+def _answer(status: int, reason: bytes, body: bytes) -> bytes:
+    head = b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % (
+        status,
+        reason,
+        CONTENT_TYPE_LATEST.encode() if status == 200 else b"text/plain",
+        len(body),
+    )
+    return head + body
+
+
+def _refuse(writer: asyncio.StreamWriter, message: str) -> None:
+    writer.write(_answer(503, b"Service Unavailable", message.encode() + b"\n"))
+    writer.close()

@@ -10,9 +10,16 @@ of its numbers, and the binary sizes. Every problem raises `InvalidInput`.
 
 from __future__ import annotations
 
+import codecs
+import contextlib
+import gc
 import json
+import json.scanner
 import math
 import re
+import sys
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +31,7 @@ from hloserve.codec import SHM_REGION, bytes_contents
 from hloserve.errors import InvalidInput
 from hloserve.viewed_request import ViewedRequest
 
-__all__ = ["BINARY_DATA_SIZE", "RestInfer", "decode_infer", "encode_infer", "parse_json"]
+__all__ = ["BINARY_DATA_SIZE", "RestInfer", "decode_infer", "dismantle", "encode_infer", "parse_json"]
 
 BINARY_DATA_SIZE = "binary_data_size"
 """Input and output parameter: the tensor's bytes follow the JSON header, this many."""
@@ -64,11 +71,102 @@ def _lone_surrogate(value: Any) -> bool:
     return False
 
 
-def parse_json(text: bytes) -> Any:
-    """`text` as JSON, as RFC 8259 has it; ValueError naming the problem when it is not JSON
-    (NaN and Infinity included), nests too deep to parse, or holds a lone UTF-16 surrogate."""
+_collections = threading.Lock()
+_collections_off = [0, False]
+"""How many `no_collections` blocks are open (on the loop and in worker threads), and whether
+collections were on before the first."""
+_switching = threading.Lock()
+_fair_parses = [0, 0.005]
+"""How many fair parses run now, and the switch interval before the first."""
+_FAIR_SWITCH_S = 0.0005
+"""The interpreter's switch interval while a fair parse runs: the loop waits this long, not 5 ms,
+each time it takes the interpreter back from the parsing thread (several times per request)."""
+
+
+@contextlib.contextmanager
+def _fair_switching() -> Iterator[None]:
+    with _switching:
+        if not _fair_parses[0]:
+            _fair_parses[1] = sys.getswitchinterval()
+            sys.setswitchinterval(min(_FAIR_SWITCH_S, _fair_parses[1]))
+        _fair_parses[0] += 1
     try:
-        value = json.loads(text, parse_constant=_not_json)
+        yield
+    finally:
+        with _switching:
+            _fair_parses[0] -= 1
+            if not _fair_parses[0]:
+                sys.setswitchinterval(_fair_parses[1])
+
+
+@contextlib.contextmanager
+def no_collections() -> Iterator[None]:
+    """No garbage collection inside: parsing a client's JSON makes no cycles, but its lists and
+    dicts count towards collections, and those amid a parse, through the worker's heap of jax
+    objects, cost 15 times the parse (512 KiB of `[[],[],...]`: 160 ms against 10), holding the
+    interpreter. Blocks may overlap (worker threads): collections resume when the last ends."""
+    with _collections:
+        if not _collections_off[0]:
+            _collections_off[1] = gc.isenabled()
+            gc.disable()
+        _collections_off[0] += 1
+    try:
+        yield
+    finally:
+        with _collections:
+            _collections_off[0] -= 1
+            if not _collections_off[0] and _collections_off[1]:
+                gc.enable()
+
+
+CONTAINER_BYTES = 64
+"""An inference request's JSON parsed on the loop may hold one array or object per this many bytes
+of `INLINE_JSON` (4096): arrays in `data` cost 5 times what numbers do to parse and convert
+(`[[],[],...]`), and so bounded, the costliest such JSON costs what numbers would."""
+
+
+INLINE_JSON = 256 << 10
+"""JSON up to this is parsed by Python's C parser where it is (on the event loop: 30 to 45 ms at
+worst on a busy 2-core machine); larger JSON is parsed by `parse_json(fair=True)` in a worker
+thread."""
+
+
+def _fair_loads(text: bytes) -> Any:
+    """`json.loads` by Python's own pure-Python scanner (strings and numbers still scanned in C):
+    5 times slower than the C parser, but it runs bytecode throughout, so a worker thread parsing
+    with it gives the interpreter back to the event loop every switch interval (5 ms); the C
+    parser would hold it for the whole parse (a 64 MB body: 5.9 s). Meanwhile the switch interval
+    is `_FAIR_SWITCH_S`."""
+    decoder = json.JSONDecoder(parse_constant=_not_json)
+    decoder.scan_once = json.scanner.py_make_scanner(decoder)  # type: ignore[attr-defined]
+    with _fair_switching():
+        return decoder.decode(_decode_text(text))
+
+
+def _decode_text(text: bytes) -> str:
+    """`text` as `json.loads` decodes it, a MiB at a time (4 MiB at once took 10 ms)."""
+    decoder = codecs.getincrementaldecoder(json.detect_encoding(text))("surrogatepass")
+    step = 1 << 20
+    pieces = [decoder.decode(text[i : i + step]) for i in range(0, len(text), step)]
+    return "".join(pieces) + decoder.decode(b"", final=True)
+
+
+def parse_json(text: bytes, max_containers: int | None = None, fair: bool = False) -> Any:
+    """`text` as JSON, as RFC 8259 has it; ValueError naming the problem when it is not JSON
+    (NaN and Infinity included), nests too deep to parse, holds a lone UTF-16 surrogate, or more
+    than `max_containers` arrays and objects (`[` and `{`, strings' included). `fair`: parsed as
+    `_fair_loads` does, for a worker thread."""
+    if max_containers is not None:
+        containers = text.count(b"[") + text.count(b"{")
+        if containers > max_containers:
+            raise ValueError(
+                f"the request's JSON holds {containers} arrays and objects, past the server's limit of "
+                f"{max_containers} for JSON parsed on its event loop (up to {INLINE_JSON} bytes); send "
+                "tensors' data flat, or in binary"
+            )
+    try:
+        with no_collections():
+            value = _fair_loads(text) if fair else json.loads(text, parse_constant=_not_json)
     except RecursionError:
         raise ValueError("the request is not accepted: its JSON nests arrays or objects too deeply") from None
     except (ValueError, UnicodeDecodeError) as e:
@@ -157,6 +255,41 @@ def _json_strings(model: str, name: str, data: Any, shape: list[int]) -> bytes:
     return bytes_contents(np.array(flat, dtype=object))
 
 
+def dismantle(value: Any) -> None:
+    """Empty every list in `value` longer than `_SLICE` slice by slice: freeing a list of a million
+    lists is one C call that holds the interpreter for 50 ms or more; in slices a worker thread
+    gives it back between them."""
+    pending = [value]
+    while pending:  # iterative: a client's nesting depth costs no stack
+        item = pending.pop()
+        if isinstance(item, dict):
+            pending.extend(v for v in item.values() if isinstance(v, (list, dict)))
+        elif isinstance(item, list):
+            if len(item) > _SLICE:
+                while item:
+                    del item[-_SLICE:]
+            else:
+                pending.extend(v for v in item if isinstance(v, (list, dict)))
+
+
+_SLICE = 1 << 12
+"""Values converted by numpy, or freed, at once from a long JSON list: 2 ms at most (4096 empty
+lists; 65536 took 33 ms)."""
+
+
+def _asarray(data: Any) -> np.ndarray:
+    """`np.asarray(data)`; a list longer than `_SLICE` converted slice by slice along its first
+    axis (the interpreter may pass to another thread between slices) when every slice comes out
+    the same kind and shape, which makes the same array."""
+    if not isinstance(data, list) or len(data) <= _SLICE:
+        return np.asarray(data)
+    slices = [np.asarray(data[i : i + _SLICE]) for i in range(0, len(data), _SLICE)]
+    if len({(s.dtype, s.shape[1:]) for s in slices}) == 1 and slices[0].dtype.kind in "biuf":
+        return np.concatenate(slices)
+    del slices
+    return np.asarray(data)
+
+
 def _json_tensor(model: str, name: str, data: Any, wire: str, shape: list[int]) -> bytes:
     """The raw bytes of JSON `data` (flat or nested, row-major) as a `wire` tensor of `shape`."""
     try:
@@ -168,7 +301,7 @@ def _json_tensor(model: str, name: str, data: Any, wire: str, shape: list[int]) 
     accepted = _KINDS[dtype.numpy.kind]
     not_numbers = _fail(model, f"'data' must hold JSON {_KIND_NAMES[accepted]} for {wire}", name)
     try:
-        values = np.asarray(data)
+        values = _asarray(data)
     except ValueError:
         depth, item = 0, data
         while isinstance(item, list) and item:
@@ -212,14 +345,34 @@ def _json_tensor(model: str, name: str, data: Any, wire: str, shape: list[int]) 
 
 def decode_infer(body: memoryview, header_length: int | None, model: str, version: str) -> RestInfer:
     """Parse a REST inference body for `model` (the URL's) into a request whose binary tensors
-    are views of `body`."""
+    are views of `body`; the parsed JSON is gone, without a collection, when this returns.
+
+    Its JSON takes at most 45 ms of the caller's interpreter: up to `INLINE_JSON` bytes it is
+    parsed by the C parser with a bound on its arrays and objects (`parse_json`); past it, this
+    must be called in a worker thread: its JSON is parsed by `_fair_loads` and its `data` lists
+    converted in slices (`_asarray`), giving the interpreter back between them."""
+    parsed: list[Any] = []
+    with no_collections():
+        try:
+            return _decode_infer(body, header_length, model, version, parsed)
+        except InvalidInput as e:
+            raise e.with_traceback(None) from None  # its frames held the parsed JSON
+        finally:
+            dismantle(parsed)
+
+
+def _decode_infer(
+    body: memoryview, header_length: int | None, model: str, version: str, parsed: list[Any]
+) -> RestInfer:
     length = len(body) if header_length is None else header_length
     if not 0 <= length <= len(body):
         raise _fail(
             model, f"Inference-Header-Content-Length is {length}, the body has only {len(body)} bytes"
         )
     try:
-        header = parse_json(bytes(body[:length]))
+        fair = length > INLINE_JSON
+        header = parse_json(bytes(body[:length]), None if fair else INLINE_JSON // CONTAINER_BYTES, fair)
+        parsed.append(header)
     except ValueError as e:
         raise _fail(model, str(e)) from None
     if not isinstance(header, dict):

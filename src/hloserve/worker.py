@@ -23,6 +23,7 @@ import trio_asyncio
 from grpclib.config import Configuration
 
 from hloserve import _grpclib_patches, _trio_asyncio_patches, _xla
+from hloserve._h2_limits import CONNECTIONS
 from hloserve._proto_codec import KnownFieldsCodec
 from hloserve.actors import supervised
 from hloserve.actors.dispatcher import Dispatcher
@@ -160,7 +161,12 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         metrics.models_loaded.set(len(ready))
         metrics.models_failed.set(len(entries) - len(ready))
         if server_config.metrics_port >= 0:
-            worker.metrics_port = metrics.serve(server_config.host, server_config.metrics_port)
+            worker.metrics_port = await metrics.serve(
+                server_config.host,
+                server_config.metrics_port,
+                server_config.metrics_max_connections,
+                server_config.metrics_timeout_s,
+            )
         tracing = open_tracing(config.tracing)
         service = worker.inference = InferenceService(
             config, entries, statistics, metrics, worker, metas, tracing=tracing
@@ -186,6 +192,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         except ConfigError:
             metrics.close()
             raise
+        CONNECTIONS.configure(server_config.max_open_connections)
         rest = None
         if server_config.http_port >= 0 and not server_config.frontends:  # else each frontend serves REST
             # before gRPC: a failed bind cancels it with the nursery

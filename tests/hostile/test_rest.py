@@ -217,7 +217,7 @@ def test_a_body_is_used_only_when_exactly_its_declared_bytes_arrived(chunks: lis
         return messages.pop(0)
 
     with pytest.raises(rest.HttpRefusal, match=says):
-        asyncio.run(routes._receive("100", receive))
+        asyncio.run(routes._receive("100", receive, 1 << 20, "server.max_message_bytes"))
     assert routes.receiving == 0
 
 
@@ -313,7 +313,8 @@ _SURROGATE = b'"\\ud800"'
 _LOAD_DEEP = json.dumps({"parameters": {"config": "[" * 60_000}}).encode()
 
 MISTAKES = [
-    ("deep infer", INFER, DEEP, {}, "too deeply"),
+    ("deep infer", INFER, DEEP, {}, "holds 100000 arrays and objects, past the server's limit of 4096"),
+    ("3000 deep infer", INFER, DEEP[:3000], {}, "too deeply"),
     ("deep index", "/v2/repository/index", DEEP, {}, "too deeply"),
     ("deep load", "/v2/repository/models/mlp/load", DEEP, {}, "too deeply"),
     ("deep shared memory", SHM, DEEP, {}, "too deeply"),

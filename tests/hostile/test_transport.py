@@ -292,6 +292,23 @@ def test_a_socket_that_never_sends_the_preface_is_closed(server: ServerThread) -
     assert_serves(server.url)
 
 
+@pytest.mark.parametrize(
+    "payload", [b"\x17" * 1024, b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"], ids=["garbage", "http1"]
+)
+def test_a_fatal_preface_error_gets_goaway_and_is_closed_at_once(
+    server: ServerThread, payload: bytes
+) -> None:
+    """The connection stayed open for the GOAWAY grace (2 s) after the error, with no call to finish."""
+    with socket.create_connection(("127.0.0.1", server.worker.grpc_port), timeout=10) as sock:
+        sock.sendall(payload)
+        started, data = time.monotonic(), b""
+        while chunk := sock.recv(65536):
+            data += chunk
+        assert time.monotonic() - started < 1.0
+    assert data  # our preface and the GOAWAY h2 prepared
+    assert_serves(server.url)
+
+
 def test_an_idle_connection_gets_goaway_and_is_closed(server: ServerThread) -> None:
     with Peer(server.worker.grpc_port) as peer:
         assert peer.call("ServerLive", framed(b"")).get("grpc-status") == "0"
@@ -415,8 +432,14 @@ def test_a_body_that_does_not_decode_is_invalid_argument_naming_the_rpc(
     [
         (None, "the request has no message"),
         (framed(b"") + framed(b""), "carries a second message"),
+        # a prefix declaring 1 GiB - 1 with a short body and END_STREAM: grpclib asserted (UNKNOWN)
+        (
+            b"\x00" + struct.pack(">I", (1 << 30) - 1) + b"abc",
+            "the request ended before the whole 1073741823-byte message its prefix declares arrived",
+        ),
+        (b"\x00\x00\x00", "the request ended before the whole 5-byte message prefix arrived"),
     ],
-    ids=["none", "two"],
+    ids=["none", "two", "short", "short-prefix"],
 )
 def test_a_unary_call_with_other_than_one_message_is_invalid_argument(
     server: ServerThread, body: bytes | None, says: str
@@ -548,7 +571,14 @@ def test_running_out_of_descriptors_refuses_connections_and_keeps_serving(
     above the limit leaves accept() failing, which pauses accepting instead of killing the worker."""
     repository = tmp_path / "repository"
     shutil.copytree(EXAMPLES / "mlp", repository / "mlp")
-    env = {"HLOSERVE_SERVER_MAX_CONNECTIONS": str(max_connections)} if max_connections else {}
+    env = (  # the process's budget too (it would refuse first)
+        {
+            "HLOSERVE_SERVER_MAX_CONNECTIONS": str(max_connections),
+            "HLOSERVE_SERVER_MAX_OPEN_CONNECTIONS": str(max_connections),
+        }
+        if max_connections
+        else {}
+    )
     with ExitStack() as stack:
         with nofile(256):
             process = stack.enter_context(start_worker(process="subprocess", repository=repository, env=env))
