@@ -25,6 +25,15 @@ processes (docs/frontends.md), which must answer the same."""
 
 
 @pytest.fixture(autouse=True)
+def _cli_keeps_the_suite_s_logging(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI run in this process (`hloserve.cli.main`) leaves structlog as the suite set it.
+    Its `configure_logging` caches loggers on first use and points them at the stream of the
+    moment: a logger cached then escapes every later test's `capture_logs`, and one bound to a
+    test's captured stream writes to it after it closed. A CLI in a subprocess configures its own."""
+    monkeypatch.setattr("hloserve.cli.configure_logging", lambda config: None)
+
+
+@pytest.fixture(autouse=True)
 def _alone_when_serial(request: pytest.FixtureRequest) -> Iterator[None]:
     """Under pytest-xdist, a test marked `serial` (it asserts on timing, or floods the machine)
     runs while no other worker is in a test: it holds a lock exclusively that every other test

@@ -526,8 +526,6 @@ def test_cli_export_takes_the_scratch_limit_and_its_override(
         "            'inputs': [InputSpec('X', (64, 32))]}\n"
     )
     monkeypatch.setattr(sys, "path", list(sys.path))  # the spec's folder is put on it
-    # the CLI would point structlog at capsys's stream, which closes with this test
-    monkeypatch.setattr("hloserve.cli.configure_logging", lambda config: None)
     spec, out = f"{tmp_path / 'spec.py'}:make", str(tmp_path / "wide")
     assert main(["export", spec, "--out", out, "--max-scratch-ratio", "4"]) == 1
     assert "XLA plans 270 kB of scratch" in capsys.readouterr().err

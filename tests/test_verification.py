@@ -81,8 +81,6 @@ def test_cli_export_takes_rtol_and_atol(
 ) -> None:
     (tmp_path / "spec.py").write_text(SPEC)
     monkeypatch.setattr(sys, "path", list(sys.path))  # the spec's folder is put on it
-    # the CLI would point structlog at capsys's stream, which closes with this test
-    monkeypatch.setattr("hloserve.cli.configure_logging", lambda config: None)
     spec, out = f"{tmp_path / 'spec.py'}:make", str(tmp_path / "scaled")
     assert main(["export", spec, "--out", out]) == 1
     error = capsys.readouterr().err.splitlines()[-1]
