@@ -8,6 +8,7 @@ cached executable) can hide a fault in them. Arrays cross to it in an .npz, with
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -31,6 +32,7 @@ __all__ = [
     "VerificationError",
     "compare",
     "default_tolerance",
+    "precision_tolerance",
     "verify_bundle",
 ]
 
@@ -78,6 +80,13 @@ def default_tolerance(dtype: np.dtype) -> Tolerance:
     return DEFAULT_TOLERANCES.get(dtypes.by_numpy(dtype).token, _EXACT)
 
 
+def precision_tolerance(computed_in: np.dtype) -> Tolerance:
+    """The tolerance for float outputs computed in `computed_in` (bf16 or fp16) and cast back up
+    (an export with `precision=`): that type's, as its rounding is what the outputs carry, though
+    their dtype is f32. Outputs of a type as narrow or narrower keep their own."""
+    return default_tolerance(computed_in)
+
+
 def _tolerance(dtype: np.dtype, rtol: float | None, atol: float | None) -> Tolerance:
     default = default_tolerance(dtype)
     return Tolerance(
@@ -103,6 +112,9 @@ class Difference:
     """The least `atol` that accepts the output with this `rtol` (inf: none, a NaN differs)."""
     passing_rtol: float
     """The least `rtol` that accepts the output with this `atol` (inf: none does)."""
+    top1_agreement: float | None = None
+    """For an output that looks like logits (2-D, last axis > 1): the fraction of rows, over
+    every batch size, whose largest entry is at the same index in the bundle as in the model."""
 
     @property
     def ok(self) -> bool:
@@ -215,6 +227,7 @@ def verify_bundle(
         got = _load_arrays(received)
     names = [t.name for t in load_bundle(directory).manifest.executable_outputs]
     worst: list[Difference | None] = [None] * len(names)
+    agree, rows = [0] * len(names), [0] * len(names)
     for size, want in expected.items():
         for k, (name, w, g) in enumerate(zip(names, want, got[size], strict=True)):
             where = f"bundle {directory.name!r}, output {name!r}, batch size {size}"
@@ -226,10 +239,17 @@ def verify_bundle(
             if not difference.ok:
                 token = dtypes.by_numpy(w.dtype).token
                 raise VerificationError(f"{where} ({token}): {difference.describe()}")
+            if g.ndim == 2 and g.shape[1] > 1 and g.dtype.kind not in "biu":
+                agree[k] += int(np.sum(np.argmax(g, axis=1) == np.argmax(w, axis=1)))
+                rows[k] += g.shape[0]
             previous = worst[k]
             if previous is None or difference.relative > previous.relative:
                 worst[k] = difference
-    return [d for d in worst if d is not None]
+    return [
+        dataclasses.replace(d, top1_agreement=agree[k] / rows[k] if rows[k] else None)
+        for k, d in enumerate(worst)
+        if d is not None
+    ]
 
 
 _CHILD = "import sys; from hloserve.verification import _run_bundle; _run_bundle(*sys.argv[1:])"
