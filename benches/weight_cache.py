@@ -6,7 +6,8 @@ against the same catalogue with no budget (everything resident), and with the bu
 overlapping loads (`weights.overlap_loads` off); the table gives throughput, errors, loads and
 evictions, and each budgeted row's throughput over the all-resident one. The last row runs the
 same budget over the catalogue exported with `precision="bf16"`: each model's weights are 4 MB,
-so the budget holds two of them, a fifth of the catalogue instead of a tenth.
+so the budget holds two of them, a fifth of the catalogue instead of a tenth, and fewer requests
+need a load (`loads/infer`).
 
 Cold against warm: models of 10, 100 and 500 MB of weights, each requested right after another
 model evicted it (cold) and again (warm), beside a raw device_put of the same host arrays from
@@ -164,14 +165,16 @@ def _residency_counts(port: int) -> tuple[int, int]:
 def table(all_rows: list[Row | ColdRow]) -> str:
     rows = [r for r in all_rows if isinstance(r, Row)]
     lines = [
-        "{:<26} {:>9} {:>7} {:>6} {:>10} {:>13}".format(
-            "budget", "infer/s", "errors", "loads", "evictions", "/all resident"
+        "{:<26} {:>9} {:>7} {:>6} {:>10} {:>12} {:>13}".format(
+            "budget", "infer/s", "errors", "loads", "evictions", "loads/infer", "/all resident"
         )
     ]
     for r in rows:
         ratio = r.throughput / rows[0].throughput if rows[0].throughput else float("nan")
+        per_infer = r.loads / (r.throughput * SECONDS) if r.throughput else float("nan")
         lines.append(
-            f"{r.budget:<26} {r.throughput:9.1f} {r.errors:7d} {r.loads:6d} {r.evictions:10d} {ratio:13.2f}"
+            f"{r.budget:<26} {r.throughput:9.1f} {r.errors:7d} {r.loads:6d} {r.evictions:10d} "
+            f"{per_infer:12.2f} {ratio:13.2f}"
         )
     cold = [r for r in all_rows if isinstance(r, ColdRow)]
     return "\n".join(lines) + ("\n\n" + cold_table(cold) if cold else "")
