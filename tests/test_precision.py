@@ -24,7 +24,7 @@ from hloserve.bundle import load_bundle
 from hloserve.cli import main
 from hloserve.export import InputSpec, OutputSpec, export_bundle
 from hloserve.export_torch import export_torch_bundle
-from hloserve.verification import compare, precision_tolerance
+from hloserve.verification import DEFAULT_TOLERANCES, Tolerance, _tolerance, compare, precision_tolerance
 
 jnp = _xla.jnp
 
@@ -205,3 +205,14 @@ def test_a_bad_precision_is_refused(
         )
     assert main(["export", f"{tmp_path / 'spec.py'}:make", "--out", str(out), "--precision", "bf16"]) == 0
     assert weight_bytes(out)[2] == {"w": "BF16"}
+
+
+def test_the_precision_tolerance_is_for_wider_float_outputs_only() -> None:
+    bf16, f16 = dtypes.by_token("bf16").numpy, np.dtype(np.float16)
+    f32, i64 = np.dtype(np.float32), np.dtype(np.int64)
+    assert _tolerance(f32, None, None, bf16) == DEFAULT_TOLERANCES["bf16"] == precision_tolerance(bf16)
+    assert _tolerance(f32, None, None, f16) == DEFAULT_TOLERANCES["f16"]
+    assert _tolerance(f16, None, None, bf16) == DEFAULT_TOLERANCES["f16"]  # as narrow: its own
+    assert _tolerance(i64, None, None, bf16) == Tolerance(0.0, 0.0)  # integers stay exact
+    assert _tolerance(f32, 1e-3, None, bf16) == Tolerance(1e-3, DEFAULT_TOLERANCES["bf16"].atol)
+    assert _tolerance(f32, None, None) == DEFAULT_TOLERANCES["f32"]

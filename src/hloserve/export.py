@@ -34,7 +34,7 @@ import hloserve
 from hloserve import _xla, dtypes
 from hloserve._scratch import DEFAULT_MAX_SCRATCH_RATIO, ScratchError, check_scratch, module_memory
 from hloserve.bundle import MODEL_PY, WEIGHTS
-from hloserve.verification import VerificationError, precision_tolerance, verify_bundle
+from hloserve.verification import VerificationError, verify_bundle
 
 __all__ = [
     "PRECISIONS",
@@ -482,11 +482,11 @@ def export_bundle(
     if model_py is not None and Path(model_py).resolve() != (directory / MODEL_PY).resolve():
         shutil.copyfile(model_py, directory / MODEL_PY)  # (re-exporting beside its own model.py)
     if verify:
-        if precision != "fp32":  # f32 outputs computed in a narrower type: the precision's tolerance
-            default = precision_tolerance(PRECISIONS[precision])
-            rtol = default.rtol if rtol is None else rtol
-            atol = default.atol if atol is None else atol
-        _verify_export(directory, reference, inputs, sizes, platform, sample_inputs, rtol, atol, batch_axis)
+        # f32 outputs computed in a narrower type: checked with that type's tolerance
+        computed_in = PRECISIONS[precision] if precision != "fp32" else None
+        _verify_export(
+            directory, reference, inputs, sizes, platform, sample_inputs, rtol, atol, batch_axis, computed_in
+        )
     return directory
 
 
@@ -548,6 +548,7 @@ def _verify_export(
     rtol: float | None,
     atol: float | None,
     batch_axis: bool,
+    computed_in: np.dtype | None = None,
 ) -> None:
     local = "cpu" if _xla.device().platform == "cpu" else "cuda"
     if platform != local:
@@ -563,7 +564,7 @@ def _verify_export(
     expected = {
         size: [np.asarray(o) for o in _as_tuple(traceable.reference(*a))] for size, a in given.items()
     }
-    differences = verify_bundle(directory, given, expected, rtol=rtol, atol=atol)
+    differences = verify_bundle(directory, given, expected, rtol=rtol, atol=atol, computed_in=computed_in)
     log.info(
         "bundle verified in a fresh process",
         bundle=directory.name,

@@ -87,8 +87,12 @@ def precision_tolerance(computed_in: np.dtype) -> Tolerance:
     return default_tolerance(computed_in)
 
 
-def _tolerance(dtype: np.dtype, rtol: float | None, atol: float | None) -> Tolerance:
+def _tolerance(
+    dtype: np.dtype, rtol: float | None, atol: float | None, computed_in: np.dtype | None = None
+) -> Tolerance:
     default = default_tolerance(dtype)
+    if computed_in is not None and dtype.itemsize > computed_in.itemsize and default != _EXACT:
+        default = precision_tolerance(computed_in)  # a float output wider than what computed it
     return Tolerance(
         default.rtol if rtol is None else rtol,
         default.atol if atol is None else atol,
@@ -190,6 +194,7 @@ def verify_bundle(
     *,
     rtol: float | None = None,
     atol: float | None = None,
+    computed_in: np.dtype | None = None,
 ) -> list[Difference]:
     """Run a bundle as the server would, in a fresh process, and compare it with `expected`.
 
@@ -197,7 +202,10 @@ def verify_bundle(
     sees only the files, so nothing of the exporting process (a traced function, a cached
     executable) can hide a fault in them. Each output is compared by `compare` with the
     tolerance of its dtype (`DEFAULT_TOLERANCES`), or with `rtol` / `atol` where given (they
-    then apply to every output). Returns, per output, its largest difference over the batch
+    then apply to every output). `computed_in` (bf16, fp16: a bundle exported with
+    `precision=`) gives float outputs of a wider type `precision_tolerance(computed_in)` instead;
+    integer and bool outputs stay exact. Each Difference of a logits-like output (2-D, last axis
+    > 1) carries its top-1 agreement. Returns, per output, its largest difference over the batch
     sizes.
 
     Raises:
@@ -235,7 +243,7 @@ def verify_bundle(
                 raise VerificationError(
                     f"{where}: the bundle gives {g.dtype}{list(g.shape)}, the model {w.dtype}{list(w.shape)}"
                 )
-            difference = compare(g, w, _tolerance(w.dtype, rtol, atol))
+            difference = compare(g, w, _tolerance(w.dtype, rtol, atol, computed_in))
             if not difference.ok:
                 token = dtypes.by_numpy(w.dtype).token
                 raise VerificationError(f"{where} ({token}): {difference.describe()}")
