@@ -178,15 +178,18 @@ def test_torch_bf16_bundle_halves_bytes_and_serves_fp32(tmp_path: Path) -> None:
     assert difference.ok, difference.describe()
 
 
+SPEC = (
+    "import numpy as np\nfrom hloserve.export import InputSpec\n\n"
+    "def make():\n"
+    "    return {'fn': lambda p, x: x @ p['w'], 'params': {'w': np.eye(4, dtype=np.float32)},"
+    " 'inputs': [InputSpec('X', (4,))]}\n"
+)
+
+
 def test_a_bad_precision_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    (tmp_path / "spec.py").write_text(
-        "import numpy as np\nfrom hloserve.export import InputSpec\n\n"
-        "def make():\n"
-        "    return {'fn': lambda p, x: x @ p['w'], 'params': {'w': np.eye(4, dtype=np.float32)},"
-        " 'inputs': [InputSpec('X', (4,))]}\n"
-    )
+    (tmp_path / "spec.py").write_text(SPEC)
     monkeypatch.setattr(sys, "path", list(sys.path))
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as exited:
@@ -203,6 +206,13 @@ def test_a_bad_precision_is_refused(
             tmp_path / "x",
             precision="fp8",  # type: ignore[arg-type]
         )
+
+
+def test_cli_export_precision_bf16(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without capsys: the CLI configures logging to the stderr it finds, which capsys closes."""
+    (tmp_path / "spec.py").write_text(SPEC)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    out = tmp_path / "out"
     assert main(["export", f"{tmp_path / 'spec.py'}:make", "--out", str(out), "--precision", "bf16"]) == 0
     assert weight_bytes(out)[2] == {"w": "BF16"}
 
