@@ -312,6 +312,12 @@ def _add_export_command(commands: Any) -> None:
     export.add_argument(
         "--bytecode", action="store_true", help="write StableHLO portable artifacts instead of text"
     )
+    export.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "fp16"],
+        help="float type of the weights and the computation (default fp32, the model's own); "
+        "bf16 and fp16 halve the weight bytes, clients still send and get the same dtypes",
+    )
     export.add_argument("--no-verify", action="store_true", help="skip the fresh-process check")
     export.add_argument(
         "--rtol",
@@ -380,6 +386,7 @@ def _export(args: argparse.Namespace) -> int:
         ("platform", args.platform),
         ("module_format", "bytecode" if args.bytecode else None),
         ("verify", False if args.no_verify else None),
+        ("precision", args.precision),
         ("rtol", args.rtol),
         ("atol", args.atol),
         ("max_scratch_ratio", args.max_scratch_ratio),

@@ -37,8 +37,10 @@ from hloserve.bundle import MODEL_PY, WEIGHTS
 from hloserve.verification import VerificationError, verify_bundle
 
 __all__ = [
+    "PRECISIONS",
     "InputSpec",
     "OutputSpec",
+    "Precision",
     "ScratchError",
     "Traceable",
     "VerificationError",
@@ -52,6 +54,14 @@ jnp = jax.numpy
 log = structlog.get_logger("hloserve.export")
 
 _LETTERS = [c for c in string.ascii_lowercase if c not in "nb"]
+Precision = Literal["fp32", "bf16", "fp16"]
+PRECISIONS: dict[str, np.dtype] = {
+    "fp32": np.dtype(np.float32),
+    "bf16": dtypes.by_token("bf16").numpy,
+    "fp16": np.dtype(np.float16),
+}
+"""`precision=` (`--precision`): the float type the weights are stored in and the graph computes
+in. fp32 leaves the model as it is; bf16 and fp16 halve the weight bytes."""
 UNBATCHED = 0
 """The batch size of a bundle without a batch axis (its one module, `model.mlir`)."""
 _OLD_FILES = re.compile(rf"^(model(\.b[0-9]+)?\.mlir|{re.escape(WEIGHTS)})$")
@@ -274,6 +284,7 @@ def export_bundle(
     rtol: float | None = None,
     atol: float | None = None,
     max_scratch_ratio: float | None = DEFAULT_MAX_SCRATCH_RATIO,
+    precision: Precision = "fp32",
 ) -> Path:
     """Export `fn(params, *inputs)` as the bundle `directory`; returns the directory.
 
@@ -301,6 +312,13 @@ def export_bundle(
     scratch (XLA's planned temporary memory) logged; a module whose scratch exceeds
     `max_scratch_ratio` times its weights, inputs and outputs is refused (None: never).
 
+    `precision="bf16"` or `"fp16"` stores the float weights (those wider than 16 bits) in that
+    type and computes in it: inside the module, float inputs are cast down at its entry and
+    float outputs back to the model's types at its exit, so clients send and get the same dtypes
+    (the manifest's are unchanged). Integer weights and inputs stay integers. Verification then
+    compares with the float32 model within the precision's tolerance
+    (`hloserve.verification.precision_tolerance`) and logs top-1 agreement for logits.
+
     Raises:
         ValueError: the arguments are inconsistent, or the model cannot be a bundle (it branches
             on input values, an output has no batch axis, its module takes other arguments).
@@ -319,6 +337,8 @@ def export_bundle(
         raise ValueError(f"module_format must be 'text' or 'bytecode', got {module_format!r}")
     if max_scratch_ratio is not None and not max_scratch_ratio > 0:
         raise ValueError(f"max_scratch_ratio must be > 0 or None, got {max_scratch_ratio!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     for option, value in (("rtol", rtol), ("atol", atol)):
         if value is not None and not 0 <= value < float("inf"):
             raise ValueError(f"{option} must be a finite number >= 0, got {value!r}")
@@ -348,6 +368,9 @@ def export_bundle(
         traceable = _from_nnx(fn, len(inputs))
     else:
         traceable = _from_jax(fn, params, len(inputs))
+    reference = traceable  # what verification compares with: the model in its own precision
+    if precision != "fp32":
+        traceable = _in_precision(traceable, inputs, PRECISIONS[precision], batch_axis)
     weights = list(traceable.weights)
     weight_specs = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights]
 
@@ -438,6 +461,7 @@ def export_bundle(
         "source_framework": traceable.framework,
         **traceable.versions,
         "batch_sizes": list(sizes) if batch_axis else [],
+        **({"precision": precision} if precision != "fp32" else {}),
         "exported_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     (directory / "manifest.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
@@ -458,8 +482,60 @@ def export_bundle(
     if model_py is not None and Path(model_py).resolve() != (directory / MODEL_PY).resolve():
         shutil.copyfile(model_py, directory / MODEL_PY)  # (re-exporting beside its own model.py)
     if verify:
-        _verify_export(directory, traceable, inputs, sizes, platform, sample_inputs, rtol, atol, batch_axis)
+        # f32 outputs computed in a narrower type: checked with that type's tolerance
+        computed_in = PRECISIONS[precision] if precision != "fp32" else None
+        _verify_export(
+            directory, reference, inputs, sizes, platform, sample_inputs, rtol, atol, batch_axis, computed_in
+        )
     return directory
+
+
+def _is_float(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(np.dtype(dtype), jnp.floating))
+
+
+def _in_precision(
+    traceable: Traceable, inputs: Sequence[InputSpec], low: np.dtype, batch_axis: bool
+) -> Traceable:
+    """`traceable` storing and computing in `low` (bf16 or fp16): float weights wider than it cast
+    down; in each module, float inputs cast down at the entry and float outputs cast back up to
+    the model's own output types at the exit, so that clients see the same dtypes."""
+    n_inputs = len(inputs)
+
+    def narrowed(w: np.ndarray) -> np.ndarray:
+        return w.astype(low) if _is_float(w.dtype) and w.dtype.itemsize > low.itemsize else w
+
+    wide_specs = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in traceable.weights]
+
+    def function_for(size: int) -> Callable[..., Any]:
+        function = traceable.function_for(size)
+        batch = (size,) if batch_axis else ()
+        in_specs = [jax.ShapeDtypeStruct((*batch, *i.shape), np.dtype(i.dtype)) for i in inputs]
+        # The model's own output types, from tracing it as it is (no lowering, no compiling).
+        wanted = [o.dtype for o in _as_tuple(jax.eval_shape(function, *in_specs, *wide_specs))]
+
+        def cast(*args: Any) -> Any:
+            entry = [
+                a.astype(low) if _is_float(a.dtype) and a.dtype.itemsize > low.itemsize else a
+                for a in args[:n_inputs]
+            ]
+            result = function(*entry, *args[n_inputs:])
+            outputs = [
+                o.astype(d) if _is_float(o.dtype) and _is_float(d) else o
+                for o, d in zip(_as_tuple(result), wanted, strict=True)
+            ]
+            return tuple(outputs) if isinstance(result, tuple | list) else outputs[0]
+
+        return cast
+
+    return Traceable(
+        traceable.framework,
+        traceable.weight_names,
+        [narrowed(np.asarray(w)) for w in traceable.weights],
+        function_for,
+        traceable.reference,
+        traceable.versions,
+    )
 
 
 def _verify_export(
@@ -472,6 +548,7 @@ def _verify_export(
     rtol: float | None,
     atol: float | None,
     batch_axis: bool,
+    computed_in: np.dtype | None = None,
 ) -> None:
     local = "cpu" if _xla.device().platform == "cpu" else "cuda"
     if platform != local:
@@ -487,13 +564,23 @@ def _verify_export(
     expected = {
         size: [np.asarray(o) for o in _as_tuple(traceable.reference(*a))] for size, a in given.items()
     }
-    differences = verify_bundle(directory, given, expected, rtol=rtol, atol=atol)
+    differences = verify_bundle(directory, given, expected, rtol=rtol, atol=atol, computed_in=computed_in)
     log.info(
         "bundle verified in a fresh process",
         bundle=directory.name,
         max_abs_difference=float(f"{max((d.max_abs for d in differences), default=0.0):.3g}"),
         max_relative_difference=float(f"{max((d.relative for d in differences), default=0.0):.3g}"),
+        **{
+            f"top1_agreement_{name}": round(d.top1_agreement, 4)
+            for name, d in zip(_output_names(directory), differences, strict=False)
+            if d.top1_agreement is not None
+        },
     )
+
+
+def _output_names(directory: Path) -> list[str]:
+    manifest = yaml.safe_load((directory / "manifest.yaml").read_text())
+    return [t["name"] for t in manifest["executable_outputs"]]
 
 
 def _samples(

@@ -8,6 +8,7 @@ cached executable) can hide a fault in them. Arrays cross to it in an .npz, with
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -31,6 +32,7 @@ __all__ = [
     "VerificationError",
     "compare",
     "default_tolerance",
+    "precision_tolerance",
     "verify_bundle",
 ]
 
@@ -78,8 +80,19 @@ def default_tolerance(dtype: np.dtype) -> Tolerance:
     return DEFAULT_TOLERANCES.get(dtypes.by_numpy(dtype).token, _EXACT)
 
 
-def _tolerance(dtype: np.dtype, rtol: float | None, atol: float | None) -> Tolerance:
+def precision_tolerance(computed_in: np.dtype) -> Tolerance:
+    """The tolerance for float outputs computed in `computed_in` (bf16 or fp16) and cast back up
+    (an export with `precision=`): that type's, as its rounding is what the outputs carry, though
+    their dtype is f32. Outputs of a type as narrow or narrower keep their own."""
+    return default_tolerance(computed_in)
+
+
+def _tolerance(
+    dtype: np.dtype, rtol: float | None, atol: float | None, computed_in: np.dtype | None = None
+) -> Tolerance:
     default = default_tolerance(dtype)
+    if computed_in is not None and dtype.itemsize > computed_in.itemsize and default != _EXACT:
+        default = precision_tolerance(computed_in)  # a float output wider than what computed it
     return Tolerance(
         default.rtol if rtol is None else rtol,
         default.atol if atol is None else atol,
@@ -103,6 +116,9 @@ class Difference:
     """The least `atol` that accepts the output with this `rtol` (inf: none, a NaN differs)."""
     passing_rtol: float
     """The least `rtol` that accepts the output with this `atol` (inf: none does)."""
+    top1_agreement: float | None = None
+    """For an output that looks like logits (2-D, last axis > 1): the fraction of rows, over
+    every batch size, whose largest entry is at the same index in the bundle as in the model."""
 
     @property
     def ok(self) -> bool:
@@ -178,6 +194,7 @@ def verify_bundle(
     *,
     rtol: float | None = None,
     atol: float | None = None,
+    computed_in: np.dtype | None = None,
 ) -> list[Difference]:
     """Run a bundle as the server would, in a fresh process, and compare it with `expected`.
 
@@ -185,7 +202,10 @@ def verify_bundle(
     sees only the files, so nothing of the exporting process (a traced function, a cached
     executable) can hide a fault in them. Each output is compared by `compare` with the
     tolerance of its dtype (`DEFAULT_TOLERANCES`), or with `rtol` / `atol` where given (they
-    then apply to every output). Returns, per output, its largest difference over the batch
+    then apply to every output). `computed_in` (bf16, fp16: a bundle exported with
+    `precision=`) gives float outputs of a wider type `precision_tolerance(computed_in)` instead;
+    integer and bool outputs stay exact. Each Difference of a logits-like output (2-D, last axis
+    > 1) carries its top-1 agreement. Returns, per output, its largest difference over the batch
     sizes.
 
     Raises:
@@ -215,6 +235,7 @@ def verify_bundle(
         got = _load_arrays(received)
     names = [t.name for t in load_bundle(directory).manifest.executable_outputs]
     worst: list[Difference | None] = [None] * len(names)
+    agree, rows = [0] * len(names), [0] * len(names)
     for size, want in expected.items():
         for k, (name, w, g) in enumerate(zip(names, want, got[size], strict=True)):
             where = f"bundle {directory.name!r}, output {name!r}, batch size {size}"
@@ -222,14 +243,21 @@ def verify_bundle(
                 raise VerificationError(
                     f"{where}: the bundle gives {g.dtype}{list(g.shape)}, the model {w.dtype}{list(w.shape)}"
                 )
-            difference = compare(g, w, _tolerance(w.dtype, rtol, atol))
+            difference = compare(g, w, _tolerance(w.dtype, rtol, atol, computed_in))
             if not difference.ok:
                 token = dtypes.by_numpy(w.dtype).token
                 raise VerificationError(f"{where} ({token}): {difference.describe()}")
+            if g.ndim == 2 and g.shape[1] > 1 and g.dtype.kind not in "biu":
+                agree[k] += int(np.sum(np.argmax(g, axis=1) == np.argmax(w, axis=1)))
+                rows[k] += g.shape[0]
             previous = worst[k]
             if previous is None or difference.relative > previous.relative:
                 worst[k] = difference
-    return [d for d in worst if d is not None]
+    return [
+        dataclasses.replace(d, top1_agreement=agree[k] / rows[k] if rows[k] else None)
+        for k, d in enumerate(worst)
+        if d is not None
+    ]
 
 
 _CHILD = "import sys; from hloserve.verification import _run_bundle; _run_bundle(*sys.argv[1:])"
