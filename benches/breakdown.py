@@ -109,7 +109,7 @@ def _without_actors() -> None:
 
     weights: dict[str, list[Any]] = {}
 
-    async def infer(self: InferenceService, request: Any, grpc_deadline: Any) -> Any:
+    async def infer(self: InferenceService, request: Any, grpc_deadline: Any, spans: Any = None) -> Any:
         entry = self._ready_entry(request.model_name, request.model_version)
         assert entry.bundle is not None and entry.compiled is not None
         manifest = entry.bundle.manifest
@@ -143,7 +143,7 @@ def _canned_reply() -> None:
     output.shape.extend([1, 4])
     reply.raw_output_contents.append(np.zeros(4, np.float32).tobytes())
 
-    async def infer(self: InferenceService, request: Any, grpc_deadline: Any) -> Any:
+    async def infer(self: InferenceService, request: Any, grpc_deadline: Any, spans: Any = None) -> Any:
         stats = self._statistics["mlp"]  # kept as the actors keep them: perf_analyzer reads them
         stats.queue.add(0.0)
         stats.record_execution(1, 1, 0.0, 0.0, 0.0)
