@@ -194,6 +194,31 @@ def test_torch_export_binds_buffers_and_lifted_constants_in_the_programs_order(t
     assert names == ["0.index", "0.lifted_tensor_0", "1.index", "1.lifted_tensor_1"]
 
 
+class TwoHeads(torch.nn.Module):
+    """A segmentation model's shape of result: a dict of tensors, keys out of alphabetical order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(3, 4)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        features = self.body(x)
+        return {"out": features.relu(), "aux": features.sum(dim=1, keepdim=True)}
+
+
+def test_torch_export_names_a_dict_result_by_its_keys(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = TwoHeads()
+    directory = export_torch_bundle(model, (torch.randn(2, 3),), tmp_path / "heads", batch_sizes=(1, 2))
+    manifest = yaml.safe_load((directory / "manifest.yaml").read_text())
+    assert [o["name"] for o in manifest["executable_outputs"]] == ["out", "aux"]
+    named = export_torch_bundle(
+        model, (torch.randn(2, 3),), tmp_path / "named", outputs=[OutputSpec("A"), OutputSpec("B")]
+    )
+    manifest = yaml.safe_load((named / "manifest.yaml").read_text())
+    assert [o["name"] for o in manifest["executable_outputs"]] == ["A", "B"]
+
+
 def test_torch_linear_on_a_transposed_input_keeps_its_weight_2d(tmp_path: Path) -> None:
     """nn.MultiheadAttention (batch_first) projects a transposed input: torch's decomposition
     would broadcast the in-projection weight across the tokens (ViT-B/16's 1.39 GB per layer)."""

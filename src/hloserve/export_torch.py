@@ -16,10 +16,11 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import torch
+import torch.utils._pytree as pytree
 
 from hloserve._torch_lowering import LoweringError, Lowerings, import_torchax, lower_program, quiet
 from hloserve._torchvision import prepare_torchvision_import
-from hloserve.export import UNBATCHED, InputSpec, Traceable, _check_batch_sizes, export_bundle
+from hloserve.export import UNBATCHED, InputSpec, OutputSpec, Traceable, _check_batch_sizes, export_bundle
 
 __all__ = ["LoweringError", "export_torch_bundle", "prepare_torchvision_import"]
 
@@ -45,10 +46,28 @@ def _to_torch(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.array(array))  # a writable copy: torch warns on read-only arrays
 
 
+def _output_names(program: torch.export.ExportedProgram) -> list[str] | None:
+    """The outputs' names where the module returns a dict (its keys; nested keys joined with
+    '.', sequence positions by their index), else None (the default `output_0`, ...)."""
+    spec = program.call_spec.out_spec
+    if spec is None:
+        return None
+    structure = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
+    paths = [path for path, _ in pytree.tree_flatten_with_path(structure)[0]]
+    if not any(isinstance(key, pytree.MappingKey) for path in paths for key in path):
+        return None
+
+    def part(key: Any) -> str:
+        return str(key.key if isinstance(key, pytree.MappingKey) else getattr(key, "idx", key))
+
+    return [".".join(part(key) for key in path) for path in paths]
+
+
 def _to_jax(
     module: torch.nn.Module, examples: Sequence[np.ndarray], size: int, lowerings: Lowerings | None
-) -> tuple[list[str], list[Any], Any]:
-    """torch.export at one batch size, then lowered: weight names, their tensors, the JAX function."""
+) -> tuple[list[str], list[Any], Any, list[str] | None]:
+    """torch.export at one batch size, then lowered: weight names, their tensors, the JAX
+    function, and the outputs' names if the module returns a dict."""
     rows = tuple(_to_torch(a[np.arange(size) % len(a)] if size != UNBATCHED else a) for a in examples)
     try:
         with quiet():
@@ -59,7 +78,7 @@ def _to_jax(
             f"torch.export cannot trace {type(module).__name__} at batch size {size}: {cause}"
         ) from e
     names, states, function = lower_program(program, lowerings)
-    return names, list(states), function
+    return names, list(states), function, _output_names(program)
 
 
 def export_torch_bundle(
@@ -82,7 +101,9 @@ def export_torch_bundle(
     names them and sets their letters (default `input_0`, `input_1`... with generated letters). Weights are
     named by the module's state (`conv.weight`, `bn.running_mean`) in torch.export's argument
     order (parameters, then buffers and lifted constants); a 0-dim float64 one is demoted to
-    float32, as x64 would otherwise promote the f32 computation it meets. `lowerings` maps an
+    float32, as x64 would otherwise promote the f32 computation it meets. Outputs are named by
+    `outputs` if given, else by the keys of a dict the module returns (nested keys joined with
+    '.'), else `output_0`, `output_1`... in torch.export's order. `lowerings` maps an
     ATen operation torchax cannot lower (`torch.ops.aten.foo.default`) to a JAX function of
     its arguments, used instead of torchax's. Other keyword options are
     `hloserve.export.export_bundle`'s (`outputs`, `platform`, `module_format`, `verify`, ...).
@@ -114,14 +135,16 @@ def export_torch_bundle(
     was_training = module.training
     module.eval()
     try:
-        names, states, first = _to_jax(module, examples, sizes[0], lowerings)
+        names, states, first, output_names = _to_jax(module, examples, sizes[0], lowerings)
+        if output_names is not None and options.get("outputs") is None:
+            options["outputs"] = [OutputSpec(name) for name in output_names]
         weights = [_to_numpy(s) for s in states]
         weights = [w.astype(np.float32) if w.ndim == 0 and w.dtype == np.float64 else w for w in weights]
 
         def function_for(size: int) -> Callable[..., Any]:
             function = first
             if size != sizes[0]:
-                again, _, function = _to_jax(module, examples, size, lowerings)
+                again, _, function, _ = _to_jax(module, examples, size, lowerings)
                 if again != names:
                     raise ValueError(
                         f"torch.export names the weights {again} at batch size {size}, {names} before"
@@ -135,7 +158,7 @@ def export_torch_bundle(
         def reference(*arrays: np.ndarray) -> list[np.ndarray]:
             with torch.no_grad():
                 result = module(*(_to_torch(a) for a in arrays))
-            return [_to_numpy(t) for t in (result if isinstance(result, tuple | list) else (result,))]
+            return [_to_numpy(t) for t in pytree.tree_leaves(result)]  # a dict's values, in order
 
         torchax = import_torchax()
         versions = {"torch_version": str(torch.__version__), "torchax_version": str(torchax.__version__)}

@@ -8,12 +8,14 @@ a process importing this file itself calls `prepare_torchvision_import` first.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import timm
 import torch
 import torchvision
+from torchvision.models.detection.image_list import ImageList
 
 from hloserve.export import InputSpec, OutputSpec
 
@@ -85,3 +87,133 @@ def regnet_y_400mf() -> dict[str, Any]:
 
 def timm_deit_tiny_patch16_224() -> dict[str, Any]:
     return _classifier("timm_deit_tiny_patch16_224")
+
+
+# --- beyond classifiers: a dict result, a model.py's postprocess, a text encoder ----------------
+
+SEGMENTER = "lraspp_mobilenet_v3_large"
+DETECTOR = "ssdlite320_mobilenet_v3_large"
+ENCODER = "bert_base"
+DETECTOR_MODEL_PY = Path(__file__).resolve().parent / "ssdlite" / "model.py"
+DETECTOR_SIZE = 320
+TOKENS = 128  # BERT-base's dims (12 layers, 768 wide, 12 heads, 30522 words), 128 tokens
+
+
+def lraspp_mobilenet_v3_large() -> dict[str, Any]:
+    """A segmenter whose forward returns a dict ({"out": (N, 21, H, W)}): its key names the output."""
+    return {
+        "module": build_segmenter(),
+        "example_inputs": (images(2),),
+        "inputs": [IMAGE],
+        "description": f"{SEGMENTER}, random weights (the hloserve zoo)",
+    }
+
+
+def build_segmenter() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torchvision.models.segmentation.lraspp_mobilenet_v3_large(weights=None, weights_backbone=None)
+    return model.eval()
+
+
+class DecodedSSD(torch.nn.Module):
+    """SSDLite's static part: backbone, head, and the decoding of its regressions against its
+    fixed anchors (one image size), clipped to the image, with softmax scores; a dict result.
+    What torchvision's SSD does next (threshold, top-k, NMS) is data-dependent: model.py's."""
+
+    def __init__(self, ssd: torch.nn.Module) -> None:
+        super().__init__()
+        self.backbone, self.head, self.box_coder = ssd.backbone, ssd.head, ssd.box_coder
+        size = (DETECTOR_SIZE, DETECTOR_SIZE)
+        batch = ImageList(torch.zeros(1, 3, *size), [size])
+        with torch.no_grad():
+            features = list(self.backbone(batch.tensors).values())
+            anchors = ssd.anchor_generator(batch, features)[0]
+        self.register_buffer("anchors", anchors)
+
+    def forward(self, image: torch.Tensor) -> dict[str, torch.Tensor]:
+        head = self.head(list(self.backbone(image).values()))
+        regression, logits = head["bbox_regression"], head["cls_logits"]
+        rows, count = regression.shape[:2]
+        anchors = self.anchors.expand(rows, count, 4).reshape(-1, 4)
+        boxes = self.box_coder.decode_single(regression.reshape(-1, 4), anchors).reshape(rows, count, 4)
+        return {"boxes": boxes.clamp(0, DETECTOR_SIZE), "scores": torch.softmax(logits, dim=-1)}
+
+
+def build_detector() -> torch.nn.Module:
+    torch.manual_seed(0)
+    ssd = torchvision.models.detection.ssdlite320_mobilenet_v3_large(weights=None, weights_backbone=None)
+    with torch.no_grad():  # as initialised, its features die in the backbone (all scores 1/91):
+        for module in ssd.modules():  # batch norm's statistics from a few random images instead
+            if isinstance(module, torch.nn.BatchNorm2d):
+                module.reset_running_stats()
+                module.momentum = None  # a plain average over the batches
+        ssd.train()
+        for seed in range(100, 104):
+            ssd.backbone(detector_images(4, seed=seed))
+            ssd.head(list(ssd.backbone(detector_images(4, seed=seed)).values()))
+    return DecodedSSD(ssd.eval()).eval()
+
+
+def detector_images(rows: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 3, DETECTOR_SIZE, DETECTOR_SIZE, generator=generator)
+
+
+def ssdlite320_mobilenet_v3_large() -> dict[str, Any]:
+    """The seeds' pattern: the static part compiled, threshold and NMS in the bundle's model.py."""
+    return {
+        "module": build_detector(),
+        "example_inputs": (detector_images(2),),
+        "inputs": [
+            InputSpec("IMAGE", (3, DETECTOR_SIZE, DETECTOR_SIZE), np.float32, letters="chw", format="NCHW")
+        ],
+        "model_py": DETECTOR_MODEL_PY,
+        "client_outputs": [
+            InputSpec("detection_boxes", (100, 4), np.float32, letters="dx"),
+            InputSpec("detection_scores", (100,), np.float32, letters="d"),
+            InputSpec("detection_labels", (100,), np.int64, letters="d"),
+        ],
+        "description": f"{DETECTOR}, random weights, detections by model.py (the hloserve zoo)",
+    }
+
+
+class Encoder(torch.nn.Module):
+    """transformers' BertModel with a dict result of plain tensors (not a ModelOutput)."""
+
+    def __init__(self, bert: torch.nn.Module) -> None:
+        super().__init__()
+        self.bert = bert
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden, pooled = self.bert(input_ids=input_ids, attention_mask=attention_mask, return_dict=False)[:2]
+        return {"last_hidden_state": hidden, "pooler_output": pooled}
+
+
+def build_encoder() -> torch.nn.Module:
+    """BERT-base from its configuration (BertConfig's defaults), random weights."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(attn_implementation="eager")
+    return Encoder(transformers.BertModel(config, add_pooling_layer=True)).eval()
+
+
+def tokens(rows: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded token ids and an attention mask whose rows end in padding of varying length."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1000, 30522, (rows, TOKENS), generator=generator)
+    lengths = torch.randint(TOKENS // 4, TOKENS + 1, (rows,), generator=generator)
+    mask = (torch.arange(TOKENS)[None, :] < lengths[:, None]).long()
+    return ids * mask, mask
+
+
+def bert_base() -> dict[str, Any]:
+    return {
+        "module": build_encoder(),
+        "example_inputs": tokens(2),
+        "inputs": [
+            InputSpec("input_ids", (TOKENS,), np.int64, letters="t"),
+            InputSpec("attention_mask", (TOKENS,), np.int64, letters="t"),
+        ],
+        "description": "BERT-base's shape from transformers' BertConfig, random weights (the hloserve zoo)",
+    }
