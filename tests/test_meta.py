@@ -372,6 +372,7 @@ GIVE_UP = {
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # waits for a held run with a timeout: alone
 def test_a_meta_request_given_up_answers_at_once_and_its_run_finishes_in_a_held_thread(dozy: Any) -> None:
     for way, give_up in GIVE_UP.items():
         started = time.monotonic()
