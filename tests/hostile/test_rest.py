@@ -20,7 +20,7 @@ import h2.config
 import h2.connection
 import numpy as np
 import pytest
-from support.clients import assert_serves
+from support.clients import assert_serves, http_answer
 from support.servers import ServerThread, make_config, start_worker
 
 from hloserve import rest
@@ -52,24 +52,6 @@ def _strict_json(data: bytes) -> Any:
     return json.loads(data, parse_constant=refuse)
 
 
-def _answer(sock: socket.socket, timeout: float = 10) -> tuple[int, dict[str, str], bytes]:
-    """One response with a Content-Length: status, headers (lower case), body."""
-    sock.settimeout(timeout)
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, f"the connection closed before an answer: {data[:200]!r}"
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
-    while len(body) < int(headers["content-length"]):
-        chunk = sock.recv(65536)
-        assert chunk, "the connection closed in the middle of an answer"
-        body += chunk
-    return int(lines[0].split()[1]), headers, body
-
-
 def _closed(sock: socket.socket, timeout: float = 5) -> bool:
     """Whether the server closes the connection (reading and dropping what it still sends)."""
     sock.settimeout(timeout)
@@ -88,7 +70,7 @@ def _refused(server: ServerThread, raw: bytes) -> tuple[int, str]:
     a 4xx and close the connection."""
     with _connect(server) as sock:
         sock.sendall(raw)
-        status, _, body = _answer(sock)
+        status, _, body = http_answer(sock)
         assert 400 <= status < 500, body[:300]
         assert _closed(sock), "the connection stayed open after a refused framing"
     return status, _strict_json(body)["error"]
@@ -143,7 +125,7 @@ def test_content_length_with_transfer_encoding_is_400_and_closed(server: ServerT
     for _ in range(3):  # another client's tensor in the recycled buffers
         with _connect(server) as sock:
             sock.sendall(good + header + tensor)
-            status, _, body = _answer(sock)
+            status, _, body = http_answer(sock)
             assert status == 200
             theirs = _strict_json(body)["outputs"][0]["data"]
     smuggled = (
@@ -153,7 +135,7 @@ def test_content_length_with_transfer_encoding_is_400_and_closed(server: ServerT
     ).encode()
     with _connect(server) as sock:
         sock.sendall(smuggled + header + b"\r\n0\r\n\r\n")
-        status, _, body = _answer(sock)
+        status, _, body = http_answer(sock)
         if status == 200:
             answer = _strict_json(body)["outputs"][0]["data"]
             leaked = "the previous client's tensor" if answer == theirs else "bytes it never sent"
@@ -229,7 +211,7 @@ _PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 def test_h2c_is_off_by_default_and_its_preface_refused(server: ServerThread) -> None:
     with _connect(server) as sock:
         sock.sendall(_PREFACE + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")  # and an empty SETTINGS
-        status, _, body = _answer(sock)
+        status, _, body = http_answer(sock)
         assert _closed(sock)
     error = _strict_json(body)["error"]
     assert status == 505 and "server.http2" in error, error

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from support.clients import http_answer
 from support.servers import ServerProcess, start_worker
 
 from hloserve import rest, rest_codec
@@ -88,23 +89,6 @@ def _rss(server: ServerProcess) -> int:
     raise AssertionError("no VmRSS")
 
 
-def _answer(sock: socket.socket) -> tuple[int, bytes]:
-    """One response with a Content-Length: status and body."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, f"the connection closed before an answer: {data[:200]!r}"
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
-    while len(body) < int(headers["content-length"]):
-        chunk = sock.recv(65536)
-        assert chunk, "the connection closed in the middle of an answer"
-        body += chunk
-    return int(lines[0].split()[1]), body
-
-
 def _send(server: ServerProcess, head: str, body: bytes) -> tuple[int, str]:
     """`head` and as much of `body` as the server takes, on a fresh connection: the status and the
     JSON error of the answer."""
@@ -114,7 +98,7 @@ def _send(server: ServerProcess, head: str, body: bytes) -> tuple[int, str]:
             sock.sendall(body)
         except (BrokenPipeError, ConnectionResetError):
             pass  # refused before the body was read: the answer is waiting
-        status, answer = _answer(sock)
+        status, _, answer = http_answer(sock)
     return status, json.loads(answer).get("error", "") if answer else ""
 
 

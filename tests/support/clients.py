@@ -163,3 +163,22 @@ def rss_bytes(pid: int | None = None) -> int:
     status = Path(f"/proc/{pid or os.getpid()}/status").read_text()
     line = next(line for line in status.splitlines() if line.startswith("VmRSS:"))
     return int(line.split()[1]) * 1024
+
+
+def http_answer(sock: socket.socket, timeout: float = 10) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 response with a Content-Length, read from a raw socket: status, headers (lower
+    case), body."""
+    sock.settimeout(timeout)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed before an answer: {data[:200]!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    while len(body) < int(headers["content-length"]):
+        chunk = sock.recv(65536)
+        assert chunk, "the connection closed in the middle of an answer"
+        body += chunk
+    return int(lines[0].split()[1]), headers, body
