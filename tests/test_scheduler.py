@@ -15,18 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import export_examples
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from support.bundles import write_heavy
 from support.clients import infer
 from support.numerics import assert_close
 from support.servers import EXAMPLES, ServerThread, make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
 from hloserve.config import ModelSettings
-from hloserve.export import InputSpec, export_bundle
 
 pytestmark = pytest.mark.serial  # asserts on timing, or floods the machine
 
@@ -41,21 +39,6 @@ def _outcome(call: Any) -> str:
 
 def _stats(client: Any, model: str) -> Any:
     return client.get_inference_statistics(model).model_stats[0]
-
-
-def write_heavy(directory: Path, products: int) -> Path:
-    """A model of `products` 256x256 matrix products per row (about 0.15 ms each here): work on
-    purpose, in a loop so that compiling it stays quick."""
-
-    def heavy(params: Any, x: Any) -> Any:
-        m = x.reshape(-1)[:, None] * params["w"]
-        m = jax.lax.fori_loop(0, products, lambda _, m: jnp.tanh(m @ params["w"]), m)
-        return m.sum(axis=1)[None, :]
-
-    w = (np.random.default_rng(0).standard_normal((256, 256)) / 16).astype(np.float32)
-    return export_bundle(
-        heavy, {"w": w}, [InputSpec("INPUT0", (256,))], directory, batch_sizes=(1,), verify=False
-    )
 
 
 @pytest.fixture(name="twins")

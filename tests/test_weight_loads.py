@@ -18,13 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import trio
 import tritonclient.grpc as grpcclient
 from hloserve.actors import weight_cache
+from support.bundles import write_heavy
 from support.clients import infer
 from support.numerics import assert_close
 from support.servers import ServerThread, make_config, start_worker
@@ -38,21 +37,6 @@ tests set it from `h`'s measured execution, so that a copy fits inside one)."""
 HEAVY_PRODUCTS = 1000
 """The heavy model's matrix products per row: 0.15-0.7 s of execution on these machines."""
 HEAVY_BYTES = 256 * 256 * 4
-
-
-def write_heavy(directory: Path, products: int) -> Path:
-    """`products` 256x256 matrix products per row, in a loop (quick to compile): work on purpose.
-    INPUT0 [n, 256]."""
-
-    def heavy(params: Any, x: Any) -> Any:
-        m = x.reshape(-1)[:, None] * params["w"]
-        m = jax.lax.fori_loop(0, products, lambda _, m: jnp.tanh(m @ params["w"]), m)
-        return m.sum(axis=1)[None, :]
-
-    w = (np.random.default_rng(0).standard_normal((256, 256)) / 16).astype(np.float32)
-    return export_bundle(
-        heavy, {"w": w}, [InputSpec("INPUT0", (256,))], directory, batch_sizes=(1,), verify=False
-    )
 
 
 def _columns(params: Any, x: Any) -> Any:

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import yaml
 from safetensors.numpy import save_file
@@ -98,3 +100,18 @@ def edit_weights_metadata(directory: Path, metadata: dict[str, str] | None) -> N
     encoded = json.dumps(header).encode()
     encoded += b" " * (-len(encoded) % 8)
     path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + raw[8 + length :])
+
+
+def write_heavy(directory: Path, products: int) -> Path:
+    """A model of `products` 256x256 matrix products per row (about 0.15 ms each here): work on
+    purpose, in a loop so that compiling it stays quick."""
+
+    def heavy(params: Any, x: Any) -> Any:
+        m = x.reshape(-1)[:, None] * params["w"]
+        m = jax.lax.fori_loop(0, products, lambda _, m: jnp.tanh(m @ params["w"]), m)
+        return m.sum(axis=1)[None, :]
+
+    w = (np.random.default_rng(0).standard_normal((256, 256)) / 16).astype(np.float32)
+    return export_bundle(
+        heavy, {"w": w}, [InputSpec("INPUT0", (256,))], directory, batch_sizes=(1,), verify=False
+    )
