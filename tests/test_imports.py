@@ -1,5 +1,6 @@
-"""The module graph: no import cycle among hloserve's modules, even for types, and the worker
-(the composition root) imported by nobody but the entry points."""
+"""The module graph: no import cycle among hloserve's modules, even for types or inside a
+function, the worker (the composition root) imported by nobody but the entry points, and the
+package root (whose lazy `serve` imports the worker) by no module inside it."""
 
 from __future__ import annotations
 
@@ -29,28 +30,20 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(module: str, path: Path, known: set[str]) -> set[str]:
-    """The hloserve modules `module` imports at its top level (under `if TYPE_CHECKING:` too;
-    not inside functions, where an import is deliberately lazy)."""
+    """The hloserve modules `module` imports anywhere: at its top level, under `if TYPE_CHECKING:`
+    and inside functions (a lazy import still closes a circle)."""
     found: set[str] = set()
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
 
-    def visit(nodes: list[ast.stmt]) -> None:
-        for node in nodes:
-            if isinstance(node, ast.Import):
-                found.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], base])
-                submodules = {f"{base}.{alias.name}" for alias in node.names} & known
-                found.update(submodules or {base.rstrip(".")})  # `from package import module`: the module
-            elif isinstance(node, (ast.If, ast.Try)):
-                visit(node.body)
-                visit(node.orelse)
-                for handler in getattr(node, "handlers", []):
-                    visit(handler.body)
-
-    visit(ast.parse(path.read_text()).body)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], base])
+            submodules = {f"{base}.{alias.name}" for alias in node.names} & known
+            found.update(submodules or {base.rstrip(".")})  # `from package import module`: the module
     return {name for name in found if name in known and name != module}
 
 
@@ -60,17 +53,23 @@ def _graph() -> dict[str, set[str]]:
 
 
 def test_the_graph_is_read() -> None:
-    """What the other tests rely on: `from package import module`, `import module` and imports
-    for types only (service's, under `if TYPE_CHECKING:`) are all edges."""
+    """What the other tests rely on: `from package import module`, `import module`, imports for
+    types only (service's, under `if TYPE_CHECKING:`) and inside functions (cli's) are all edges."""
     graph = _graph()
+    assert "hloserve.worker" in graph["hloserve.cli"]  # inside `_serve_until_signalled`
     assert {"hloserve.model_table", "hloserve.actors.dispatcher", "hloserve._xla"} <= graph["hloserve.worker"]
     assert {"hloserve.types", "hloserve.actors.messages"} <= graph["hloserve.model_table"]
     assert "hloserve.model_table" in graph["hloserve.service"]
 
 
-def test_no_module_imports_the_worker() -> None:
+def test_only_the_entry_points_import_the_worker() -> None:
     importers = sorted(name for name, imports in _graph().items() if "hloserve.worker" in imports)
-    assert importers == []  # cli and the package import it lazily, inside the function that serves
+    assert importers == ["hloserve", "hloserve.cli"]  # lazily, inside the function that serves
+
+
+def test_no_inner_module_imports_the_package_root() -> None:
+    importers = sorted(name for name, imports in _graph().items() if "hloserve" in imports)
+    assert importers == []  # the version is `hloserve._version`'s
 
 
 def test_types_is_a_leaf() -> None:

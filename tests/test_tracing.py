@@ -34,7 +34,7 @@ from tritonclient.utils import InferenceServerException
 
 from hloserve.config import ConfigError, TracingConfig
 from hloserve.fleet import envoy
-from hloserve.node import free_port
+from hloserve.fleet.workers import free_port
 from hloserve.tracing import open_tracing, settings
 
 SERVER = trace_pb2.Span.SPAN_KIND_SERVER

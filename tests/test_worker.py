@@ -26,7 +26,7 @@ from support.clients import infer, wait_until
 from support.numerics import assert_close
 from support.servers import EXAMPLES, ServerThread, make_config, start_worker
 
-from hloserve.cli import settle_heap
+from hloserve.allocator import settle_heap
 from hloserve.client import Client
 from hloserve.worker import serve
 

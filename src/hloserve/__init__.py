@@ -8,13 +8,12 @@ call into JAX. A bundle's model.py uses `register_model`, `register_meta_model` 
 """
 
 from hloserve import _asyncio_compat  # noqa: F401  (before any module imports trio-asyncio)
+from hloserve._version import __version__ as __version__
 from hloserve.config import Config as Config
 from hloserve.config import load_config as load_config
 from hloserve.model_py import NamedTensor as NamedTensor
 from hloserve.model_py import register_meta_model as register_meta_model
 from hloserve.model_py import register_model as register_model
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Config",

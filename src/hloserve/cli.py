@@ -6,7 +6,6 @@ repository's ONNX models, or one ONNX file, into bundles."""
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib
 import importlib.util
 import inspect
@@ -21,7 +20,7 @@ import structlog
 import trio
 
 from hloserve._torchvision import prepare_torchvision_import
-from hloserve.allocator import keep_freed_memory
+from hloserve.allocator import keep_freed_memory, settle_heap
 from hloserve.config import Config, LoggingConfig, load_config
 from hloserve.errors import ConfigError
 from hloserve.logs import configure_logging
@@ -29,7 +28,7 @@ from hloserve.logs import configure_logging
 if TYPE_CHECKING:
     from hloserve.node import NodePlan
 
-__all__ = ["SERVER_FLAGS", "main", "settle_heap"]
+__all__ = ["SERVER_FLAGS", "main"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -191,20 +190,6 @@ def _apply_flags(config: Config, args: argparse.Namespace) -> Config:
         if field in changes:
             changes[field] = tuple(changes[field])
     return config.replace("server", **changes) if changes else config
-
-
-def settle_heap() -> None:
-    """Put what startup made (JAX's modules, the executables) out of the cyclic collector's reach.
-
-    With JAX loaded a full collection took 50-60 ms and ran every few seconds under load: it was
-    the whole tail at perf_analyzer concurrency 64 on the MLP (p99 76 ms; 28 ms frozen). Frozen
-    objects are still freed by reference counting; only cycles among them are never collected,
-    which bounds what an unload can leave behind to the startup models' Python objects. The
-    binary owns its process, so freezing is its call; a program embedding `serve` decides for
-    itself.
-    """
-    gc.collect()
-    gc.freeze()
 
 
 async def _serve_until_signalled(config: Config) -> None:

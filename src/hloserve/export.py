@@ -30,9 +30,9 @@ import numpy as np
 import structlog
 import yaml
 
-import hloserve
 from hloserve import _xla, dtypes
 from hloserve._scratch import DEFAULT_MAX_SCRATCH_RATIO, ScratchError, check_scratch, module_memory
+from hloserve._version import __version__
 from hloserve.bundle import MODEL_PY, WEIGHTS
 from hloserve.verification import VerificationError, verify_bundle
 
@@ -454,7 +454,7 @@ def export_bundle(
     if batch_axis:
         manifest["batching"] = {"compiled_batch_sizes": sizes}
     manifest["provenance"] = {
-        "exporter": f"hloserve {hloserve.__version__}",
+        "exporter": f"hloserve {__version__}",
         "jax_version": jax.__version__,
         "platform": platform,
         "module_format": module_format,

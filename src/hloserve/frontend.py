@@ -34,15 +34,13 @@ from hloserve._proto import hloserve_control as hc
 from hloserve._proto import inference as kserve
 from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve._proto_codec import KnownFieldsCodec
-from hloserve.allocator import keep_freed_memory
+from hloserve.allocator import keep_freed_memory, settle_heap
 from hloserve.buffer_pool import BufferPool
-from hloserve.bundle import Bundle
-from hloserve.cli import settle_heap
 from hloserve.codec import SHM_REGION
-from hloserve.config import Config, ModelSettings
+from hloserve.config import Config
 from hloserve.frontend_link import FrontendLink, execute_over
 from hloserve.health import worker_health
-from hloserve.link import FORWARD, Listening
+from hloserve.link import ARENA_PREFIX, FORWARD, Listening, ModelSummary, Setup
 from hloserve.meta import MetaModels
 from hloserve.metrics import Metrics
 from hloserve.model_table import Failed, Loaded, Meta, ModelEntry, _registration
@@ -54,39 +52,12 @@ from hloserve.statistics import Statistics
 from hloserve.tls import server_context
 from hloserve.tracing import RequestSpans, Tracing, open_tracing
 
-__all__ = ["ARENA_PREFIX", "ModelSummary", "Setup"]
+__all__: list[str] = []
 
 ARENA_BYTES = 256 << 20
 """Each frontend's shared-memory arena (sparse: pages are used only as requests need them)."""
 ARENA_SLOTS = 256
-ARENA_PREFIX = "hloserve-f"
-"""An arena's /dev/shm name: this, the frontend's index, its pid and a random token. The engine
-unlinks it once mapped (`hloserve.engine_link`)."""
 _PR_SET_PDEATHSIG = 1
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSummary:
-    """What a frontend needs of one engine model: the bundle the engine serves (manifest and
-    file paths, no weights), how it is compiled, its load settings, or why it failed."""
-
-    name: str
-    bundle: Bundle | None
-    error: str | None
-    batch_sizes: tuple[int, ...]
-    coalescable: bool
-    settings: ModelSettings | None
-
-
-@dataclass(frozen=True, slots=True)
-class Setup:
-    """engine → frontend, on stdin: the configuration, the model table, and the platform the
-    engine's device is (a frontend never initialises a device of its own)."""
-
-    config: Config
-    models: tuple[ModelSummary, ...]
-    index: int
-    platform: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,7 +203,7 @@ class _Host:
 async def _apply_changes(link: FrontendLink, models: dict[str, ModelEntry], host: _Host) -> None:
     """Apply the engine's table changes in order, each acknowledged once this frontend serves it."""
     async for ident, change in link.pushes:
-        summary = cast(ModelSummary | None, change.summary)
+        summary = change.summary
         if summary is None:
             models.pop(change.name, None)
         else:

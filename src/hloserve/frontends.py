@@ -35,8 +35,7 @@ from hloserve.admission import Ticket
 from hloserve.control import ControlService
 from hloserve.engine_link import EngineLink, EngineServices
 from hloserve.errors import ConfigError, Overloaded
-from hloserve.frontend import ARENA_PREFIX, ModelSummary, Setup
-from hloserve.link import FORWARD, TableChanged
+from hloserve.link import ARENA_PREFIX, FORWARD, ModelSummary, Setup, TableChanged
 
 if TYPE_CHECKING:
     from hloserve.model_table import ModelEntry, ModelHost

@@ -21,13 +21,18 @@ import os
 import pickle
 import struct
 from dataclasses import dataclass
-from typing import Any, NamedTuple, final
+from typing import TYPE_CHECKING, Any, NamedTuple, final
 
 import numpy as np
 import trio
 
+if TYPE_CHECKING:
+    from hloserve.bundle import Bundle
+    from hloserve.config import Config, ModelSettings
+
 __all__ = [
     "ALIGNMENT",
+    "ARENA_PREFIX",
     "FORWARD",
     "HEADER",
     "MAX_FRAME_BYTES",
@@ -39,10 +44,12 @@ __all__ = [
     "FrameReader",
     "Hello",
     "Listening",
+    "ModelSummary",
     "Ran",
     "Released",
     "Returned",
     "Run",
+    "Setup",
     "TableChanged",
     "TensorRef",
     "Withdraw",
@@ -57,6 +64,33 @@ FORWARD = "model_infer"
 """The `Call` that forwards a whole ModelInfer to the engine (meta models, client regions)."""
 ALIGNMENT = 64
 """Where tensors start in the arena (and outputs in a slot's reserved region)."""
+ARENA_PREFIX = "hloserve-f"
+"""An arena's /dev/shm name: this, the frontend's index, its pid and a random token. The engine
+unlinks it once mapped (`hloserve.engine_link`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSummary:
+    """What a frontend needs of one engine model: the bundle the engine serves (manifest and
+    file paths, no weights), how it is compiled, its load settings, or why it failed."""
+
+    name: str
+    bundle: Bundle | None
+    error: str | None
+    batch_sizes: tuple[int, ...]
+    coalescable: bool
+    settings: ModelSettings | None
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """engine → frontend, on stdin: the configuration, the model table, and the platform the
+    engine's device is (a frontend never initialises a device of its own)."""
+
+    config: Config
+    models: tuple[ModelSummary, ...]
+    index: int
+    platform: str
 
 
 class TensorRef(NamedTuple):
@@ -133,7 +167,7 @@ class TableChanged:
     is now `summary` (None: unloaded). The frontend applies it, then answers `Applied`."""
 
     name: str
-    summary: object | None
+    summary: ModelSummary | None
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,12 +22,12 @@ import trio_asyncio
 from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError
 
-import hloserve
 from hloserve import _grpclib_patches, _xla, dtypes
 from hloserve._proto import inference as kserve
 from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve._status import grpc_errors as _rpc
 from hloserve._status import to_grpc_error
+from hloserve._version import __version__
 from hloserve.actors.messages import Infer
 from hloserve.admission import Admission, Ticket
 from hloserve.bundle import check_model_name
@@ -418,7 +418,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
     @_rpc("ServerMetadata")
     async def server_metadata(self, message: kserve.ServerMetadataRequest) -> kserve.ServerMetadataResponse:
         return kserve.ServerMetadataResponse(
-            name="hloserve", version=hloserve.__version__, extensions=list(EXTENSIONS)
+            name="hloserve", version=__version__, extensions=list(EXTENSIONS)
         )
 
     @_rpc("ModelMetadata")

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-import hloserve
-from hloserve import _xla, dtypes
+from hloserve import _version, _xla, dtypes
 from hloserve.bundle import load_bundle, read_weights
 from hloserve.compiled import compile_bundle
 
@@ -217,7 +216,7 @@ def verify_bundle(
         sent, received = Path(scratch) / "inputs.npz", Path(scratch) / "outputs.npz"
         _save_arrays(sent, inputs)
         env = dict(os.environ)
-        source = str(Path(hloserve.__file__).resolve().parents[1])  # importable whatever the cwd
+        source = str(Path(_version.__file__).resolve().parents[1])  # importable whatever the cwd
         env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH")) if p)
         child = subprocess.run(
             [sys.executable, "-c", _CHILD, str(directory), str(sent), str(received)],

@@ -33,7 +33,7 @@ from hloserve.errors import ConfigError
 from hloserve.fleet.controller import Controller
 from hloserve.fleet.envoy import find_envoy
 from hloserve.fleet.front import run_front
-from hloserve.node import Supervisor
+from hloserve.fleet.supervisor import Supervisor
 
 NAME = "workers.fleet.svc"
 

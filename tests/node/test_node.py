@@ -38,7 +38,7 @@ from tritonclient.utils import shared_memory as shm
 from hloserve._proto import hloserve_control as control
 from hloserve._proto import hloserve_gateway as gateway
 from hloserve.fleet.controller import changed_workers
-from hloserve.node import free_port
+from hloserve.fleet.workers import free_port
 
 sys.path.insert(0, str(ROOT / "benches"))
 from perf_analyzer import run_perf_analyzer

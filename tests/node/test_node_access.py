@@ -27,7 +27,7 @@ from support.certs import Certificates, make_certificates
 from support.clients import wait_until
 from tritonclient.utils import InferenceServerException
 
-from hloserve.node import free_port
+from hloserve.fleet.workers import free_port
 
 from .test_node import DIE_WITH_TEST
 
@@ -184,7 +184,7 @@ def test_rest_over_tls_restricted_through_the_node(secure_node: SecureNode) -> N
 
 def test_workers_behind_envoy_get_the_restrictions_and_no_tls(tmp_path: Path) -> None:
     from hloserve.config import load_config
-    from hloserve.node import WorkerSpec, worker_child
+    from hloserve.fleet.workers import WorkerSpec, worker_child
 
     cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
     config = load_config(environ={}).replace(

@@ -14,9 +14,10 @@ import trio
 
 from hloserve.config import Config, NodeConfig
 from hloserve.errors import ConfigError
-from hloserve.node import Child, GaveUp, Supervisor, WorkerSpec, find_gpus, worker_child, worker_specs
+from hloserve.fleet.supervisor import Child, GaveUp, Supervisor
+from hloserve.fleet.workers import WorkerSpec, find_gpus, worker_child, worker_specs
 
-# The supervisor forks its children from the trio thread (see hloserve.node). In this test
+# The supervisor forks its children from the trio thread (see hloserve.fleet.supervisor). In this test
 # process JAX may already be loaded by other tests, and JAX warns at every fork; the child execs
 # at once, so the warning's deadlock cannot happen here (`hloserve node` imports JAX but starts no
 # backend, so it has no JAX threads).
@@ -95,7 +96,7 @@ def test_children_die_with_the_supervisor_even_when_it_is_killed(tmp_path: Path)
     script.write_text(
         "import sys, trio\n"
         "from hloserve.config import NodeConfig\n"
-        "from hloserve.node import Child, Supervisor\n"
+        "from hloserve.fleet.supervisor import Child, Supervisor\n"
         "code = 'import os, time; print(os.getpid(), flush=True); time.sleep(60)'\n"
         "child = Child('c', [sys.executable, '-c', code])\n"
         "out = lambda line: (sys.stdout.buffer.write(line), sys.stdout.flush())\n"

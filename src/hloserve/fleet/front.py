@@ -9,7 +9,7 @@ import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import structlog
 import trio
@@ -23,12 +23,11 @@ from hloserve.fleet import envoy
 from hloserve.fleet.controller import Controller, WorkerLink
 from hloserve.fleet.http import NodeHttp
 from hloserve.fleet.services import ControlFront, GatewayFront, InferenceFront, node_readiness
+from hloserve.fleet.supervisor import Child, Supervisor
+from hloserve.fleet.workers import WorkerSpec, free_port
 from hloserve.health import Health
 from hloserve.restricted import Restrictions, restrict_grpc
 from hloserve.tls import server_context
-
-if TYPE_CHECKING:
-    from hloserve.node import Supervisor, WorkerSpec
 
 __all__ = ["run_front"]
 
@@ -104,8 +103,6 @@ async def run_front(
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Start Envoy (`binary`) and the controller; run until cancelled."""
-    from hloserve.node import Child, free_port
-
     server_config = config.server
     directory = Path(tempfile.mkdtemp(prefix="hloserve-node-"))
     try:

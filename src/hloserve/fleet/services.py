@@ -16,10 +16,10 @@ from typing import Any, TypeVar
 import grpclib
 from grpclib.const import Status
 
-import hloserve
 from hloserve._proto import hloserve_control as control
 from hloserve._proto import hloserve_gateway as gateway
 from hloserve._proto import inference as kserve
+from hloserve._version import __version__
 from hloserve.fleet import placement as lpt
 from hloserve.fleet.controller import Controller, WorkerLink
 
@@ -133,7 +133,7 @@ class InferenceFront(kserve.GrpcInferenceServiceBase):
             message, timeout=self._controller.node.probe_timeout_s
         )
         return kserve.ServerMetadataResponse(
-            name="hloserve", version=hloserve.__version__, extensions=answer.extensions
+            name="hloserve", version=__version__, extensions=answer.extensions
         )
 
     async def repository_index(
