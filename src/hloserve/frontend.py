@@ -12,41 +12,37 @@ for a meta model or naming a client's region. The engine pushes every change of 
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import os
 import pickle
 import signal
 import socket
 import sys
-import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, cast
 
 import trio
 import trio_asyncio
-from grpclib.config import Configuration
+from grpclib.metadata import Deadline
 
-from hloserve import _grpclib_patches, _trio_asyncio_patches
-from hloserve._h2_limits import CONNECTIONS
+from hloserve import _grpclib_patches, _trio_asyncio_patches, grpc_server
+from hloserve._process import die_with_parent
 from hloserve._proto import hloserve_control as hc
 from hloserve._proto import inference as kserve
 from hloserve._proto.hot import hot_infer_pb2 as hot
-from hloserve._proto_codec import KnownFieldsCodec
 from hloserve.allocator import keep_freed_memory, settle_heap
 from hloserve.buffer_pool import BufferPool
 from hloserve.codec import SHM_REGION
 from hloserve.config import Config
+from hloserve.data_plane import LocalDataPlane
 from hloserve.frontend_link import FrontendLink, execute_over
+from hloserve.grpc_server import build_grpc_server
 from hloserve.health import worker_health
 from hloserve.link import ARENA_PREFIX, FORWARD, Listening, ModelSummary, Setup
 from hloserve.meta import MetaModels
 from hloserve.metrics import Metrics
-from hloserve.model_table import Failed, Loaded, Meta, ModelEntry, _registration
+from hloserve.model_table import Failed, Meta, ModelEntry, ModelHost, Remote, _registration
 from hloserve.policy import PolicyParams
 from hloserve.rest import RestServer, build_app
-from hloserve.restricted import Restrictions, restrict_grpc
 from hloserve.service import InferenceService
 from hloserve.statistics import Statistics
 from hloserve.tls import server_context
@@ -57,16 +53,6 @@ __all__: list[str] = []
 ARENA_BYTES = 256 << 20
 """Each frontend's shared-memory arena (sparse: pages are used only as requests need them)."""
 ARENA_SLOTS = 256
-_PR_SET_PDEATHSIG = 1
-
-
-@dataclass(frozen=True, slots=True)
-class _Compiled:
-    """The part of a `CompiledModel` the front end reads (admission, row limits, ModelConfig)."""
-
-    bundle: Any
-    batch_sizes: tuple[int, ...]
-    coalescable: bool
 
 
 def _entry(summary: ModelSummary) -> ModelEntry:
@@ -81,8 +67,7 @@ def _entry(summary: ModelSummary) -> ModelEntry:
     if bundle.manifest.is_meta:
         assert registration is not None
         return ModelEntry(summary.name, Meta(bundle, registration))  # its calls go to the engine
-    compiled = _Compiled(bundle, summary.batch_sizes, summary.coalescable)
-    return ModelEntry(summary.name, Loaded(bundle, cast(Any, compiled), cast(Any, None), registration))
+    return ModelEntry(summary.name, Remote(bundle, summary.batch_sizes, summary.coalescable, registration))
 
 
 def _names_a_region(request: Any) -> bool:
@@ -92,54 +77,76 @@ def _names_a_region(request: Any) -> bool:
     )
 
 
-class FrontendService(InferenceService):
-    """The front end of one frontend: ModelInfer over the link, its calls counted by the engine;
-    what only the engine holds (statistics, the model table's changes, shared-memory regions,
-    meta models) answered by the engine over the link, with the statuses it would give."""
+class LinkedDataPlane:
+    """A frontend's data plane: ModelInfer decoded, checked and run through `model.py` here, its
+    executable inputs sent to the engine over the link (`execute_over`) and its calls counted
+    by the engine; a request only the engine can serve (a meta model's, one naming a client's
+    shared-memory region) forwarded whole; readiness the engine's when it manages residency."""
 
     def __init__(
-        self,
-        link: FrontendLink,
-        config: Config,
-        models: Mapping[str, ModelEntry],
-        statistics: Statistics,
-        metrics: Metrics,
-        host: Any,
-        metas: MetaModels,
-        platform: str,
-        tracing: Tracing | None = None,
+        self, link: FrontendLink, local: LocalDataPlane, config: Config, models: Mapping[str, ModelEntry]
     ) -> None:
-        super().__init__(
-            config, models, statistics, metrics, host, metas, execute=execute_over(link), tracing=tracing
-        )
-        self._engine_platform = platform
-        self._shm = None  # the worker's one registry is the engine's
         self._link = link
+        self._local = local
+        self._config = config
+        self._models = models
         self._call = trio_asyncio.trio_as_aio(link.call)
 
-    def _count(self, model: str, status: str, started: float) -> None:
-        self._link.count(model, status, time.perf_counter() - started)
+    @property
+    def tracing(self) -> Tracing | None:
+        return self._local.tracing
 
-    def _platform(self) -> str:
-        return f"stablehlo_{self._engine_platform}"  # the engine's device, never one of ours
+    @property
+    def platform(self) -> str:
+        return self._local.platform  # the engine's device, never one of ours
 
-    async def _infer(self, request: Any, grpc_deadline: Any, spans: RequestSpans | None = None) -> Any:
+    def trace_request(self, model: str, traceparent: object, started_ns: int) -> RequestSpans | None:
+        return self._local.trace_request(model, traceparent, started_ns)
+
+    def count(self, model: str, status: str, elapsed_s: float) -> None:
+        self._link.count(model, status, elapsed_s)
+
+    async def infer(
+        self, request: hot.ModelInferRequest, deadline: Deadline | None, spans: RequestSpans | None = None
+    ) -> hot.ModelInferResponse:
         entry = self._models.get(request.model_name)
         # Without client regions allowed, one named fails here as at K=0: no need to look.
         regions = self._config.server.allow_client_shm and _names_a_region(request)
         if (entry is not None and entry.meta_run is not None) or regions:
-            remaining = None if grpc_deadline is None else grpc_deadline.time_remaining()
+            remaining = None if deadline is None else deadline.time_remaining()
             reply = await self._call(FORWARD, (request.SerializeToString(), remaining))
             return hot.ModelInferResponse.FromString(cast(bytes, reply))
-        return await super()._infer(request, grpc_deadline, spans)
+        return await self._local.infer(request, deadline, spans)
+
+    async def ready(self) -> bool:
+        return await self._local.ready()
+
+    async def model_ready(self, name: str, version: str = "") -> bool:
+        if self._config.weights.externally_managed:  # ready means resident: the engine knows
+            reply = await self._call("model_ready", kserve.ModelReadyRequest(name, version))
+            return bool(cast(kserve.ModelReadyResponse, reply).ready)
+        return await self._local.model_ready(name, version)
+
+
+class FrontendService(InferenceService):
+    """The gRPC service of one frontend over its `LinkedDataPlane`; what only the engine holds
+    (statistics, the model table's changes, shared-memory regions) answered by the engine over
+    the link, with the statuses it would give."""
+
+    def __init__(
+        self,
+        link: FrontendLink,
+        plane: LinkedDataPlane,
+        config: Config,
+        models: Mapping[str, ModelEntry],
+        statistics: Statistics,
+        host: ModelHost,
+    ) -> None:
+        super().__init__(plane, config, models, statistics, host)  # the registry is the engine's
+        self._call = trio_asyncio.trio_as_aio(link.call)
 
     async def model_statistics(self, message: kserve.ModelStatisticsRequest) -> Any:
         return await self._call("model_statistics", message)
-
-    async def model_ready(self, message: kserve.ModelReadyRequest) -> Any:
-        if self._config.weights.externally_managed:  # ready means resident: the engine knows
-            return await self._call("model_ready", message)
-        return await super().model_ready(message)
 
     async def repository_index(self, message: kserve.RepositoryIndexRequest) -> Any:
         if self._config.weights.externally_managed:
@@ -227,43 +234,33 @@ async def _serve(link_fd: int, port: int, http_port: int, setup: Setup) -> None:
             host = _Host(config, models, statistics)
             nursery.start_soon(_apply_changes, link, models, host)
             tracing = open_tracing(config.tracing)
-            service = FrontendService(
-                link,
+            metas = MetaModels(models, 1, 1, None, statistics, PolicyParams())
+            local = LocalDataPlane(
                 config,
                 models,
                 statistics,
                 Metrics(statistics),
-                cast(Any, host),
-                MetaModels(models, 1, 1, None, statistics, PolicyParams()),
-                setup.platform,
-                tracing,
+                metas,
+                execute_over(link),
+                tracing=tracing,
+                platform=setup.platform,
             )
-            server = _grpclib_patches.GracefulServer(
-                [
-                    service,
-                    ControlOverLink(link),
-                    worker_health(cast(Any, host), service, draining=lambda: server.draining),
-                ],
-                config=Configuration(  # as the single process's
-                    http2_connection_window_size=_grpclib_patches.WINDOW_BYTES,
-                    http2_stream_window_size=_grpclib_patches.WINDOW_BYTES,
-                ),
-                codec=KnownFieldsCodec(),
-                limits=_grpclib_patches.TransportLimits.from_config(config.server),
+            plane = LinkedDataPlane(link, local, config, models)
+            service = FrontendService(link, plane, config, models, statistics, cast(ModelHost, host))
+            server = build_grpc_server(  # as the single process's
+                config.server,
+                [service, ControlOverLink(link)],
+                lambda draining: worker_health(models, plane, config.server.max_health_watches, draining),
             )
-            CONNECTIONS.configure(config.server.max_open_connections)
-            restrict_grpc(server, Restrictions.grpc(config.server.grpc_restricted_protocol))
-            await trio_asyncio.aio_as_trio(server.start)(
-                config.server.host,
-                port,
-                reuse_port=True,
-                ssl=server_context(config.server, "grpc"),
-                handshake_timeout_s=config.server.handshake_timeout_s,
+            await grpc_server.start(
+                server, config.server, port, server_context(config.server, "grpc"), reuse_port=True
             )
             rest = None
             if http_port >= 0:
                 rest_config = dataclasses.replace(config.server, http_port=http_port)
-                rest = RestServer(build_app(service, models, rest_config), rest_config, reuse_port=True)
+                rest = RestServer(
+                    build_app(plane, service, models, rest_config), rest_config, reuse_port=True
+                )
                 await nursery.start(rest.run)
             settle_heap()  # as the engine does: startup's objects out of the collector's walks
             await link.announce(Listening())
@@ -271,7 +268,7 @@ async def _serve(link_fd: int, port: int, http_port: int, setup: Setup) -> None:
             with trio.CancelScope(shield=True):
                 if rest is not None:
                     rest.stop()
-                await trio_asyncio.aio_as_trio(server.shutdown)(config.server.shutdown_grace_s)
+                await grpc_server.shut_down(server, config.server)
                 if rest is not None:
                     with trio.move_on_after(config.server.shutdown_grace_s + 1):
                         await rest.stopped.wait()
@@ -298,16 +295,8 @@ async def _until_stopped(link: FrontendLink) -> None:
             nursery.start_soon(on_close)
 
 
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
-    if os.getppid() == 1:  # the engine died before the prctl
-        os._exit(1)
-
-
 def main(argv: list[str]) -> None:
-    _die_with_parent()
+    die_with_parent(signal.SIGKILL)  # the engine forked us from its trio thread
     link_fd, port, http_port = int(argv[0]), int(argv[1]), int(argv[2])
     setup = pickle.load(sys.stdin.buffer)  # from the engine that started us: trusted
     keep_freed_memory(setup.config.server.keep_freed_bytes)

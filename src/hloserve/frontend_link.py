@@ -38,8 +38,8 @@ from hloserve.link import (
 )
 
 if TYPE_CHECKING:
+    from hloserve.data_plane import Execute
     from hloserve.model_table import ModelEntry
-    from hloserve.service import Execute
     from hloserve.tracing import RequestSpans
 
 __all__ = ["FrontendLink", "execute_over"]
@@ -305,7 +305,7 @@ class FrontendLink:
 
 
 def execute_over(link: FrontendLink) -> Execute:
-    """`InferenceService`'s execute step for a frontend: the inputs go to the engine over `link`
+    """the data plane's execute step in a frontend: the inputs go to the engine over `link`
     (from the service's asyncio handlers, with no trio task unless the arena is full), with room
     reserved for the outputs."""
     infer = trio_asyncio.trio_as_aio(link.infer)

@@ -11,11 +11,9 @@ and waits: each frontend answers what it has in flight, then exits.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import pickle
-import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +28,7 @@ import trio
 from grpclib.metadata import Deadline
 
 from hloserve import _xla
+from hloserve._process import Process
 from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve.admission import Ticket
 from hloserve.control import ControlService
@@ -38,6 +37,7 @@ from hloserve.errors import ConfigError, Overloaded
 from hloserve.link import ARENA_PREFIX, FORWARD, ModelSummary, Setup, TableChanged
 
 if TYPE_CHECKING:
+    from hloserve.data_plane import LocalDataPlane
     from hloserve.model_table import ModelEntry, ModelHost
     from hloserve.service import InferenceService
 
@@ -52,25 +52,26 @@ _BACKOFF_S = (0.1, 5.0)
 
 
 def _summary(host: ModelHost, entry: ModelEntry) -> ModelSummary:
-    compiled = entry.compiled
     return ModelSummary(
         entry.name,
         entry.bundle,
         entry.error,
-        () if compiled is None else compiled.batch_sizes,
-        compiled is not None and compiled.coalescable,
+        entry.batch_sizes,
+        entry.coalescable,
         host.config.scheduler.models.get(entry.name),
     )
 
 
-def engine_calls(host: ModelHost, service: InferenceService) -> dict[str, Callable[[Any], Awaitable[Any]]]:
+def engine_calls(
+    host: ModelHost, plane: LocalDataPlane, service: InferenceService
+) -> dict[str, Callable[[Any], Awaitable[Any]]]:
     """The engine's service methods a frontend's `Call` may name: the inference service's that
     only the engine can answer, a whole ModelInfer (`FORWARD`), and the control service's."""
 
     async def forwarded(argument: tuple[bytes, float | None]) -> bytes:
         data, remaining = argument
         deadline = None if remaining is None else Deadline.from_timeout(remaining)
-        response = await service._infer(hot.ModelInferRequest.FromString(data), deadline)
+        response = await plane.infer(hot.ModelInferRequest.FromString(data), deadline)
         return bytes(response.SerializeToString())
 
     methods = (
@@ -95,18 +96,18 @@ def engine_calls(host: ModelHost, service: InferenceService) -> dict[str, Callab
 class Frontends:
     """The K frontend processes of one engine; see the module docstring."""
 
-    def __init__(self, host: ModelHost, service: InferenceService) -> None:
+    def __init__(self, host: ModelHost, plane: LocalDataPlane, service: InferenceService) -> None:
         self._host = host
         self._config = host.config
-        self._service = service
+        self._plane = plane
         self._services = EngineServices(
-            service.count_elapsed,
-            engine_calls(host, service),
+            plane.count,
+            engine_calls(host, plane, service),
             self._admit,
             self._release,
-            tracing=service.tracing,
+            tracing=plane.tracing,
         )
-        self._processes: dict[int, _Child] = {}
+        self._processes: dict[int, Process] = {}
         self._links: set[EngineLink] = set()
         self._draining = False
 
@@ -132,15 +133,15 @@ class Frontends:
     def _admit(self, entry: ModelEntry | None, rows: int, deadline: float | None) -> Ticket | None:
         """Admission for the worker, in the one place every frontend's requests reach:
         `server.max_inflight_requests` counts them all, and a request that cannot meet its
-        deadline behind the rows the engine holds is refused (`InferenceService.admit`)."""
+        deadline behind the rows the engine holds is refused (`LocalDataPlane.admit`)."""
         limit = self._config.server.max_inflight_requests
         if self.inflight >= limit:
             raise Overloaded(limit)
-        return None if entry is None else self._service.admit(entry, rows, time.monotonic(), deadline)
+        return None if entry is None else self._plane.admit(entry, rows, time.monotonic(), deadline)
 
     def _release(self, ticket: object) -> None:
         if isinstance(ticket, Ticket):
-            self._service.release(ticket)
+            self._plane.release(ticket)
 
     def post(self, name: str) -> list[trio.Event]:
         """Push model `name`'s entry as it is now to every frontend (those started later get
@@ -196,7 +197,15 @@ class Frontends:
         engine_end, frontend_end = socket.socketpair()
         argv = [str(frontend_end.fileno()), str(port), str(http_port)]
         try:
-            process = _Child([sys.executable, "-m", "hloserve.frontend", *argv], frontend_end.fileno())
+            # A frontend imports jax (bundles name its types) but never initialises a device: the
+            # engine is the only process that touches it (on a GPU, XLA would take most of its
+            # memory). It sets its own parent-death signal (`hloserve.frontend.main`).
+            process = Process(
+                [sys.executable, "-m", "hloserve.frontend", *argv],
+                env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                stdin=subprocess.PIPE,
+                pass_fds=(frontend_end.fileno(),),
+            )
         except BaseException:
             engine_end.close()
             raise
@@ -209,9 +218,11 @@ class Frontends:
         self._links.add(link)  # from here on it gets every change, after the table as it is now
         try:
             summaries = tuple(_summary(self._host, entry) for entry in models.values())
-            async with process.stdin:
+            assert process.stdin is not None
+            async with trio.lowlevel.FdStream(os.dup(process.stdin.fileno())) as stdin:
+                process.stdin.close()
                 setup = Setup(self._host.config, summaries, index, _xla.device().platform)
-                await process.stdin.send_all(pickle.dumps(setup))
+                await stdin.send_all(pickle.dumps(setup))
             async with trio.open_nursery() as nursery:
 
                 async def serve_link() -> None:
@@ -232,7 +243,7 @@ class Frontends:
             link.close_pushes()
             with trio.CancelScope(shield=True):
                 await stream.aclose()  # (the link closes it too, if it ran)
-                await _stop(process, self._config.server.shutdown_grace_s + 5)
+                await process.stop(self._config.server.shutdown_grace_s + 5)
                 process.close()
                 for unmapped in Path("/dev/shm").glob(f"{ARENA_PREFIX}{index}-{process.pid}-*"):
                     unmapped.unlink(missing_ok=True)  # an arena it made but never named to the link
@@ -243,7 +254,7 @@ class Frontends:
         self._draining = True
         async with trio.open_nursery() as nursery:
             for process in list(self._processes.values()):
-                nursery.start_soon(_stop, process, self._config.server.shutdown_grace_s + 5)
+                nursery.start_soon(process.stop, self._config.server.shutdown_grace_s + 5)
 
 
 def _reserve(stack: ExitStack, host: str, port: int, field: str) -> int:
@@ -263,56 +274,3 @@ def _reserve(stack: ExitStack, host: str, port: int, field: str) -> int:
     except OSError as e:
         raise ConfigError(field, f"cannot listen on {host}:{port}: {e}") from None
     return port
-
-
-class _Child:
-    """A frontend process, forked by the engine's own trio thread.
-
-    PR_SET_PDEATHSIG, which takes a frontend down with the engine, fires when the *thread* that
-    forked it exits; trio's `open_process` forks in a worker thread that exits after 10 s idle,
-    which killed every frontend of an idle engine. So the fork happens here (a vfork-style
-    spawn, brief), and the exit is awaited on a pidfd.
-    """
-
-    def __init__(self, argv: list[str], link_fd: int) -> None:
-        # A frontend imports jax (bundles name its types) but never initialises a device: the
-        # engine is the only process that touches it (on a GPU, XLA would take most of its memory).
-        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-        self._popen = subprocess.Popen(argv, stdin=subprocess.PIPE, pass_fds=(link_fd,), env=env)
-        assert self._popen.stdin is not None
-        self.pid = self._popen.pid
-        self.stdin = trio.lowlevel.FdStream(os.dup(self._popen.stdin.fileno()))
-        self._popen.stdin.close()
-        self._pidfd = os.pidfd_open(self.pid)
-        self._waiting = trio.Lock()
-
-    @property
-    def returncode(self) -> int | None:
-        return self._popen.poll()
-
-    async def wait(self) -> int:
-        async with self._waiting:  # one task at a time waits on the pidfd
-            if self._popen.poll() is None:
-                await trio.lowlevel.wait_readable(self._pidfd)
-        return self._popen.wait()
-
-    def send_signal(self, sig: int) -> None:
-        self._popen.send_signal(sig)
-
-    def kill(self) -> None:
-        self._popen.kill()
-
-    def close(self) -> None:
-        """Once it has exited: release the pidfd."""
-        os.close(self._pidfd)
-
-
-async def _stop(process: _Child, grace_s: float) -> None:
-    if process.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(signal.SIGTERM)
-    with trio.move_on_after(grace_s):
-        await process.wait()
-    if process.returncode is None:
-        process.kill()
-        await process.wait()

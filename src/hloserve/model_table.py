@@ -65,6 +65,7 @@ __all__ = [
     "ModelHost",
     "ModelTable",
     "Prepared",
+    "Remote",
     "prepare",
     "prepare_repository",
 ]
@@ -86,6 +87,17 @@ class Loaded:
 
 
 @dataclass(frozen=True, slots=True)
+class Remote:
+    """A model the engine serves, seen from a frontend: what the front end reads of it (its
+    requests' checks, admission, ModelConfig); executing it is the engine's."""
+
+    bundle: Bundle
+    batch_sizes: tuple[int, ...]
+    coalescable: bool
+    registration: Registration | None
+
+
+@dataclass(frozen=True, slots=True)
 class Meta:
     """A meta model: its model.py's `run` calls the models its manifest names."""
 
@@ -101,7 +113,7 @@ class Failed:
     reason: str
 
 
-ModelState = Loaded | Meta | Failed
+ModelState = Loaded | Remote | Meta | Failed
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +141,20 @@ class ModelEntry:
         return self.state.compiled if isinstance(self.state, Loaded) else None
 
     @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        """The batch sizes it is compiled for (none for a meta model)."""
+        if isinstance(self.state, Remote):
+            return self.state.batch_sizes
+        return self.state.compiled.batch_sizes if isinstance(self.state, Loaded) else ()
+
+    @property
+    def coalescable(self) -> bool:
+        """Whether requests can share an execution (and one can be split)."""
+        if isinstance(self.state, Remote):
+            return self.state.coalescable
+        return isinstance(self.state, Loaded) and self.state.compiled.coalescable
+
+    @property
     def queue(self) -> ModelQueueHandle | None:
         return self.state.queue if isinstance(self.state, Loaded) else None
 
@@ -152,10 +178,10 @@ class ModelEntry:
     @property
     def max_rows(self) -> int | None:
         """The most executable rows one request may carry; None: any (split if need be)."""
-        compiled = self.compiled
-        if compiled is None or compiled.coalescable or not compiled.bundle.manifest.batched:
+        sizes, bundle = self.batch_sizes, self.bundle
+        if not sizes or self.coalescable or bundle is None or not bundle.manifest.batched:
             return None
-        return compiled.batch_sizes[-1]
+        return sizes[-1]
 
     def check_rows(self, rows: int, source: str) -> None:
         """InvalidInput unless one request of `rows` executable rows (made by `source`: a hook,

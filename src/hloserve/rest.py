@@ -1,5 +1,5 @@
-"""The KServe V2 REST front end: Starlette routes over the gRPC service object, served by
-hypercorn in the worker's own trio run, on the trio-asyncio loop that hosts grpclib.
+"""The KServe V2 REST front end: Starlette routes over the data plane and the gRPC service,
+served by hypercorn in the worker's own trio run, on the trio-asyncio loop that hosts grpclib.
 
 hypercorn's asyncio worker rather than its trio one: the service's handlers are asyncio
 coroutines (the model queues answer asyncio futures), and reaching them from trio costs a
@@ -7,14 +7,14 @@ trio-asyncio hop per call (server CPU per tiny request 0.38 ms against 0.31 ms).
 loop as grpclib, a REST request runs where a gRPC one does. Inference is a bare ASGI handler;
 the other routes go through Starlette.
 
-Every route calls an `InferenceService` method (with the betterproto2 messages; inference with
-the hot-path request through `_infer`), so checks, statistics, metrics and error classes are the
-gRPC ones. A gRPC status becomes an HTTP status as Triton maps its error codes (`HTTP_STATUS`),
-with a JSON `{"error": "..."}` body. Request bodies are bounded by `server.max_message_bytes`,
-refused from their Content-Length before they are read (and counted while read when chunked or
-compressed); connections, heads and the time a head or body takes by `server.http_*` (see
-`RestServer`). A client that disconnects while its inference is awaited cancels it, which
-withdraws it from its model's queue.
+Inference, readiness and the counts go through the data plane (`hloserve.data_plane`); every
+other route calls the gRPC service's method (with the betterproto2 messages), so checks,
+statistics, metrics and error classes are the gRPC ones. A gRPC status becomes an HTTP status as
+Triton maps its error codes (`HTTP_STATUS`), with a JSON `{"error": "..."}` body. Request bodies
+are bounded by `server.max_message_bytes`, refused from their Content-Length before they are
+read (and counted while read when chunked or compressed); connections, heads and the time a head
+or body takes by `server.http_*` (see `RestServer`). A client that disconnects while its
+inference is awaited cancels it, which withdraws it from its model's queue.
 
 A body with a Content-Length is read into one buffer and its binary tensors reach the service
 as views of it (`viewed_request.ViewedRequest`); binary outputs are sent after the JSON header
@@ -72,8 +72,8 @@ from hloserve.tls import server_context
 log = structlog.get_logger("hloserve.rest")
 
 if TYPE_CHECKING:
+    from hloserve.data_plane import DataPlane
     from hloserve.model_table import ModelEntry
-    from hloserve.service import InferenceService
 
 __all__ = ["HTTP_STATUS", "REQUIRES", "RestServer", "build_app"]
 
@@ -397,11 +397,16 @@ class _InFlight:
 
 
 class _Routes:
-    """The endpoints, bound to one service."""
+    """The endpoints, bound to one data plane and one service."""
 
     def __init__(
-        self, service: InferenceService, models: Mapping[str, ModelEntry], config: ServerConfig
+        self,
+        plane: DataPlane,
+        service: kserve.GrpcInferenceServiceBase,
+        models: Mapping[str, ModelEntry],
+        config: ServerConfig,
     ) -> None:
+        self._plane = plane
         self._service = service
         self._models = models
         self._limit = config.max_message_bytes
@@ -568,8 +573,8 @@ class _Routes:
             if name in _INFER_HEADERS
         }
         spans = None
-        if self._service.tracing is not None:
-            spans = self._service.trace_request(label, headers.get("traceparent"), time.monotonic_ns())
+        if self._plane.tracing is not None:
+            spans = self._plane.trace_request(label, headers.get("traceparent"), time.monotonic_ns())
         try:
             header_length = headers.get(_HEADER_LENGTH)
             if header_length is not None and not _DIGITS.fullmatch(header_length.strip()):
@@ -595,14 +600,14 @@ class _Routes:
             return  # nobody to answer; as a cancelled gRPC call, it is not counted
         except Exception as e:
             status, http, message, extra = _error(e, "ModelInfer")
-            self._service._count(label, status.name, started)
+            self._plane.count(label, status.name, time.perf_counter() - started)
             if spans is not None:
                 spans.end(status.name)
             body = json.dumps({"error": message}).encode()
             extra_headers = [(k.lower().encode(), v.encode()) for k, v in extra.items()]
             await _respond(send, http, [body], _JSON + extra_headers)
             return
-        self._service._count(label, "OK", started)
+        self._plane.count(label, "OK", time.perf_counter() - started)
         response_headers = _JSON if binary_length is None else _BINARY
         if binary_length is not None:
             response_headers = [*response_headers, (_HEADER_LENGTH_OUT, str(binary_length).encode())]
@@ -628,7 +633,7 @@ class _Routes:
         assert task is not None
         serving[client] = task
         try:
-            return await self._service._infer(request, None, spans)
+            return await self._plane.infer(request, None, spans)
         except asyncio.CancelledError:
             if not self.inflight.ours(task):
                 raise
@@ -645,8 +650,7 @@ class _Routes:
         return Response(status_code=200 if reply.live else 400)
 
     async def ready(self, request: Request) -> Response:
-        reply = await self._service.server_ready(kserve.ServerReadyRequest())
-        return Response(status_code=200 if reply.ready else 400)
+        return Response(status_code=200 if await self._plane.ready() else 400)
 
     async def server_metadata(self, request: Request) -> Response:
         reply = await self._service.server_metadata(kserve.ServerMetadataRequest())
@@ -658,8 +662,7 @@ class _Routes:
 
     async def model_ready(self, request: Request) -> Response:
         name, version = self._model(request)
-        reply = await self._service.model_ready(kserve.ModelReadyRequest(name, version))
-        return Response(status_code=200 if reply.ready else 400)
+        return Response(status_code=200 if await self._plane.model_ready(name, version) else 400)
 
     async def model_metadata(self, request: Request) -> Response:
         name, version = self._model(request)
@@ -756,8 +759,8 @@ class _Routes:
         return Response()
 
     async def cuda_shm(self, request: Request) -> Response:
-        await self._service._unimplemented("CudaSharedMemoryRegister", None)  # raises the gRPC answer
-        raise AssertionError("unreachable")
+        await self._service.cuda_shared_memory_register(kserve.CudaSharedMemoryRegisterRequest())
+        raise AssertionError("unreachable")  # it answers UNIMPLEMENTED
 
 
 _JOIN_BYTES = 1 << 16
@@ -795,9 +798,14 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return JSONResponse({"error": exc.detail}, exc.status_code, exc.headers)
 
 
-def build_app(service: InferenceService, models: Mapping[str, ModelEntry], config: ServerConfig) -> _App:
-    """The Starlette application of the V2 REST protocol over `service`."""
-    r = _Routes(service, models, config)
+def build_app(
+    plane: DataPlane,
+    service: kserve.GrpcInferenceServiceBase,
+    models: Mapping[str, ModelEntry],
+    config: ServerConfig,
+) -> _App:
+    """The Starlette application of the V2 REST protocol over `plane` and `service`."""
+    r = _Routes(plane, service, models, config)
 
     def get(path: str, handler: Handler, rpc: str) -> Route:
         return Route(path, _endpoint(handler, rpc), methods=["GET"])

@@ -1,10 +1,11 @@
-"""The KServe V2 / Triton gRPC service: decode, hand to the actors, await, encode.
+"""The KServe V2 / Triton gRPC service: an adapter over the data plane (`hloserve.data_plane`)
+for inference and readiness, and the metadata, statistics, shared-memory and repository RPCs.
 
 ModelInfer bypasses the generated dataclass path: its handler is swapped in `__mapping__` for
 one that parses with the google.protobuf classes compiled under `hloserve_hot` (same fields,
-another package, so tritonclient's descriptors can share the process) and reaches the model's
-queue actor with a non-blocking send plus an asyncio future (no trio task per request). Every
-other RPC uses the betterproto2 messages. Errors become statuses in `hloserve._status` only.
+another package, so tritonclient's descriptors can share the process) and hands the request to
+the data plane. Every other RPC uses the betterproto2 messages. Errors become statuses in
+`hloserve._status` only.
 """
 
 from __future__ import annotations
@@ -12,66 +13,43 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any
 
 import betterproto2
-import trio
 import trio_asyncio
 from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError
 
-from hloserve import _grpclib_patches, _xla, dtypes
+from hloserve import _grpclib_patches, dtypes
 from hloserve._proto import inference as kserve
 from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve._status import grpc_errors as _rpc
 from hloserve._status import to_grpc_error
 from hloserve._version import __version__
-from hloserve.actors.messages import Infer
-from hloserve.admission import Admission, Ticket
 from hloserve.bundle import check_model_name
-from hloserve.codec import decode_request, encode_response, request_deadline
 from hloserve.config import Config, ModelSettings
+from hloserve.data_plane import DataPlane, find_entry, not_ready_because, ready_entry
 from hloserve.errors import (
-    CannotMeetDeadline,
     InvalidInput,
     ModelNotFound,
-    ModelNotReady,
-    Overloaded,
     ShmDisabled,
     ShmRegionNotFound,
     Unimplemented,
-    clip,
 )
 from hloserve.load_files import FILE_PREFIX, check_files
 from hloserve.load_override import CONFIG_PARAM, apply_config
 from hloserve.manifest import FILE as MANIFEST
 from hloserve.manifest import TensorSpec
-from hloserve.meta import MetaModels
-from hloserve.metrics import Metrics
-from hloserve.pipeline import Route
 from hloserve.shm_registry import Region, ShmRegistry
 from hloserve.statistics import Duration, ExecutionTimes, Statistics
 from hloserve.tracing import settings, triton_trace_settings
 
 if TYPE_CHECKING:
     from hloserve.model_table import ModelEntry, ModelHost
-    from hloserve.tracing import RequestSpans, Tracing
 
-__all__ = ["EXTENSIONS", "Execute", "InferenceService"]
-
-T = TypeVar("T")
-
-Execute = Callable[
-    ["ModelEntry", list[Any], int, list[int], float | None, float, "RequestSpans | None"],
-    Awaitable[list[Any]],
-]
-"""How executable inputs reach the engine: `(entry, inputs, rows, outputs, deadline, now, spans)`
-to the outputs; in-process, the model's queue (`InferenceService._execute`). `spans` is the
-request's trace, None when it is not traced."""
-
-_TRACEPARENT_MAX = 256  # a W3C traceparent is 55 characters; anything much longer is not one
+__all__ = ["EXTENSIONS", "InferenceService"]
 
 EXTENSIONS = ("model_configuration", "model_repository", "statistics", "system_shared_memory")
 """Triton protocol extensions hloserve implements, reported by ServerMetadata."""
@@ -83,19 +61,8 @@ _BUILT = {
     "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
     "RepositoryModelLoad", "RepositoryModelUnload",
     "CudaSharedMemoryStatus", "CudaSharedMemoryUnregister",
-    "TraceSetting",
+    "TraceSetting", "CudaSharedMemoryRegister",
 }  # fmt: skip
-_VERSIONS = ("", "1")  # every model has exactly one version, "1"
-
-
-def _check_version(model: str, version: str) -> None:
-    """As Triton: a version is empty (the latest) or an integer > 0, else INVALID_ARGUMENT."""
-    if version and not (version.isascii() and version.isdigit() and int(version) > 0):
-        raise InvalidInput(
-            model,
-            f"failed to get model version from specified version string {clip(version)}: "
-            "a version is an integer > 0 (hloserve serves version '1')",
-        )
 
 
 def _duration(d: Duration) -> kserve.StatisticDuration:
@@ -111,41 +78,20 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
 
     def __init__(
         self,
+        plane: DataPlane,
         config: Config,
         models: Mapping[str, ModelEntry],
         statistics: Statistics,
-        metrics: Metrics,
         worker: ModelHost,
-        metas: MetaModels,
-        execute: Execute | None = None,
-        tracing: Tracing | None = None,
+        shm: ShmRegistry | None = None,
     ) -> None:
-        if execute is not None:  # a frontend process: executable inputs go over its link
-            self._execute = execute  # type: ignore[method-assign,assignment]
+        self._plane = plane
         self._config = config
         self._models = models
         self._statistics = statistics
-        self._metrics = metrics
-        self._counters: dict[tuple[str, str], tuple[Any, Any]] = {}
-        """(model, status) → its call counter and its model's duration histogram: prometheus's
-        `labels()` lookup costs more than the count itself."""
-        self._inflight = 0
-        self._admission = Admission(lambda callback, arg: asyncio.get_running_loop().call_soon(callback, arg))
         self._worker = worker
-        self._metas = metas
-        self._tracing = tracing
-        """The worker's traces; None when tracing is off (then each phase costs one None check)."""
-        server = config.server
-        self._shm = (
-            ShmRegistry(server.shm_max_regions, server.shm_max_bytes, server.shm_owner_uids)
-            if server.allow_client_shm
-            else None
-        )
-
-    @property
-    def tracing(self) -> Tracing | None:
-        """The worker's traces (None: off)."""
-        return self._tracing
+        self._shm = shm
+        """The client's shared-memory regions (None: not allowed, or a frontend's: the engine's)."""
 
     def close(self) -> None:
         """Close every registered shared-memory region."""
@@ -171,46 +117,34 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         )
         return mapping
 
-    async def _unimplemented(self, rpc: str, stream: Any) -> None:
-        detail = (
-            "hloserve has no CUDA shared memory (as Triton built without GPU support); "
-            "use system shared memory (--allow-client-shm)"
-            if rpc == "CudaSharedMemoryRegister"
-            else "not built in this version of hloserve"
+    async def _unimplemented(self, rpc: str, stream: object) -> None:
+        raise GRPCError(
+            Status.UNIMPLEMENTED, str(Unimplemented(rpc, "not built in this version of hloserve"))
         )
-        raise GRPCError(Status.UNIMPLEMENTED, str(Unimplemented(rpc, detail)))
 
     def _entry(self, name: str, version: str = "") -> ModelEntry:
-        entry = self._models.get(name)
-        if entry is None:
-            raise ModelNotFound(name, f"serving {sorted(self._models)}")
-        _check_version(name, version)
-        if version not in _VERSIONS:
-            raise ModelNotFound(name, "the only version is '1'", version)
-        return entry
+        return find_entry(self._models, name, version)
 
     def _ready_entry(self, name: str, version: str = "") -> ModelEntry:
-        entry = self._entry(name, version)
-        if not entry.ready:
-            raise ModelNotReady(name, entry.error or "not loaded")
-        return entry
+        return ready_entry(self._models, name, version)
 
     # -- ModelInfer (hot path) -----------------------------------------------------------------
 
     async def _model_infer(self, stream: Any) -> None:
-        received = 0 if self._tracing is None else time.monotonic_ns()
+        received = 0 if self._plane.tracing is None else time.monotonic_ns()
         request = await stream.recv_message()
         started = time.perf_counter()
         name = request.model_name
         label = name if name in self._models else "<unknown>"
+        plane = self._plane
         spans = None
-        if self._tracing is not None:
-            spans = self.trace_request(label, stream.metadata.get("traceparent"), received)
+        if plane.tracing is not None:
+            spans = plane.trace_request(label, stream.metadata.get("traceparent"), received)
         try:
-            response = await self._infer(request, stream.deadline, spans)
+            response = await plane.infer(request, stream.deadline, spans)
         except Exception as e:
             error = to_grpc_error(e, "ModelInfer")
-            self._count(label, error.status.name, started)
+            plane.count(label, error.status.name, time.perf_counter() - started)
             if spans is not None:
                 spans.end(error.status.name)
             raise error from None
@@ -218,169 +152,13 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
             if spans is not None:
                 spans.end("CANCELLED")
             raise
-        self._count(label, "OK", started)
+        plane.count(label, "OK", time.perf_counter() - started)
         await _grpclib_patches.send_reply(stream, response)
         if spans is not None:
             spans.mark("reply")
             spans.end()
 
-    def trace_request(self, model: str, traceparent: Any, started_ns: int) -> RequestSpans | None:
-        """The spans of a ModelInfer call that began at `started_ns` (`time.monotonic_ns()`),
-        parented by the client's `traceparent` header if it sent one; None when tracing is off."""
-        if self._tracing is None:
-            return None
-        if not isinstance(traceparent, str) or len(traceparent) > _TRACEPARENT_MAX:
-            traceparent = None
-        return self._tracing.request("ModelInfer", model, traceparent, started_ns)
-
-    def _count(self, model: str, status: str, started: float) -> None:
-        self.count_elapsed(model, status, time.perf_counter() - started)
-
-    def count_elapsed(self, model: str, status: str, elapsed: float) -> None:
-        """Count one ModelInfer call that ended with `status` (a frontend's, too)."""
-        counters = self._counters.get((model, status))
-        if counters is None:
-            metrics = self._metrics
-            counters = self._counters[model, status] = (
-                metrics.requests.labels(model, status),
-                metrics.request_seconds.labels(model),
-            )
-        calls, seconds = counters
-        calls.inc()
-        seconds.observe(elapsed)
-        if model in self._models:
-            stats = self._statistics[model]
-            (stats.success if status == "OK" else stats.fail).add(elapsed)
-
-    async def _infer(self, request: Any, grpc_deadline: Any, spans: RequestSpans | None = None) -> Any:
-        entry = self._ready_entry(request.model_name, request.model_version)
-        assert entry.bundle is not None
-        manifest = entry.bundle.manifest
-        hooks, meta_run = entry.hooks, entry.meta_run  # one registration per request (hot reload)
-        transformed = hooks is not None or meta_run is not None
-        decoded = decode_request(
-            request,
-            entry.name,
-            manifest.inputs,
-            manifest.outputs,
-            None if transformed else entry.max_rows,
-            self._shm,
-        )
-        server = self._config.server
-        if decoded.rows > server.max_request_rows:
-            raise InvalidInput(
-                entry.name,
-                f"batch of {decoded.rows} rows exceeds the server's limit of {server.max_request_rows} "
-                "rows per request (server.max_request_rows); send it in smaller requests",
-            )
-        if self._inflight >= server.max_inflight_requests:
-            raise Overloaded(server.max_inflight_requests)
-        if spans is not None:
-            spans.mark("decode", **{"hloserve.rows": decoded.rows})
-        now = time.monotonic()
-        remaining = None if grpc_deadline is None else grpc_deadline.time_remaining()
-        deadline = request_deadline(decoded.timeout_s, remaining, now)
-        ticket = self.admit(entry, decoded.rows, now, deadline)
-        if spans is not None:
-            spans.mark("admission")
-        self._inflight += 1
-        try:
-            if meta_run is not None:
-                infer_meta = trio_asyncio.trio_as_aio(self._metas.infer)
-                outputs = await infer_meta(entry, decoded.inputs, decoded.rows, deadline)
-                outputs = [outputs[i] for i in decoded.outputs]
-                if spans is not None:
-                    spans.mark("meta_model")
-            elif hooks is not None:
-                route = Route(entry.name, manifest, hooks, decoded.outputs)
-                inputs, rows = await _run_hook(hooks.preprocess, route.inward, decoded.inputs, decoded.rows)
-                if spans is not None:
-                    spans.mark("preprocess", **{"hloserve.rows": rows})
-                entry.check_rows(rows, "preprocess")
-                outputs = await self._execute(
-                    entry, inputs, rows, route.executable_outputs, deadline, now, spans
-                )
-                outputs = await _run_hook(hooks.postprocess, route.outward, outputs, decoded.rows)
-                if spans is not None:
-                    spans.mark("postprocess")
-            else:
-                outputs = await self._execute(
-                    entry, decoded.inputs, decoded.rows, decoded.outputs, deadline, now, spans
-                )
-        finally:
-            self._inflight -= 1
-            self._admission.release(ticket)
-        labels = entry.bundle.labels
-        response = encode_response(request, entry.name, manifest.outputs, decoded, outputs, labels)
-        if spans is not None:
-            spans.mark("encode")
-        return response
-
-    def admit(self, entry: ModelEntry, rows: int, now: float, deadline: float | None) -> Ticket:
-        """Count a request in, or refuse it if it cannot meet its deadline (`Admission`, from
-        this process's measured figures); hand the ticket back to `release` when it is done."""
-        stats = self._statistics[entry.name]
-        compiled = entry.compiled
-        try:
-            return self._admission.admit(
-                entry.name,
-                rows,
-                now,
-                deadline,
-                executed=stats.inference_count,
-                costs=stats.cost,
-                backlog_rows=1 if compiled is None else max(compiled.batch_sizes[-1], 1),
-                load_s=0.0
-                if stats.resident or not stats.residency
-                else stats.weight_bytes * self._statistics.seconds_per_weight_byte,
-            )
-        except CannotMeetDeadline:
-            stats.drops["cannot_meet_deadline"] += 1
-            raise
-
-    def release(self, ticket: Ticket) -> None:
-        self._admission.release(ticket)
-
-    async def _execute(
-        self,
-        entry: ModelEntry,
-        inputs: list[Any],
-        rows: int,
-        outputs: list[int],
-        deadline: float | None,
-        now: float,
-        spans: RequestSpans | None = None,
-    ) -> list[Any]:
-        """Queue executable inputs on the model's queue and await its outputs."""
-        assert entry.queue is not None
-        reply: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
-        queued = Infer(entry.name, inputs, rows, outputs, reply, now, deadline)
-        queue = entry.queue
-        if spans is not None:
-            return await self._execute_traced(queue, queued, spans)
-        queue.submit_nowait(queued)
-        # A client that cancels or disconnects cancels this handler, and so the future.
-        reply.add_done_callback(lambda f: queue.withdraw_nowait(queued) if f.cancelled() else None)
-        return await reply
-
-    async def _execute_traced(self, queue: Any, queued: Infer, spans: RequestSpans) -> list[Any]:
-        """`_execute` of a traced request: the dispatcher notes its phases in `queued.trace`."""
-        record = queued.trace = spans.engine
-        if record is not None:
-            record.enqueued_at = time.monotonic()
-        reply = queued.reply
-        queue.submit_nowait(queued)
-        reply.add_done_callback(lambda f: queue.withdraw_nowait(queued) if f.cancelled() else None)
-        try:
-            return cast(list[Any], await reply)
-        finally:
-            spans.record_engine()
-
     # -- health and metadata -------------------------------------------------------------------
-
-    def _platform(self) -> str:
-        """The platform models run on (ModelMetadata, ModelConfig): this process's device."""
-        return _platform()
 
     @_rpc("ServerLive")
     async def server_live(self, message: kserve.ServerLiveRequest) -> kserve.ServerLiveResponse:
@@ -388,32 +166,11 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
 
     @_rpc("ServerReady")
     async def server_ready(self, message: kserve.ServerReadyRequest) -> kserve.ServerReadyResponse:
-        ready = bool(self._models) and all(e.ready for e in self._models.values())
-        return kserve.ServerReadyResponse(ready=ready)
+        return kserve.ServerReadyResponse(ready=await self._plane.ready())
 
     @_rpc("ModelReady")
     async def model_ready(self, message: kserve.ModelReadyRequest) -> kserve.ModelReadyResponse:
-        _check_version(message.name, message.version)
-        entry = self._models.get(message.name)
-        return kserve.ModelReadyResponse(
-            ready=entry is not None
-            and self._not_ready_because(entry) is None
-            and message.version in _VERSIONS
-        )
-
-    def _not_ready_because(self, entry: ModelEntry) -> str | None:
-        """Why a model cannot serve now: it failed to load, or (externally managed) it is not
-        on the device; None when it can."""
-        if not entry.ready:
-            return entry.error or "not loaded"
-        if not self._config.weights.externally_managed:
-            return None
-        if entry.meta_run is not None:
-            away = [m for m in entry.calls if not self._statistics[m].resident]
-            return f"called models {away} not resident; residency is externally managed" if away else None
-        if not self._statistics[entry.name].resident:
-            return "not resident; residency is externally managed"
-        return None
+        return kserve.ModelReadyResponse(ready=await self._plane.model_ready(message.name, message.version))
 
     @_rpc("ServerMetadata")
     async def server_metadata(self, message: kserve.ServerMetadataRequest) -> kserve.ServerMetadataResponse:
@@ -438,7 +195,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         return kserve.ModelMetadataResponse(
             name=entry.name,
             versions=["1"],
-            platform=self._platform(),
+            platform=self._plane.platform,
             inputs=tensors(manifest.inputs),
             outputs=tensors(manifest.outputs),
         )
@@ -453,8 +210,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         # batch axis is elsewhere is described unbatched, with -1 where the batch goes. A meta
         # model has no compiled sizes: unbatched.
         leading = manifest.batched and all(s.batch_axis in (0, None) for s in specs)
-        compiled_sizes = () if entry.compiled is None else entry.compiled.batch_sizes
-        sizes = [b for b in compiled_sizes if b > 0]
+        sizes = [b for b in entry.batch_sizes if b > 0]
         max_batch = sizes[-1] if leading and sizes else 0
 
         def dims(spec: TensorSpec) -> list[int]:
@@ -470,7 +226,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         return kserve.ModelConfigResponse(
             config=kserve.ModelConfig(
                 name=entry.name,
-                platform=self._platform(),
+                platform=self._plane.platform,
                 backend="python" if manifest.is_meta else "jax",
                 max_batch_size=max_batch,
                 version_policy=kserve.ModelVersionPolicy(latest=kserve.ModelVersionPolicyLatest(1)),
@@ -603,6 +359,16 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
 
     # -- CUDA shared memory: none, as Triton without a GPU (so clients can clean up) ----------
 
+    @_rpc("CudaSharedMemoryRegister")
+    async def cuda_shared_memory_register(
+        self, message: kserve.CudaSharedMemoryRegisterRequest
+    ) -> kserve.CudaSharedMemoryRegisterResponse:
+        raise Unimplemented(
+            "CudaSharedMemoryRegister",
+            "hloserve has no CUDA shared memory (as Triton built without GPU support); "
+            "use system shared memory (--allow-client-shm)",
+        )
+
     @_rpc("CudaSharedMemoryStatus")
     async def cuda_shared_memory_status(
         self, message: kserve.CudaSharedMemoryStatusRequest
@@ -682,7 +448,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         for entry in sorted(self._models.values(), key=lambda e: e.name):
             if entry.name in parts:
                 continue
-            reason = self._not_ready_because(entry)
+            reason = not_ready_because(entry, self._config, self._statistics)
             if reason is None or not message.ready:
                 index.append(
                     kserve.RepositoryIndexResponseModelIndex(
@@ -695,22 +461,9 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         return kserve.RepositoryIndexResponse(models=sorted(index, key=lambda m: m.name))
 
 
-_in_thread = trio_asyncio.trio_as_aio(trio.to_thread.run_sync)
-
-
-async def _run_hook(hook: object, step: Callable[..., T], *args: Any) -> T:
-    """A pipeline step: in a worker thread when it runs a hook (arbitrary, blocking Python),
-    inline when the hook is omitted and the step only checks tensors."""
-    return await _in_thread(step, *args) if hook is not None else step(*args)
-
-
 def _bundle_names(repository: Path) -> list[str]:
     """The names of the repository's bundle directories (each holding a manifest)."""
     try:
         return [p.name for p in repository.iterdir() if (p / MANIFEST).is_file()]
     except OSError:
         return []
-
-
-def _platform() -> str:
-    return f"stablehlo_{_xla.device().platform}"

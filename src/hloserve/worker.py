@@ -20,11 +20,8 @@ from contextlib import asynccontextmanager
 import structlog
 import trio
 import trio_asyncio
-from grpclib.config import Configuration
 
-from hloserve import _grpclib_patches, _trio_asyncio_patches, _xla
-from hloserve._h2_limits import CONNECTIONS
-from hloserve._proto_codec import KnownFieldsCodec
+from hloserve import _grpclib_patches, _trio_asyncio_patches, _xla, grpc_server
 from hloserve.actors import supervised
 from hloserve.actors.dispatcher import Dispatcher
 from hloserve.actors.weight_cache import WeightCache
@@ -32,9 +29,11 @@ from hloserve.budget import resolve_budget
 from hloserve.buffer_pool import BufferPool
 from hloserve.config import Config, ModelSettings
 from hloserve.control import ControlService
+from hloserve.data_plane import LocalDataPlane
 from hloserve.errors import ConfigError
 from hloserve.executable_cache import ExecutableCache, default_directory
 from hloserve.frontends import Frontends
+from hloserve.grpc_server import build_grpc_server
 from hloserve.health import worker_health
 from hloserve.meta import MetaModels
 from hloserve.metrics import Metrics
@@ -42,8 +41,8 @@ from hloserve.model_table import ModelTable, Prepared, prepare_repository
 from hloserve.policy import PolicyParams
 from hloserve.reloader import RepositoryWatcher
 from hloserve.rest import RestServer, build_app
-from hloserve.restricted import Restrictions, restrict_grpc
 from hloserve.service import InferenceService
+from hloserve.shm_registry import ShmRegistry
 from hloserve.statistics import Statistics
 from hloserve.tls import server_context
 from hloserve.tracing import open_tracing
@@ -168,35 +167,31 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
                 server_config.metrics_timeout_s,
             )
         tracing = open_tracing(config.tracing)
-        service = worker.inference = InferenceService(
-            config, entries, statistics, metrics, worker, metas, tracing=tracing
+        shm = (
+            ShmRegistry(
+                server_config.shm_max_regions, server_config.shm_max_bytes, server_config.shm_owner_uids
+            )
+            if server_config.allow_client_shm
+            else None
         )
+        plane = LocalDataPlane(config, entries, statistics, metrics, metas, shm=shm, tracing=tracing)
+        service = worker.inference = InferenceService(plane, config, entries, statistics, worker, shm)
         # grpclib looks up the event loop when constructed: build it inside trio-asyncio's loop.
-        server = _grpclib_patches.GracefulServer(
-            [
-                service,
-                ControlService(worker),
-                worker_health(worker, service, draining=lambda: server.draining),
-            ],
-            config=Configuration(
-                http2_connection_window_size=_grpclib_patches.WINDOW_BYTES,
-                http2_stream_window_size=_grpclib_patches.WINDOW_BYTES,
-            ),
-            codec=KnownFieldsCodec(),
-            limits=_grpclib_patches.TransportLimits.from_config(server_config),
+        server = build_grpc_server(
+            server_config,
+            [service, ControlService(worker)],
+            lambda draining: worker_health(entries, plane, server_config.max_health_watches, draining),
         )
-        restrict_grpc(server, Restrictions.grpc(server_config.grpc_restricted_protocol))
         try:  # both read here, so a bad file stops the engine before any frontend starts
             grpc_tls = server_context(server_config, "grpc")
             server_context(server_config, "http")
         except ConfigError:
             metrics.close()
             raise
-        CONNECTIONS.configure(server_config.max_open_connections)
         rest = None
         if server_config.http_port >= 0 and not server_config.frontends:  # else each frontend serves REST
             # before gRPC: a failed bind cancels it with the nursery
-            app = build_app(service, entries, server_config)
+            app = build_app(plane, service, entries, server_config)
             rest = worker.rest = RestServer(app, server_config)
             try:
                 worker.http_port = await nursery.start(rest.run)
@@ -208,18 +203,13 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
                 ) from None
         frontends = None
         if server_config.frontends:
-            frontends = worker.frontends = Frontends(worker, service)
+            frontends = worker.frontends = Frontends(worker, plane, service)
         try:
             if frontends is not None:  # the engine: K processes serve gRPC and REST, over links to it
                 worker.grpc_port, http_port = await nursery.start(frontends.run)
                 worker.http_port = None if http_port < 0 else http_port
             else:
-                await trio_asyncio.aio_as_trio(server.start)(
-                    server_config.host,
-                    server_config.grpc_port,
-                    ssl=grpc_tls,
-                    handshake_timeout_s=server_config.handshake_timeout_s,
-                )
+                await grpc_server.start(server, server_config, server_config.grpc_port, grpc_tls)
                 worker.grpc_port = server.port
         except ConfigError:  # a port the frontends cannot have
             metrics.close()
@@ -256,7 +246,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
                 if frontends is not None:
                     await frontends.drain()
                 else:
-                    await trio_asyncio.aio_as_trio(server.shutdown)(server_config.shutdown_grace_s)
+                    await grpc_server.shut_down(server, server_config)
                 if rest is not None:  # hypercorn gives its connections the same grace
                     with trio.move_on_after(server_config.shutdown_grace_s + 1):
                         await rest.stopped.wait()

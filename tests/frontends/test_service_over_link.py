@@ -27,6 +27,7 @@ from hloserve import _grpclib_patches
 from hloserve._proto_codec import KnownFieldsCodec
 from hloserve.buffer_pool import BufferPool
 from hloserve.config import ModelSettings
+from hloserve.data_plane import LocalDataPlane
 from hloserve.engine_link import EngineLink
 from hloserve.frontend_link import FrontendLink, execute_over
 from hloserve.meta import MetaModels
@@ -58,10 +59,11 @@ class FrontEndOverLink:
                     link = FrontendLink(trio.SocketStream(frontend_end), arena)
                     await nursery.start(link.run)
                     metas = MetaModels(worker.models, 1, 1, None, worker.statistics, PolicyParams())
-                    service = InferenceService(
+                    plane = LocalDataPlane(
                         self.config, worker.models, worker.statistics, Metrics(worker.statistics),
-                        worker, metas, execute=execute_over(link),
+                        metas, execute_over(link),
                     )  # fmt: skip
+                    service = InferenceService(plane, self.config, worker.models, worker.statistics, worker)
                     server = _grpclib_patches.GracefulServer(
                         [service],
                         codec=KnownFieldsCodec(),

@@ -22,7 +22,7 @@ from hloserve.config import Config, ServerConfig
 from hloserve.fleet import envoy
 from hloserve.fleet.controller import Controller, WorkerLink
 from hloserve.fleet.http import NodeHttp
-from hloserve.fleet.services import ControlFront, GatewayFront, InferenceFront, node_readiness
+from hloserve.fleet.services import ControlFront, GatewayFront, InferenceFront, NodeDataPlane, node_readiness
 from hloserve.fleet.supervisor import Child, Supervisor
 from hloserve.fleet.workers import WorkerSpec, free_port
 from hloserve.health import Health
@@ -137,7 +137,7 @@ async def run_front(
                     http_use_ssl=False,
                     http_use_ssl_mutual=False,
                 )
-                app = rest.build_app(inference, {}, settings)  # type: ignore[arg-type]
+                app = rest.build_app(NodeDataPlane(controller), inference, {}, settings)
                 rest_server = rest.RestServer(app, settings)
                 publish.controller_http = f"127.0.0.1:{await nursery.start(rest_server.run)}"
             publish({})

@@ -2,7 +2,7 @@
 
 Envoy sends here every request its routes do not give to a model's workers: the server-wide
 RPCs, the fan-outs, the control services, and requests for a model no worker serves; over REST
-too, where `rest.build_app` serves `InferenceFront` as it serves a worker's service. A worker's
+too, where `rest.build_app` serves `NodeDataPlane` and `InferenceFront` as it serves a worker's. A worker's
 error reaches the client with the worker's status and message (prefixed with the worker's name
 where several answered).
 """
@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import grpclib
 from grpclib.const import Status
+from grpclib.metadata import Deadline
 
 from hloserve._proto import hloserve_control as control
 from hloserve._proto import hloserve_gateway as gateway
@@ -23,7 +24,14 @@ from hloserve._version import __version__
 from hloserve.fleet import placement as lpt
 from hloserve.fleet.controller import Controller, WorkerLink
 
-__all__ = ["ControlFront", "GatewayFront", "InferenceFront", "merge_control_status", "node_readiness"]
+__all__ = [
+    "ControlFront",
+    "GatewayFront",
+    "InferenceFront",
+    "NodeDataPlane",
+    "merge_control_status",
+    "node_readiness",
+]
 
 T = TypeVar("T")
 _MAX_REPACK_WAIT_S = 120.0
@@ -113,6 +121,38 @@ def merge_statistics(answers: Iterable[kserve.ModelStatisticsResponse]) -> kserv
     return kserve.ModelStatisticsResponse(model_stats=[merged[m] for m in sorted(merged)])
 
 
+class NodeDataPlane:
+    """The node's data plane, behind Envoy (REST's and health's): a request Envoy sends here
+    names a model no worker serves; readiness is the node's."""
+
+    def __init__(self, controller: Controller) -> None:
+        self._controller = controller
+
+    @property
+    def tracing(self) -> None:
+        """None: the node's front makes no spans; its workers (and Envoy) do."""
+        return None
+
+    @property
+    def platform(self) -> str:
+        return ""  # no model is served here
+
+    def trace_request(self, model: str, traceparent: object, started_ns: int) -> None:
+        return None
+
+    async def infer(self, request: Any, deadline: Deadline | None, spans: object = None) -> Any:
+        raise _not_served(request.model_name)
+
+    def count(self, model: str, status: str, elapsed_s: float) -> None:
+        """Nothing: the workers count the requests they serve."""
+
+    async def ready(self) -> bool:
+        return node_readiness(self._controller)[0]
+
+    async def model_ready(self, name: str, version: str = "") -> bool:
+        return False
+
+
 class InferenceFront(kserve.GrpcInferenceServiceBase):
     """KServe V2 RPCs that span the node's workers."""
 
@@ -173,27 +213,11 @@ class InferenceFront(kserve.GrpcInferenceServiceBase):
     async def model_infer(self, message: kserve.ModelInferRequest) -> kserve.ModelInferResponse:
         raise _not_served(message.model_name)
 
-    # What the REST routes call besides the RPCs above.
-
-    tracing = None
-    """The node's front makes no spans: its workers (and Envoy) do."""
-
-    async def _infer(self, request: Any, grpc_deadline: Any, spans: Any = None) -> Any:
-        raise _not_served(request.model_name)
-
     async def trace_setting(self, message: kserve.TraceSettingRequest) -> kserve.TraceSettingResponse:
         """A worker's answer: every worker of a node has the node's trace settings."""
         return await _ready(self._controller)[0].inference.trace_setting(
             message, timeout=self._controller.node.probe_timeout_s
         )
-
-    def _count(self, model: str, status: str, started: float) -> None:
-        """Nothing: the workers count the requests they serve."""
-
-    async def _unimplemented(self, rpc: str, stream: Any) -> None:
-        if rpc == "CudaSharedMemoryRegister":
-            await self.cuda_shared_memory_register(kserve.CudaSharedMemoryRegisterRequest())
-        raise grpclib.GRPCError(Status.UNIMPLEMENTED, f"{rpc} is not served by a node")
 
     async def cuda_shared_memory_register(
         self, message: kserve.CudaSharedMemoryRegisterRequest

@@ -3,15 +3,11 @@ doubling backoff (giving up after a budget of restarts in a row), makes every ch
 (`PR_SET_PDEATHSIG`), stops them with SIGTERM and a grace period before SIGKILL, and writes each
 child's output line by line after its name.
 
-Children are forked from the trio thread itself, never from a helper thread: the kernel sends the
-parent-death signal when the *thread* that forked a child ends, and trio's `open_process` forks
-from a thread of its pool that idles out within seconds.
+Each child is a `hloserve._process.Process`: forked from the trio thread, awaited on a pidfd.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -23,13 +19,12 @@ from dataclasses import dataclass, field
 import structlog
 import trio
 
+from hloserve._process import Process
 from hloserve.config import NodeConfig
 
 __all__ = ["Child", "GaveUp", "Supervisor"]
 
 log = structlog.get_logger("hloserve.node")
-
-_PR_SET_PDEATHSIG = 1
 
 
 class GaveUp(Exception):
@@ -45,17 +40,6 @@ class Child:
     env: Mapping[str, str] = field(default_factory=dict)
     """Set over the supervisor's own environment."""
     grace_s: float = 15.0
-
-
-def _die_with_parent(parent: int) -> Callable[[], None]:
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    def preexec() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return preexec
 
 
 async def _copy_lines(name: str, fd: int, out: Callable[[bytes], object]) -> None:
@@ -107,14 +91,14 @@ class Supervisor:
     async def _run_once(self, child: Child) -> int:
         read, write = os.pipe()
         try:
-            process = subprocess.Popen(
-                list(child.argv),
+            process = Process(
+                child.argv,
                 env={**os.environ, **child.env},
                 stdin=subprocess.DEVNULL,
                 stdout=write,
                 stderr=write,
+                death_signal=signal.SIGTERM,
                 process_group=0,  # its own group: stopping it reaches whatever it started
-                preexec_fn=_die_with_parent(os.getpid()),
             )
         finally:
             os.close(write)
@@ -125,30 +109,15 @@ class Supervisor:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_copy_lines, child.name, read, self._out)
                 try:
-                    with os.fdopen(os.pidfd_open(process.pid), "rb", buffering=0) as pidfd:
-                        await trio.lowlevel.wait_readable(pidfd)
+                    return await process.wait()
                 finally:
-                    if process.poll() is None:  # cancelled: the node is stopping
+                    if process.returncode is None:  # cancelled: the node is stopping
                         with trio.CancelScope(shield=True):
-                            await _stop(process, child)
-                return process.wait()
+                            if await process.stop(child.grace_s):
+                                log.warning(
+                                    "child ignored SIGTERM; killed", child=child.name, grace_s=child.grace_s
+                                )
+                            log.info("child stopped", child=child.name, exit=process.returncode)
         finally:
+            process.close()
             self.pids.pop(child.name, None)
-
-
-async def _stop(process: subprocess.Popen[bytes], child: Child) -> None:
-    """SIGTERM to the child's group, SIGKILL once `grace_s` has passed."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    with trio.move_on_after(child.grace_s):
-        while process.poll() is None:
-            await trio.sleep(0.05)
-    if process.poll() is None:
-        log.warning("child ignored SIGTERM; killing it", child=child.name, grace_s=child.grace_s)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-    else:  # whatever it started and left behind goes with it
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-    log.info("child stopped", child=child.name, exit=process.returncode)
