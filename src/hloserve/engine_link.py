@@ -1,6 +1,6 @@
 """The engine's end of a frontend's link (`hloserve.link`): `EngineLink`, an actor like the
 queues and the dispatcher, turns each `Run` into the `Infer` the in-process front end sends and
-answers each request once; `Call`s reach the engine's own services, and `push` sends a frontend
+answers each request once; `EngineCall`s reach the engine's own services, and `push` sends a frontend
 the changes of the model table."""
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from hloserve.link import (
     FORWARD,
     Applied,
     ArenaTensor,
-    Call,
+    ClientLeft,
     Counted,
-    Failed,
+    EngineCall,
+    Errored,
     FrameReader,
     Hello,
     Listening,
@@ -36,7 +37,6 @@ from hloserve.link import (
     Released,
     Returned,
     Run,
-    Withdraw,
     frame,
     send_frames,
 )
@@ -51,7 +51,7 @@ __all__ = ["EngineLink", "EngineServices"]
 @dataclass(frozen=True, slots=True)
 class EngineServices:
     """What a link reaches of the engine beyond its queues: `count` a frontend's finished call
-    (model, status, seconds), the service methods a `Call` may name (asyncio coroutines), and
+    (model, status, seconds), the service methods an `EngineCall` may name (asyncio coroutines), and
     `admit`, which raises `Overloaded` when the worker holds `server.max_inflight_requests`
     requests from all its frontends together."""
 
@@ -194,7 +194,7 @@ class EngineLink:
                     reply.set_exception(e)
                 else:
                     self._pending[ident] = (request, reply, queue)
-            case Withdraw():
+            case ClientLeft():
                 if (pending := self._pending.get(ident)) is not None:
                     request, reply, queue = pending
                     reply.withdrawn = True  # dropped unread by whoever holds it next
@@ -211,15 +211,15 @@ class EngineLink:
             case Counted(calls=calls) if self._services is not None:
                 for model, status, elapsed_s in calls:
                     self._services.count(model, status, elapsed_s)
-            case Call(method=method, message=argument) if self._services is not None:
+            case EngineCall(method=method, message=argument) if self._services is not None:
                 assert self._nursery is not None
                 self._nursery.start_soon(self._call, ident, method, argument)
             case _:
                 raise TypeError(f"link got an unknown message {message!r}")
 
     async def _call(self, ident: int, method: str, argument: object) -> None:
-        """Answer a `Call`; a forwarded ModelInfer counts as in flight, and the frontend's
-        `Withdraw` (its client went away) cancels it as a cancelled handler is at K=0."""
+        """Answer an `EngineCall`; a forwarded ModelInfer counts as in flight, and the frontend's
+        `ClientLeft` (its client went away) cancels it as a cancelled handler is at K=0."""
         assert self._services is not None
         reply = _LinkReply(ident, (0, 0), self._send)
         forwarded = method == FORWARD
@@ -282,7 +282,7 @@ class EngineLink:
         try:
             return self._final_frame(reply, event)
         except ValueError as e:  # too large for a frame: said, not a dead link
-            return frame(reply.ident, Failed(Status.RESOURCE_EXHAUSTED.value, str(e)))
+            return frame(reply.ident, Errored(Status.RESOURCE_EXHAUSTED.value, str(e)))
 
     def _final_frame(self, reply: _LinkReply, event: object) -> bytes:
         if self._pending.pop(reply.ident, None) is not None and self._services is not None:
@@ -295,7 +295,7 @@ class EngineLink:
                 message: object = event
             case BaseException():
                 error = to_grpc_error(event, "ModelInfer")  # type: ignore[arg-type]
-                message = Failed(error.status.value, error.message or "")
+                message = Errored(error.status.value, error.message or "")
             case list():
                 message = Ran(self._write_outputs(event, reply.out))
             case _:

@@ -21,9 +21,10 @@ from hloserve.link import (
     ALIGNMENT,
     Applied,
     ArenaTensor,
-    Call,
+    ClientLeft,
     Counted,
-    Failed,
+    EngineCall,
+    Errored,
     FrameReader,
     Hello,
     Ran,
@@ -32,7 +33,6 @@ from hloserve.link import (
     Run,
     TableChanged,
     TensorRef,
-    Withdraw,
     frame,
     send_frames,
 )
@@ -61,7 +61,7 @@ class _Waiting:
 class FrontendLink:
     """A frontend's end of the link: `submit` (from asyncio, no trio task per request) or `infer`
     (from trio) stage inputs in the arena and send `Run`; `run` (a task) reads the engine's
-    frames and sends what is queued, in order. A caller that leaves sends `Withdraw` and leaves
+    frames and sends what is queued, in order. A caller that leaves sends `ClientLeft` and leaves
     its slot held until the engine says nothing reads it."""
 
     def __init__(self, stream: trio.SocketStream, arena: BufferPool) -> None:
@@ -94,7 +94,7 @@ class FrontendLink:
                 nursery.cancel_scope.cancel()
         finally:
             for waiting in self._waiting.values():
-                self._answer(waiting, Failed(Status.UNAVAILABLE.value, "the engine closed the link"))
+                self._answer(waiting, Errored(Status.UNAVAILABLE.value, "the engine closed the link"))
             self._waiting.clear()
             self.closed.set()
             await self._stream.aclose()
@@ -148,7 +148,7 @@ class FrontendLink:
             raise GRPCError(Status.UNAVAILABLE, "the engine closed the link")
         ident = self._new_id()
         try:
-            data = frame(ident, Call(method, message))
+            data = frame(ident, EngineCall(method, message))
         except ValueError as e:
             raise GRPCError(Status.RESOURCE_EXHAUSTED, str(e)) from None
         done = trio.Event()
@@ -158,14 +158,14 @@ class FrontendLink:
             await done.wait()
         except BaseException:
             if self._waiting.pop(ident, None) is not None:
-                self._post(ident, Withdraw())
+                self._post(ident, ClientLeft())
             raise
         finally:
             self._waiting.pop(ident, None)
         match waiting.answer:
             case Returned(value=value):
                 return value
-            case Failed(status=status, message=text):
+            case Errored(status=status, message=text):
                 raise GRPCError(Status(status), text)
             case other:
                 raise TypeError(f"link answered {other!r}")
@@ -203,7 +203,7 @@ class FrontendLink:
             match waiting.answer:
                 case Ran(outputs=results):
                     return [self._copy_out(r) for r in results]
-                case Failed(status=status, message=message):
+                case Errored(status=status, message=message):
                     raise GRPCError(Status(status), message)
                 case other:
                     raise TypeError(f"link answered {other!r}")
@@ -247,7 +247,7 @@ class FrontendLink:
         waiting = self._waiting.get(ident)
         if waiting is not None:
             waiting.left = True
-            self._post(ident, Withdraw())
+            self._post(ident, ClientLeft())
 
     def submit(
         self,

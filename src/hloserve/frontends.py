@@ -65,7 +65,7 @@ def _summary(host: ModelHost, entry: ModelEntry) -> ModelSummary:
 def engine_calls(
     host: ModelHost, plane: LocalDataPlane, service: InferenceService
 ) -> dict[str, Callable[[Any], Awaitable[Any]]]:
-    """The engine's service methods a frontend's `Call` may name: the inference service's that
+    """The engine's service methods a frontend's `EngineCall` may name: the inference service's that
     only the engine can answer, a whole ModelInfer (`FORWARD`), and the control service's."""
 
     async def forwarded(argument: tuple[bytes, float | None]) -> bytes:
@@ -127,7 +127,7 @@ class Frontends:
 
     def engine_link(self, stream: trio.SocketStream) -> EngineLink:
         """The engine's end of a link to a frontend on `stream`, counting, admitting and
-        answering `Call`s as every frontend's (unstarted: run it in a task)."""
+        answering `EngineCall`s as every frontend's (unstarted: run it in a task)."""
         return EngineLink(stream, self._host.models, self._services)
 
     def _admit(self, entry: ModelEntry | None, rows: int, deadline: float | None) -> Ticket | None:

@@ -38,9 +38,10 @@ __all__ = [
     "MAX_FRAME_BYTES",
     "Applied",
     "ArenaTensor",
-    "Call",
+    "ClientLeft",
     "Counted",
-    "Failed",
+    "EngineCall",
+    "Errored",
     "FrameReader",
     "Hello",
     "Listening",
@@ -52,7 +53,6 @@ __all__ = [
     "Setup",
     "TableChanged",
     "TensorRef",
-    "Withdraw",
     "frame",
 ]
 
@@ -61,7 +61,7 @@ MAX_FRAME_BYTES = 3 << 30
 """Largest payload: tensors are in the arena, so only a request forwarded whole (a meta model's,
 bounded by `server.max_message_bytes`) or an output that did not fit comes near it."""
 FORWARD = "model_infer"
-"""The `Call` that forwards a whole ModelInfer to the engine (meta models, client regions)."""
+"""The `EngineCall` that forwards a whole ModelInfer to the engine (meta models, client regions)."""
 ALIGNMENT = 64
 """Where tensors start in the arena (and outputs in a slot's reserved region)."""
 ARENA_PREFIX = "hloserve-f"
@@ -139,7 +139,7 @@ class Run:
 
 
 @dataclass(frozen=True, slots=True)
-class Withdraw:
+class ClientLeft:
     """frontend → engine: the client of request `id` went away."""
 
 
@@ -153,7 +153,7 @@ class Counted:
 
 
 @dataclass(frozen=True, slots=True)
-class Call:
+class EngineCall:
     """frontend → engine: answer the engine's own `method` of the service for `message` (an
     RPC whose answer is the engine's, such as ModelStatistics)."""
 
@@ -177,7 +177,7 @@ class Applied:
 
 @dataclass(frozen=True, slots=True)
 class Returned:
-    """engine → frontend: a `Call`'s answer."""
+    """engine → frontend: an `EngineCall`'s answer."""
 
     value: object
 
@@ -190,7 +190,7 @@ class Ran:
 
 
 @dataclass(frozen=True, slots=True)
-class Failed:
+class Errored:
     """engine → frontend: the gRPC status and message the request fails with (as with K=0)."""
 
     status: int
