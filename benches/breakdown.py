@@ -105,12 +105,12 @@ def _without_actors() -> None:
     from hloserve.batching import assemble
     from hloserve.bundle import read_weights
     from hloserve.codec import decode_request, encode_response
-    from hloserve.service import InferenceService
+    from hloserve.data_plane import LocalDataPlane, ready_entry
 
     weights: dict[str, list[Any]] = {}
 
-    async def infer(self: InferenceService, request: Any, grpc_deadline: Any, spans: Any = None) -> Any:
-        entry = self._ready_entry(request.model_name, request.model_version)
+    async def infer(self: LocalDataPlane, request: Any, deadline: Any, spans: Any = None) -> Any:
+        entry = ready_entry(self._models, request.model_name, request.model_version)
         assert entry.bundle is not None and entry.compiled is not None
         manifest = entry.bundle.manifest
         decoded = decode_request(
@@ -129,27 +129,27 @@ def _without_actors() -> None:
             request, entry.name, manifest.outputs, decoded, [outputs[i] for i in decoded.outputs]
         )
 
-    InferenceService._infer = infer  # type: ignore[method-assign]
+    LocalDataPlane.infer = infer  # type: ignore[method-assign]
 
 
 def _canned_reply() -> None:
     import numpy as np
 
     from hloserve._proto.hot import hot_infer_pb2 as hot
-    from hloserve.service import InferenceService
+    from hloserve.data_plane import LocalDataPlane
 
     reply = hot.ModelInferResponse(model_name="mlp", model_version="1")
     output = reply.outputs.add(name="OUTPUT0", datatype="FP32")
     output.shape.extend([1, 4])
     reply.raw_output_contents.append(np.zeros(4, np.float32).tobytes())
 
-    async def infer(self: InferenceService, request: Any, grpc_deadline: Any, spans: Any = None) -> Any:
+    async def infer(self: LocalDataPlane, request: Any, deadline: Any, spans: Any = None) -> Any:
         stats = self._statistics["mlp"]  # kept as the actors keep them: perf_analyzer reads them
         stats.queue.add(0.0)
         stats.record_execution(1, 1, 0.0, 0.0, 0.0)
         return reply
 
-    InferenceService._infer = infer  # type: ignore[method-assign]
+    LocalDataPlane.infer = infer  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

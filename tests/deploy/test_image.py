@@ -1,4 +1,4 @@
-"""The Dockerfile, parsed by BuildKit's own parser (no container daemon here to build it): it
+"""deploy/Dockerfile, parsed by BuildKit's own parser (no container daemon here to build it): it
 runs as user 1000, enters through the `hloserve` command, copies only files that exist and
 that .dockerignore lets through, serves /mnt/models on every interface, and bakes in no model."""
 
@@ -13,7 +13,7 @@ from hloserve.config import ServerConfig
 
 from .support import ROOT
 
-COMMANDS = dockerfile.parse_file(str(ROOT / "Dockerfile"))
+COMMANDS = dockerfile.parse_file(str(ROOT / "deploy" / "Dockerfile"))
 FINAL = COMMANDS[max(i for i, c in enumerate(COMMANDS) if c.cmd == "FROM") :]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
