@@ -37,6 +37,7 @@ import numpy as np
 import outcome
 import structlog
 import trio
+
 from hloserve.actors import INLINE_WORK_S
 from hloserve.actors.messages import (
     AddModel,
@@ -55,7 +56,6 @@ from hloserve.actors.messages import (
     answer,
 )
 from hloserve.actors.weight_cache import WeightCacheHandle
-
 from hloserve.batching import assemble, join_outputs, slice_rows, split_outputs
 from hloserve.compiled import CompiledModel, ExecutionResult
 from hloserve.errors import DeadlineExceeded, ExecutionFailed, ModelNotFound, ModelNotReady, NotResident
@@ -356,7 +356,8 @@ class Dispatcher:
             ]
         committed = [s for s in summaries if s.committed]
         if committed:  # meta sub-calls go ahead of the discipline, oldest first
-            return min(committed, key=lambda s: s.front_enqueued_at).model
+            first: str = min(committed, key=lambda s: s.front_enqueued_at).model
+            return first
         ready = [
             Candidate(
                 s.model, s.batch_size, s.front_enqueued_at, s.earliest_deadline, self._load_seconds(s.model)

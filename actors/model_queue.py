@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TypeAlias, final
 
 import trio
+
 from hloserve.actors.messages import (
     Batch,
     DispatcherMessage,
@@ -27,7 +28,6 @@ from hloserve.actors.messages import (
     Take,
     Withdraw,
 )
-
 from hloserve.errors import DeadlineExceeded, QueueFull, ShuttingDown
 from hloserve.policy import BatchPlan, Pending, drop_reason, plan_batch, queue_delay
 from hloserve.statistics import Statistics

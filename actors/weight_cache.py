@@ -27,6 +27,8 @@ import numpy as np
 import outcome
 import structlog
 import trio
+
+from hloserve import _xla
 from hloserve.actors import INLINE_WORK_S
 from hloserve.actors.messages import (
     Acquire,
@@ -39,8 +41,6 @@ from hloserve.actors.messages import (
     WeightCacheMessage,
     answer,
 )
-
-from hloserve import _xla
 from hloserve.bundle import Bundle, read_weights
 from hloserve.errors import ExecutionFailed, ModelNotFound, NotResident, ResidencyRefused
 from hloserve.shared_weights import SharedHostWeights

@@ -7,9 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import hloserve.actors
-
 import hloserve
+import hloserve.actors
 
 SOURCES = {
     "hloserve": Path(hloserve.__file__).parent,

@@ -16,14 +16,14 @@ import trio
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import yaml
-from hloserve.actors.messages import Batch, Infer, Take
-from hloserve.actors.model_queue import ModelQueue, QueueSettings
 from support.bundles import PARAMS, affine, write_affine, write_total
 from support.clients import infer, wait_until
 from support.numerics import assert_close, close
 from support.servers import ServerThread, make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
+from hloserve.actors.messages import Batch, Infer, Take
+from hloserve.actors.model_queue import ModelQueue, QueueSettings
 from hloserve.errors import InvalidInput
 from hloserve.statistics import Statistics
 

@@ -22,13 +22,13 @@ import numpy as np
 import pytest
 import trio
 import tritonclient.grpc as grpcclient
-from hloserve.actors import weight_cache
 from support.bundles import write_heavy
 from support.clients import infer
 from support.numerics import assert_close
 from support.servers import ServerThread, make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
+from hloserve.actors import weight_cache
 from hloserve.export import InputSpec, export_bundle
 
 COPY_S = 0.25
@@ -250,7 +250,6 @@ def test_a_prefetch_evicts_only_what_makes_room_and_nothing_when_nothing_would(t
     with x kept could make room only by evicting x as well as y: it evicts nothing and copies
     nothing. With nothing kept it evicts both, least recently used first, and copies big."""
     from hloserve.actors.weight_cache import WeightCache
-
     from hloserve.bundle import load_bundle
     from hloserve.statistics import Statistics
 
@@ -289,7 +288,6 @@ def test_edf_drops_a_request_that_cannot_load_and_run_before_its_deadline() -> N
 
     from hloserve.actors.messages import Batch, Infer, Take
     from hloserve.actors.model_queue import ModelQueue, QueueSettings
-
     from hloserve.errors import DeadlineExceeded
     from hloserve.statistics import Statistics
 

@@ -242,7 +242,8 @@ async def _whole(stream: Any, size: int, rpc: str, what: str) -> bytes:
     """`size` bytes of `stream`'s data (b"" at its end); INVALID_ARGUMENT when it ends sooner:
     grpclib asserts instead ("Received less data than expected"), which was answered UNKNOWN."""
     try:
-        return await stream.recv_data(size)
+        data: bytes = await stream.recv_data(size)
+        return data
     except AssertionError as e:
         if "less data than expected" not in str(e):
             raise

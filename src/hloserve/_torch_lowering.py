@@ -163,7 +163,8 @@ def _decomposed(program: torch.export.ExportedProgram, torchax: Any) -> torch.ex
     for op, decomposition in torchax.decompositions.DECOMPOSITIONS.items():
         if op not in _KEPT_WHOLE:
             table[op] = decomposition
-    return program.run_decompositions(table)
+    decomposed: torch.export.ExportedProgram = program.run_decompositions(table)
+    return decomposed
 
 
 class _Interpreter(torch.fx.Interpreter):
@@ -183,7 +184,8 @@ class _Interpreter(torch.fx.Interpreter):
         for key in (target, packet):
             op = self.registry.get(key) if key is not None else None
             if op is not None and op.is_jax_function:
-                return op.func
+                func: Callable[..., Any] = op.func
+                return func
         return None
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:

@@ -71,7 +71,8 @@ def _call_soon(self: Any, callback: Any, *args: Any, **context: Any) -> asyncio.
     """trio-asyncio's `call_soon`, its callback checked in debug mode only."""
     if self._debug:
         self._check_callback(callback, "call_soon")
-    return self._queue_handle(asyncio.Handle(callback, args, self, **context))
+    handle: asyncio.Handle = self._queue_handle(asyncio.Handle(callback, args, self, **context))
+    return handle
 
 
 BOUND_BY_NAME = (("grpclib.utils", "_current_task"), ("anyio._backends._asyncio", "current_task"))

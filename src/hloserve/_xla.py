@@ -26,6 +26,7 @@ import jax.extend.backend
 import jax.extend.mlir
 import jax.numpy as jnp
 import jaxlib
+import jaxlib.version
 import numpy as np
 from jaxlib import xla_client
 from jaxlib.mlir import ir
@@ -61,7 +62,7 @@ def check_jax(names: tuple[str, ...] = SEMI_PUBLIC) -> None:
     absent = missing(names)
     if absent:
         raise JaxMismatch(
-            f"jax {jax.__version__} (jaxlib {jaxlib.__version__}) lacks {', '.join(absent)}, which "
+            f"jax {jax.__version__} (jaxlib {jaxlib.version.__version__}) lacks {', '.join(absent)}, which "
             "hloserve's XLA adapter calls: install a jax that hloserve supports (see its README) "
             "or update hloserve._xla for this one"
         )
@@ -90,6 +91,8 @@ __all__ = [
     "device",
     "free",
     "host_buffer",
+    "jax",
+    "jnp",
     "main_signature",
     "memory_stats",
     "pin",
@@ -212,7 +215,7 @@ def deserialize_executable(blob: bytes) -> Executable:
 def runtime_identity() -> str:
     """What a serialized executable depends on: jaxlib's version, the platform, the device kind."""
     dev = device()
-    return f"jaxlib {jaxlib.__version__}; {dev.platform}; {dev.device_kind}"
+    return f"jaxlib {jaxlib.version.__version__}; {dev.platform}; {dev.device_kind}"
 
 
 def compiled_memory(executable: Executable) -> dict[str, int]:
@@ -247,9 +250,10 @@ def put(array: np.ndarray) -> DeviceArray:
     machinery per call, more than a tiny request's whole execution; this takes ~3 us.
     """
     dev = device()
-    return xla_client.batched_device_put(
+    put: jax.Array = xla_client.batched_device_put(
         jax.core.ShapedArray(array.shape, array.dtype), _sharding(), [array], [dev]
     )
+    return put
 
 
 PINNED_HOST = "pinned_host"
@@ -270,7 +274,8 @@ def pinned_host_available() -> bool:
 def pinning_pays() -> bool:
     """Whether a copy from pinned host memory beats one from pageable memory: on an accelerator.
     On the CPU the device aliases a pageable array, and a pinned one costs a copy."""
-    return device().platform != "cpu"
+    platform: str = device().platform
+    return platform != "cpu"
 
 
 @functools.cache

@@ -205,7 +205,7 @@ class BufferPool:
     def span_for(self, specs: Sequence[tuple[Sequence[int] | int, Any]]) -> int:
         """Enough contiguous slots for `scratch` to carve `specs` ((shape, dtype) pairs): each
         array is counted with a whole alignment pad, so this is a bound, not the exact fit."""
-        nbytes = sum(
+        nbytes: int = sum(
             int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize + _ALIGNMENT
             for shape, dtype in specs
         )

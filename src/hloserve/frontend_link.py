@@ -371,4 +371,4 @@ def _nbytes_bound(spec: Any, rows: int) -> int:
         shape = spec.wire_shape(rows)
     except ValueError:
         return 0
-    return math.prod(shape) * spec.dtype.itemsize + ALIGNMENT
+    return int(math.prod(shape) * spec.dtype.itemsize) + ALIGNMENT

@@ -301,7 +301,7 @@ class FrameReader:
         """The buffer's length once its first frame is complete (checked against the bound)."""
         if len(self._buffer) < HEADER.size:
             return HEADER.size
-        length, _ = HEADER.unpack_from(self._buffer)
+        length: int = HEADER.unpack_from(self._buffer)[0]
         if length > MAX_FRAME_BYTES:
             raise ValueError(f"link frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
         return HEADER.size + length

@@ -229,7 +229,7 @@ def _set_parameters(target: Any, parameters: dict[str, Any], model: str, where: 
 
 
 def _shape(tensor: dict[str, Any], model: str, name: str) -> list[int]:
-    shape = _get(tensor, "shape", list, model, "")
+    shape: list[int] | None = _get(tensor, "shape", list, model, "")
     if shape is None or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
         raise _fail(model, "'shape' must be an array of integers", name)
     if not all(0 <= d < 1 << 62 for d in shape):

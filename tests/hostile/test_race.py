@@ -27,12 +27,12 @@ import trio
 import tritonclient.grpc as grpcclient
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
-from hloserve.actors.messages import Compact, QueueSummary, SetPolicy, SetResidency
 from support.clients import assert_control_refused, assert_serves, control
 from support.servers import EXAMPLES, ServerThread, make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
 from hloserve._proto import hloserve_control as hc
+from hloserve.actors.messages import Compact, QueueSummary, SetPolicy, SetResidency
 from hloserve.config import ModelSettings
 from hloserve.errors import ModelNotFound
 

@@ -36,7 +36,8 @@ def affine(params: Any, x: Any) -> Any:
 
 def affine_output(client: Any, model: str, x: np.ndarray = X) -> np.ndarray:
     """What an affine bundle named `model` answers for `x` (through a tritonclient `client`)."""
-    return infer(client, model, {"INPUT": x}).as_numpy("OUTPUT")
+    output: np.ndarray = infer(client, model, {"INPUT": x}).as_numpy("OUTPUT")
+    return output
 
 
 def assert_affine_answers(client: Any, model: str) -> None:

@@ -372,8 +372,12 @@ class Controller:
         return fleet
 
     def threshold(self) -> float:
-        first = self.policy["first_rebalance_compute_seconds"]
-        return first if first > 0 and not self.compute_repacked else self.policy["rebalance_compute_seconds"]
+        first = float(self.policy["first_rebalance_compute_seconds"])
+        return (
+            first
+            if first > 0 and not self.compute_repacked
+            else float(self.policy["rebalance_compute_seconds"])
+        )
 
     async def _place(self, fleet: float) -> None:
         self.compute_accumulated += fleet

@@ -132,7 +132,8 @@ def descriptor_set() -> bytes:
         service.method.add(
             name=rpc, input_type=f".inference.{rpc}Request", output_type=".inference.RoutingUnread"
         )
-    return descriptor_pb2.FileDescriptorSet(file=[file]).SerializeToString()
+    serialized: bytes = descriptor_pb2.FileDescriptorSet(file=[file]).SerializeToString()
+    return serialized
 
 
 def _window(max_message_bytes: int) -> int:

@@ -435,7 +435,7 @@ class ControlFront(control.ControlServiceBase):
         )
 
 
-_POLICY_FIELDS = {
+_POLICY_FIELDS: dict[str, Callable[[Any], bool]] = {
     "rebalance_compute_seconds": lambda v: v > 0,
     "first_rebalance_compute_seconds": lambda v: v >= 0,
     "hysteresis": lambda v: 0 <= v < 1,
