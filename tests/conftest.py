@@ -1,4 +1,5 @@
-"""Fixtures only; the code behind them is in `support` (tests import it from there)."""
+"""Fixtures and one collection hook only; the code behind them is in `support` (tests import it
+from there)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,40 @@ os.environ.setdefault("HLOSERVE_SERVER_HTTP_PORT", "0")
 _FRONTENDS = {"params": [0, 2], "ids": ["frontends0", "frontends2"]}
 """The server-level fixtures run every test twice: one process, and an engine with two frontend
 processes (docs/frontends.md), which must answer the same."""
+
+
+LONG = (
+    # deployments of several processes: Envoy and workers, frontend processes
+    "tests/node/test_node.py",
+    "tests/node/test_node_access.py",
+    "tests/node/test_dns.py",
+    "tests/node/test_supervisor.py",
+    "tests/frontends/test_processes.py",
+    "tests/test_tracing.py::test_envoy_and_the_worker_join_the_clients_trace_through_the_node",
+    # installs and exports of real architectures: a wheel in a fresh venv, torch and ONNX
+    "tests/test_packaging.py",
+    "tests/test_triton_import.py",
+    "tests/test_export_torch.py",
+    "tests/test_precision.py",
+    "tests/test_export.py::test_shipped_example_repository_is_what_the_script_exports",
+    "tests/test_benches.py::test_the_gpu_suite_dry_runs_on_a_cpu",
+)
+"""Tests marked `long`, run by `tox -e long` (and by the README's test command after `tests`):
+on two cores they would take the main suite past ten minutes, most of them alone (`serial`)."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = config.rootpath
+    for entry in LONG:  # a renamed file or test must not quietly move back into `tests`
+        path, _, name = entry.partition("::")
+        file = root / path
+        if not file.is_file() or (name and f"def {name}(" not in file.read_text()):
+            raise pytest.UsageError(f"tests/conftest.py LONG names {entry!r}, which does not exist")
+    for item in items:
+        path = item.path.relative_to(root).as_posix()
+        test = f"{path}::{item.originalname}" if isinstance(item, pytest.Function) else path
+        if path in LONG or test in LONG:
+            item.add_marker(pytest.mark.long)
 
 
 @pytest.fixture(autouse=True)

@@ -3,6 +3,7 @@ and its generated configuration reference describes every field of the configura
 
 from __future__ import annotations
 
+import configparser
 import dataclasses
 import subprocess
 import sys
@@ -42,3 +43,19 @@ def test_every_configuration_field_is_described() -> None:
         described = hooks.field_docs(cls)
         missing = [f.name for f in dataclasses.fields(cls) if f.name not in described and f.name != "models"]
         assert not missing, f"{cls.__name__} fields without a docstring: {missing}"
+
+
+def test_ci_runs_exactly_the_readme_s_test_command_and_its_envs_exist() -> None:
+    """CI runs the README's second command, so a user who runs it runs what CI ran; every tox
+    env it names is defined (tox would otherwise fail only on the machine that runs it)."""
+    readme = (ROOT / "README.md").read_text()
+    command = next(line for line in readme.splitlines() if "tox -e tests" in line)
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()[-1]  # `python` is its venv's python3
+    assert ci.split("tox -e ")[1] == command.split("tox -e ")[1], (ci, command)
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini")
+    envs = command.split("tox -e ", 1)[1].split(",")
+    defined = {section.removeprefix("testenv:") for section in tox.sections()}
+    defined |= {f"py3{minor}" for minor in ("12", "13") if "testenv:py3{12,13}" in tox.sections()}
+    assert set(envs) <= defined, set(envs) - defined
+    assert "tests" in envs and "long" in envs
