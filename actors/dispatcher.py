@@ -4,7 +4,7 @@ Its inbox takes `QueueSummary` notices from every ModelQueue and control command
 (`SetPolicy`; `Compact` and `SetResidency`, passed on to the weight cache, whose only client
 it is). Each turn it drains the inbox (so control is applied before any selection), picks the
 next model among the queues with a batch ready (meta models' sub-calls first, then
-`hloserve.policy.select`: fair, fifo or edf, latency budgets first), asks that queue for a
+`hloserve.engine.policy.select`: fair, fifo or edf, latency budgets first), asks that queue for a
 `Batch`, asks the weight cache for the model's weights, executes the batch, answers every
 request, and learns the model's cost. It owns the per-model policy state; only it runs
 executables. A batch with small inputs expected to take under `INLINE_WORK_S` runs on the
@@ -56,10 +56,8 @@ from hloserve.actors.messages import (
     answer,
 )
 from hloserve.actors.weight_cache import WeightCacheHandle
-from hloserve.batching import assemble, join_outputs, slice_rows, split_outputs
-from hloserve.compiled import CompiledModel, ExecutionResult
-from hloserve.errors import DeadlineExceeded, ExecutionFailed, ModelNotFound, ModelNotReady, NotResident
-from hloserve.policy import (
+from hloserve.engine.batching import assemble, join_outputs, slice_rows, split_outputs
+from hloserve.engine.policy import (
     Candidate,
     ModelPolicy,
     Pending,
@@ -69,7 +67,9 @@ from hloserve.policy import (
     record_execution,
     select,
 )
-from hloserve.statistics import Statistics
+from hloserve.engine.statistics import Statistics
+from hloserve.errors import DeadlineExceeded, ExecutionFailed, ModelNotFound, ModelNotReady, NotResident
+from hloserve.models.compiled import CompiledModel, ExecutionResult
 from hloserve.types import Discipline
 
 __all__ = ["Dispatcher"]

@@ -21,10 +21,10 @@ import numpy as np
 import outcome
 import trio
 
-from hloserve._xla import DeviceArray
-from hloserve.bundle import Bundle
-from hloserve.compiled import CompiledModel
-from hloserve.policy import ModelPolicy
+from hloserve.engine.policy import ModelPolicy
+from hloserve.models._xla import DeviceArray
+from hloserve.models.bundle import Bundle
+from hloserve.models.compiled import CompiledModel
 from hloserve.types import Discipline, Residency
 
 __all__ = [
@@ -107,7 +107,7 @@ class Infer:
 @dataclass(slots=True)
 class EngineTrace:
     """A traced request's phases in the engine, filled by the dispatcher (monotonic seconds) and
-    read by whoever made the spans once the request is answered (`hloserve.tracing`)."""
+    read by whoever made the spans once the request is answered (`hloserve.engine.tracing`)."""
 
     enqueued_at: float = 0.0
     dequeued_at: float = 0.0

@@ -5,7 +5,7 @@ of the rest, in their own arrival order, so a meta request already running finis
 inbox takes `Infer` and `Withdraw` (from the front end, through `ModelQueueHandle`) and `Take`
 (from the dispatcher). After each turn (every message that arrived together) it sends one
 `QueueSummary` to the dispatcher; on `Take` it drops requests whose client went away or whose
-deadline passed, plans the batch (`hloserve.policy.plan_batch`) and replies a `Batch`.
+deadline passed, plans the batch (`hloserve.engine.policy.plan_batch`) and replies a `Batch`.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from hloserve.actors.messages import (
     Take,
     Withdraw,
 )
+from hloserve.engine.policy import BatchPlan, Pending, drop_reason, plan_batch, queue_delay
+from hloserve.engine.statistics import Statistics
 from hloserve.errors import DeadlineExceeded, QueueFull, ShuttingDown
-from hloserve.policy import BatchPlan, Pending, drop_reason, plan_batch, queue_delay
-from hloserve.statistics import Statistics
 
 __all__ = ["ModelQueue", "ModelQueueHandle", "QueueSettings"]
 

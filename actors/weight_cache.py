@@ -28,7 +28,6 @@ import outcome
 import structlog
 import trio
 
-from hloserve import _xla
 from hloserve.actors import INLINE_WORK_S
 from hloserve.actors.messages import (
     Acquire,
@@ -41,10 +40,11 @@ from hloserve.actors.messages import (
     WeightCacheMessage,
     answer,
 )
-from hloserve.bundle import Bundle, read_weights
+from hloserve.engine.statistics import Statistics
 from hloserve.errors import ExecutionFailed, ModelNotFound, NotResident, ResidencyRefused
-from hloserve.shared_weights import SharedHostWeights
-from hloserve.statistics import Statistics
+from hloserve.models import _xla
+from hloserve.models.bundle import Bundle, read_weights
+from hloserve.models.shared_weights import SharedHostWeights
 from hloserve.types import Residency
 
 __all__ = ["WeightCache", "WeightCacheHandle", "device_copy"]

@@ -91,7 +91,7 @@ def as_json(rows: list[Row]) -> list[dict[str, Any]]:
 def _without_execution() -> None:
     import numpy as np
 
-    from hloserve.compiled import CompiledModel, ExecutionResult
+    from hloserve.models.compiled import CompiledModel, ExecutionResult
 
     def execute(self: CompiledModel, batch_size: int, inputs: Any, weights: Any) -> ExecutionResult:
         results = self.bundle.module_for(batch_size).signature.outputs
@@ -101,11 +101,11 @@ def _without_execution() -> None:
 
 
 def _without_actors() -> None:
-    from hloserve import _xla
-    from hloserve.batching import assemble
-    from hloserve.bundle import read_weights
-    from hloserve.codec import decode_request, encode_response
-    from hloserve.data_plane import LocalDataPlane, ready_entry
+    from hloserve.api.codec import decode_request, encode_response
+    from hloserve.api.data_plane import LocalDataPlane, ready_entry
+    from hloserve.engine.batching import assemble
+    from hloserve.models import _xla
+    from hloserve.models.bundle import read_weights
 
     weights: dict[str, list[Any]] = {}
 
@@ -136,7 +136,7 @@ def _canned_reply() -> None:
     import numpy as np
 
     from hloserve._proto.hot import hot_infer_pb2 as hot
-    from hloserve.data_plane import LocalDataPlane
+    from hloserve.api.data_plane import LocalDataPlane
 
     reply = hot.ModelInferResponse(model_name="mlp", model_version="1")
     output = reply.outputs.add(name="OUTPUT0", datatype="FP32")

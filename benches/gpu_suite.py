@@ -45,7 +45,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _median_s(action: Callable[[], list[Any]], repeats: int) -> float:
-    from hloserve import _xla
+    from hloserve.models import _xla
 
     times = []
     for _ in range(repeats):
@@ -59,7 +59,7 @@ def _median_s(action: Callable[[], list[Any]], repeats: int) -> float:
 
 
 def _shared_put_s(region: Any, shape: tuple[int, ...], repeats: int) -> float:
-    from hloserve import _xla
+    from hloserve.models import _xla
 
     shared = np.ndarray(shape, np.float32, buffer=region.buf)
     shared[:] = 1.0
@@ -72,7 +72,7 @@ def bandwidth(sizes_mb: tuple[int, ...], repeats: int = 5) -> list[dict[str, Any
     memory."""
     from multiprocessing import shared_memory
 
-    from hloserve import _xla
+    from hloserve.models import _xla
 
     rows = []
     for mb in sizes_mb:
@@ -112,8 +112,8 @@ def self_sized_budget() -> dict[str, Any]:
 
     from grpclib.client import Channel
 
-    from hloserve import _xla
     from hloserve._proto import hloserve_control as hc
+    from hloserve.models import _xla
 
     with tempfile.TemporaryDirectory() as tmp:
         repository = Path(tmp) / "catalogue"
@@ -184,8 +184,8 @@ def compaction(sizes_mb: tuple[int, ...], requests: int) -> dict[str, Any]:
     after, and what the cache held."""
     import tritonclient.grpc as grpcclient
 
-    from hloserve import _xla
     from hloserve.config import load_config
+    from hloserve.models import _xla
 
     with tempfile.TemporaryDirectory() as tmp:
         repository = Path(tmp) / "mixed"
@@ -229,7 +229,7 @@ def fragmentation(block_mb: int = 256, most_blocks: int = 2048) -> dict[str, Any
     GPU); elsewhere says it did not run."""
     import jax.numpy as jnp
 
-    from hloserve import _xla
+    from hloserve.models import _xla
 
     if _xla.memory_stats() is None:
         return {"ran": False, "why": "the backend keeps no allocator statistics (a CPU)"}

@@ -20,8 +20,8 @@ import trio_asyncio
 
 from benches.peers import triton
 from benches.serving import _free_port, _pin, install, measure, start_server
-from hloserve.buffer_pool import BufferPool
 from hloserve.client import Client, encode_request_shm
+from hloserve.engine.buffer_pool import BufferPool
 
 CASES = ((8, "4.8 MB"), (107, "64.4 MB"))
 

@@ -31,7 +31,7 @@ from benches.serving import _free_port, start_server
 
 def platform() -> str:
     """The platform to export for: this machine's (cuda on a GPU machine, else cpu)."""
-    from hloserve import _xla
+    from hloserve.models import _xla
 
     return "cuda" if _xla.device().platform == "gpu" else "cpu"
 
@@ -57,7 +57,7 @@ def _weighty(params: Any, x: Any) -> Any:
 def _export_weighty(directory: Path, big: np.ndarray, precision: str = "fp32") -> None:
     """A model whose weights are what moves: it carries `big` and barely reads it (the maths is
     cheap). INPUT0 [n, 16] f32, compiled for batch size 1."""
-    from hloserve.export import InputSpec, export_bundle
+    from hloserve.export.jax import InputSpec, export_bundle
 
     export_bundle(
         _weighty,
@@ -223,8 +223,8 @@ def run_cold(repeats: int = 5) -> list[ColdRow]:
     """Cold (weights evicted) against warm latency per model size, beside a raw device_put."""
     import statistics as stats
 
-    from hloserve import _xla
-    from hloserve.bundle import load_bundle, read_weights
+    from hloserve.models import _xla
+    from hloserve.models.bundle import load_bundle, read_weights
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

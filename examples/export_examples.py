@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from hloserve.export import InputSpec, OutputSpec, export_bundle
+from hloserve.export.jax import InputSpec, OutputSpec, export_bundle
 
 jnp = __import__("jax.numpy", fromlist=["numpy"])
 lax = __import__("jax.lax", fromlist=["lax"])

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from hloserve.admission import Admission
+from hloserve.engine.admission import Admission
 from hloserve.errors import CannotMeetDeadline, DeadlineExceeded
 
 COSTS = {1: 0.001, 8: 0.004}  # 0.5 ms per row in a full batch of 8

@@ -13,10 +13,10 @@ import tritonclient.grpc as grpcclient
 from support.bundles import assert_affine_answers, write_affine
 from support.servers import make_config, residency, start_worker
 
-from hloserve import _xla
-from hloserve.budget import WeightBudget, scratch_of, weight_budget
-from hloserve.bundle import load_bundle
-from hloserve.compiled import compile_bundle
+from hloserve.engine.budget import WeightBudget, scratch_of, weight_budget
+from hloserve.models import _xla
+from hloserve.models.bundle import load_bundle
+from hloserve.models.compiled import compile_bundle
 
 
 @pytest.mark.parametrize(

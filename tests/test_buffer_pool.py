@@ -10,7 +10,7 @@ import pytest
 import trio
 import trio.testing
 
-from hloserve.buffer_pool import BufferPool, PoolAcquireTimeout
+from hloserve.engine.buffer_pool import BufferPool, PoolAcquireTimeout
 
 
 def test_concurrent_acquirers_get_disjoint_contiguous_runs() -> None:

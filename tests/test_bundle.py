@@ -13,9 +13,9 @@ from jaxlib.mlir.dialects import stablehlo
 from safetensors.numpy import save_file
 from support.bundles import PARAMS, edit_manifest, edit_weights_metadata, save_affine_weights, write_affine
 
-from hloserve.bundle import discover, load_bundle, read_weights
 from hloserve.errors import BundleError
-from hloserve.export import InputSpec, export_bundle
+from hloserve.export.jax import InputSpec, export_bundle
+from hloserve.models.bundle import discover, load_bundle, read_weights
 
 
 @pytest.fixture(name="affine")

@@ -14,9 +14,9 @@ from support.bundles import PARAMS, affine, write_affine
 from support.numerics import assert_close
 from support.servers import make_config, start_worker
 
-from hloserve import _xla
-from hloserve.bundle import load_bundle, read_weights
-from hloserve.executable_cache import ExecutableCache, default_directory
+from hloserve.models import _xla
+from hloserve.models.bundle import load_bundle, read_weights
+from hloserve.models.executable_cache import ExecutableCache, default_directory
 
 
 def test_a_second_cache_loads_what_the_first_compiled(tmp_path: Path) -> None:

@@ -24,11 +24,8 @@ from support.bundles import affine
 from support.servers import EXAMPLES, make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
-from hloserve import _xla
-from hloserve._scratch import module_memory
-from hloserve.bundle import load_bundle, read_weights
 from hloserve.cli import main
-from hloserve.export import (
+from hloserve.export.jax import (
     InputSpec,
     OutputSpec,
     ScratchError,
@@ -36,6 +33,9 @@ from hloserve.export import (
     export_bundle,
     verify_bundle,
 )
+from hloserve.models import _xla
+from hloserve.models._scratch import module_memory
+from hloserve.models.bundle import load_bundle, read_weights
 
 sys.path.insert(0, str(EXAMPLES.parent))
 import export_examples
@@ -320,7 +320,7 @@ def test_export_writes_client_tensors_and_model_py_and_drops_old_modules(tmp_pat
 
 SPEC = """\
 import numpy as np
-from hloserve.export import InputSpec, OutputSpec
+from hloserve.export.jax import InputSpec, OutputSpec
 
 def make():
     params = {"w": np.arange(12, dtype=np.float32).reshape(4, 3)}
@@ -520,7 +520,7 @@ def test_cli_export_takes_the_scratch_limit_and_its_override(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (tmp_path / "spec.py").write_text(
-        "import numpy as np\nfrom test_export import per_token\nfrom hloserve.export import InputSpec\n\n"
+        "import numpy as np\nfrom test_export import per_token\nfrom hloserve.export.jax import InputSpec\n\n"
         "def make():\n"
         "    return {'fn': per_token, 'params': {'w': np.eye(32, dtype=np.float32)},\n"
         "            'inputs': [InputSpec('X', (64, 32))]}\n"

@@ -18,10 +18,10 @@ import yaml
 from support.numerics import assert_close
 from support.servers import make_config, start_worker
 
-from hloserve.bundle import load_bundle
 from hloserve.cli import main
-from hloserve.export import InputSpec, OutputSpec
-from hloserve.export_torch import LoweringError, export_torch_bundle
+from hloserve.export.jax import InputSpec, OutputSpec
+from hloserve.export.torch import LoweringError, export_torch_bundle
+from hloserve.models.bundle import load_bundle
 
 
 class SmallCNN(torch.nn.Module):

@@ -29,10 +29,10 @@ from hypothesis import strategies as st
 
 from hloserve import dtypes
 from hloserve._proto.hot import hot_infer_pb2 as pb
-from hloserve.codec import SHM_BYTE_SIZE, SHM_OFFSET, SHM_REGION, decode_request
+from hloserve.api.codec import SHM_BYTE_SIZE, SHM_OFFSET, SHM_REGION, decode_request
+from hloserve.api.shm_registry import SHM_DIR, ShmRegistry
 from hloserve.errors import BundleError, InvalidInput, ModelNotFound, ShmDisabled, ShmRegionError
-from hloserve.manifest import Axis, TensorSpec, load_manifest, parse_manifest
-from hloserve.shm_registry import SHM_DIR, ShmRegistry
+from hloserve.models.manifest import Axis, TensorSpec, load_manifest, parse_manifest
 
 _LONG_RUN = int(os.environ.get("HLOSERVE_FUZZ_EXAMPLES", "0"))
 FUZZ = settings(

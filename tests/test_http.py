@@ -36,7 +36,7 @@ from tritonclient.utils import InferenceServerException
 
 from hloserve.config import load_config
 from hloserve.errors import ConfigError
-from hloserve.export import InputSpec, OutputSpec, export_bundle
+from hloserve.export.jax import InputSpec, OutputSpec, export_bundle
 
 LIMIT = 1 << 20  # the module server's server.max_message_bytes
 

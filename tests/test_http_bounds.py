@@ -21,7 +21,7 @@ import tritonclient.grpc as grpcclient
 from support.servers import EXAMPLES, ServerThread, make_config, start_worker
 
 from hloserve.config import ModelSettings
-from hloserve.export import InputSpec, OutputSpec, export_bundle
+from hloserve.export.jax import InputSpec, OutputSpec, export_bundle
 
 pytestmark = pytest.mark.serial  # asserts on timing, or floods the machine
 

@@ -56,9 +56,11 @@ def test_the_graph_is_read() -> None:
     types only (service's, under `if TYPE_CHECKING:`) and inside functions (cli's) are all edges."""
     graph = _graph()
     assert "hloserve.worker" in graph["hloserve.cli"]  # inside `_serve_until_signalled`
-    assert {"hloserve.model_table", "hloserve.actors.dispatcher", "hloserve._xla"} <= graph["hloserve.worker"]
-    assert {"hloserve.types", "hloserve.actors.messages"} <= graph["hloserve.model_table"]
-    assert "hloserve.model_table" in graph["hloserve.service"]
+    assert {"hloserve.engine.model_table", "hloserve.actors.dispatcher", "hloserve.models._xla"} <= graph[
+        "hloserve.worker"
+    ]
+    assert {"hloserve.types", "hloserve.actors.messages"} <= graph["hloserve.engine.model_table"]
+    assert "hloserve.engine.model_table" in graph["hloserve.api.grpc_service"]
 
 
 def test_only_the_entry_points_import_the_worker() -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from hloserve.errors import BundleError
-from hloserve.manifest import Axis, parse_manifest
+from hloserve.models.manifest import Axis, parse_manifest
 
 GOOD: dict[str, Any] = {
     "format_version": "2.0",

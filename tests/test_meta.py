@@ -24,8 +24,8 @@ from tritonclient.utils import InferenceServerException
 
 from hloserve.actors.messages import Batch, Infer, Take
 from hloserve.actors.model_queue import ModelQueue, QueueSettings
+from hloserve.engine.statistics import Statistics
 from hloserve.errors import InvalidInput
-from hloserve.statistics import Statistics
 
 CASCADE_PY = """
 import numpy as np

@@ -1,4 +1,4 @@
-"""The patch layer (`hloserve._grpclib_patches`, `_h2_limits`, `_hpack_patches`,
+"""The patch layer (`hloserve._transport.grpclib_patches`, `_h2_limits`, `_hpack_patches`,
 `_trio_asyncio_patches`): each checks the libraries it was written for and says what to do when
 they differ; it changes hloserve's own server and client only, never grpclib for everyone else;
 and what it adds works: a message over `server.max_message_bytes` refused from its prefix, a
@@ -39,10 +39,14 @@ from h2.errors import ErrorCodes
 from support.servers import ServerThread
 from tritonclient.grpc import service_pb2
 
-from hloserve import _grpclib_patches, _hpack_patches, _rest_http1, _trio_asyncio_patches, rest
-from hloserve._grpclib_patches import GracefulServer, GuardedStream, send_reply
-from hloserve._h2_limits import LimitedH2Connection, TransportLimits
-from hloserve._patch_requirements import PatchMismatch, check
+from hloserve._transport import grpclib_patches as _grpclib_patches
+from hloserve._transport import hpack_patches as _hpack_patches
+from hloserve._transport import trio_asyncio_patches as _trio_asyncio_patches
+from hloserve._transport.grpclib_patches import GracefulServer, GuardedStream, send_reply
+from hloserve._transport.h2_limits import LimitedH2Connection, TransportLimits
+from hloserve._transport.requirements import PatchMismatch, check
+from hloserve.api.rest import http1 as _rest_http1
+from hloserve.api.rest import server as rest
 
 MiB = 1 << 20
 Request, Reply = service_pb2.ServerLiveRequest, service_pb2.ServerLiveResponse
@@ -76,14 +80,14 @@ def test_the_installed_libraries_pass_every_check() -> None:
 
 def test_another_version_stops_start_up_saying_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
-        "hloserve._patch_requirements.version", lambda name: "0.5.0" if name == "grpclib" else "?"
+        "hloserve._transport.requirements.version", lambda name: "0.5.0" if name == "grpclib" else "?"
     )
     with pytest.raises(PatchMismatch) as raised:
         _grpclib_patches.install.__wrapped__()  # what serve() and GracefulServer call, uncached
     assert str(raised.value).startswith(
-        "hloserve._grpclib_patches was written for grpclib 0.4.9: version 0.5.0 is installed, "
+        "hloserve._transport.grpclib_patches was written for grpclib 0.4.9: version 0.5.0 is installed, "
         "0.4.9 expected. Install grpclib==0.4.9 (as pyproject pins it), or update "
-        "hloserve._grpclib_patches for the version installed and pin that"
+        "hloserve._transport.grpclib_patches for the version installed and pin that"
     ), raised.value
 
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from hloserve.policy import (
+from hloserve.engine.policy import (
     MIN_COST_S,
     BatchPlan,
     Candidate,

@@ -19,12 +19,19 @@ from safetensors import safe_open
 from support.clients import infer
 from support.servers import make_config, start_worker
 
-from hloserve import _xla, dtypes
-from hloserve.bundle import load_bundle
+from hloserve import dtypes
 from hloserve.cli import main
-from hloserve.export import InputSpec, OutputSpec, export_bundle
-from hloserve.export_torch import export_torch_bundle
-from hloserve.verification import DEFAULT_TOLERANCES, Tolerance, _tolerance, compare, precision_tolerance
+from hloserve.export.jax import InputSpec, OutputSpec, export_bundle
+from hloserve.export.torch import export_torch_bundle
+from hloserve.export.verification import (
+    DEFAULT_TOLERANCES,
+    Tolerance,
+    _tolerance,
+    compare,
+    precision_tolerance,
+)
+from hloserve.models import _xla
+from hloserve.models.bundle import load_bundle
 
 jnp = _xla.jnp
 
@@ -179,7 +186,7 @@ def test_torch_bf16_bundle_halves_bytes_and_serves_fp32(tmp_path: Path) -> None:
 
 
 SPEC = (
-    "import numpy as np\nfrom hloserve.export import InputSpec\n\n"
+    "import numpy as np\nfrom hloserve.export.jax import InputSpec\n\n"
     "def make():\n"
     "    return {'fn': lambda p, x: x @ p['w'], 'params': {'w': np.eye(4, dtype=np.float32)},"
     " 'inputs': [InputSpec('X', (4,))]}\n"

@@ -19,7 +19,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from hloserve.config import ModelSettings
-from hloserve.export import InputSpec, OutputSpec, export_bundle
+from hloserve.export.jax import InputSpec, OutputSpec, export_bundle
 
 
 @pytest.fixture(name="repo", params=[0, 2], ids=["frontends0", "frontends2"])

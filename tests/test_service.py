@@ -24,7 +24,7 @@ from support.servers import EXAMPLES, ServerThread, make_config, start_worker
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from hloserve.export import InputSpec, export_bundle
+from hloserve.export.jax import InputSpec, export_bundle
 
 MLP_SIZES = (1, 2, 3, 4, 8, 13, 16, 17, 37, 100)  # compiled sizes, rows padded up to one, and split
 

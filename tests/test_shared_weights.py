@@ -17,8 +17,8 @@ import tritonclient.grpc as grpcclient
 from support.bundles import PARAMS, assert_affine_answers, write_affine
 from support.servers import start_worker
 
-from hloserve.bundle import load_bundle
-from hloserve.shared_weights import SharedHostWeights
+from hloserve.models.bundle import load_bundle
+from hloserve.models.shared_weights import SharedHostWeights
 
 
 def test_attach_fill_and_last_holder_unlinks(tmp_path: Path) -> None:

@@ -19,8 +19,8 @@ from support.numerics import assert_close
 from support.servers import ServerThread
 from tritonclient.utils import InferenceServerException
 
+from hloserve.api.shm_registry import ShmRegistry
 from hloserve.errors import ShmRegionError
-from hloserve.shm_registry import ShmRegistry
 
 X = np.random.default_rng(5).random((4, 16), dtype=np.float32)
 IN_BYTES, OUT_BYTES = X.nbytes, 4 * 4 * 4
@@ -266,8 +266,8 @@ def test_hloserve_client_through_a_staging_pool(shm_server: ServerThread) -> Non
     import trio
     import trio_asyncio
 
-    from hloserve.buffer_pool import BufferPool
     from hloserve.client import Client, deadline_params, encode_request_shm
+    from hloserve.engine.buffer_pool import BufferPool
 
     assert deadline_params(0) == {} and deadline_params(0.5) == {"hloserve_timeout_ns": 500_000_000}
 

@@ -6,7 +6,7 @@ import pytest
 from grpclib.const import Status
 
 from hloserve import errors
-from hloserve._status import STATUS_BY_ERROR, to_grpc_error
+from hloserve.api.status import STATUS_BY_ERROR, to_grpc_error
 
 CASES = [
     (errors.ModelNotFound("m"), Status.NOT_FOUND),

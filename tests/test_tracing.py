@@ -33,9 +33,9 @@ from support.servers import EXAMPLES, make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
 from hloserve.config import ConfigError, TracingConfig
+from hloserve.engine.tracing import open_tracing, settings
 from hloserve.fleet import envoy
 from hloserve.fleet.workers import free_port
-from hloserve.tracing import open_tracing, settings
 
 SERVER = trace_pb2.Span.SPAN_KIND_SERVER
 CLIENT = trace_pb2.Span.SPAN_KIND_CLIENT
@@ -389,9 +389,9 @@ def test_envoy_and_the_worker_join_the_clients_trace_through_the_node(
 
 def test_off_by_default_without_importing_the_sdk() -> None:
     code = (
-        "import sys, hloserve.worker, hloserve.frontend\n"
+        "import sys, hloserve.worker, hloserve.frontends.process\n"
         "from hloserve.config import TracingConfig\n"
-        "from hloserve.tracing import open_tracing\n"
+        "from hloserve.engine.tracing import open_tracing\n"
         "assert open_tracing(TracingConfig(), {}) is None\n"
         "assert open_tracing(TracingConfig(), {'OTEL_TRACES_EXPORTER': 'none'}) is None\n"
         "loaded = sorted(m for m in sys.modules if m.startswith('opentelemetry'))\n"

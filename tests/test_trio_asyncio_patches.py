@@ -10,7 +10,7 @@ import pytest
 import trio
 import trio_asyncio
 
-from hloserve import _trio_asyncio_patches
+from hloserve._transport import trio_asyncio_patches as _trio_asyncio_patches
 
 _trio_asyncio_patches.install()
 

@@ -25,13 +25,14 @@ import yaml
 from onnx import TensorProto, helper
 from support.servers import start_worker
 
-from hloserve import cli, verification
-from hloserve._torchvision import prepare_torchvision_import
-from hloserve.bundle import load_bundle
+from hloserve import cli
 from hloserve.cli import main
 from hloserve.config import load_config
+from hloserve.export import verification
+from hloserve.export._torchvision import prepare_torchvision_import
 from hloserve.importers import NotConvertible, TritonConfigError, import_onnx_file
 from hloserve.importers.triton_config import plan_model, read_model_config
+from hloserve.models.bundle import load_bundle
 
 prepare_torchvision_import()
 import torchvision  # noqa: E402  (after the schemas it needs beside a CPU torch)

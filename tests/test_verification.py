@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hloserve.cli import main
-from hloserve.verification import DEFAULT_TOLERANCES, Tolerance, compare, default_tolerance
+from hloserve.export.verification import DEFAULT_TOLERANCES, Tolerance, compare, default_tolerance
 
 F32 = DEFAULT_TOLERANCES["f32"]
 
@@ -65,7 +65,7 @@ def test_default_tolerance_is_per_dtype_and_exact_for_integers() -> None:
 SPEC = """
 import jax
 import numpy as np
-from hloserve.export import InputSpec
+from hloserve.export.jax import InputSpec
 
 def _scaled(params, x):
     # traced into the bundle: off by 1e-3 of each element; called eagerly (the reference): exact

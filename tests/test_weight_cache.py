@@ -182,7 +182,7 @@ def test_pinning_off_and_by_default_on_a_cpu_keeps_floors_pageable(tmp_path: Pat
 def test_pinning_that_fails_leaves_the_floor_pageable_with_a_warning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hloserve import _xla
+    from hloserve.models import _xla
 
     def refuse(arrays: object) -> None:
         raise RuntimeError("RESOURCE_EXHAUSTED: cudaHostAlloc failed: locked memory limit\nmore")

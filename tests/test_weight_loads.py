@@ -29,7 +29,7 @@ from support.servers import ServerThread, make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
 from hloserve.actors import weight_cache
-from hloserve.export import InputSpec, export_bundle
+from hloserve.export.jax import InputSpec, export_bundle
 
 COPY_S = 0.25
 """How long the stand-in copy takes at most: less where `h` executes faster than twice that (the
@@ -250,8 +250,8 @@ def test_a_prefetch_evicts_only_what_makes_room_and_nothing_when_nothing_would(t
     with x kept could make room only by evicting x as well as y: it evicts nothing and copies
     nothing. With nothing kept it evicts both, least recently used first, and copies big."""
     from hloserve.actors.weight_cache import WeightCache
-    from hloserve.bundle import load_bundle
-    from hloserve.statistics import Statistics
+    from hloserve.engine.statistics import Statistics
+    from hloserve.models.bundle import load_bundle
 
     bundles = {name: load_bundle(write_sized(tmp_path / name, A_COLUMNS)) for name in "xy"}
     bundles["big"] = load_bundle(write_sized(tmp_path / "big", B_COLUMNS))
@@ -288,8 +288,8 @@ def test_edf_drops_a_request_that_cannot_load_and_run_before_its_deadline() -> N
 
     from hloserve.actors.messages import Batch, Infer, Take
     from hloserve.actors.model_queue import ModelQueue, QueueSettings
+    from hloserve.engine.statistics import Statistics
     from hloserve.errors import DeadlineExceeded
-    from hloserve.statistics import Statistics
 
     statistics = Statistics()
 

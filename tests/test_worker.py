@@ -203,8 +203,8 @@ def test_device_memory_gauges_from_allocator_statistics(monkeypatch: pytest.Monk
     become the in-use, limit, peak, pool and free gauges; -1 means not supported."""
     from prometheus_client.registry import CollectorRegistry
 
-    from hloserve import _xla
-    from hloserve.metrics import _DeviceMemoryCollector
+    from hloserve.engine.metrics import _DeviceMemoryCollector
+    from hloserve.models import _xla
 
     stats = {"bytes_in_use": 300, "bytes_limit": 1000, "peak_bytes_in_use": 700, "pool_bytes": -1}
     monkeypatch.setattr(_xla, "memory_stats", lambda: stats)

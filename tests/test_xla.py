@@ -10,7 +10,7 @@ import pytest
 from jaxlib.mlir.dialects import stablehlo
 from support.numerics import assert_close
 
-from hloserve import _xla
+from hloserve.models import _xla
 
 
 def _text(fn: object, *specs: jax.ShapeDtypeStruct) -> str:

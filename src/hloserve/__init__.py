@@ -1,19 +1,20 @@
 """hloserve: many StableHLO models per GPU, served over the KServe V2 / Triton gRPC protocol.
 
-Layout: `hloserve.worker` runs a worker (`serve`), `hloserve.model_table` holds the models it
-serves, `hloserve.actors` the trio actors (model queues, dispatcher), `hloserve.service` the gRPC
-front end, `hloserve.bundle` and `hloserve.manifest` the bundle format, `hloserve._xla` every
-call into JAX. A bundle's model.py uses `register_model`, `register_meta_model` and
-`NamedTensor` from here.
+Layout, by layer (docs/development.md draws it): `hloserve.models` the bundle format and every
+call into JAX, `hloserve.engine` and `hloserve.actors` the engine (model table, scheduling,
+weights), `hloserve.api` the protocols over its data plane (gRPC, REST, health), and above them
+`hloserve.frontends`, `hloserve.fleet` and `hloserve.export`; `hloserve.worker` runs a worker
+(`serve`). A bundle's model.py uses `register_model`, `register_meta_model` and `NamedTensor`
+from here.
 """
 
-from hloserve import _asyncio_compat  # noqa: F401  (before any module imports trio-asyncio)
+from hloserve._transport import asyncio_compat as _asyncio_compat  # noqa: F401  (before any module imports trio-asyncio)
 from hloserve._version import __version__ as __version__
 from hloserve.config import Config as Config
 from hloserve.config import load_config as load_config
-from hloserve.model_py import NamedTensor as NamedTensor
-from hloserve.model_py import register_meta_model as register_meta_model
-from hloserve.model_py import register_model as register_model
+from hloserve.models.model_py import NamedTensor as NamedTensor
+from hloserve.models.model_py import register_meta_model as register_meta_model
+from hloserve.models.model_py import register_model as register_model
 
 __all__ = [
     "Config",

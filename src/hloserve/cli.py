@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import trio
 
-from hloserve._torchvision import prepare_torchvision_import
 from hloserve.allocator import keep_freed_memory, settle_heap
 from hloserve.config import Config, LoggingConfig, load_config
 from hloserve.errors import ConfigError
+from hloserve.export._torchvision import prepare_torchvision_import
 from hloserve.logs import configure_logging
 
 if TYPE_CHECKING:
-    from hloserve.node import NodePlan
+    from hloserve.fleet.node import NodePlan
 
 __all__ = ["SERVER_FLAGS", "main"]
 
@@ -207,7 +207,7 @@ async def _serve_until_signalled(config: Config) -> None:
 
 
 async def _node_until_signalled(config: Config, plan: NodePlan, config_path: Path | None) -> int:
-    from hloserve.node import run_node
+    from hloserve.fleet.node import run_node
 
     log = structlog.get_logger("hloserve.node")
     status = 0
@@ -237,8 +237,8 @@ taking no arguments that returns the exporter's keyword arguments as a dict, for
   Flax:     {"fn": nnx_module, "params": None, "inputs": [InputSpec("X", (16,))]}
   PyTorch:  {"module": torch_module, "example_inputs": (torch.randn(2, 3, 32, 32),)}
 
-(InputSpec and OutputSpec come from hloserve.export). A dict with "module" goes to
-hloserve.export_torch.export_torch_bundle, any other to hloserve.export.export_bundle; it may
+(InputSpec and OutputSpec come from hloserve.export.jax). A dict with "module" goes to
+hloserve.export.torch.export_torch_bundle, any other to hloserve.export.jax.export_bundle; it may
 carry their other options (outputs, description, sample_inputs, rtol...), and the flags below
 override it. The bundle is reloaded in a fresh process and checked against the model unless
 --no-verify. Exit status: 0 written (and verified), 1 the model cannot be exported or does not
@@ -380,11 +380,11 @@ def _export(args: argparse.Namespace) -> int:
             options[option] = value
     if args.allow_large_scratch:
         options["max_scratch_ratio"] = None
-    from hloserve.export import VerificationError, export_bundle  # imports JAX: not for --help
+    from hloserve.export.jax import VerificationError, export_bundle  # imports JAX: not for --help
 
     exporter: Callable[..., Path] = export_bundle
     if "module" in options:
-        from hloserve.export_torch import export_torch_bundle
+        from hloserve.export.torch import export_torch_bundle
 
         exporter = export_torch_bundle
     # export_torch_bundle hands the options it does not name on to export_bundle.
@@ -528,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(config.logging)
     try:
         if args.command == "node":
-            from hloserve.node import plan_node
+            from hloserve.fleet.node import plan_node
 
             return trio.run(_node_until_signalled, config, plan_node(config), args.config)
         trio.run(_serve_until_signalled, config)

@@ -20,11 +20,11 @@ from grpclib.client import UnaryUnaryMethod
 from grpclib.config import Configuration
 
 from hloserve import dtypes
-from hloserve._grpclib_patches import BigFrameChannel
 from hloserve._proto import inference as kserve
 from hloserve._proto.hot import hot_infer_pb2 as hot
-from hloserve.buffer_pool import BufferPool
-from hloserve.codec import SHM_BYTE_SIZE, SHM_OFFSET, SHM_REGION, TIMEOUT_NS_PARAM
+from hloserve._transport.grpclib_patches import BigFrameChannel
+from hloserve.api.codec import SHM_BYTE_SIZE, SHM_OFFSET, SHM_REGION, TIMEOUT_NS_PARAM
+from hloserve.engine.buffer_pool import BufferPool
 
 __all__ = ["Client", "deadline_params", "decode_response", "encode_request", "encode_request_shm"]
 

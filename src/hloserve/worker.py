@@ -21,31 +21,34 @@ import structlog
 import trio
 import trio_asyncio
 
-from hloserve import _grpclib_patches, _trio_asyncio_patches, _xla, grpc_server
+from hloserve._transport import grpclib_patches as _grpclib_patches
+from hloserve._transport import trio_asyncio_patches as _trio_asyncio_patches
 from hloserve.actors import supervised
 from hloserve.actors.dispatcher import Dispatcher
 from hloserve.actors.weight_cache import WeightCache
-from hloserve.budget import resolve_budget
-from hloserve.buffer_pool import BufferPool
+from hloserve.api import grpc_server
+from hloserve.api.control import ControlService
+from hloserve.api.data_plane import LocalDataPlane
+from hloserve.api.grpc_server import build_grpc_server
+from hloserve.api.grpc_service import InferenceService
+from hloserve.api.health import worker_health
+from hloserve.api.rest.server import RestServer, build_app
+from hloserve.api.shm_registry import ShmRegistry
 from hloserve.config import Config, ModelSettings
-from hloserve.control import ControlService
-from hloserve.data_plane import LocalDataPlane
+from hloserve.engine.budget import resolve_budget
+from hloserve.engine.buffer_pool import BufferPool
+from hloserve.engine.meta import MetaModels
+from hloserve.engine.metrics import Metrics
+from hloserve.engine.model_table import ModelTable, Prepared, prepare_repository
+from hloserve.engine.policy import PolicyParams
+from hloserve.engine.reloader import RepositoryWatcher
+from hloserve.engine.statistics import Statistics
+from hloserve.engine.tracing import open_tracing
 from hloserve.errors import ConfigError
-from hloserve.executable_cache import ExecutableCache, default_directory
-from hloserve.frontends import Frontends
-from hloserve.grpc_server import build_grpc_server
-from hloserve.health import worker_health
-from hloserve.meta import MetaModels
-from hloserve.metrics import Metrics
-from hloserve.model_table import ModelTable, Prepared, prepare_repository
-from hloserve.policy import PolicyParams
-from hloserve.reloader import RepositoryWatcher
-from hloserve.rest import RestServer, build_app
-from hloserve.service import InferenceService
-from hloserve.shm_registry import ShmRegistry
-from hloserve.statistics import Statistics
+from hloserve.frontends.pool import Frontends
+from hloserve.models import _xla
+from hloserve.models.executable_cache import ExecutableCache, default_directory
 from hloserve.tls import server_context
-from hloserve.tracing import open_tracing
 
 __all__ = ["Worker", "serve"]
 

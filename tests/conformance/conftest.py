@@ -25,7 +25,7 @@ from support.servers import EXAMPLES, make_config, start_worker
 from benches.peers import PeerUnavailable, site_packages, stop
 from benches.peers import triton as peer
 from benches.peers.models import MLP
-from hloserve.export import InputSpec, OutputSpec, export_bundle
+from hloserve.export.jax import InputSpec, OutputSpec, export_bundle
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL_SECONDS = 1200

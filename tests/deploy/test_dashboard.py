@@ -19,8 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from support.bundles import WEIGHT_BYTES, assert_affine_answers, write_affine
 from support.servers import ROOT, make_config, start_worker
 
-from hloserve import metrics
 from hloserve.config import ModelSettings
+from hloserve.engine import metrics
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "hloserve-dashboard.json"
 _METRIC = re.compile(r"\bhloserve_[a-z0-9_]+")

@@ -32,9 +32,9 @@ from support.numerics import assert_close, close
 from support.servers import EXAMPLES, ServerThread, make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
-from hloserve import _xla
 from hloserve.config import ModelSettings
 from hloserve.errors import ConfigError
+from hloserve.models import _xla
 
 pytestmark = pytest.mark.slow
 

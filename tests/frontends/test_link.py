@@ -21,11 +21,11 @@ from grpclib.exceptions import GRPCError
 from support.numerics import assert_close
 from support.servers import make_config
 
-from hloserve.buffer_pool import BufferPool
 from hloserve.config import ModelSettings
-from hloserve.engine_link import EngineLink, EngineServices
-from hloserve.frontend_link import FrontendLink
-from hloserve.link import (
+from hloserve.engine.buffer_pool import BufferPool
+from hloserve.frontends.engine_end import EngineLink, EngineServices
+from hloserve.frontends.frontend_end import FrontendLink
+from hloserve.frontends.protocol import (
     HEADER,
     MAX_FRAME_BYTES,
     Counted,

@@ -23,17 +23,17 @@ from support.numerics import assert_close, assert_grades
 from support.servers import make_config
 from tritonclient.utils import InferenceServerException
 
-from hloserve import _grpclib_patches
-from hloserve._proto_codec import KnownFieldsCodec
-from hloserve.buffer_pool import BufferPool
+from hloserve._transport import grpclib_patches as _grpclib_patches
+from hloserve.api.data_plane import LocalDataPlane
+from hloserve.api.grpc_service import InferenceService
+from hloserve.api.proto_codec import KnownFieldsCodec
 from hloserve.config import ModelSettings
-from hloserve.data_plane import LocalDataPlane
-from hloserve.engine_link import EngineLink
-from hloserve.frontend_link import FrontendLink, execute_over
-from hloserve.meta import MetaModels
-from hloserve.metrics import Metrics
-from hloserve.policy import PolicyParams
-from hloserve.service import InferenceService
+from hloserve.engine.buffer_pool import BufferPool
+from hloserve.engine.meta import MetaModels
+from hloserve.engine.metrics import Metrics
+from hloserve.engine.policy import PolicyParams
+from hloserve.frontends.engine_end import EngineLink
+from hloserve.frontends.frontend_end import FrontendLink, execute_over
 from hloserve.worker import serve
 
 

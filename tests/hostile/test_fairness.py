@@ -25,7 +25,7 @@ from support.numerics import assert_close
 from support.servers import EXAMPLES, ServerThread, make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
-from hloserve.export import InputSpec, export_bundle
+from hloserve.export.jax import InputSpec, export_bundle
 
 pytestmark = pytest.mark.serial  # asserts on timing, or floods the machine
 

@@ -26,7 +26,7 @@ from support.servers import EXAMPLES, make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
 from hloserve._proto import hloserve_control as hc
-from hloserve.bundle import MAX_NAME_BYTES
+from hloserve.models.bundle import MAX_NAME_BYTES
 
 
 def _planted(directory: Path, marker: Path) -> Path:

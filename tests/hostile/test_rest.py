@@ -23,7 +23,7 @@ import pytest
 from support.clients import assert_serves, http_answer
 from support.servers import ServerThread, make_config, start_worker
 
-from hloserve import rest
+from hloserve.api.rest import server as rest
 
 MLP_INPUT = {"name": "INPUT0", "datatype": "FP32", "shape": [1, 16], "data": [0.5] * 16}
 MLP_BODY = json.dumps({"inputs": [MLP_INPUT]}).encode()

@@ -21,8 +21,9 @@ import pytest
 from support.clients import http_answer
 from support.servers import ServerProcess, start_worker
 
-from hloserve import rest, rest_codec
 from hloserve._proto import inference as kserve
+from hloserve.api.rest import codec as rest_codec
+from hloserve.api.rest import server as rest
 from hloserve.config import ServerConfig
 
 pytestmark = pytest.mark.serial  # a probe client's latency, or the descriptors: alone

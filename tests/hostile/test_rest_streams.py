@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from support.servers import EXAMPLES, ServerThread, make_config, start_worker
 
-from hloserve.export import InputSpec, OutputSpec, export_bundle
+from hloserve.export.jax import InputSpec, OutputSpec, export_bundle
 
 pytestmark = pytest.mark.serial  # a probe client's latency, or the descriptors: alone
 

@@ -24,9 +24,9 @@ from support.numerics import assert_close
 from support.servers import ServerProcess, start_worker
 from tritonclient.utils import InferenceServerException
 
+from hloserve.api.shm_registry import ShmRegistry
 from hloserve.config import load_config
 from hloserve.errors import ConfigError
-from hloserve.shm_registry import ShmRegistry
 
 MAX_REGIONS, MAX_BYTES = 8, 1 << 20
 X = np.random.default_rng(13).random((4, 16), dtype=np.float32)

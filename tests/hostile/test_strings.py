@@ -27,9 +27,9 @@ from support.clients import assert_serves, control
 from support.servers import ServerThread
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from hloserve import _hpack_patches
 from hloserve._proto import hloserve_control as hc
-from hloserve._status import MAX_STATUS_MESSAGE_CHARS, to_grpc_error
+from hloserve._transport import hpack_patches as _hpack_patches
+from hloserve.api.status import MAX_STATUS_MESSAGE_CHARS, to_grpc_error
 
 pytestmark = pytest.mark.serial  # asserts on timing, or floods the machine
 

@@ -1,4 +1,4 @@
-"""Hostile HTTP/2 peers against the gRPC transport (`hloserve._h2_limits`): frame sizes, stream,
+"""Hostile HTTP/2 peers against the gRPC transport (`hloserve._transport.h2_limits`): frame sizes, stream,
 connection, header and receive bounds, floods, descriptors, and the statuses of bodies that do
 not decode. Each test asserts what the peer is told and that a good request is answered after;
 the memory cases run a server in a subprocess and assert its RSS comes back."""
@@ -29,7 +29,7 @@ from hyperframe.frame import ContinuationFrame, HeadersFrame, PingFrame, Setting
 from support.clients import assert_serves, rss_bytes
 from support.servers import EXAMPLES, ServerThread, make_config, start_worker
 
-from hloserve._h2_limits import TransportLimits, default_max_connections
+from hloserve._transport.h2_limits import TransportLimits, default_max_connections
 from hloserve.config import load_config
 from hloserve.errors import ConfigError
 

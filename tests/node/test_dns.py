@@ -32,7 +32,7 @@ from hloserve.config import Config, NodeConfig, load_config
 from hloserve.errors import ConfigError
 from hloserve.fleet.controller import Controller
 from hloserve.fleet.envoy import find_envoy
-from hloserve.fleet.front import run_front
+from hloserve.fleet.gateway import run_front
 from hloserve.fleet.supervisor import Supervisor
 
 NAME = "workers.fleet.svc"

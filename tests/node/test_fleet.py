@@ -229,7 +229,7 @@ def test_placement_knobs_need_lpt_packing() -> None:
 
 def test_a_removed_models_cluster_outlives_its_route_by_one_update(tmp_path: Path) -> None:
     from hloserve.config import Config
-    from hloserve.fleet.front import _Publisher
+    from hloserve.fleet.gateway import _Publisher
 
     publish = _Publisher(tmp_path, "127.0.0.1:9", Config())
     publish.controller_http = "127.0.0.1:10"

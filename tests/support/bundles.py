@@ -14,7 +14,7 @@ import numpy as np
 import yaml
 from safetensors.numpy import save_file
 
-from hloserve.export import InputSpec, OutputSpec, export_bundle
+from hloserve.export.jax import InputSpec, OutputSpec, export_bundle
 
 from .clients import infer
 from .numerics import assert_close

@@ -17,7 +17,7 @@ import torch
 import torchvision
 from torchvision.models.detection.image_list import ImageList
 
-from hloserve.export import InputSpec, OutputSpec
+from hloserve.export.jax import InputSpec, OutputSpec
 
 IMAGE = InputSpec("IMAGE", (3, 224, 224), np.float32, letters="chw", format="NCHW")
 LOGITS = OutputSpec("LOGITS", letters="k")

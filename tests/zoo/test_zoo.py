@@ -31,9 +31,9 @@ import tritonclient.grpc as grpcclient
 from support.servers import ROOT, ServerThread, make_config, residency, start_worker
 from tritonclient.utils import np_to_triton_dtype
 
-from hloserve._torchvision import prepare_torchvision_import
-from hloserve.bundle import load_bundle
-from hloserve.verification import compare, default_tolerance
+from hloserve.export._torchvision import prepare_torchvision_import
+from hloserve.export.verification import compare, default_tolerance
+from hloserve.models.bundle import load_bundle
 
 prepare_torchvision_import()
 import specs  # noqa: E402  # imports torchvision and timm: after the line above

@@ -232,7 +232,7 @@ _COLLECTOR = "opentelemetry_collector"
 
 
 def tracing(settings: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """Envoy's OpenTelemetry tracing for `hloserve.tracing.settings` (None when traces are off):
+    """Envoy's OpenTelemetry tracing for `hloserve.engine.tracing.settings` (None when traces are off):
     the connection managers' `tracing` and the static cluster of the OTLP/gRPC collector. Envoy's
     span joins the client's trace (its `traceparent`) and is the parent of the worker's."""
     if settings["exporter"] != "otlp":
@@ -287,7 +287,7 @@ def bootstrap(
     """Envoy's static configuration: the public gRPC listener with its filters, the public REST
     listener (`http_port` -1: none), each over TLS when given its files, the admin interface,
     and where the routes (`routes.json`, `routes_http.json`) and clusters (`clusters.json`) are;
-    with `traces` (the node's `hloserve.tracing.settings`) exporting spans, Envoy's own spans
+    with `traces` (the node's `hloserve.engine.tracing.settings`) exporting spans, Envoy's own spans
     too (`tracing`)."""
     window = _window(max_message_bytes)
     descriptors = directory / "routing.pb"

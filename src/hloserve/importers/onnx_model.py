@@ -4,10 +4,10 @@ The ONNX graph is first checked against onnx2torch's converters, node by node, s
 without one is named with its node before anything runs; constant Identity nodes over an
 initializer (which torch's ONNX exporter writes for a shared weight, and which onnx2torch's Conv
 and Gemm converters do not follow) become initializers. The torch module onnx2torch builds is
-exported by `hloserve.export_torch.export_torch_bundle` at each batch size with static shapes: an
+exported by `hloserve.export.torch.export_torch_bundle` at each batch size with static shapes: an
 axis the ONNX model leaves dynamic takes its size from the Triton config (or the caller), and one
 that neither fixes is refused. The bundle is then run by the server's loader in a fresh process
-(`hloserve.verification.verify_bundle`) on seeded random inputs at every batch size and compared
+(`hloserve.export.verification.verify_bundle`) on seeded random inputs at every batch size and compared
 with ONNX Runtime on the original file (`hloserve.importers.onnx_reference`).
 """
 
@@ -110,8 +110,8 @@ def import_onnx(
 
     import torch
 
-    from hloserve.export import InputSpec, OutputSpec, VerificationError
-    from hloserve.export_torch import export_torch_bundle
+    from hloserve.export.jax import InputSpec, OutputSpec, VerificationError
+    from hloserve.export.torch import export_torch_bundle
 
     sizes = tuple(sorted(batch_sizes)) if batch_sizes is not None else None
     rng = np.random.default_rng(0)
@@ -336,7 +336,7 @@ def _check_operators(model: Any) -> None:
 
 
 def _import_onnx2torch() -> Any:
-    from hloserve._torchvision import prepare_torchvision_import
+    from hloserve.export._torchvision import prepare_torchvision_import
 
     prepare_torchvision_import()  # onnx2torch imports torchvision; beside a CPU torch it needs this
     import onnx2torch

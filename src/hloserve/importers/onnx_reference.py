@@ -4,7 +4,7 @@ The bundle runs in a fresh process with the server's own loader (`verify_bundle`
 checks dtypes and shapes); ONNX Runtime runs the same seeded inputs at every compiled batch size.
 Two different compilers of the same graph agree only within rounding, so each output is compared
 as the exporter compares a bundle with its model: with its dtype's tolerance, scaled by the
-output's largest magnitude (`hloserve.verification.DEFAULT_TOLERANCES`). Integer and boolean
+output's largest magnitude (`hloserve.export.verification.DEFAULT_TOLERANCES`). Integer and boolean
 outputs must agree exactly.
 """
 
@@ -50,8 +50,8 @@ def verify_against_onnxruntime(
             more than its tolerance (naming it, the difference and the tolerance), or has other
             dims than the config gives.
     """
-    from hloserve import _xla
-    from hloserve.verification import VerificationError, verify_bundle
+    from hloserve.export.verification import VerificationError, verify_bundle
+    from hloserve.models import _xla
 
     local = "cpu" if _xla.device().platform == "cpu" else "cuda"
     if platform != local:

@@ -4,7 +4,7 @@
 `model_config.proto` (compiled as `hloserve_triton`, see proto/generate.py). `plan_model` then
 checks the platform, picks the highest numbered version, and maps each field onto a bundle or a
 serving setting (`scheduler.models.<name>`), as a load's `config` override does
-(`hloserve.load_override`): `max_batch_size` and `dynamic_batching`'s preferred sizes give the
+(`hloserve.models.load_override`): `max_batch_size` and `dynamic_batching`'s preferred sizes give the
 compiled batch sizes, its queue delay and queue size the settings, `label_filename` a labels file.
 Fields that cannot be honoured and would change what a client gets (sequence batching, ensembles,
 reshapes, batch inputs) refuse the model; the others set in the file are listed as ignored.

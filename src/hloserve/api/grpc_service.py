@@ -1,0 +1,470 @@
+"""The KServe V2 / Triton gRPC service: an adapter over the data plane (`hloserve.api.data_plane`)
+for inference and readiness, and the metadata, statistics, shared-memory and repository RPCs.
+
+ModelInfer bypasses the generated dataclass path: its handler is swapped in `__mapping__` for
+one that parses with the google.protobuf classes compiled under `hloserve_hot` (same fields,
+another package, so tritonclient's descriptors can share the process) and hands the request to
+the data plane. Every other RPC uses the betterproto2 messages. Errors become statuses in
+`hloserve.api.status` only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import betterproto2
+import trio_asyncio
+from grpclib.const import Cardinality, Handler, Status
+from grpclib.exceptions import GRPCError
+
+from hloserve import dtypes
+from hloserve._proto import inference as kserve
+from hloserve._proto.hot import hot_infer_pb2 as hot
+from hloserve._transport import grpclib_patches as _grpclib_patches
+from hloserve._version import __version__
+from hloserve.api.data_plane import DataPlane, find_entry, not_ready_because, ready_entry
+from hloserve.api.shm_registry import Region, ShmRegistry
+from hloserve.api.status import grpc_errors as _rpc
+from hloserve.api.status import to_grpc_error
+from hloserve.config import Config, ModelSettings
+from hloserve.engine.statistics import Duration, ExecutionTimes, Statistics
+from hloserve.engine.tracing import settings, triton_trace_settings
+from hloserve.errors import (
+    InvalidInput,
+    ModelNotFound,
+    ShmDisabled,
+    ShmRegionNotFound,
+    Unimplemented,
+)
+from hloserve.models.bundle import check_model_name
+from hloserve.models.load_files import FILE_PREFIX, check_files
+from hloserve.models.load_override import CONFIG_PARAM, apply_config
+from hloserve.models.manifest import FILE as MANIFEST
+from hloserve.models.manifest import TensorSpec
+
+if TYPE_CHECKING:
+    from hloserve.engine.model_table import ModelEntry, ModelHost
+
+__all__ = ["EXTENSIONS", "InferenceService"]
+
+EXTENSIONS = ("model_configuration", "model_repository", "statistics", "system_shared_memory")
+"""Triton protocol extensions hloserve implements, reported by ServerMetadata."""
+
+_SERVICE = "/inference.GRPCInferenceService/"
+_BUILT = {
+    "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer",
+    "ModelConfig", "ModelStatistics", "RepositoryIndex",
+    "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
+    "RepositoryModelLoad", "RepositoryModelUnload",
+    "CudaSharedMemoryStatus", "CudaSharedMemoryUnregister",
+    "TraceSetting", "CudaSharedMemoryRegister",
+}  # fmt: skip
+
+
+def _duration(d: Duration) -> kserve.StatisticDuration:
+    return kserve.StatisticDuration(count=d.count, ns=d.ns)
+
+
+def _data_type(spec: TensorSpec) -> kserve.DataType:
+    return kserve.DataType["TYPE_STRING" if spec.dtype is dtypes.BYTES else f"TYPE_{spec.dtype.wire}"]
+
+
+class InferenceService(kserve.GrpcInferenceServiceBase):
+    """`inference.GRPCInferenceService` over the worker's model table."""
+
+    def __init__(
+        self,
+        plane: DataPlane,
+        config: Config,
+        models: Mapping[str, ModelEntry],
+        statistics: Statistics,
+        worker: ModelHost,
+        shm: ShmRegistry | None = None,
+    ) -> None:
+        self._plane = plane
+        self._config = config
+        self._models = models
+        self._statistics = statistics
+        self._worker = worker
+        self._shm = shm
+        """The client's shared-memory regions (None: not allowed, or a frontend's: the engine's)."""
+
+    def close(self) -> None:
+        """Close every registered shared-memory region."""
+        if self._shm is not None:
+            self._shm.close()
+
+    # -- routing -------------------------------------------------------------------------------
+
+    def __mapping__(self) -> dict[str, Handler]:
+        mapping = dict(super().__mapping__())
+        for path in mapping:
+            rpc = path.removeprefix(_SERVICE)
+            if rpc not in _BUILT:
+                handler = mapping[path]
+                mapping[path] = Handler(
+                    functools.partial(self._unimplemented, rpc),
+                    handler.cardinality,
+                    handler.request_type,
+                    handler.reply_type,
+                )
+        mapping[_SERVICE + "ModelInfer"] = Handler(
+            self._model_infer, Cardinality.UNARY_UNARY, hot.ModelInferRequest, hot.ModelInferResponse
+        )
+        return mapping
+
+    async def _unimplemented(self, rpc: str, stream: object) -> None:
+        raise GRPCError(
+            Status.UNIMPLEMENTED, str(Unimplemented(rpc, "not built in this version of hloserve"))
+        )
+
+    def _entry(self, name: str, version: str = "") -> ModelEntry:
+        return find_entry(self._models, name, version)
+
+    def _ready_entry(self, name: str, version: str = "") -> ModelEntry:
+        return ready_entry(self._models, name, version)
+
+    # -- ModelInfer (hot path) -----------------------------------------------------------------
+
+    async def _model_infer(self, stream: Any) -> None:
+        received = 0 if self._plane.tracing is None else time.monotonic_ns()
+        request = await stream.recv_message()
+        started = time.perf_counter()
+        name = request.model_name
+        label = name if name in self._models else "<unknown>"
+        plane = self._plane
+        spans = None
+        if plane.tracing is not None:
+            spans = plane.trace_request(label, stream.metadata.get("traceparent"), received)
+        try:
+            response = await plane.infer(request, stream.deadline, spans)
+        except Exception as e:
+            error = to_grpc_error(e, "ModelInfer")
+            plane.count(label, error.status.name, time.perf_counter() - started)
+            if spans is not None:
+                spans.end(error.status.name)
+            raise error from None
+        except asyncio.CancelledError:  # the client cancelled or went away: not counted, but traced
+            if spans is not None:
+                spans.end("CANCELLED")
+            raise
+        plane.count(label, "OK", time.perf_counter() - started)
+        await _grpclib_patches.send_reply(stream, response)
+        if spans is not None:
+            spans.mark("reply")
+            spans.end()
+
+    # -- health and metadata -------------------------------------------------------------------
+
+    @_rpc("ServerLive")
+    async def server_live(self, message: kserve.ServerLiveRequest) -> kserve.ServerLiveResponse:
+        return kserve.ServerLiveResponse(live=True)
+
+    @_rpc("ServerReady")
+    async def server_ready(self, message: kserve.ServerReadyRequest) -> kserve.ServerReadyResponse:
+        return kserve.ServerReadyResponse(ready=await self._plane.ready())
+
+    @_rpc("ModelReady")
+    async def model_ready(self, message: kserve.ModelReadyRequest) -> kserve.ModelReadyResponse:
+        return kserve.ModelReadyResponse(ready=await self._plane.model_ready(message.name, message.version))
+
+    @_rpc("ServerMetadata")
+    async def server_metadata(self, message: kserve.ServerMetadataRequest) -> kserve.ServerMetadataResponse:
+        return kserve.ServerMetadataResponse(
+            name="hloserve", version=__version__, extensions=list(EXTENSIONS)
+        )
+
+    @_rpc("ModelMetadata")
+    async def model_metadata(self, message: kserve.ModelMetadataRequest) -> kserve.ModelMetadataResponse:
+        entry = self._ready_entry(message.name, message.version)
+        assert entry.bundle is not None
+        manifest = entry.bundle.manifest
+
+        def tensors(specs: tuple[TensorSpec, ...]) -> list[kserve.ModelMetadataResponseTensorMetadata]:
+            return [
+                kserve.ModelMetadataResponseTensorMetadata(
+                    name=s.name, datatype=s.dtype.wire or "", shape=s.metadata_shape
+                )
+                for s in specs
+            ]
+
+        return kserve.ModelMetadataResponse(
+            name=entry.name,
+            versions=["1"],
+            platform=self._plane.platform,
+            inputs=tensors(manifest.inputs),
+            outputs=tensors(manifest.outputs),
+        )
+
+    @_rpc("ModelConfig")
+    async def model_config(self, message: kserve.ModelConfigRequest) -> kserve.ModelConfigResponse:
+        entry = self._ready_entry(message.name, message.version)
+        assert entry.bundle is not None
+        manifest = entry.bundle.manifest
+        specs = (*manifest.inputs, *manifest.outputs)
+        # Triton's max_batch_size > 0 means "dims exclude a leading batch axis"; a model whose
+        # batch axis is elsewhere is described unbatched, with -1 where the batch goes. A meta
+        # model has no compiled sizes: unbatched.
+        leading = manifest.batched and all(s.batch_axis in (0, None) for s in specs)
+        sizes = [b for b in entry.batch_sizes if b > 0]
+        max_batch = sizes[-1] if leading and sizes else 0
+
+        def dims(spec: TensorSpec) -> list[int]:
+            shape = spec.metadata_shape
+            return shape[1:] if max_batch and spec.batch_axis == 0 else shape
+
+        policy = self._worker.config.scheduler.models.get(entry.name)  # with load overrides
+        if policy is not None and policy.max_batch_size and max_batch:
+            max_batch = min(max_batch, policy.max_batch_size)
+            sizes = [b for b in sizes if b <= max_batch]
+        if policy is not None and policy.preferred_batch_sizes:  # the sizes it runs
+            sizes = [b for b in sizes if b in policy.preferred_batch_sizes]
+        return kserve.ModelConfigResponse(
+            config=kserve.ModelConfig(
+                name=entry.name,
+                platform=self._plane.platform,
+                backend="python" if manifest.is_meta else "jax",
+                max_batch_size=max_batch,
+                version_policy=kserve.ModelVersionPolicy(latest=kserve.ModelVersionPolicyLatest(1)),
+                input=[
+                    kserve.ModelInput(
+                        name=s.name,
+                        data_type=_data_type(s),
+                        dims=dims(s),
+                        format=kserve.ModelInputFormat[s.format or "NONE"],
+                    )
+                    for s in manifest.inputs
+                ],
+                output=[
+                    kserve.ModelOutput(name=s.name, data_type=_data_type(s), dims=dims(s))
+                    for s in manifest.outputs
+                ],
+                dynamic_batching=kserve.ModelDynamicBatching(
+                    preferred_batch_size=sizes,
+                    max_queue_delay_microseconds=policy.max_queue_delay_us if policy else 0,
+                )
+                if max_batch
+                else None,
+            )
+        )
+
+    @_rpc("TraceSetting")
+    async def trace_setting(self, message: kserve.TraceSettingRequest) -> kserve.TraceSettingResponse:
+        """The trace settings in Triton's keys (the same for every model: `model_name`, if any,
+        must be served). They are fixed at start (the tracing section, OTEL_* variables): a
+        request that changes any is refused."""
+        if message.model_name:
+            self._entry(check_model_name(message.model_name))
+        if message.settings:
+            raise Unimplemented(
+                "TraceSetting",
+                "changing trace settings while serving; they are set at start by the tracing "
+                "section of the configuration or the OTEL_* variables",
+            )
+        current = self.trace_settings()
+        return kserve.TraceSettingResponse(
+            {k: kserve.TraceSettingResponseSettingValue(v) for k, v in current.items()}
+        )
+
+    def trace_settings(self) -> dict[str, list[str]]:
+        """This worker's trace settings, in the keys of Triton's TraceSetting."""
+        return triton_trace_settings(settings(self._config.tracing))
+
+    @_rpc("ModelStatistics")
+    async def model_statistics(
+        self, message: kserve.ModelStatisticsRequest
+    ) -> kserve.ModelStatisticsResponse:
+        try:
+            names = (
+                [self._entry(message.name, message.version).name] if message.name else sorted(self._models)
+            )
+        except ModelNotFound as e:  # as Triton: the statistics asked for are not available
+            raise InvalidInput(message.name, f"requested statistics are not available: {e}") from None
+        stats = []
+        for name in names:
+            s = self._statistics[name]
+
+            def times(t: ExecutionTimes) -> dict[str, kserve.StatisticDuration]:
+                return {
+                    "compute_input": _duration(t.compute_input),
+                    "compute_infer": _duration(t.compute_infer),
+                    "compute_output": _duration(t.compute_output),
+                }
+
+            stats.append(
+                kserve.ModelStatistics(
+                    name=name,
+                    version="1",
+                    last_inference=s.last_inference_ms,
+                    inference_count=s.inference_count,
+                    execution_count=s.execution_count,
+                    inference_stats=kserve.InferStatistics(
+                        success=_duration(s.success),
+                        fail=_duration(s.fail),
+                        queue=_duration(s.queue),
+                        **times(s.compute),
+                    ),
+                    batch_stats=[
+                        kserve.InferBatchStatistics(batch_size=size, **times(t))
+                        for size, t in sorted(s.by_batch_size.items())
+                    ],
+                )
+            )
+        return kserve.ModelStatisticsResponse(model_stats=stats)
+
+    # -- system shared memory ------------------------------------------------------------------
+
+    def _registry(self) -> ShmRegistry:
+        if self._shm is None:
+            raise ShmDisabled()
+        return self._shm
+
+    def _registered(self, name: str) -> list[Region]:
+        """Every region, or the one named (as Triton: NOT_FOUND when it is not registered)."""
+        registry = self._registry()
+        if name and name not in {r.name for r in registry.status()}:
+            raise ShmRegionNotFound(name)
+        return registry.status(name)
+
+    @_rpc("SystemSharedMemoryRegister")
+    async def system_shared_memory_register(
+        self, message: kserve.SystemSharedMemoryRegisterRequest
+    ) -> kserve.SystemSharedMemoryRegisterResponse:
+        self._registry().register(message.name, message.key, message.offset, message.byte_size)
+        return kserve.SystemSharedMemoryRegisterResponse()
+
+    @_rpc("SystemSharedMemoryStatus")
+    async def system_shared_memory_status(
+        self, message: kserve.SystemSharedMemoryStatusRequest
+    ) -> kserve.SystemSharedMemoryStatusResponse:
+        return kserve.SystemSharedMemoryStatusResponse(
+            regions={
+                r.name: kserve.SystemSharedMemoryStatusResponseRegionStatus(
+                    name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size
+                )
+                for r in self._registered(message.name)
+            }
+        )
+
+    @_rpc("SystemSharedMemoryUnregister")
+    async def system_shared_memory_unregister(
+        self, message: kserve.SystemSharedMemoryUnregisterRequest
+    ) -> kserve.SystemSharedMemoryUnregisterResponse:
+        self._registry().unregister(message.name)
+        return kserve.SystemSharedMemoryUnregisterResponse()
+
+    # -- CUDA shared memory: none, as Triton without a GPU (so clients can clean up) ----------
+
+    @_rpc("CudaSharedMemoryRegister")
+    async def cuda_shared_memory_register(
+        self, message: kserve.CudaSharedMemoryRegisterRequest
+    ) -> kserve.CudaSharedMemoryRegisterResponse:
+        raise Unimplemented(
+            "CudaSharedMemoryRegister",
+            "hloserve has no CUDA shared memory (as Triton built without GPU support); "
+            "use system shared memory (--allow-client-shm)",
+        )
+
+    @_rpc("CudaSharedMemoryStatus")
+    async def cuda_shared_memory_status(
+        self, message: kserve.CudaSharedMemoryStatusRequest
+    ) -> kserve.CudaSharedMemoryStatusResponse:
+        if message.name:
+            raise ShmRegionNotFound(message.name)  # nothing is: hloserve has no CUDA shared memory
+        return kserve.CudaSharedMemoryStatusResponse()
+
+    @_rpc("CudaSharedMemoryUnregister")
+    async def cuda_shared_memory_unregister(
+        self, message: kserve.CudaSharedMemoryUnregisterRequest
+    ) -> kserve.CudaSharedMemoryUnregisterResponse:
+        return kserve.CudaSharedMemoryUnregisterResponse()  # nothing is registered: done
+
+    # -- model repository ----------------------------------------------------------------------
+
+    @_rpc("RepositoryModelLoad")
+    async def repository_model_load(
+        self, message: kserve.RepositoryModelLoadRequest
+    ) -> kserve.RepositoryModelLoadResponse:
+        name = check_model_name(message.model_name)
+        chosen = {
+            key: betterproto2.which_one_of(p, "parameter_choice") for key, p in message.parameters.items()
+        }
+        parameters = {
+            key: value if kind == "string_param" else None
+            for key, (kind, value) in chosen.items()
+            if not key.startswith(FILE_PREFIX)
+        }
+        current = self._worker.config.scheduler.models.get(name, ModelSettings())
+        settings = apply_config(name, parameters, current)
+        sent = {
+            key.removeprefix(FILE_PREFIX): value if kind == "bytes_param" else None
+            for key, (kind, value) in chosen.items()
+            if key.startswith(FILE_PREFIX)
+        }
+        server = self._config.server
+        files = (
+            check_files(
+                name,
+                sent,
+                has_config=CONFIG_PARAM in parameters,
+                max_files=server.max_load_files,
+                max_bytes=server.max_load_file_bytes,
+            )
+            if sent
+            else None
+        )
+        await trio_asyncio.trio_as_aio(self._worker.load_model)(name, settings, files)
+        return kserve.RepositoryModelLoadResponse()
+
+    @_rpc("RepositoryModelUnload")
+    async def repository_model_unload(
+        self, message: kserve.RepositoryModelUnloadRequest
+    ) -> kserve.RepositoryModelUnloadResponse:
+        await trio_asyncio.trio_as_aio(self._worker.unload_model)(message.model_name)
+        return kserve.RepositoryModelUnloadResponse()
+
+    @_rpc("RepositoryIndex")
+    async def repository_index(
+        self, message: kserve.RepositoryIndexRequest
+    ) -> kserve.RepositoryIndexResponse:
+        # As upstream: the models a meta model calls are its parts, listed through it alone
+        # (still addressable by name).
+        parts = {callee for e in self._models.values() if e.ready for callee in e.calls}
+        index = []
+        if not message.ready:  # as Triton: bundles not being served are listed too
+            repository = self._config.server.model_repository
+            on_disk = await asyncio.to_thread(_bundle_names, repository)
+            index = [
+                kserve.RepositoryIndexResponseModelIndex(
+                    name=name, version="1", state="UNAVAILABLE", reason="unloaded"
+                )
+                for name in on_disk
+                if name not in self._models
+            ]
+        for entry in sorted(self._models.values(), key=lambda e: e.name):
+            if entry.name in parts:
+                continue
+            reason = not_ready_because(entry, self._config, self._statistics)
+            if reason is None or not message.ready:
+                index.append(
+                    kserve.RepositoryIndexResponseModelIndex(
+                        name=entry.name,
+                        version="1",
+                        state="READY" if reason is None else "UNAVAILABLE",
+                        reason=reason or "",
+                    )
+                )
+        return kserve.RepositoryIndexResponse(models=sorted(index, key=lambda m: m.name))
+
+
+def _bundle_names(repository: Path) -> list[str]:
+    """The names of the repository's bundle directories (each holding a manifest)."""
+    try:
+        return [p.name for p in repository.iterdir() if (p / MANIFEST).is_file()]
+    except OSError:
+        return []

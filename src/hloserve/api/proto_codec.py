@@ -1,0 +1,106 @@
+"""grpclib's protobuf codec, with a request's unknown fields dropped in C before betterproto2.
+
+betterproto2 0.10.0 appends each unknown field to a bytes object (`_unknown_fields += raw`): a
+request of many small unknown fields costs time quadratic in its size (600 KB: seconds), and even
+without that a field costs about a microsecond of Python. So for each betterproto2 message class
+the codec builds, once, a google.protobuf (upb) mirror of its known fields from betterproto2's
+own field table; a request is parsed by the mirror, its unknown fields are discarded, and the
+known ones re-serialized for betterproto2. Malformed wire data raises ValueError, which the
+server's receive path answers INVALID_ARGUMENT naming the RPC. The hot path's google.protobuf
+messages go straight through, a large ModelInferRequest with its tensors left in the bytes
+received (`hloserve.api.rest.viewed_request`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import betterproto2
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import DecodeError
+from grpclib.encoding.proto import ProtoCodec
+
+from hloserve._proto.hot import hot_infer_pb2 as hot
+from hloserve.api.rest.viewed_request import VIEW_FROM_BYTES, parse_viewed
+
+__all__ = ["KnownFieldsCodec"]
+
+_Field = descriptor_pb2.FieldDescriptorProto
+# Same wire encoding, no checks that betterproto2 does not make itself: an enum as int32 (open,
+# as in proto3), a string as bytes (betterproto2 checks its UTF-8).
+_WIRE_TYPE = {betterproto2.TYPE_ENUM: _Field.TYPE_INT32, betterproto2.TYPE_STRING: _Field.TYPE_BYTES}
+_PACKED = frozenset(betterproto2.PACKED_TYPES)
+
+
+class KnownFieldsCodec(ProtoCodec):
+    """`ProtoCodec` whose betterproto2 requests reach the handler without unknown fields."""
+
+    def __init__(self) -> None:
+        self._mirrors: dict[type, Any] = {}
+
+    def decode(self, data: bytes, message_type: Any) -> Any:
+        if message_type is hot.ModelInferRequest and len(data) >= VIEW_FROM_BYTES:
+            return parse_viewed(data)
+        if not issubclass(message_type, betterproto2.Message):
+            return super().decode(data, message_type)
+        mirror = self._mirrors.get(message_type)
+        if mirror is None:
+            mirror = self._mirrors[message_type] = _mirror(message_type)
+        try:
+            known = mirror.FromString(data)
+        except DecodeError:
+            raise ValueError("malformed protobuf wire data") from None
+        known.DiscardUnknownFields()
+        return message_type.parse(known.SerializeToString())  # ValueError: a string not UTF-8
+
+
+def _mirror(root: type[betterproto2.Message]) -> Any:
+    """A google.protobuf class with `root`'s fields (and, recursively, its messages'), proto2 so
+    that every singular field keeps its presence through the re-serialization."""
+    file = descriptor_pb2.FileDescriptorProto(name="mirror.proto", package="mirror", syntax="proto2")
+    names: dict[type, str] = {}
+
+    def message(cls: type[betterproto2.Message]) -> str:
+        if cls not in names:
+            names[cls] = f"M{len(file.message_type)}"
+            described = file.message_type.add(name=names[cls])
+            table: betterproto2.ProtoClassMetadata = cls._betterproto  # type: ignore[arg-type]
+            groups: dict[str, int] = {}
+            for name, meta in table.meta_by_field_name.items():
+                field = described.field.add(name=name, number=meta.number, label=_Field.LABEL_OPTIONAL)
+                if meta.proto_type == betterproto2.TYPE_MAP:
+                    assert meta.map_meta is not None
+                    field.label = _Field.LABEL_REPEATED
+                    field.type = _Field.TYPE_MESSAGE
+                    field.type_name = entry(meta.map_meta, table.cls_by_field.get(f"{name}.value"))
+                else:
+                    describe(field, meta.proto_type, table.cls_by_field.get(name))
+                    if meta.repeated:
+                        field.label = _Field.LABEL_REPEATED
+                        field.options.packed = meta.proto_type in _PACKED
+                if meta.group:
+                    field.oneof_index = groups.setdefault(meta.group, len(groups))
+            for group in groups:
+                described.oneof_decl.add(name=group)
+        return f".mirror.{names[cls]}"
+
+    def entry(metas: tuple[betterproto2.FieldMetadata, ...], value_cls: type | None) -> str:
+        described = file.message_type.add(name=f"M{len(file.message_type)}")
+        for meta, cls in zip(metas, (None, value_cls), strict=True):
+            field = described.field.add(name=f"f{meta.number}", number=meta.number)
+            field.label = _Field.LABEL_OPTIONAL
+            describe(field, meta.proto_type, cls)
+        return f".mirror.{described.name}"
+
+    def describe(field: Any, proto_type: str, cls: type | None) -> None:
+        if proto_type == betterproto2.TYPE_MESSAGE:
+            assert cls is not None
+            field.type = _Field.TYPE_MESSAGE
+            field.type_name = message(cls)
+        else:
+            field.type = _WIRE_TYPE.get(proto_type) or getattr(_Field, f"TYPE_{proto_type.upper()}")
+
+    message(root)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("mirror.M0"))

@@ -1,0 +1,313 @@
+"""Prometheus metrics of one worker, on its own registry and HTTP endpoint.
+
+The endpoint is an asyncio server on the worker's loop, bounded as the other listeners are
+(prometheus_client's own took a thread and a descriptor per connection, with no cap or timeout
+and a listen backlog of 5): at most `server.metrics_max_connections` connections, each counted in
+the process's `server.max_open_connections`, one request each within `server.metrics_timeout_s`,
+a backlog of 1024; the exposition is built in a worker thread (its collectors hop to the loop).
+
+Request counters and latency histograms are updated as requests finish; per-model execution
+statistics are read at scrape time from `Statistics`, fetched on the event-loop thread (which
+owns them) through the trio token, so a scrape never sees a half-updated record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import prometheus_client
+import structlog
+import trio
+import trio_asyncio
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from hloserve._transport.h2_limits import CONNECTIONS
+from hloserve.engine.statistics import LOAD_BUCKETS_S, ModelStatistics, Statistics
+from hloserve.models import _xla
+
+__all__ = ["Metrics"]
+
+_LATENCY_BUCKETS = tuple(0.0005 * 2**k for k in range(15))  # 0.5 ms .. 8 s
+
+
+class _StatisticsCollector(Collector):
+    def __init__(self, read: Callable[[], dict[str, ModelStatistics]]):
+        self._read = read
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._read()
+        model = ["model"]
+        executions = CounterMetricFamily(
+            "hloserve_executions", "Executions (dispatches) per model", labels=model
+        )
+        requests = CounterMetricFamily(
+            "hloserve_requests_served", "Requests answered from executions", labels=model
+        )
+        rows = CounterMetricFamily("hloserve_inference_rows", "Rows (batch elements) executed", labels=model)
+        queue = CounterMetricFamily("hloserve_queue_seconds", "Time requests spent queued", labels=model)
+        compute = CounterMetricFamily("hloserve_compute_seconds", "Time spent executing", labels=model)
+        batches = CounterMetricFamily(
+            "hloserve_batch_executions", "Executions per compiled batch size", labels=["model", "batch_size"]
+        )
+        drops = CounterMetricFamily(
+            "hloserve_dropped_requests", "Requests that never ran, by reason", labels=["model", "reason"]
+        )
+        depth = GaugeMetricFamily("hloserve_queue_depth", "Requests waiting", labels=model)
+        wait = GaugeMetricFamily(
+            "hloserve_queue_wait_seconds",
+            "Queue wait of the last 1024 requests",
+            labels=["model", "quantile"],
+        )
+        cost = GaugeMetricFamily(
+            "hloserve_cost_estimate_seconds", "Learned seconds per execution", labels=["model", "batch_size"]
+        )
+        resident = GaugeMetricFamily(
+            "hloserve_model_resident", "Weights on the device (1) or not (0)", labels=model
+        )
+        weight_bytes = GaugeMetricFamily("hloserve_model_weight_bytes", "Bytes of weights", labels=model)
+        loads = CounterMetricFamily("hloserve_weight_loads", "Weight loads to the device", labels=model)
+        evictions = CounterMetricFamily(
+            "hloserve_weight_evictions", "Weight evictions from the device", labels=model
+        )
+        load_seconds = CounterMetricFamily(
+            "hloserve_weight_load_seconds", "Time spent loading weights", labels=model
+        )
+        prefetches = CounterMetricFamily(
+            "hloserve_weight_prefetches",
+            "Weight loads started while another model executed (counted in the loads too)",
+            labels=model,
+        )
+        pinned = GaugeMetricFamily(
+            "hloserve_model_host_pinned",
+            "Host copy of the weights in pinned memory (1) or not (0)",
+            labels=model,
+        )
+        for name, s in stats.items():
+            executions.add_metric([name], s.execution_count)
+            requests.add_metric([name], s.requests_served)
+            rows.add_metric([name], s.inference_count)
+            queue.add_metric([name], s.queue.ns / 1e9)
+            c = s.compute
+            compute.add_metric([name], (c.compute_input.ns + c.compute_infer.ns + c.compute_output.ns) / 1e9)
+            for size, times in sorted(s.by_batch_size.items()):
+                batches.add_metric([name, str(size)], times.compute_infer.count)
+            for reason, count in sorted(s.drops.items()):
+                drops.add_metric([name, reason], count)
+            depth.add_metric([name], s.queue_depth)
+            for q in (0.5, 0.99):
+                wait.add_metric([name, str(q)], s.wait_quantile(q))
+            for size, seconds in sorted(s.cost.items()):
+                cost.add_metric([name, str(size)], seconds)
+            if s.residency:
+                resident.add_metric([name], int(s.resident))
+                weight_bytes.add_metric([name], s.weight_bytes)
+                loads.add_metric([name], s.weight_loads)
+                evictions.add_metric([name], s.weight_evictions)
+                load_seconds.add_metric([name], s.weight_load_seconds)
+                prefetches.add_metric([name], s.weight_prefetches)
+                pinned.add_metric([name], int(s.host_pinned))
+        yield from (executions, requests, rows, queue, compute, batches, drops, depth, wait, cost)
+        yield from (resident, weight_bytes, loads, evictions, load_seconds, prefetches, pinned)
+
+
+_EVICTION_CAUSES = ("budget", "compaction", "control")
+
+
+class _SwapCollector(Collector):
+    """Weight swaps: per model, loads (a duration histogram, bytes), evictions by cause, the
+    time requests waited for loads and the residency state; per worker, the budget and the bytes
+    resident and pinned."""
+
+    def __init__(self, read: Callable[[], tuple[dict[str, ModelStatistics], int | None]]):
+        self._read = read
+
+    def collect(self) -> Iterator[Any]:
+        stats, budget = self._read()
+        model = ["model"]
+        durations = HistogramMetricFamily(
+            "hloserve_weight_load_duration_seconds", "Duration of each weight load", labels=model
+        )
+        moved = CounterMetricFamily("hloserve_weight_load_bytes", "Bytes copied to the device", labels=model)
+        causes = CounterMetricFamily(
+            "hloserve_weight_evictions_by_cause", "Weight evictions by cause", labels=["model", "cause"]
+        )
+        waited = CounterMetricFamily(
+            "hloserve_weight_load_wait_seconds",
+            "Time requests waited for their model's weights to load, summed over requests",
+            labels=model,
+        )
+        state = GaugeMetricFamily(
+            "hloserve_model_residency",
+            "Where a model's weights are: 1 for its state (device, host, none) and floor",
+            labels=["model", "state", "floor"],
+        )
+        resident_bytes = pinned_bytes = 0
+        for name, s in stats.items():
+            if not s.residency:
+                continue
+            cumulative, buckets = 0, []
+            for bound, count in zip(LOAD_BUCKETS_S, s.weight_load_buckets, strict=True):
+                cumulative += count
+                buckets.append((repr(bound), cumulative))
+            buckets.append(("+Inf", s.weight_loads))
+            durations.add_metric([name], buckets, s.weight_load_seconds)
+            moved.add_metric([name], s.weight_load_bytes)
+            for cause in _EVICTION_CAUSES:
+                causes.add_metric([name, cause], s.evictions_by_cause.get(cause, 0))
+            waited.add_metric([name], s.load_wait_seconds)
+            where = "device" if s.resident else "host" if s.host_resident else "none"
+            state.add_metric([name, where, s.residency], 1)
+            if s.resident:
+                if s.residency == "device":
+                    pinned_bytes += s.weight_bytes
+                else:
+                    resident_bytes += s.weight_bytes
+        yield from (durations, moved, causes, waited, state)
+        gauge = GaugeMetricFamily
+        yield gauge(
+            "hloserve_weight_resident_bytes", "Weight bytes on the device, budgeted", value=resident_bytes
+        )
+        yield gauge("hloserve_weight_pinned_bytes", "Weight bytes pinned on the device", value=pinned_bytes)
+        if budget is not None:
+            yield gauge("hloserve_weight_budget_bytes", "The weight cache's byte budget", value=budget)
+
+
+class _CompactionCollector(Collector):
+    def __init__(self, read: Callable[[], int]):
+        self._read = read
+
+    def collect(self) -> Iterator[Any]:
+        compactions = CounterMetricFamily("hloserve_compactions", "Weight-cache compactions")
+        compactions.add_metric([], self._read())
+        yield compactions
+
+
+_DEVICE_MEMORY = {
+    "bytes_in_use": ("in_use", "Device memory in use by live buffers"),
+    "bytes_limit": ("limit", "The allocator's arena"),
+    "peak_bytes_in_use": ("peak_in_use", "High-water mark of device memory in use"),
+    "pool_bytes": ("pool", "Device memory the allocator holds"),
+}
+
+
+class _DeviceMemoryCollector(Collector):
+    """The allocator's statistics, where the backend keeps them (a GPU; not the CPU)."""
+
+    def collect(self) -> Iterator[Any]:
+        stats = _xla.memory_stats()
+        if stats is None:
+            return
+        for key, (name, doc) in _DEVICE_MEMORY.items():
+            if stats.get(key, -1) >= 0:
+                yield GaugeMetricFamily(f"hloserve_device_memory_{name}_bytes", doc, value=stats[key])
+        if stats.get("bytes_limit", -1) >= 0 and stats.get("bytes_in_use", -1) >= 0:
+            free = stats["bytes_limit"] - stats["bytes_in_use"]
+            yield GaugeMetricFamily("hloserve_device_memory_free_bytes", "Arena not in use", value=free)
+
+
+class Metrics:
+    """The worker's metric objects and, once `serve` is called, its HTTP endpoint."""
+
+    def __init__(self, statistics: Statistics) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = prometheus_client.Counter(
+            "hloserve_requests",
+            "ModelInfer calls by model and gRPC status",
+            ["model", "status"],
+            registry=self.registry,
+        )
+        self.request_seconds = prometheus_client.Histogram(
+            "hloserve_request_duration_seconds",
+            "ModelInfer duration in the server, decode to encode",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.models_loaded = prometheus_client.Gauge(
+            "hloserve_models_loaded", "Models ready to serve", registry=self.registry
+        )
+        self.models_failed = prometheus_client.Gauge(
+            "hloserve_models_failed", "Bundles that failed to load", registry=self.registry
+        )
+        token = trio.lowlevel.current_trio_token()
+
+        def on_loop(read: Callable[[], Any]) -> Callable[[], Any]:
+            return lambda: trio.from_thread.run_sync(read, trio_token=token)
+
+        self.registry.register(_StatisticsCollector(on_loop(statistics.snapshot)))
+        self.registry.register(_CompactionCollector(on_loop(lambda: statistics.compactions)))
+        self.registry.register(
+            _SwapCollector(on_loop(lambda: (statistics.snapshot(), statistics.weight_budget_bytes)))
+        )
+        self.registry.register(_DeviceMemoryCollector())
+        self._server: asyncio.Server | None = None
+        self._open = 0
+        """Connections open now."""
+        self._cap, self._timeout_s = 64, 10.0
+
+    async def serve(self, host: str, port: int, max_connections: int, timeout_s: float) -> int:
+        """Start the HTTP endpoint on the worker's trio-asyncio loop; returns the bound port."""
+        self._cap, self._timeout_s = max_connections, timeout_s
+        self._server = await trio_asyncio.aio_as_trio(asyncio.start_server)(
+            self._connected, host, port, backlog=_BACKLOG, limit=_MAX_HEAD_BYTES
+        )
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._open >= self._cap:
+            return _refuse(writer, f"server.metrics_max_connections ({self._cap}) reached; retry later")
+        if not CONNECTIONS.take():
+            return _refuse(writer, f"server.max_open_connections ({CONNECTIONS.cap}) reached; retry later")
+        self._open += 1
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                head = await reader.readuntil(b"\r\n\r\n")
+                request = head.split(b"\r\n", 1)[0].split()
+                if len(request) < 2 or request[0] not in (b"GET", b"HEAD"):
+                    writer.write(_answer(405, b"Method Not Allowed", b"GET /metrics\n"))
+                elif request[1].split(b"?")[0] not in (b"/metrics", b"/"):
+                    writer.write(_answer(404, b"Not Found", b"GET /metrics\n"))
+                else:
+                    loop = asyncio.get_running_loop()
+                    body = await loop.run_in_executor(None, generate_latest, self.registry)
+                    writer.write(_answer(200, b"OK", b"" if request[0] == b"HEAD" else body))
+                await writer.drain()
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass  # slow, silent, oversized or gone: closed
+        except Exception:
+            log.exception("metrics scrape failed")
+        finally:
+            self._open -= 1
+            CONNECTIONS.give()
+            writer.close()
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+
+_BACKLOG = 1024
+"""The listen backlog: 50 scrapers at once are queued, not reset (prometheus_client's was 5)."""
+_MAX_HEAD_BYTES = 8 << 10
+"""A scrape's request line and headers."""
+log = structlog.get_logger("hloserve.metrics")
+
+
+def _answer(status: int, reason: bytes, body: bytes) -> bytes:
+    head = b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % (
+        status,
+        reason,
+        CONTENT_TYPE_LATEST.encode() if status == 200 else b"text/plain",
+        len(body),
+    )
+    return head + body
+
+
+def _refuse(writer: asyncio.StreamWriter, message: str) -> None:
+    writer.write(_answer(503, b"Service Unavailable", message.encode() + b"\n"))
+    writer.close()

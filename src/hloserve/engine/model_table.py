@@ -1,0 +1,613 @@
+"""The model table: which models a worker serves, in which state, and the one way that changes.
+
+Each model is a `ModelEntry` in one of three states: `Loaded` (compiled, its queue running, the
+dispatcher executing it), `Meta` (a meta model's `run`, nothing for the dispatcher) or `Failed`
+(why it could not be loaded). Start-up and `load_model` take the same path: a bundle is read,
+its model.py run and it is compiled and warmed up outside the dispatch loop (`prepare`), then
+`ModelTable._put` adds it, or replaces the version served (which keeps serving if the new one
+fails before). `_remove` is the one way out. Loads, unloads, reloads and control calls naming
+one model apply one after another (`ModelTable._turn`).
+
+The front ends (gRPC services, health, the repository watcher) see a worker as a `ModelHost`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, TypeVar
+
+import outcome
+import structlog
+import trio
+
+from hloserve.actors import supervised
+from hloserve.actors.messages import (
+    AddModel,
+    Compact,
+    Compacted,
+    DispatcherMessage,
+    RemoveModel,
+    SetPolicy,
+    SetResidency,
+)
+from hloserve.actors.model_queue import ModelQueue, ModelQueueHandle, QueueSettings
+from hloserve.config import Config, ModelSettings, SchedulerConfig
+from hloserve.engine.policy import ModelPolicy
+from hloserve.engine.statistics import Statistics
+from hloserve.errors import BundleError, ConfigError, InvalidInput, ModelNotFound
+from hloserve.models import _xla
+from hloserve.models.bundle import (
+    MODEL_PY,
+    Bundle,
+    bundle_directory,
+    check_model_name,
+    discover,
+    load_bundle,
+    read_weights,
+)
+from hloserve.models.compiled import CompiledModel, compile_bundle
+from hloserve.models.executable_cache import ExecutableCache
+from hloserve.models.load_files import remove, write_bundle
+from hloserve.models.model_py import MetaRun, ModelHooks, Registration, load_model_py
+from hloserve.types import RESIDENCIES, Discipline, Residency
+
+__all__ = [
+    "Failed",
+    "Loaded",
+    "Meta",
+    "ModelEntry",
+    "ModelHost",
+    "ModelTable",
+    "Prepared",
+    "Remote",
+    "prepare",
+    "prepare_repository",
+]
+
+log = structlog.get_logger("hloserve.worker")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """Compiled and serving: requests go to `queue`, the dispatcher executes `compiled`."""
+
+    bundle: Bundle
+    compiled: CompiledModel
+    queue: ModelQueueHandle
+    registration: Registration | None
+    """What its model.py registered (None without one); hot reload swaps it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Remote:
+    """A model the engine serves, seen from a frontend: what the front end reads of it (its
+    requests' checks, admission, ModelConfig); executing it is the engine's."""
+
+    bundle: Bundle
+    batch_sizes: tuple[int, ...]
+    coalescable: bool
+    registration: Registration | None
+
+
+@dataclass(frozen=True, slots=True)
+class Meta:
+    """A meta model: its model.py's `run` calls the models its manifest names."""
+
+    bundle: Bundle
+    registration: Registration
+    """Holds its `meta_run`; hot reload swaps it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """A bundle that could not be loaded, and why (RepositoryIndex shows it)."""
+
+    reason: str
+
+
+ModelState = Loaded | Remote | Meta | Failed
+
+
+@dataclass(frozen=True, slots=True)
+class ModelEntry:
+    """One model of the table. The properties read its state; a request reads its entry once,
+    so a reload swapping the entry never changes a request under way."""
+
+    name: str
+    state: ModelState
+
+    @property
+    def ready(self) -> bool:
+        return not isinstance(self.state, Failed)
+
+    @property
+    def error(self) -> str | None:
+        return self.state.reason if isinstance(self.state, Failed) else None
+
+    @property
+    def bundle(self) -> Bundle | None:
+        return None if isinstance(self.state, Failed) else self.state.bundle
+
+    @property
+    def compiled(self) -> CompiledModel | None:
+        return self.state.compiled if isinstance(self.state, Loaded) else None
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        """The batch sizes it is compiled for (none for a meta model)."""
+        if isinstance(self.state, Remote):
+            return self.state.batch_sizes
+        return self.state.compiled.batch_sizes if isinstance(self.state, Loaded) else ()
+
+    @property
+    def coalescable(self) -> bool:
+        """Whether requests can share an execution (and one can be split)."""
+        if isinstance(self.state, Remote):
+            return self.state.coalescable
+        return isinstance(self.state, Loaded) and self.state.compiled.coalescable
+
+    @property
+    def queue(self) -> ModelQueueHandle | None:
+        return self.state.queue if isinstance(self.state, Loaded) else None
+
+    @property
+    def registration(self) -> Registration | None:
+        return None if isinstance(self.state, Failed) else self.state.registration
+
+    @property
+    def hooks(self) -> ModelHooks | None:
+        return None if self.registration is None else self.registration.hooks
+
+    @property
+    def meta_run(self) -> MetaRun | None:
+        return None if self.registration is None else self.registration.meta_run
+
+    @property
+    def calls(self) -> tuple[str, ...]:
+        """The models it calls, if it is a meta model."""
+        return () if self.bundle is None else self.bundle.manifest.calls
+
+    @property
+    def max_rows(self) -> int | None:
+        """The most executable rows one request may carry; None: any (split if need be)."""
+        sizes, bundle = self.batch_sizes, self.bundle
+        if not sizes or self.coalescable or bundle is None or not bundle.manifest.batched:
+            return None
+        return sizes[-1]
+
+    def check_rows(self, rows: int, source: str) -> None:
+        """InvalidInput unless one request of `rows` executable rows (made by `source`: a hook,
+        a meta model's call) can be queued; the request decoder checks the client's own."""
+        if rows == 0:
+            raise InvalidInput(self.name, f"{source} made a batch of 0 rows")
+        if self.max_rows is not None and rows > self.max_rows:
+            raise InvalidInput(
+                self.name, f"{source} made {rows} rows; the largest compiled batch size is {self.max_rows}"
+            )
+
+
+class ModelHost(Protocol):
+    """What the front ends need of a worker: its configuration, statistics and model table, and
+    the calls that change them (each applied between executions)."""
+
+    @property
+    def config(self) -> Config: ...
+    @property
+    def statistics(self) -> Statistics: ...
+    @property
+    def weight_budget(self) -> int | None: ...
+    @property
+    def models(self) -> Mapping[str, ModelEntry]: ...
+    def from_files(self, name: str) -> bool: ...
+    async def load_model(
+        self, name: str, settings: ModelSettings | None = None, files: Mapping[str, bytes] | None = None
+    ) -> None: ...
+    async def unload_model(self, name: str) -> None: ...
+    async def reload_model_py(self, name: str) -> None: ...
+    async def record_failure(self, name: str, reason: str) -> None: ...
+    async def set_policy(
+        self, model: str | None, *, weight: float | None = None, discipline: Discipline | None = None
+    ) -> None: ...
+    async def set_residency(self, model: str, floor: Residency) -> tuple[Residency, bool]: ...
+    async def compact(self, reload: Sequence[str] = ()) -> Compacted: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A bundle read, its model.py run, compiled and warmed up: ready for `ModelTable._put`."""
+
+    bundle: Bundle
+    compiled: CompiledModel | None
+    """None for a meta model, which has no executable."""
+    costs: dict[int, float]
+    """Seconds per execution by batch size, measured by the warm-up run."""
+    registration: Registration | None
+    """What its model.py registered."""
+    peak_bytes: int | None
+    """The allocator's peak after the warm-up (None where the backend keeps no statistics)."""
+    seconds: float
+    """How long preparing it took."""
+
+
+def prepare(bundle: Bundle, cache: ExecutableCache | None) -> Prepared:
+    """Run its model.py, compile, then run each size once on zeros (blocking: call in a worker
+    thread). The warm-up places the weights only for its own run; residency is the weight cache's.
+    """
+    started = time.perf_counter()
+    registration = _registration(bundle)
+    if bundle.manifest.is_meta:
+        return Prepared(bundle, None, {}, registration, None, time.perf_counter() - started)
+    compiled = compile_bundle(bundle, cache)
+    weights = [_xla.put(w) for w in read_weights(bundle)]
+    costs = compiled.warm_up(weights)
+    stats = _xla.memory_stats()
+    _xla.free(weights)
+    peak = None if stats is None else stats.get("peak_bytes_in_use")
+    return Prepared(bundle, compiled, costs, registration, peak, time.perf_counter() - started)
+
+
+async def prepare_repository(repository: Path, cache: ExecutableCache | None) -> dict[str, Prepared | Failed]:
+    """Every bundle of the repository, prepared, or why not (start-up: before the actors, whose
+    weight budget depends on what was compiled)."""
+    if not repository.is_dir():
+        raise ConfigError("server.model_repository", f"{repository} is not a directory")
+    found = await trio.to_thread.run_sync(discover, repository)
+    bundles = {name: bundle if isinstance(bundle, Bundle) else None for name, bundle in found}
+    prepared: dict[str, Prepared | Failed] = {}
+    for name, bundle in found:
+        try:
+            if isinstance(bundle, BundleError):
+                raise bundle
+            prepared[name] = await trio.to_thread.run_sync(prepare, bundle, cache)
+            if bundle.manifest.is_meta:  # against every bundle found, whatever the order
+                _check_meta(bundle, bundles)
+        except BundleError as e:
+            prepared[name] = Failed(str(e))
+            log.error("bundle rejected", model=name, reason=str(e))
+        except Exception as e:  # a module XLA cannot compile is one bad bundle, not a dead server
+            prepared[name] = Failed(f"bundle {name!r}: compilation failed: {e}")
+            log.error("bundle failed to compile", model=name, reason=str(e))
+    return prepared
+
+
+class ModelTable:
+    """The models of one worker and the calls that change them; see the module docstring."""
+
+    def __init__(
+        self,
+        config: Config,
+        weight_budget: int | None,
+        statistics: Statistics,
+        dispatcher: trio.MemorySendChannel[DispatcherMessage],
+        nursery: trio.Nursery,
+        cache: ExecutableCache | None,
+    ) -> None:
+        self.config = config
+        self.weight_budget = weight_budget
+        """Bytes of weights loaded on demand at once (configured or resolved); None: no eviction."""
+        self.statistics = statistics
+        self._entries: dict[str, ModelEntry] = {}
+        self._dispatcher = dispatcher
+        self._nursery = nursery  # where model queues run
+        self._cache = cache
+        self._turns: dict[str, trio.Lock] = {}
+        """Per model name while a load, unload, reload or control call for it is under way."""
+        self._loads: Path | None = None
+        """Where bundles sent in load requests are written (created at the first; `close`)."""
+        self._private: dict[str, Path] = {}
+        """The private directory of each model serving from files sent in its load."""
+
+    @property
+    def models(self) -> Mapping[str, ModelEntry]:
+        """Every model by name (one mapping for the worker's life: the front ends keep it)."""
+        return self._entries
+
+    async def start(self, prepared: Mapping[str, Prepared | Failed]) -> None:
+        """Serve what start-up prepared, through the path every load takes."""
+        for name, model in prepared.items():
+            if isinstance(model, Prepared):
+                try:
+                    _check_settings(
+                        name, self.config.scheduler.models.get(name, ModelSettings()), model.compiled
+                    )
+                except InvalidInput as e:
+                    model = Failed(f"scheduler.models.{name}: {e.problem}")
+            if isinstance(model, Failed):
+                self._entries[name] = ModelEntry(name, model)
+            else:
+                await self._put(name, model)
+
+    @asynccontextmanager
+    async def _turn(self, *names: str) -> AsyncIterator[None]:
+        """Hold the models `names` until the block ends: loads, unloads, reloads and control
+        calls naming one model apply one after another, in the order they were asked for
+        (trio's locks are fair), whatever the dispatcher is doing meanwhile. A lock lives only
+        while someone holds or awaits it, so a client naming many models leaves nothing."""
+        async with AsyncExitStack() as stack:
+            for name in sorted(set(names)):  # one order for every caller: no deadlock
+                lock = self._turns.setdefault(name, trio.Lock())
+                stack.callback(self._forget_turn, name, lock)  # runs after the release below
+                await stack.enter_async_context(lock)
+            yield
+
+    def _forget_turn(self, name: str, lock: trio.Lock) -> None:
+        if not lock.locked() and self._turns.get(name) is lock:  # released, nobody waiting
+            del self._turns[name]
+
+    @property
+    def loads_directory(self) -> Path | None:
+        """Where the private directories of bundles sent in load requests are (None: none yet)."""
+        return self._loads
+
+    def from_files(self, name: str) -> bool:
+        """Whether `name` serves a bundle sent in its load request (not the repository's)."""
+        return name in self._private
+
+    async def load_model(
+        self, name: str, settings: ModelSettings | None = None, files: Mapping[str, bytes] | None = None
+    ) -> None:
+        """Load the bundle `name` from the repository, or reload it: it is read and compiled
+        outside the dispatch loop (other models keep serving), and only then replaces the old
+        version, which keeps serving if the new one fails. `name` is a plain name (no path) and
+        the bundle must lie inside the repository. `settings` (a load's config override)
+        replace the model's `scheduler.models` entry once the bundle is ready.
+
+        `files` (checked by `load_files.check_files`) is a bundle sent in the request: written
+        into a private directory, loaded from there, which lives while the model serves from it
+        (removed at its unload, its replacement, a failed load, `close`)."""
+        if files is None:
+            directory = bundle_directory(self.config.server.model_repository, name)
+        async with self._turn(check_model_name(name)):
+            private = None
+            if files is not None:
+                private = await trio.to_thread.run_sync(write_bundle, self._loads_root(), name, files)
+                directory = private / name
+            try:
+                if not (directory / "manifest.yaml").is_file():
+                    where = "the files sent have" if private else "the repository has"
+                    raise ModelNotFound(name, f"{where} no bundle {name!r} (no manifest.yaml)")
+                bundle = await trio.to_thread.run_sync(load_bundle, directory)
+                prepared = await trio.to_thread.run_sync(prepare, bundle, self._cache)
+                if bundle.manifest.is_meta:
+                    _check_meta(bundle, {n: e.bundle for n, e in self._entries.items()})
+                _check_settings(
+                    name,
+                    settings or self.config.scheduler.models.get(name, ModelSettings()),
+                    prepared.compiled,
+                )
+                if settings is not None:
+                    models = {**self.config.scheduler.models, name: settings}
+                    self.config = self.config.replace("scheduler", models=models)
+                await self._put(name, prepared)
+            except BaseException:
+                if private is not None:
+                    remove(private)
+                raise
+            self._forget_files(name)
+            if private is not None:
+                self._private[name] = private
+
+    def _loads_root(self) -> Path:
+        if self._loads is None:
+            self._loads = Path(tempfile.mkdtemp(prefix="hloserve-loads-"))
+        return self._loads
+
+    def _forget_files(self, name: str) -> None:
+        """Remove the private directory `name` served from, if any."""
+        private = self._private.pop(name, None)
+        if private is not None:
+            remove(private)
+
+    def close(self) -> None:
+        """Remove every private directory of a bundle sent in a load (at shutdown)."""
+        self._private.clear()
+        if self._loads is not None:
+            remove(self._loads)
+
+    async def _put(self, name: str, prepared: Prepared) -> None:
+        """Add a prepared model, or replace the version served: a model served already is
+        replaced in place, its requests flowing on (no gap). Returns once its weights are at
+        their floor."""
+        old = self._entries.get(name)
+        bundle, compiled, registration = prepared.bundle, prepared.compiled, prepared.registration
+        source = "repository load" if old is None or not old.ready else "reload"
+        if compiled is None:  # a meta model: nothing for the dispatcher
+            assert registration is not None  # a meta's model.py registers its run (`_registration`)
+            if old is not None and isinstance(old.state, Loaded):
+                await self._remove(name)
+            self._entries[name] = ModelEntry(name, Meta(bundle, registration))
+            log.info(
+                "model loaded", model=name, source=source, kind="meta", calls=list(bundle.manifest.calls)
+            )
+            return
+        scheduler = self.config.scheduler
+        queue = ModelQueue(
+            name, _queue_settings(scheduler, compiled), self._dispatcher.clone(), self.statistics
+        )
+        handle: ModelQueueHandle = await self._nursery.start(supervised, f"model queue {name!r}", queue.run)
+        floor = scheduler.models.get(name, ModelSettings()).floor
+        send, placed = trio.open_memory_channel[outcome.Outcome[None]](1)
+        self._dispatcher.send_nowait(
+            AddModel(name, compiled, _policy(scheduler, name, prepared.costs), handle, floor, send)
+        )
+        self._entries[name] = ModelEntry(name, Loaded(bundle, compiled, handle, registration))
+        log.info(
+            "model loaded",
+            model=name,
+            source=source,
+            batch_sizes=list(compiled.batch_sizes),
+            weight_bytes=bundle.weight_nbytes,
+            scratch_bytes=compiled.scratch_bytes,
+            compile_s=round(compiled.compile_s, 3),
+            load_s=round(prepared.seconds, 3),
+            warm_up_ms={size: round(s * 1e3, 3) for size, s in prepared.costs.items()},
+            model_py=bundle.model_py is not None,
+        )
+        (await placed.receive()).unwrap()
+
+    async def record_failure(self, name: str, reason: str) -> None:
+        """List a bundle that could not be loaded, with why (RepositoryIndex shows it), unless
+        the table has an entry for it already (a client loaded it meanwhile, or it failed before)."""
+        async with self._turn(check_model_name(name)):
+            self._entries.setdefault(name, ModelEntry(name, Failed(reason)))
+
+    async def reload_model_py(self, name: str) -> None:
+        """Execute `name`'s model.py again and swap in what it registers; requests already past
+        a hook finish with the old one. A model.py that fails leaves the old hooks in place."""
+        async with self._turn(check_model_name(name)):
+            entry = self._entries.get(name)
+            if entry is None or isinstance(entry.state, Failed) or entry.state.bundle.model_py is None:
+                raise ModelNotFound(name, "no serving bundle with a model.py by that name")
+            registration = await trio.to_thread.run_sync(_registration, entry.state.bundle)
+            assert registration is not None  # it has a model.py
+            state = dataclasses.replace(entry.state, registration=registration)
+            self._entries[name] = ModelEntry(name, state)
+        log.info("model.py reloaded", model=name)
+
+    async def unload_model(self, name: str) -> None:
+        """Stop serving `name`: new requests get NOT_FOUND at once, queued ones too; its
+        weights leave the device."""
+        async with self._turn(check_model_name(name)):
+            await self._remove(name)
+
+    async def _remove(self, name: str) -> None:
+        entry = self._entries.pop(name, None)
+        if entry is None:
+            raise ModelNotFound(name)
+        self._forget_files(name)
+        if isinstance(entry.state, Loaded):
+            await self._ask(lambda reply: RemoveModel(name, reply))
+        log.info("model unloaded", model=name)
+
+    def _executable(self, model: str) -> ModelEntry:
+        """The serving model `model` that has an executable (policy and residency apply)."""
+        entry = self._entries.get(check_model_name(model))
+        if entry is None or not entry.ready:
+            raise ModelNotFound(model)
+        if not isinstance(entry.state, Loaded):
+            raise InvalidInput(
+                model, "it is a meta model; set the policy or residency of the models it calls"
+            )
+        return entry
+
+    async def set_policy(
+        self, model: str | None, *, weight: float | None = None, discipline: Discipline | None = None
+    ) -> None:
+        """Change a model's scheduling weight or discipline (model None: the global discipline).
+
+        Applied by the dispatcher before its next selection.
+        """
+        if weight is not None and not weight > 0:
+            raise ValueError(f"weight must be > 0, got {weight}")
+        async with self._turn(*() if model is None else (check_model_name(model),)):
+            if model is not None:
+                self._executable(model)
+            await self._ask(lambda reply: SetPolicy(model, weight, discipline, reply))
+
+    async def set_residency(self, model: str, floor: Residency) -> tuple[Residency, bool]:
+        """Externally managed residency: pin `model` on the device (`device`), or free it from
+        the device keeping (`system`) or dropping (`unpinned`) its host copy. Returns the floor
+        and whether it is on the device; ResidencyRefused in self-managed mode."""
+        if floor not in RESIDENCIES:
+            raise ValueError(f"residency must be unpinned, system or device, got {floor!r}")
+        async with self._turn(check_model_name(model)):
+            self._executable(model)
+            return await self._ask(lambda reply: SetResidency(model, floor, reply))
+
+    async def compact(self, reload: Sequence[str] = ()) -> Compacted:
+        """Free every resident unpinned model's weights, then load `reload`; between executions."""
+        for model in reload:  # at once: a long list of unknown names waits on nothing
+            self._executable(model)
+        async with self._turn(*reload):
+            for model in reload:
+                self._executable(model)
+            return await self._ask(lambda reply: Compact(tuple(reload), reply))
+
+    async def _ask(
+        self, message: Callable[[trio.MemorySendChannel[outcome.Outcome[T]]], DispatcherMessage]
+    ) -> T:
+        """Send the dispatcher `message(reply_to)` and return its answer (raised if an error)."""
+        send, receive = trio.open_memory_channel[outcome.Outcome[T]](1)
+        await self._dispatcher.send(message(send))
+        return (await receive.receive()).unwrap()
+
+
+def _policy(scheduler: SchedulerConfig, model: str, costs: dict[int, float]) -> ModelPolicy:
+    settings = scheduler.models.get(model, ModelSettings())
+    budget = None if settings.latency_budget_ms is None else settings.latency_budget_ms / 1e3
+    return ModelPolicy(
+        weight=settings.weight, cost=dict(costs), discipline=settings.discipline, latency_budget_s=budget
+    )
+
+
+def _check_settings(name: str, settings: ModelSettings, compiled: CompiledModel | None) -> None:
+    """A model's settings fit its bundle: a batch limit needs a batch axis and a compiled size;
+    preferred sizes must be compiled sizes, within the limit, of requests that can be joined."""
+    sizes = () if compiled is None else tuple(b for b in compiled.batch_sizes if b > 0)
+    compiled_sizes = f"compiled: {list(sizes) or 'none, no batch axis'}"
+    limit = settings.max_batch_size
+    if limit is not None and (not sizes or limit < sizes[0]):
+        raise InvalidInput(name, f"{_MAX_BATCH}: {limit} fits no compiled batch size ({compiled_sizes})")
+    preferred = settings.preferred_batch_sizes or ()
+    wrong = [s for s in preferred if s not in sizes]
+    if wrong:
+        raise InvalidInput(name, f"{_PREFERRED}: {wrong} are not compiled batch sizes ({compiled_sizes})")
+    if preferred and limit is not None and preferred[-1] > limit:
+        raise InvalidInput(name, f"{_PREFERRED}: {preferred[-1]} exceeds max_batch_size {limit}")
+    if preferred and compiled is not None and not compiled.coalescable:
+        raise InvalidInput(
+            name, f"{_PREFERRED}: requests to it cannot be joined (an output has no batch axis)"
+        )
+
+
+_MAX_BATCH = "load parameter 'config', field 'max_batch_size'"
+_PREFERRED = "field 'dynamic_batching.preferred_batch_size' (scheduler.models preferred_batch_sizes)"
+
+
+def _queue_settings(scheduler: SchedulerConfig, compiled: CompiledModel) -> QueueSettings:
+    settings = scheduler.models.get(compiled.name, ModelSettings())
+    return QueueSettings(
+        batch_sizes=settings.preferred_batch_sizes or compiled.batch_sizes,
+        coalescable=compiled.coalescable,
+        max_depth=settings.max_queue_depth or scheduler.max_queue_depth,
+        max_batch_size=settings.max_batch_size,
+        max_queue_delay_s=settings.max_queue_delay_us / 1e6,
+    )
+
+
+def _registration(bundle: Bundle) -> Registration | None:
+    """Execute the bundle's model.py, if any, and check it registered the bundle's kind."""
+    if bundle.model_py is None:
+        return None
+    registration = load_model_py(bundle.name, bundle.model_py, bundle.path.parent)
+    if bundle.manifest.is_meta and registration.meta_run is None:
+        raise BundleError(bundle.name, MODEL_PY, None, "a bundle of kind: meta must call register_meta_model")
+    if not bundle.manifest.is_meta and registration.hooks is None:
+        raise BundleError(
+            bundle.name, MODEL_PY, None, "calls register_meta_model, but the manifest has no kind: meta"
+        )
+    return registration
+
+
+def _check_meta(bundle: Bundle, bundles: Mapping[str, Bundle | None]) -> None:
+    """A meta model may not call another meta; a callee served elsewhere is only noted."""
+    for callee in bundle.manifest.calls:
+        if callee not in bundles:
+            log.info("meta model calls a model this worker does not serve", model=bundle.name, callee=callee)
+            continue
+        other = bundles[callee]
+        if other is not None and other.manifest.is_meta:
+            raise BundleError(
+                bundle.name,
+                "manifest.yaml",
+                "meta.calls",
+                f"{callee!r} is a meta model; a meta may not call a meta",
+            )

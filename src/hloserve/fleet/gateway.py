@@ -1,0 +1,208 @@
+"""The front of a node of two workers or more (or of the workers `node.workers_dns` names): Envoy
+on the public gRPC and REST ports, the controller on loopback ports behind it (gRPC and REST) and
+on the public metrics port. Started by `hloserve.fleet.node`."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Literal
+
+import structlog
+import trio
+import trio_asyncio
+from grpclib.config import Configuration
+from grpclib.server import Server
+
+from hloserve.api.health import Health
+from hloserve.api.rest import server as rest
+from hloserve.config import Config, ServerConfig
+from hloserve.engine import tracing
+from hloserve.fleet import envoy
+from hloserve.fleet.controller import Controller, WorkerLink
+from hloserve.fleet.http import NodeHttp
+from hloserve.fleet.services import ControlFront, GatewayFront, InferenceFront, NodeDataPlane, node_readiness
+from hloserve.fleet.supervisor import Child, Supervisor
+from hloserve.fleet.workers import WorkerSpec, free_port
+from hloserve.restricted import Restrictions, restrict_grpc
+from hloserve.tls import server_context
+
+__all__ = ["run_front"]
+
+NODE_SERVICES = frozenset(
+    {
+        "",
+        "inference.GRPCInferenceService",
+        "hloserve_control.ControlService",
+        "hloserve_gateway.GatewayControlService",
+        "grpc.health.v1.Health",
+    }
+)
+"""The names the node's health service answers: the node itself and the services of its port."""
+
+log = structlog.get_logger("hloserve.fleet")
+
+_ENVOY_GRACE_S = 5.0
+
+
+class _Publisher:
+    """Writes the routes and clusters Envoy watches."""
+
+    def __init__(self, directory: Path, controller_address: str, config: Config) -> None:
+        self._directory = directory
+        self._controller = controller_address
+        self.controller_http: str | None = None
+        """The controller's REST address, with REST (set before the first call)."""
+        self._balance = "ROUND_ROBIN" if config.node.scheduling == "round_robin" else "LEAST_REQUEST"
+        self._max_message_bytes = config.server.max_message_bytes
+        self._grpc_restrictions = Restrictions.grpc(config.server.grpc_restricted_protocol)
+        self._http_restrictions = Restrictions.http(config.server.http_restricted_api)
+        self._previous: Mapping[str, Sequence[envoy.Endpoint]] = {}
+
+    def __call__(self, routes: Mapping[str, Sequence[envoy.Endpoint]]) -> None:
+        # Clusters first, and a model's cluster outlives its route by one update: Envoy applies
+        # each file on its own, and a route must never name a cluster it does not have.
+        kept = {m: a for m, a in self._previous.items() if a and not routes.get(m)}
+        envoy.write_atomically(
+            self._directory / "clusters.json",
+            envoy.clusters(
+                {**kept, **routes},
+                self._controller,
+                self._balance,
+                self._max_message_bytes,
+                self.controller_http,
+            ),
+        )
+        envoy.write_atomically(self._directory / "routes.json", envoy.routes(routes, self._grpc_restrictions))
+        if self.controller_http is not None:
+            envoy.write_atomically(
+                self._directory / "routes_http.json", envoy.http_routes(routes, self._http_restrictions)
+            )
+        self._previous = routes
+
+
+def _envoy_tls(server: ServerConfig, protocol: Literal["grpc", "http"]) -> envoy.Tls | None:
+    """The TLS of Envoy's public `protocol` listener: the node's settings, its files read first
+    (so a bad one is a `ConfigError` here, not an Envoy that will not start)."""
+    if server_context(server, protocol) is None:
+        return None
+    cert, key = getattr(server, f"{protocol}_server_cert"), getattr(server, f"{protocol}_server_key")
+    mutual = getattr(server, f"{protocol}_use_ssl_mutual")
+    return envoy.Tls(
+        cert.resolve(), key.resolve(), getattr(server, f"{protocol}_root_cert").resolve() if mutual else None
+    )
+
+
+async def run_front(
+    config: Config,
+    specs: Sequence[WorkerSpec],
+    supervisor: Supervisor,
+    binary: str,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Start Envoy (`binary`) and the controller; run until cancelled."""
+    server_config = config.server
+    directory = Path(tempfile.mkdtemp(prefix="hloserve-node-"))
+    try:
+        controller_address = f"127.0.0.1:{free_port()}"
+        envoy.write_atomically(directory / "routing.pb", envoy.descriptor_set())
+        serves_http = server_config.http_port >= 0
+        workers = [
+            WorkerLink(
+                s.name,
+                s.address,
+                f"127.0.0.1:{s.metrics_port}" if s.metrics_port else None,
+                http=f"127.0.0.1:{s.http_port}" if serves_http else None,
+            )
+            for s in specs
+        ]
+        async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
+            publish = _Publisher(directory, controller_address, config)
+            grpc_restrictions = Restrictions.grpc(server_config.grpc_restricted_protocol)
+            # The controller passes every restriction of the workers it calls.
+            headers = [*grpc_restrictions.headers()]
+            controller = Controller(config.node, workers, publish, headers)
+            inference = InferenceFront(controller)
+            controller.on_ready = inference.restore_regions
+            rest_server = None
+            if serves_http:  # the controller's REST: what Envoy's REST routes give no worker
+                # The REST routes call the same methods on InferenceFront as on a worker's service.
+                # Behind Envoy, which terminates TLS; its restrictions are the node's.
+                settings = dataclasses.replace(
+                    server_config,
+                    host="127.0.0.1",
+                    http_port=0,
+                    http_use_ssl=False,
+                    http_use_ssl_mutual=False,
+                )
+                app = rest.build_app(NodeDataPlane(controller), inference, {}, settings)
+                rest_server = rest.RestServer(app, settings)
+                publish.controller_http = f"127.0.0.1:{await nursery.start(rest_server.run)}"
+            publish({})
+            admin = free_port()
+            bootstrap = envoy.bootstrap(
+                directory,
+                server_config.host,
+                server_config.grpc_port,
+                server_config.http_port if serves_http else -1,
+                admin,
+                server_config.max_message_bytes,
+                _envoy_tls(server_config, "grpc"),
+                _envoy_tls(server_config, "http"),
+                traces=tracing.settings(config.tracing),
+            )
+            envoy.write_atomically(directory / "envoy.json", bootstrap)
+            window = 16 << 20
+
+            async def serving(name: str) -> bool | None:
+                """grpc.health.v1 (Kubernetes' gRPC probes): the node, and each of its services,
+                SERVING while the node is ready; any other name is unknown."""
+                return node_readiness(controller)[0] if name in NODE_SERVICES else None
+
+            health = Health(serving, draining=lambda: False, max_watches=config.server.max_health_watches)
+            server = Server(
+                [inference, ControlFront(controller), GatewayFront(controller), health],
+                config=Configuration(http2_connection_window_size=window, http2_stream_window_size=window),
+            )
+            restrict_grpc(server, grpc_restrictions)  # Envoy passes the client's headers through
+            host, _, port = controller_address.rpartition(":")
+            await trio_asyncio.aio_as_trio(server.start)(host, int(port))
+            http = None
+            if server_config.metrics_port >= 0:
+                pages = NodeHttp(controller, lambda: supervisor.starts, f"127.0.0.1:{admin}")
+                http = await trio_asyncio.aio_as_trio(pages.serve)(
+                    server_config.host, server_config.metrics_port
+                )
+            argv = [
+                binary,
+                "-c",
+                str(directory / "envoy.json"),
+                "--log-level",
+                "warn",
+                "--disable-hot-restart",
+            ]
+            nursery.start_soon(supervisor.keep_running, Child("envoy", argv, {}, _ENVOY_GRACE_S))
+            log.info(
+                "node front listening",
+                grpc=f"{server_config.host}:{server_config.grpc_port}",
+                http=f"{server_config.host}:{server_config.http_port}" if serves_http else None,
+                metrics=f"{server_config.host}:{server_config.metrics_port}",
+                controller=controller_address,
+                workers={s.name: s.address for s in specs} or config.node.workers_dns,
+                scheduling=config.node.scheduling,
+            )
+            task_status.started()
+            try:
+                await trio_asyncio.aio_as_trio(controller.run)()
+            finally:
+                with trio.CancelScope(shield=True):
+                    server.close()
+                    if http is not None:
+                        http.close()
+                    if rest_server is not None:
+                        rest_server.stop()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

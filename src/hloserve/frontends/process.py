@@ -1,0 +1,309 @@
+"""A frontend process (docs/frontends.md): `python -m hloserve.frontends.process LINK_FD PORT HTTP_PORT`.
+
+Started by the engine (`hloserve.frontends.pool`), which writes the configuration and a summary of its
+model table to the process's stdin and hands it one end of a socketpair. The frontend dies with
+the engine (PR_SET_PDEATHSIG), runs the bundles' model.py (never weights, never the device),
+listens on the public gRPC port (and REST port, unless it is -1) beside its siblings
+(SO_REUSEPORT), parses, checks and runs hooks, and executes over its link. What only the engine
+can answer goes to it whole: loads, unloads, shared-memory regions, statistics, and ModelInfer
+for a meta model or naming a client's region. The engine pushes every change of its model table
+(`TableChanged`), applied before the change's RPC returns. It exits when the link closes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import signal
+import socket
+import sys
+from collections.abc import Mapping
+from typing import Any, cast
+
+import trio
+import trio_asyncio
+from grpclib.metadata import Deadline
+
+from hloserve._process import die_with_parent
+from hloserve._proto import hloserve_control as hc
+from hloserve._proto import inference as kserve
+from hloserve._proto.hot import hot_infer_pb2 as hot
+from hloserve._transport import grpclib_patches as _grpclib_patches
+from hloserve._transport import trio_asyncio_patches as _trio_asyncio_patches
+from hloserve.allocator import keep_freed_memory, settle_heap
+from hloserve.api import grpc_server
+from hloserve.api.codec import SHM_REGION
+from hloserve.api.data_plane import LocalDataPlane
+from hloserve.api.grpc_server import build_grpc_server
+from hloserve.api.grpc_service import InferenceService
+from hloserve.api.health import worker_health
+from hloserve.api.rest.server import RestServer, build_app
+from hloserve.config import Config
+from hloserve.engine.buffer_pool import BufferPool
+from hloserve.engine.meta import MetaModels
+from hloserve.engine.metrics import Metrics
+from hloserve.engine.model_table import Failed, Meta, ModelEntry, ModelHost, Remote, _registration
+from hloserve.engine.policy import PolicyParams
+from hloserve.engine.statistics import Statistics
+from hloserve.engine.tracing import RequestSpans, Tracing, open_tracing
+from hloserve.frontends.frontend_end import FrontendLink, execute_over
+from hloserve.frontends.protocol import ARENA_PREFIX, FORWARD, Listening, ModelSummary, Setup
+from hloserve.tls import server_context
+
+__all__: list[str] = []
+
+ARENA_BYTES = 256 << 20
+"""Each frontend's shared-memory arena (sparse: pages are used only as requests need them)."""
+ARENA_SLOTS = 256
+
+
+def _entry(summary: ModelSummary) -> ModelEntry:
+    """The frontend's entry for an engine model (blocking: it runs the bundle's model.py)."""
+    bundle = summary.bundle
+    if summary.error is not None or bundle is None:
+        return ModelEntry(summary.name, Failed(summary.error or "not loaded"))
+    try:
+        registration = _registration(bundle)
+    except Exception as e:  # as the engine's load would have failed: said, not fatal
+        return ModelEntry(summary.name, Failed(f"model.py failed in a frontend: {e}"))
+    if bundle.manifest.is_meta:
+        assert registration is not None
+        return ModelEntry(summary.name, Meta(bundle, registration))  # its calls go to the engine
+    return ModelEntry(summary.name, Remote(bundle, summary.batch_sizes, summary.coalescable, registration))
+
+
+def _names_a_region(request: Any) -> bool:
+    """Whether a ModelInfer names a client's shared-memory region (for an input or an output)."""
+    return any(SHM_REGION in t.parameters for t in request.inputs) or any(
+        SHM_REGION in o.parameters for o in request.outputs
+    )
+
+
+class LinkedDataPlane:
+    """A frontend's data plane: ModelInfer decoded, checked and run through `model.py` here, its
+    executable inputs sent to the engine over the link (`execute_over`) and its calls counted
+    by the engine; a request only the engine can serve (a meta model's, one naming a client's
+    shared-memory region) forwarded whole; readiness the engine's when it manages residency."""
+
+    def __init__(
+        self, link: FrontendLink, local: LocalDataPlane, config: Config, models: Mapping[str, ModelEntry]
+    ) -> None:
+        self._link = link
+        self._local = local
+        self._config = config
+        self._models = models
+        self._call = trio_asyncio.trio_as_aio(link.call)
+
+    @property
+    def tracing(self) -> Tracing | None:
+        return self._local.tracing
+
+    @property
+    def platform(self) -> str:
+        return self._local.platform  # the engine's device, never one of ours
+
+    def trace_request(self, model: str, traceparent: object, started_ns: int) -> RequestSpans | None:
+        return self._local.trace_request(model, traceparent, started_ns)
+
+    def count(self, model: str, status: str, elapsed_s: float) -> None:
+        self._link.count(model, status, elapsed_s)
+
+    async def infer(
+        self, request: hot.ModelInferRequest, deadline: Deadline | None, spans: RequestSpans | None = None
+    ) -> hot.ModelInferResponse:
+        entry = self._models.get(request.model_name)
+        # Without client regions allowed, one named fails here as at K=0: no need to look.
+        regions = self._config.server.allow_client_shm and _names_a_region(request)
+        if (entry is not None and entry.meta_run is not None) or regions:
+            remaining = None if deadline is None else deadline.time_remaining()
+            reply = await self._call(FORWARD, (request.SerializeToString(), remaining))
+            return hot.ModelInferResponse.FromString(cast(bytes, reply))
+        return await self._local.infer(request, deadline, spans)
+
+    async def ready(self) -> bool:
+        return await self._local.ready()
+
+    async def model_ready(self, name: str, version: str = "") -> bool:
+        if self._config.weights.externally_managed:  # ready means resident: the engine knows
+            reply = await self._call("model_ready", kserve.ModelReadyRequest(name, version))
+            return bool(cast(kserve.ModelReadyResponse, reply).ready)
+        return await self._local.model_ready(name, version)
+
+
+class FrontendService(InferenceService):
+    """The gRPC service of one frontend over its `LinkedDataPlane`; what only the engine holds
+    (statistics, the model table's changes, shared-memory regions) answered by the engine over
+    the link, with the statuses it would give."""
+
+    def __init__(
+        self,
+        link: FrontendLink,
+        plane: LinkedDataPlane,
+        config: Config,
+        models: Mapping[str, ModelEntry],
+        statistics: Statistics,
+        host: ModelHost,
+    ) -> None:
+        super().__init__(plane, config, models, statistics, host)  # the registry is the engine's
+        self._call = trio_asyncio.trio_as_aio(link.call)
+
+    async def model_statistics(self, message: kserve.ModelStatisticsRequest) -> Any:
+        return await self._call("model_statistics", message)
+
+    async def repository_index(self, message: kserve.RepositoryIndexRequest) -> Any:
+        if self._config.weights.externally_managed:
+            return await self._call("repository_index", message)
+        return await super().repository_index(message)
+
+    async def repository_model_load(self, message: kserve.RepositoryModelLoadRequest) -> Any:
+        return await self._call("repository_model_load", message)
+
+    async def repository_model_unload(self, message: kserve.RepositoryModelUnloadRequest) -> Any:
+        return await self._call("repository_model_unload", message)
+
+    async def system_shared_memory_register(self, message: kserve.SystemSharedMemoryRegisterRequest) -> Any:
+        return await self._call("system_shared_memory_register", message)
+
+    async def system_shared_memory_status(self, message: kserve.SystemSharedMemoryStatusRequest) -> Any:
+        return await self._call("system_shared_memory_status", message)
+
+    async def system_shared_memory_unregister(
+        self, message: kserve.SystemSharedMemoryUnregisterRequest
+    ) -> Any:
+        return await self._call("system_shared_memory_unregister", message)
+
+
+class ControlOverLink(hc.ControlServiceBase):
+    """`hloserve_control.ControlService` on a frontend: every call is the engine's, answered by
+    its own control service over the link (`control.` and the method's name)."""
+
+    def __init__(self, link: FrontendLink) -> None:
+        self._call = trio_asyncio.trio_as_aio(link.call)
+
+    async def model_control_status(self, message: hc.ModelControlStatusRequest) -> Any:
+        return await self._call("control.model_control_status", message)
+
+    async def set_model_residency(self, message: hc.SetModelResidencyRequest) -> Any:
+        return await self._call("control.set_model_residency", message)
+
+    async def set_model_policy(self, message: hc.SetModelPolicyRequest) -> Any:
+        return await self._call("control.set_model_policy", message)
+
+    async def compact_memory(self, message: hc.CompactMemoryRequest) -> Any:
+        return await self._call("control.compact_memory", message)
+
+
+class _Host:
+    """The `ModelHost` a frontend's service reads: its configuration and its model table."""
+
+    def __init__(self, config: Config, models: Mapping[str, ModelEntry], statistics: Statistics) -> None:
+        self.config, self.models, self.statistics = config, models, statistics
+
+    def apply(self, summary: ModelSummary) -> None:
+        """Take a model's load settings (ModelConfig reports them)."""
+        models = dict(self.config.scheduler.models)
+        if summary.settings is None:
+            models.pop(summary.name, None)
+        else:
+            models[summary.name] = summary.settings
+        self.config = self.config.replace("scheduler", models=models)
+
+
+async def _apply_changes(link: FrontendLink, models: dict[str, ModelEntry], host: _Host) -> None:
+    """Apply the engine's table changes in order, each acknowledged once this frontend serves it."""
+    async for ident, change in link.pushes:
+        summary = change.summary
+        if summary is None:
+            models.pop(change.name, None)
+        else:
+            models[change.name] = await trio.to_thread.run_sync(_entry, summary)
+            host.apply(summary)
+        link.applied(ident)
+
+
+async def _serve(link_fd: int, port: int, http_port: int, setup: Setup) -> None:
+    config = setup.config
+    _grpclib_patches.install()
+    _trio_asyncio_patches.install()
+    models = {s.name: _entry(s) for s in setup.models}
+    statistics = Statistics()
+    sock = trio.socket.from_stdlib_socket(socket.socket(fileno=link_fd))
+    name = f"{ARENA_PREFIX}{setup.index}"
+    async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
+        with BufferPool(ARENA_BYTES, ARENA_SLOTS, name=name) as arena:
+            link = FrontendLink(trio.SocketStream(sock), arena)
+            await nursery.start(link.run)
+            host = _Host(config, models, statistics)
+            nursery.start_soon(_apply_changes, link, models, host)
+            tracing = open_tracing(config.tracing)
+            metas = MetaModels(models, 1, 1, None, statistics, PolicyParams())
+            local = LocalDataPlane(
+                config,
+                models,
+                statistics,
+                Metrics(statistics),
+                metas,
+                execute_over(link),
+                tracing=tracing,
+                platform=setup.platform,
+            )
+            plane = LinkedDataPlane(link, local, config, models)
+            service = FrontendService(link, plane, config, models, statistics, cast(ModelHost, host))
+            server = build_grpc_server(  # as the single process's
+                config.server,
+                [service, ControlOverLink(link)],
+                lambda draining: worker_health(models, plane, config.server.max_health_watches, draining),
+            )
+            await grpc_server.start(
+                server, config.server, port, server_context(config.server, "grpc"), reuse_port=True
+            )
+            rest = None
+            if http_port >= 0:
+                rest_config = dataclasses.replace(config.server, http_port=http_port)
+                rest = RestServer(
+                    build_app(plane, service, models, rest_config), rest_config, reuse_port=True
+                )
+                await nursery.start(rest.run)
+            settle_heap()  # as the engine does: startup's objects out of the collector's walks
+            await link.announce(Listening())
+            await _until_stopped(link)
+            with trio.CancelScope(shield=True):
+                if rest is not None:
+                    rest.stop()
+                await grpc_server.shut_down(server, config.server)
+                if rest is not None:
+                    with trio.move_on_after(config.server.shutdown_grace_s + 1):
+                        await rest.stopped.wait()
+                if tracing is not None:
+                    await trio.to_thread.run_sync(tracing.shutdown)
+            nursery.cancel_scope.cancel()
+
+
+async def _until_stopped(link: FrontendLink) -> None:
+    """Until SIGTERM or SIGINT (the engine drains us) or the link closes (the engine is gone)."""
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def on_signal() -> None:
+                async for _ in signals:
+                    break
+                nursery.cancel_scope.cancel()
+
+            async def on_close() -> None:
+                await link.closed.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(on_signal)
+            nursery.start_soon(on_close)
+
+
+def main(argv: list[str]) -> None:
+    die_with_parent(signal.SIGKILL)  # the engine forked us from its trio thread
+    link_fd, port, http_port = int(argv[0]), int(argv[1]), int(argv[2])
+    setup = pickle.load(sys.stdin.buffer)  # from the engine that started us: trusted
+    keep_freed_memory(setup.config.server.keep_freed_bytes)
+    trio.run(_serve, link_fd, port, http_port, setup)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
