@@ -1,6 +1,7 @@
 """The module graph: no import cycle among hloserve's modules, even for types or inside a
-function, the worker (the composition root) imported by nobody but the entry points, and the
-package root (whose lazy `serve` imports the worker) by no module inside it."""
+function, the worker (the composition root) imported by nobody but the entry points, the
+package root (whose lazy `serve` imports the worker) by no module inside it, and every import
+going down the layers (docs/development.md)."""
 
 from __future__ import annotations
 
@@ -98,3 +99,40 @@ def test_no_import_cycle() -> None:
         if node not in state:
             walk(node)
     assert cycles == []
+
+
+_LEAVES = ("_process", "_version")
+LAYERS = (
+    ("leaves", ("config", "types", "errors", "dtypes", "restricted", "tls", "logs", "allocator", *_LEAVES)),
+    ("transport", ("_transport",)),
+    ("models", ("models",)),
+    ("engine", ("engine", "actors")),
+    ("protocols", ("api",)),
+    ("processes", ("frontends",)),
+    ("fleet", ("fleet",)),
+    ("tools", ("export", "importers")),
+    ("face", ("worker", "cli", "client")),
+)
+"""hloserve's layers, lowest first (docs/development.md draws them); the package root is the face."""
+
+
+def _layer(module: str) -> int:
+    """The rank of `module`'s layer (the package root: the face's)."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return len(LAYERS) - 1
+    ranks = [rank for rank, (_, names) in enumerate(LAYERS) if parts[1] in names]
+    assert len(ranks) == 1, f"{module} is in no layer (or several): add it to LAYERS"
+    return ranks[0]
+
+
+def test_imports_go_down_the_layers() -> None:
+    """A module imports from its own layer and those below it, never from one above."""
+    graph = _graph()
+    upward = sorted(
+        f"{module} ({LAYERS[_layer(module)][0]}) imports {imported} ({LAYERS[_layer(imported)][0]})"
+        for module, imports in graph.items()
+        for imported in imports
+        if _layer(imported) > _layer(module)
+    )
+    assert upward == []

@@ -190,7 +190,7 @@ def test_two_content_lengths_are_400_and_closed(server: ServerThread, lengths: b
 def test_a_body_is_used_only_when_exactly_its_declared_bytes_arrived(chunks: list[bytes], says: str) -> None:
     """h11 and h2 hold a client to its Content-Length; `_receive` checks it again, so that no
     answer is ever computed from the unwritten tail of a recycled buffer."""
-    routes = rest._Routes(None, {}, make_config().server)  # no service: only the body is read
+    routes = rest._Routes(None, None, {}, make_config().server)  # no plane, no service: only the body is read
     messages = [
         {"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)
     ]
