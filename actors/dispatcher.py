@@ -447,8 +447,8 @@ class Dispatcher:
         if loaded:  # every request of the batch waited for the load
             stats.load_wait_seconds += (acquired - acquiring) * len(inputs)
         if traced is not None:
-            load = (acquiring, acquired, stats.weight_bytes, False) if loaded else None
-            _record_phases(traced, acquiring, load, (acquired, time.monotonic(), batch_size, rows))
+            execution = (acquired, time.monotonic(), batch_size, rows)
+            _record_phases(traced, acquiring, stats.last_load, execution)
         return result
 
     async def _overlapping(self, running: str, execute: Callable[[], ExecutionResult]) -> ExecutionResult:
@@ -545,13 +545,15 @@ def _record_phases(
     load: tuple[float, float, int, bool] | None,
     execution: tuple[float, float, int, int],
 ) -> None:
-    """Note an execution (and the weight load it waited for) in each traced request's record."""
+    """Note an execution in each traced request's record, and the model's latest `load` if it
+    began after the request was queued: the load it waited for, or one hidden behind another
+    model's execution while it was queued (a prefetch, `overlapped`)."""
     for request in traced:
         record = request.trace
         assert record is not None
         if not record.dequeued_at:
             record.dequeued_at = dequeued_at
-        if load is not None:
+        if load is not None and load[0] >= record.enqueued_at and load not in record.loads:
             record.loads.append(load)
         record.executions.append((*execution, request.rows))
 
