@@ -208,6 +208,43 @@ def test_rest_through_a_frontend_joins_the_engines_trace(tmp_path: Path, receive
     assert spans["execute"].parent_span_id == spans["engine"].span_id
 
 
+@pytest.mark.parametrize("frontends", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_request_the_sampler_leaves_out_exports_no_span(
+    tmp_path: Path, receiver: Receiver, frontends: int
+) -> None:
+    """At ratio 0 a request without a traceparent is answered and exports nothing, in the
+    frontend or the engine; a client's sampled traceparent still gets its whole tree (the
+    parent decides)."""
+    write_affine(tmp_path / "a")
+    config = _tracing_config(tmp_path, receiver.endpoint, frontends=frontends).replace(
+        "tracing", sampler="parentbased_traceidratio", sampler_arg="0"
+    )
+    with start_worker(config) as server:
+        client = grpcclient.InferenceServerClient(server.url)
+        for _ in range(3):
+            assert infer(client, "a", {"INPUT": X}).as_numpy("OUTPUT").shape == (X.shape[0], 3)
+        traceparent, trace_id, _ = new_traceparent()
+        infer(client, "a", {"INPUT": X}, headers={"traceparent": traceparent})
+        receiver.trace(trace_id, {"ModelInfer", "queue", "execute", "reply"})
+        client.close()
+    assert {s.trace_id for _, s in receiver.spans} == {trace_id}
+
+
+def test_an_unsampled_request_records_no_phase(receiver: Receiver) -> None:
+    """Left out by the sampler, a request's phases make no span and the dispatcher fills no
+    record for it; a sampled one's do."""
+    for sampler, recorded in (("always_off", False), ("always_on", True)):
+        tracing = open_tracing(TracingConfig(exporter="otlp", endpoint=receiver.endpoint, sampler=sampler))
+        assert tracing is not None
+        spans = tracing.request("ModelInfer", "a", None, time.monotonic_ns())
+        spans.mark("decode")
+        spans.end()
+        assert (spans.engine is not None) == recorded
+        assert (tracing.engine_request("a", "").engine is not None) == recorded
+        tracing.shutdown()
+    assert sorted(s.name for _, s in receiver.spans) == ["ModelInfer", "decode"]
+
+
 def test_trace_settings_answer_hloserves_over_grpc_and_rest(tmp_path: Path, receiver: Receiver) -> None:
     write_affine(tmp_path / "a")
     config = _tracing_config(tmp_path, receiver.endpoint).replace(
