@@ -26,6 +26,7 @@ from benches import (
     scheduler,
     serving,
     shared_memory,
+    tracing,
     weight_cache,
 )
 from benches.charts import write_charts
@@ -43,6 +44,7 @@ SUITES = {
     "node": node,
     "frontends": frontends,
     "rest": rest,
+    "tracing": tracing,
 }
 _BEGIN, _END = "<!-- latest compare run: begin -->", "<!-- latest compare run: end -->"
 
