@@ -80,6 +80,9 @@ def main() -> None:
     parser.add_argument("--window-ms", type=int, default=3000, help="perf_analyzer measurement window")
     parser.add_argument("--quick", action="store_true", help="zoo: one small model at batch 1, few repeats")
     parser.add_argument("--models", help="zoo: comma-separated zoo models (default: the whole zoo)")
+    parser.add_argument(
+        "--threads", type=int, help="zoo: hloserve and torch both on this many cores (default: all)"
+    )
     args = parser.parse_args()
     unknown = [name for name in args.suites if name not in SUITES]
     if unknown:
@@ -88,7 +91,7 @@ def main() -> None:
     for name in args.suites or ["compare"]:
         load_before = os.getloadavg()
         models = args.models.split(",") if args.models else None
-        extra = {"quick": args.quick, "models": models} if name == "zoo" else {}
+        extra = {"quick": args.quick, "models": models, "threads": args.threads} if name == "zoo" else {}
         rows = SUITES[name].run(window_ms=args.window_ms, **extra)
         table = SUITES[name].table(rows)
         print(f"== {name} ({platform.node()}, {_machine()}, load {load_before[0]:.2f} before)")
