@@ -317,6 +317,42 @@ def test_import_onnx_file_with_dims_for_dynamic_axes(tmp_path: Path) -> None:
     assert sorted(p.name for p in out.parent.iterdir()) == ["conv"]
 
 
+class Windows(torch.nn.Module):
+    """What a transformer's dynamic-batch ONNX export computes from `Shape` at run time: a
+    reshape by the batch size, pads, slices, a split and one row taken by its index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(4)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows = tokens.shape[0]
+        padded = torch.nn.functional.pad(self.norm(tokens), (0, 0, 1, 1))  # (N, 8, 4)
+        windows = padded.reshape(rows, 2, 4, 4)[:, :, 1:3]  # (N, 2, 2, 4)
+        left, right = windows.split(2, dim=-1)
+        return (left * right).reshape(rows, 2, -1)[:, 1] + tokens[:, 0, :1]
+
+
+@pytest.mark.slow
+def test_import_onnx_folds_shapes_computed_at_run_time(tmp_path: Path) -> None:
+    """A dynamic batch axis the graph reads with `Shape`: folded and converted at each batch
+    size (onnx2torch's module alone cannot be traced by torch.export), agreeing with ONNX Runtime."""
+    torch.manual_seed(0)
+    model = _onnx_export(
+        Windows(),
+        torch.randn(2, 6, 4),
+        tmp_path / "windows.onnx",
+        input_names=["TOKENS"],
+        output_names=["MIXED"],
+        dynamic_axes={"TOKENS": {0: "n"}, "MIXED": {0: "n"}},
+    )
+    assert {"Shape", "Reshape", "Slice", "Pad"} <= {n.op_type for n in onnx.load(str(model)).graph.node}
+    bundle = import_onnx_file(model, tmp_path / "repo" / "windows", batch_sizes=[1, 3])
+    assert bundle.batch_sizes == (1, 3)
+    assert [c.name for c in bundle.checks] == ["MIXED"]
+    assert load_bundle(tmp_path / "repo" / "windows").manifest.compiled_batch_sizes == (1, 3)
+
+
 @pytest.mark.slow
 def test_import_onnx_that_does_not_verify_leaves_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

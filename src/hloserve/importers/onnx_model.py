@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from hloserve.importers._staging import write_staged
+from hloserve.importers._static_shapes import static_module
 from hloserve.importers.onnx_reference import OutputCheck, verify_against_onnxruntime
 from hloserve.importers.triton_config import VARIABLE, NotConvertible, TensorPlan
 
@@ -106,14 +107,15 @@ def import_onnx(
     resolved_inputs = _match(onnx_inputs, inputs, "input", batch_sizes, require_all=True)
     resolved_outputs = _match(onnx_outputs, outputs, "output", batch_sizes, require_all=False)
     _check_operators(model)
-    module = _to_torch(model, [onnx_outputs.index(_by_name(onnx_outputs, o.name)) for o in resolved_outputs])
+    sizes = tuple(sorted(batch_sizes)) if batch_sizes is not None else None
+    selected = [onnx_outputs.index(_by_name(onnx_outputs, o.name)) for o in resolved_outputs]
+    module = static_module(model, resolved_inputs, sizes, lambda static: _to_torch(static, selected))
 
     import torch
 
     from hloserve.export import InputSpec, OutputSpec, VerificationError
     from hloserve.export_torch import export_torch_bundle
 
-    sizes = tuple(sorted(batch_sizes)) if batch_sizes is not None else None
     rng = np.random.default_rng(0)
     rows = max(sizes) if sizes else None
     samples = [
@@ -134,9 +136,9 @@ def import_onnx(
             verify=False,  # compared with ONNX Runtime below, not with onnx2torch's module
         )
     except (ValueError, VerificationError) as e:
-        raise NotConvertible(f"export failed: {e}") from None
+        raise NotConvertible(f"export failed{_at_node(e, module)}: {e}") from None
     except Exception as e:  # torchax or JAX failing on a converted operation, in its own words
-        raise NotConvertible(f"export failed: {type(e).__name__}: {e}") from e
+        raise NotConvertible(f"export failed{_at_node(e, module)}: {type(e).__name__}: {e}") from e
     checks: tuple[OutputCheck, ...] = ()
     if verify:
         checks = verify_against_onnxruntime(
@@ -379,3 +381,24 @@ def _failing_node(traceback: Any) -> str | None:
             name = f"{getattr(node, 'name', None)!r} ({getattr(node, 'operation_type', '?')})"
         traceback = traceback.tb_next
     return name
+
+
+def _at_node(error: BaseException, module: Any) -> str:
+    """` at node 'NAME' (OP)`: the converted ONNX node whose forward `error` (or its cause) was
+    raised in, innermost first; onnx2torch names each module after its node. Empty if none."""
+    owners = {id(m): name for name, m in module.named_modules() if name}
+    found = None
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback = error.__traceback__
+        while traceback is not None:
+            owner = traceback.tb_frame.f_locals.get("self")
+            if id(owner) in owners:
+                found = (owners[id(owner)], type(owner).__name__.removeprefix("Onnx"))
+            traceback = traceback.tb_next
+        error = error.__cause__ or error.__context__  # type: ignore[assignment]
+    if found is None:
+        return ""
+    name, op = found
+    return f" at node {name.rsplit('.', 1)[-1]!r} ({op})"
