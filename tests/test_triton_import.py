@@ -30,7 +30,7 @@ from hloserve._torchvision import prepare_torchvision_import
 from hloserve.bundle import load_bundle
 from hloserve.cli import main
 from hloserve.config import load_config
-from hloserve.importers import NotConvertible, TritonConfigError, import_onnx_file
+from hloserve.importers import NotConvertible, TritonConfigError, import_onnx_file, onnx_model
 from hloserve.importers.triton_config import plan_model, read_model_config
 
 prepare_torchvision_import()
@@ -334,6 +334,7 @@ class Windows(torch.nn.Module):
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Constant folding - Only steps=1 can be constant folded:UserWarning")
 def test_import_onnx_folds_shapes_computed_at_run_time(tmp_path: Path) -> None:
     """A dynamic batch axis the graph reads with `Shape`: folded and converted at each batch
     size (onnx2torch's module alone cannot be traced by torch.export), agreeing with ONNX Runtime."""
@@ -351,6 +352,28 @@ def test_import_onnx_folds_shapes_computed_at_run_time(tmp_path: Path) -> None:
     assert bundle.batch_sizes == (1, 3)
     assert [c.name for c in bundle.checks] == ["MIXED"]
     assert load_bundle(tmp_path / "repo" / "windows").manifest.compiled_batch_sizes == (1, 3)
+
+
+def test_an_export_failure_names_the_onnx_node_it_stopped_at() -> None:
+    """onnx2torch names each module after its node; the failure inside one is reported there."""
+
+    class OnnxReshape(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise TypeError("torch.Size() takes an iterable of 'int'")
+
+    converted = torch.nn.Module()
+    converted.add_module("blocks/0/attn/Reshape", OnnxReshape())
+    module = torch.nn.ModuleDict({"model": converted})
+    try:
+        try:
+            module["model"].get_submodule("blocks/0/attn/Reshape")(torch.zeros(1))
+        except TypeError as e:
+            raise ValueError("torch.export cannot trace Selected at batch size 2") from e
+    except ValueError as e:
+        assert onnx_model._at_node(e, module) == " at node 'blocks/0/attn/Reshape' (Reshape)"
+        assert onnx_model._at_node(ValueError("elsewhere"), module) == ""
+    else:
+        pytest.fail("the module did not raise")
 
 
 @pytest.mark.slow

@@ -385,7 +385,7 @@ def _failing_node(traceback: Any) -> str | None:
 
 def _at_node(error: BaseException, module: Any) -> str:
     """` at node 'NAME' (OP)`: the converted ONNX node whose forward `error` (or its cause) was
-    raised in, innermost first; onnx2torch names each module after its node. Empty if none."""
+    raised in (the innermost); onnx2torch names each module after its node. Empty if none."""
     owners = {id(m): name for name, m in module.named_modules() if name}
     found = None
     seen: set[int] = set()
