@@ -186,8 +186,11 @@ def test_import_writes_the_configs_settings_and_labels(imported: tuple[Path, int
     root, _, _ = imported
     out = root / "hloserve"
     for name, sizes in BATCH_SIZES.items():
-        manifest = load_bundle(out / name).manifest
-        assert manifest.compiled_batch_sizes == sizes
+        bundle = load_bundle(out / name)
+        assert bundle.manifest.compiled_batch_sizes == sizes
+        onnx_bytes = (root / "triton" / name / "1" / "model.onnx").stat().st_size
+        assert bundle.weight_nbytes < 1.05 * onnx_bytes, "one copy of the weights for every batch size"
+        manifest = bundle.manifest
         assert [a.size for a in manifest.executable_inputs[0].axes] == [224, 224, 3, None]
     assert load_bundle(out / "resnet50").manifest.executable_outputs[0].labels == "labels.txt"
     assert load_config(out / "hloserve.yaml", environ={}).scheduler.models["resnet50"].max_queue_depth == 32
