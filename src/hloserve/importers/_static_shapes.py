@@ -1,13 +1,14 @@
 """An ONNX graph made static at each compiled batch size, so that torch.export can trace it.
 
 A model exported with a dynamic batch axis (as Triton needs) computes its reshapes from `Shape`
-at run time, and onnx2torch's modules take shapes, slice bounds, pads, split sizes, squeeze
-axes and single indices as tensors that `forward` turns into Python numbers: torch.export cannot trace that (a
-data-dependent value). So, at each batch size, the graph's inputs get their static shapes and ONNX
-Runtime's basic optimizations fold the shape arithmetic into constants; each operator that then
-takes a constant for one of those inputs is rewritten with it as an attribute, in the `hloserve`
-domain, whose converters build static modules. One module per batch size sits behind a module
-that picks by the batch size, and weights equal across sizes are shared, so a bundle keeps one copy.
+at run time, and onnx2torch's modules take shapes, slice bounds, pads, split sizes, squeeze axes
+and single indices as tensors that `forward` turns into Python numbers: torch.export cannot
+trace that (a data-dependent value). So, at each batch size, the graph's inputs get their static
+shapes and ONNX Runtime's basic optimizations fold the shape arithmetic into constants; each
+operator that then takes a constant for one of those inputs is rewritten with it as an
+attribute, in the `hloserve` domain, whose converters build static modules. One module per batch
+size sits behind a module that picks by the batch size; weights equal across sizes are shared
+(the exporter then binds each once), so a bundle keeps one copy.
 """
 
 from __future__ import annotations

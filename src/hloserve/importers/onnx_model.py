@@ -3,12 +3,14 @@
 The ONNX graph is first checked against onnx2torch's converters, node by node, so that an operator
 without one is named with its node before anything runs; constant Identity nodes over an
 initializer (which torch's ONNX exporter writes for a shared weight, and which onnx2torch's Conv
-and Gemm converters do not follow) become initializers. The torch module onnx2torch builds is
-exported by `hloserve.export_torch.export_torch_bundle` at each batch size with static shapes: an
-axis the ONNX model leaves dynamic takes its size from the Triton config (or the caller), and one
-that neither fixes is refused. The bundle is then run by the server's loader in a fresh process
-(`hloserve.verification.verify_bundle`) on seeded random inputs at every batch size and compared
-with ONNX Runtime on the original file (`hloserve.importers.onnx_reference`).
+and Gemm converters do not follow) become initializers. At each batch size the graph is made
+static and folded, then converted by onnx2torch (`hloserve.importers._static_shapes`), and
+exported by `hloserve.export_torch.export_torch_bundle`: an axis the ONNX model leaves dynamic
+takes its size from the Triton config (or the caller), and one that neither fixes is refused; an
+export that fails names the node it stopped at. The bundle is then run by the server's loader
+in a fresh process (`hloserve.verification.verify_bundle`) on seeded random inputs at every
+batch size and compared with ONNX Runtime on the original file
+(`hloserve.importers.onnx_reference`).
 """
 
 from __future__ import annotations
