@@ -65,7 +65,15 @@ from hloserve._proto import inference as kserve
 from hloserve._rest_http1 import Refused, StrictH11
 from hloserve._status import to_grpc_error
 from hloserve.config import ServerConfig
-from hloserve.rest_codec import INLINE_JSON, decode_infer, dismantle, encode_infer, no_collections, parse_json
+from hloserve.rest_codec import (
+    INLINE_JSON,
+    decode_infer,
+    dismantle,
+    encode_infer,
+    header_length,
+    no_collections,
+    parse_json,
+)
 from hloserve.restricted import Restrictions, http_group, http_message
 from hloserve.tls import server_context
 
@@ -234,7 +242,6 @@ Handler = Callable[[Request], Awaitable[Response]]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
-_DIGITS = re.compile(r"[0-9]{1,19}")  # ASCII digits only: str.isdigit takes '²', int() does not
 _INFER_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
 _JSON = [(b"content-type", b"application/json")]
 _BINARY = [(b"content-type", b"application/octet-stream")]
@@ -571,12 +578,7 @@ class _Routes:
         if self._service.tracing is not None:
             spans = self._service.trace_request(label, headers.get("traceparent"), time.monotonic_ns())
         try:
-            header_length = headers.get(_HEADER_LENGTH)
-            if header_length is not None and not _DIGITS.fullmatch(header_length.strip()):
-                raise HttpRefusal(
-                    f"Inference-Header-Content-Length must be a byte count, got {header_length!r}"[:200]
-                )
-            length = None if header_length is None else int(header_length)
+            length = header_length(headers.get(_HEADER_LENGTH), model)
             if length is not None and length > self._json_limit:
                 raise self._too_large(
                     f"the JSON header of {length} bytes", self._json_limit, "server.http_max_json_bytes"

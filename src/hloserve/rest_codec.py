@@ -31,7 +31,15 @@ from hloserve.codec import SHM_REGION, bytes_contents
 from hloserve.errors import InvalidInput
 from hloserve.viewed_request import ViewedRequest
 
-__all__ = ["BINARY_DATA_SIZE", "RestInfer", "decode_infer", "dismantle", "encode_infer", "parse_json"]
+__all__ = [
+    "BINARY_DATA_SIZE",
+    "RestInfer",
+    "decode_infer",
+    "dismantle",
+    "encode_infer",
+    "header_length",
+    "parse_json",
+]
 
 BINARY_DATA_SIZE = "binary_data_size"
 """Input and output parameter: the tensor's bytes follow the JSON header, this many."""
@@ -48,6 +56,7 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 """A `\\uD800`..`\\uDFFF` escape in JSON text: a string may hold a lone surrogate."""
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _MAX_DIMENSIONS = 64  # numpy's
+_DIGITS = re.compile(r"[0-9]{1,19}")  # ASCII digits only: str.isdigit takes '²', int() does not
 
 
 def _not_json(constant: str) -> Any:
@@ -179,6 +188,16 @@ def parse_json(text: bytes, max_containers: int | None = None, fair: bool = Fals
     return value
 
 
+def header_length(value: str | None, model: str) -> int | None:
+    """The JSON header's length from an `Inference-Header-Content-Length` value (None: the whole
+    body is JSON). Optional whitespace around at most 19 ASCII digits, so it fits in an int64."""
+    if value is None:
+        return None
+    if not _DIGITS.fullmatch(value.strip(" \t")):
+        raise _fail(model, f"Inference-Header-Content-Length must be a byte count, got {value[:60]!r}")
+    return int(value)
+
+
 @dataclass(frozen=True, slots=True)
 class RestInfer:
     """A decoded REST inference request."""
@@ -290,6 +309,22 @@ def _asarray(data: Any) -> np.ndarray:
     return np.asarray(data)
 
 
+def _wide_integers(
+    model: str, name: str, data: Any, wire: str, numpy: np.dtype[Any], not_numbers: InvalidInput
+) -> np.ndarray:
+    """JSON integers that numpy reads as floats or objects: one past int64 (a UINT64 in its upper
+    half) beside any other, which numpy promotes to float64 and loses. Read as `numpy` itself
+    when every value is an integer in its range."""
+    objects = np.asarray(data, dtype=object)
+    if not all(type(value) is int for value in objects.flat):
+        raise not_numbers
+    try:
+        return np.asarray(objects, dtype=numpy)
+    except OverflowError:
+        bad = next(v for v in objects.flat if not np.iinfo(numpy).min <= v <= np.iinfo(numpy).max)
+        raise _fail(model, f"'data' value {bad} is out of range for {wire}", name) from None
+
+
 def _json_tensor(model: str, name: str, data: Any, wire: str, shape: list[int]) -> bytes:
     """The raw bytes of JSON `data` (flat or nested, row-major) as a `wire` tensor of `shape`."""
     try:
@@ -321,6 +356,8 @@ def _json_tensor(model: str, name: str, data: Any, wire: str, shape: list[int]) 
             raise not_numbers from None
         if np.isnan(values).any():  # a null (a NaN token was refused by the parser)
             raise not_numbers
+    if values.dtype.kind in "fO" and accepted == "iu":
+        values = _wide_integers(model, name, data, wire, dtype.numpy, not_numbers)
     if values.size and values.dtype.kind not in accepted:
         raise not_numbers
     count = math.prod(shape)
