@@ -33,6 +33,7 @@ import json
 import re
 import socket
 import ssl
+import threading
 import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
@@ -287,11 +288,14 @@ _PIECE = 1 << 20
 inflation stops within one piece of it."""
 
 
-def _inflate(inflater: Any, data: bytes | memoryview, cap: int) -> memoryview | None:
+def _inflate(
+    inflater: Any, data: bytes | memoryview, cap: int, book: Callable[[int], None]
+) -> memoryview | None:
     """`data` inflated by `inflater` into one buffer, piece by piece; None as soon as it passes
-    `cap` bytes (what it inflated is dropped). Runs in a worker thread for a large `cap`: zlib frees
-    the interpreter while it inflates, and the pieces are copied one by one (one copy of 1 GiB
-    would hold it for a third of a second)."""
+    `cap` bytes (what it inflated is dropped). Each piece is booked by `book` (the bytes being
+    received), which raises when the server has no room for it. Runs in a worker thread for a
+    large `cap`: zlib frees the interpreter while it inflates, and the pieces are copied one by one
+    (one copy of 1 GiB would hold it for a third of a second)."""
     pieces: list[bytes] = []
     size = 0
     while not inflater.eof:
@@ -304,6 +308,12 @@ def _inflate(inflater: Any, data: bytes | memoryview, cap: int) -> memoryview | 
             del piece, pieces
             _return_memory(size)
             return None
+        try:
+            book(len(piece))
+        except HttpRefusal:
+            del piece, pieces
+            _return_memory(size)
+            raise
         pieces.append(piece)
     if len(pieces) == 1:
         return memoryview(pieces[0])
@@ -416,7 +426,8 @@ class _Routes:
         self._ratio = config.http_max_inflation_ratio
         self._max_receiving = config.max_receiving_bytes
         self.receiving = 0
-        """Bytes of request bodies being received now (`server.max_receiving_bytes`)."""
+        """Bytes of request bodies being received or inflated now (`server.max_receiving_bytes`)."""
+        self._receiving_lock = threading.Lock()  # inflations book from worker threads
         self.inflight = _InFlight(config.http_body_timeout_s, config.http_idle_timeout_s)
 
     async def _body(
@@ -460,17 +471,26 @@ class _Routes:
         """A gzip or deflate body inflated to at most `limit` bytes and `server.http_max_inflation_ratio`
         times its size (1 MiB at least): zlib stops at the first byte past the bound, and the
         request is refused. Past `_INLINE_INFLATE` bytes it inflates in a worker thread (zlib frees
-        the interpreter meanwhile), so a bomb never stalls the loop."""
+        the interpreter meanwhile), so a bomb never stalls the loop. The inflated bytes count
+        against `server.max_receiving_bytes` while it inflates, as received ones do."""
         cap = min(limit, max(self._ratio * len(body), _RATIO_FLOOR))
         inflater = zlib.decompressobj(_WBITS[encoding])
+        booked = [0]
+
+        def book(size: int) -> None:
+            self._reserve(size)
+            booked[0] += size
+
         try:
             if cap <= _INLINE_INFLATE:
-                inflated = _inflate(inflater, body, cap)
+                inflated = _inflate(inflater, body, cap, book)
             else:
                 loop = asyncio.get_running_loop()
-                inflated = await loop.run_in_executor(None, _inflate, inflater, body, cap)
+                inflated = await loop.run_in_executor(None, _inflate, inflater, body, cap, book)
         except zlib.error as e:
             raise HttpRefusal(f"the body is not valid {encoding} data: {e}") from None
+        finally:
+            self._release(booked[0])
         if inflated is None:
             if cap == limit:
                 raise self._too_large(f"{encoding} body that inflates to more than {limit} bytes", limit, key)
@@ -522,16 +542,21 @@ class _Routes:
                 raise HttpRefusal(f"the body has {size} bytes, its Content-Length says {expected}")
             return b"" if view is None else view
         finally:
-            self.receiving -= size
+            self._release(size)
 
     def _reserve(self, size: int) -> None:
-        if self.receiving + size > self._max_receiving:
-            raise HttpRefusal(
-                f"the server is receiving {self.receiving} bytes of request bodies; {size} more would "
-                f"pass server.max_receiving_bytes ({self._max_receiving}); retry later",
-                Status.UNAVAILABLE,
-            )
-        self.receiving += size
+        with self._receiving_lock:
+            if self.receiving + size > self._max_receiving:
+                raise HttpRefusal(
+                    f"the server is receiving {self.receiving} bytes of request bodies; {size} more "
+                    f"would pass server.max_receiving_bytes ({self._max_receiving}); retry later",
+                    Status.UNAVAILABLE,
+                )
+            self.receiving += size
+
+    def _release(self, size: int) -> None:
+        with self._receiving_lock:
+            self.receiving -= size
 
     @staticmethod
     def _too_large(what: str, limit: int, key: str) -> HttpRefusal:
