@@ -10,8 +10,12 @@ for every datatype. Settings (and how to run longer): `support.fuzzing`.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import ml_dtypes
@@ -23,12 +27,12 @@ from hypothesis.extra import numpy as hnp
 from support.fuzzing import FUZZ, LONG_RUN
 from support.numerics import assert_close
 
-from hloserve import dtypes
+from hloserve import dtypes, rest, rest_codec
 from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve.codec import bytes_contents, decode_request
 from hloserve.errors import InvalidInput, ModelNotFound, ShmDisabled, ShmRegionError
 from hloserve.manifest import Axis, TensorSpec
-from hloserve.rest import HTTP_STATUS, _error
+from hloserve.rest import HTTP_STATUS, _base64, _error
 from hloserve.rest_codec import RestInfer, decode_infer, encode_infer, header_length, parse_json
 
 MODEL = "fuzz"
@@ -257,23 +261,46 @@ def test_the_header_length_is_a_byte_count_or_a_client_error(value: str) -> None
     assert count and length == int(digits)
 
 
+@contextmanager
+def _steps(string: int, base: int = 4) -> Iterator[None]:
+    """Strings scanned, and base64 decoded, a few characters at a time: every cut is exercised."""
+    saved = rest_codec._STRING_STEP, rest._BASE64_STEP
+    rest_codec._STRING_STEP, rest._BASE64_STEP = string, base
+    try:
+        yield
+    finally:
+        rest_codec._STRING_STEP, rest._BASE64_STEP = saved
+
+
+escaped_strings = st.builds(
+    lambda text, ascii_only: json.dumps(text, ensure_ascii=ascii_only).encode(),
+    st.text(st.characters(codec="utf-8") | st.sampled_from('\\"\n/\U0001f600\u00e9'), max_size=64),
+    st.booleans(),
+)
+"""JSON strings full of escapes: quotes, backslashes, control characters, and (ASCII only)
+`\\uXXXX`, astral characters as surrogate pairs."""
+
+
 @FUZZ
 @given(
-    text=st.binary(max_size=128) | json_values.map(lambda v: json.dumps(v).encode()),
+    text=st.binary(max_size=128) | json_values.map(lambda v: json.dumps(v).encode()) | escaped_strings,
     limit=st.none() | st.integers(0, 8),
+    step=st.integers(13, 20),
 )
-@example(text=b'"\\udc00"', limit=None)
-@example(text=b"\xff\xfe[\x001\x00]\x00", limit=None)  # UTF-16 with a byte-order mark
-@example(text=b'{"a": Infinity}', limit=None)
-def test_json_parses_as_rfc_8259_or_is_refused_the_same_on_both_parsers(
-    text: bytes, limit: int | None
-) -> None:
-    """The C parser (on the loop) and the fair one (in a thread) agree, and what either accepts
-    is JSON that can be written back: no NaN, no lone surrogate."""
+@example(text=b'"\\udc00"', limit=None, step=13)
+@example(text=b'"abcdefgh\\ud83d\\ude00xyz"', limit=None, step=13)  # the cut falls inside the pair
+@example(text=b'"abcdefghijkl\\\\\\\\\\"x"', limit=None, step=13)  # a run of escaped backslashes
+@example(text=b"\xff\xfe[\x001\x00]\x00", limit=None, step=13)  # UTF-16 with a byte-order mark
+@example(text=b'{"a": Infinity}', limit=None, step=13)
+def test_both_json_parsers_take_rfc_8259_alone(text: bytes, limit: int | None, step: int) -> None:
+    """The C parser (on the loop) and the fair one (in a thread, strings scanned `step` characters
+    at a time) agree, and what either accepts is JSON that can be written back: no NaN, no lone
+    surrogate."""
     outcomes = []
     for fair in (False, True):
         try:
-            value = parse_json(text, limit, fair)
+            with _steps(step):
+                value = parse_json(text, limit, fair)
         except ValueError as e:
             assert 0 < len(str(e)) <= 200 or "arrays and objects" in str(e)
             outcomes.append(("refused", None))
@@ -282,6 +309,29 @@ def test_json_parses_as_rfc_8259_or_is_refused_the_same_on_both_parsers(
             outcomes.append(("parsed", value))
     assert outcomes[0] == outcomes[1]
     event(outcomes[0][0])
+
+
+@FUZZ
+@given(
+    value=st.binary(max_size=48).map(lambda b: base64.b64encode(b).decode())
+    | st.text(st.sampled_from("AQZaz09+/=\n é"), max_size=24),
+    step=st.sampled_from([4, 8, 12]),
+)
+@example(value="AA==AAAA", step=4)  # padding before the end
+@example(value="QUI=", step=4)
+def test_a_load_file_s_base64_decodes_as_b64decode_in_steps(value: str, step: int) -> None:
+    """A load's `file:` contents decoded a step at a time: the same bytes, or the same refusal,
+    as one strict `base64.b64decode`."""
+    try:
+        expected: bytes | None = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        expected = None
+    with _steps(20, step):
+        try:
+            got: bytes | None = _base64(value)
+        except (binascii.Error, ValueError):
+            got = None
+    assert got == expected
 
 
 # -- round trips ---------------------------------------------------------------------------------
