@@ -72,6 +72,7 @@ from hloserve.rest_codec import (
     dismantle,
     encode_infer,
     header_length,
+    json_output_bytes,
     no_collections,
     parse_json,
 )
@@ -615,7 +616,13 @@ class _Routes:
                 loop = asyncio.get_running_loop()
                 decoded = await loop.run_in_executor(None, decode_infer, received, length, model, version)
             response = await self._unless_disconnected(decoded.request, scope["client"], spans)
-            pieces, binary_length = encode_infer(response, decoded)
+            if json_output_bytes(response, decoded) <= INLINE_JSON:
+                pieces, binary_length = encode_infer(response, decoded)
+            else:  # written a slice at a time in a worker thread, which gives the loop the interpreter
+                loop = asyncio.get_running_loop()
+                pieces, binary_length = await loop.run_in_executor(
+                    None, encode_infer, response, decoded, True
+                )
         except _Disconnected:
             if spans is not None:
                 spans.end("CANCELLED")

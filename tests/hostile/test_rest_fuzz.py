@@ -371,6 +371,9 @@ def _encoded(response: Any, binary: bool) -> tuple[bytes, int | None]:
 @example(answer=(None, dtypes.by_token("bf16"), np.array([3.0e38, -1e-40], ml_dtypes.bfloat16), False))
 @example(answer=(None, dtypes.by_token("u64"), np.array([2**64 - 1, 0], np.uint64), False))
 @example(answer=(None, dtypes.by_token("i64"), np.array([-(2**63), 2**63 - 1], np.int64), False))
+@example(
+    answer=(None, dtypes.by_token("f32"), np.arange(-5000, 5000, dtype=np.float32) / 3, False)
+)  # 3 slices
 def test_an_answer_sent_back_as_a_request_is_the_same_tensor(answer: Any) -> None:
     """encode (an answer) then decode (as a request's input) is the identity, in JSON and in
     binary, for every datatype: the JSON writes every value so that it reads back the same."""
@@ -390,6 +393,7 @@ def test_an_answer_sent_back_as_a_request_is_the_same_tensor(answer: Any) -> Non
 
 @FUZZ
 @given(answer=answers())
+@example(answer=(None, dtypes.by_token("f64"), np.arange(-5000, 5000, dtype=np.float64) / 3, False))
 def test_triton_s_client_reads_an_answer_as_the_tensor_sent(answer: Any) -> None:
     response, dtype, array, binary = _response(answer)
     body, length = _encoded(response, binary)
