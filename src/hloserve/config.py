@@ -148,6 +148,9 @@ class ServerConfig:
     """PEM file of its private key."""
     http_root_cert: Path | None = None
     """PEM file of the CAs a client certificate must chain to, with `http_use_ssl_mutual`."""
+    metrics_use_ssl: bool = False
+    """Serve the metrics port over TLS (HTTPS) with the REST port's `http_server_cert` and
+    `http_server_key`, and with `http_use_ssl_mutual` its client certificates too."""
     max_message_bytes: int = 1 << 30
     """Largest gRPC message, or REST request body, accepted or sent (Triton clients allow up to
     2 GiB)."""
@@ -339,7 +342,11 @@ class ServerConfig:
         Restrictions.grpc(self.grpc_restricted_protocol)
         Restrictions.http(self.http_restricted_api)
         for proto in ("grpc", "http"):
-            if getattr(self, f"{proto}_use_ssl") or getattr(self, f"{proto}_use_ssl_mutual"):
+            if (
+                getattr(self, f"{proto}_use_ssl")
+                or getattr(self, f"{proto}_use_ssl_mutual")
+                or (proto == "http" and self.metrics_use_ssl)
+            ):
                 for part in ("server_cert", "server_key"):
                     _check(
                         getattr(self, f"{proto}_{part}") is not None,
