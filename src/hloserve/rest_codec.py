@@ -162,20 +162,27 @@ _HIGH_SURROGATE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}")
 def _fair_scanstring(text: str, end: int, strict: bool = True) -> tuple[str, int]:
     """`json.decoder.scanstring` (the C one), a `_STRING_STEP` of the string at a time: one call
     over a whole string holds the interpreter throughout (a load's 64 MiB base64 file: 0.6 s).
-    Each step ends before an escape, never between the halves of a surrogate pair."""
+    A string that ends within a step (most) is one call; a longer one is cut before an escape,
+    never between the halves of a surrogate pair."""
     pieces, start = [], end
+    scan = json.decoder.c_scanstring  # type: ignore[attr-defined]
     while True:
-        cut = _safe_cut(text, start, start + _STRING_STEP)
-        chunk = text[start:cut] + '"'
+        stop = start + _STRING_STEP
+        quote = text.find('"', start, stop)  # the first that no backslash escapes:
+        while quote >= 0 and text[quote - 1] == "\\" and not _starts_escape(text, start, quote):
+            quote = text.find('"', quote + 1, stop)
+        if quote >= 0:  # it ends in this step
+            value, index = scan(text, start, strict)
+            pieces.append(value)
+            return "".join(pieces), index
+        if stop >= len(text):
+            raise json.JSONDecodeError("Unterminated string starting at", text, end - 1)
+        cut = _safe_cut(text, start, stop)
         try:
-            value, index = json.decoder.c_scanstring(chunk, 0, strict)  # type: ignore[attr-defined]
+            value, _ = scan(text[start:cut] + '"', 0, strict)
         except json.JSONDecodeError as e:
             raise json.JSONDecodeError(e.msg, text, start + e.pos) from None
         pieces.append(value)
-        if index < len(chunk):  # the string's own closing quote
-            return "".join(pieces), start + index
-        if cut >= len(text):
-            raise json.JSONDecodeError("Unterminated string starting at", text, end - 1)
         start = cut
 
 
@@ -184,8 +191,6 @@ def _safe_cut(text: str, start: int, stop: int) -> int:
     when no escape reaches it, else the start of the last escape before it, or of the high half
     of a pair before a low one (just after the pair when that is where the step starts).
     `stop - start` is at least 13."""
-    if stop >= len(text):
-        return len(text)
     last = text.rfind("\\", start, stop)
     if last < stop - 12:  # none (-1), or none reaching `stop`: an escape is 12 characters at most
         return stop
@@ -201,7 +206,8 @@ def _safe_cut(text: str, start: int, stop: int) -> int:
 
 
 def _starts_escape(text: str, start: int, at: int) -> bool:
-    """Whether the backslash at `at` begins an escape (an even run of backslashes precedes it)."""
+    """Whether the character at `at` is itself, not escaped (an even run of backslashes, from
+    `start`, precedes it): a backslash there begins an escape, a quote there ends the string."""
     run = at
     while run > start and text[run - 1] == "\\":
         run -= 1
