@@ -319,6 +319,8 @@ def test_both_json_parsers_take_rfc_8259_alone(text: bytes, limit: int | None, s
 )
 @example(value="AA==AAAA", step=4)  # padding before the end
 @example(value="QUI=", step=4)
+@example(value="0000=", step=4)  # padding past a whole group: b64decode ignores it
+@example(value="AAAAAAAA" * 3 + "AA==", step=8)
 def test_a_load_file_s_base64_decodes_as_b64decode_in_steps(value: str, step: int) -> None:
     """A load's `file:` contents decoded a step at a time: the same bytes, or the same refusal,
     as one strict `base64.b64decode`."""
