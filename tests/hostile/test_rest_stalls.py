@@ -35,7 +35,7 @@ MLP_INPUT = {"name": "INPUT0", "datatype": "FP32", "shape": [1, 16], "data": [0.
 MLP_BODY = json.dumps({"inputs": [MLP_INPUT]}).encode()
 INFER = "/v2/models/mlp/infer"
 MiB = 1 << 20
-BOUND_S = float(os.environ.get("HLOSERVE_TEST_PROBE_BOUND_S", "0.1"))
+BOUND_S = float(os.environ.get("TEST_PROBE_BOUND_S", "0.1"))
 """What one client may cost every other: the probe's worst wait (100 ms; on a machine whose load
 is several times its cores, the scheduler alone can pass it: raise it there)."""
 JSON_LIMIT = ServerConfig().http_max_json_bytes
