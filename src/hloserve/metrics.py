@@ -14,6 +14,7 @@ owns them) through the trio token, so a scrape never sees a half-updated record.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -310,11 +311,20 @@ class Metrics:
         """Connections open now."""
         self._cap, self._timeout_s = 64, 10.0
 
-    async def serve(self, host: str, port: int, max_connections: int, timeout_s: float) -> int:
-        """Start the HTTP endpoint on the worker's trio-asyncio loop; returns the bound port."""
+    async def serve(
+        self, host: str, port: int, max_connections: int, timeout_s: float, tls: ssl.SSLContext | None = None
+    ) -> int:
+        """Start the HTTP endpoint (HTTPS with `tls`, whose handshake must end within `timeout_s`)
+        on the worker's trio-asyncio loop; returns the bound port."""
         self._cap, self._timeout_s = max_connections, timeout_s
         self._server = await trio_asyncio.aio_as_trio(asyncio.start_server)(
-            self._connected, host, port, backlog=_BACKLOG, limit=_MAX_HEAD_BYTES
+            self._connected,
+            host,
+            port,
+            backlog=_BACKLOG,
+            limit=_MAX_HEAD_BYTES,
+            ssl=tls,
+            ssl_handshake_timeout=timeout_s if tls is not None else None,
         )
         return int(self._server.sockets[0].getsockname()[1])
 
