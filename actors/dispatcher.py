@@ -46,6 +46,7 @@ from hloserve.actors.messages import (
     Compact,
     DispatcherMessage,
     DropWeights,
+    EngineTrace,
     Infer,
     QueueAddress,
     QueueSummary,
@@ -388,10 +389,7 @@ class Dispatcher:
             return
         try:
             inputs = [r.inputs for r in requests]
-            traced = [r for r in requests if r.trace is not None]
-            result = await self._run(
-                model, batch.batch_size, inputs, sum(r.rows for r in requests), traced or None
-            )
+            result = await self._run(model, batch.batch_size, inputs, sum(r.rows for r in requests), requests)
             per_request = split_outputs(
                 model.bundle.manifest.executable_outputs, result.outputs, [r.rows for r in requests]
             )
@@ -410,10 +408,10 @@ class Dispatcher:
         batch_size: int,
         inputs: list[list[np.ndarray]],
         rows: int,
-        traced: list[Infer] | None = None,
+        requests: list[Infer],
     ) -> ExecutionResult:
         """One execution at `batch_size` of the joined inputs; records its cost and statistics
-        (and, for the `traced` requests among them, their phases: `_record_phases`)."""
+        (and, for the traced ones among its `requests`, their phases: `_record_phases`)."""
         assert self._weights is not None, "use_weights before run"
         stats = self._statistics[model.name]
         policy = self._state.policies[model.name]
@@ -440,16 +438,18 @@ class Dispatcher:
             result = await self._overlapping(model.name, execute)
         else:
             result = await trio.to_thread.run_sync(execute)
+        ended = time.monotonic()
         seconds = result.input_s + result.infer_s
-        record_execution(policy, batch_size, seconds, time.monotonic(), self._params)
+        record_execution(policy, batch_size, seconds, ended, self._params)
         stats.record_execution(batch_size, rows, result.input_s, result.infer_s, 0.0)
         stats.cost = dict(policy.cost)
         loaded = stats.weight_loads > loads_before
         if loaded:  # every request of the batch waited for the load
             stats.load_wait_seconds += (acquired - acquiring) * len(inputs)
-        if traced is not None:
-            load = (acquiring, acquired, stats.weight_bytes, False) if loaded else None
-            _record_phases(traced, acquiring, load, (acquired, time.monotonic(), batch_size, rows))
+        for request in requests:
+            if request.trace is not None:  # tracing is on (a loop, not a list: the off path is cheaper)
+                execution = (acquired, ended, batch_size, rows)
+                _record_phases(request.trace, acquiring, stats.last_load, execution, request.rows)
         return result
 
     async def _overlapping(self, running: str, execute: Callable[[], ExecutionResult]) -> ExecutionResult:
@@ -488,8 +488,7 @@ class Dispatcher:
         manifest = split.model.bundle.manifest
         inputs = slice_rows(manifest.executable_inputs, request.inputs, split.done, rows)
         try:
-            traced = [request] if request.trace is not None else None
-            result = await self._run(split.model, size, [inputs], rows, traced)
+            result = await self._run(split.model, size, [inputs], rows, [request])
         except (ExecutionFailed, NotResident) as e:
             _log_failure(name, size, e)
             del self._state.splits[name]
@@ -541,20 +540,20 @@ class Dispatcher:
 
 
 def _record_phases(
-    traced: list[Infer],
+    record: EngineTrace,
     dequeued_at: float,
     load: tuple[float, float, int, bool] | None,
     execution: tuple[float, float, int, int],
+    rows: int,
 ) -> None:
-    """Note an execution (and the weight load it waited for) in each traced request's record."""
-    for request in traced:
-        record = request.trace
-        assert record is not None
-        if not record.dequeued_at:
-            record.dequeued_at = dequeued_at
-        if load is not None:
-            record.loads.append(load)
-        record.executions.append((*execution, request.rows))
+    """Note an execution in a traced request's record, and the model's latest `load` if it began
+    after the request was queued: the load it waited for, or one hidden behind another model's
+    execution while it was queued (a prefetch, `overlapped`)."""
+    if not record.dequeued_at:
+        record.dequeued_at = dequeued_at
+    if load is not None and load[0] >= record.enqueued_at and load not in record.loads:
+        record.loads.append(load)
+    record.executions.append((*execution, rows))
 
 
 def _log_failure(model: str, batch_size: int, error: Exception) -> None:

@@ -248,7 +248,7 @@ class WeightCache:
                 weight_bytes=model.nbytes,
                 budget_bytes=self._budget,
             )
-        started = time.perf_counter()
+        started = time.monotonic()
         self._reserve(name, model)
         try:
             model.device = (
@@ -257,7 +257,7 @@ class WeightCache:
         except BaseException:
             self._unreserve(name, model)
             raise
-        self._loaded(name, started)
+        self._loaded(name, started, overlapped=False)
 
     def _on_prefetch(self, message: Prefetch) -> None:
         """Start a model's copy unless it is on the device, under way, or has no room without
@@ -280,12 +280,12 @@ class WeightCache:
                 log.debug("no room to prefetch; the model loads when it runs", model=name)
                 return  # evicting would not make room: evict nothing
         self._make_room(model, message.keep)
-        started = time.perf_counter()
+        started = time.monotonic()
         self._reserve(name, model)
         self._statistics[name].weight_prefetches += 1
         if self._quick(model):  # microseconds (a CPU aliases the floor): no thread, nothing in flight
             model.device = self._copy(model)
-            self._loaded(name, started)
+            self._loaded(name, started, overlapped=True)
             return
         model.transfer = trio.Event()
         if not self._transfers:
@@ -302,7 +302,7 @@ class WeightCache:
             log.warning("prefetching weights failed; the model loads when it runs", model=name, error=str(e))
             self._unreserve(name, model)
         else:
-            self._loaded(name, started)
+            self._loaded(name, started, overlapped=True)
         finally:
             assert model.transfer is not None
             model.transfer.set()
@@ -343,10 +343,15 @@ class WeightCache:
         self._lru.pop(name, None)
         self._statistics.device_weight_bytes = self.resident_bytes
 
-    def _loaded(self, name: str, started: float) -> None:
+    def _loaded(self, name: str, started: float, overlapped: bool) -> None:
+        """Count a load that began at `started` (monotonic); `overlapped`: a prefetch, begun while
+        another model executed (the dispatcher prefetches only then)."""
         self._loads_since_compaction += 1
         stats = self._statistics[name]
-        stats.record_load(time.perf_counter() - started, self._models[name].nbytes)
+        nbytes = self._models[name].nbytes
+        ended = time.monotonic()
+        stats.record_load(ended - started, nbytes)
+        stats.last_load = (started, ended, nbytes, overlapped)
         if self._copied_bytes:
             self._statistics.seconds_per_weight_byte = self.seconds_per_byte
         self._publish(name)

@@ -26,7 +26,9 @@ from benches import (
     scheduler,
     serving,
     shared_memory,
+    tracing,
     weight_cache,
+    zoo,
 )
 from benches.charts import write_charts
 
@@ -43,6 +45,8 @@ SUITES = {
     "node": node,
     "frontends": frontends,
     "rest": rest,
+    "tracing": tracing,
+    "zoo": zoo,
 }
 _BEGIN, _END = "<!-- latest compare run: begin -->", "<!-- latest compare run: end -->"
 
@@ -76,6 +80,11 @@ def main() -> None:
         "suites", nargs="*", metavar="SUITE", help=f"any of {', '.join(SUITES)} (default: compare)"
     )
     parser.add_argument("--window-ms", type=int, default=3000, help="perf_analyzer measurement window")
+    parser.add_argument("--quick", action="store_true", help="zoo: one small model at batch 1, few repeats")
+    parser.add_argument("--models", help="zoo: comma-separated zoo models (default: the whole zoo)")
+    parser.add_argument(
+        "--threads", type=int, help="zoo: hloserve and torch both on this many cores (default: all)"
+    )
     args = parser.parse_args()
     unknown = [name for name in args.suites if name not in SUITES]
     if unknown:
@@ -83,7 +92,9 @@ def main() -> None:
     command = " ".join(["python -m benches", *sys.argv[1:]])
     for name in args.suites or ["compare"]:
         load_before = os.getloadavg()
-        rows = SUITES[name].run(window_ms=args.window_ms)
+        models = args.models.split(",") if args.models else None
+        extra = {"quick": args.quick, "models": models, "threads": args.threads} if name == "zoo" else {}
+        rows = SUITES[name].run(window_ms=args.window_ms, **extra)
         table = SUITES[name].table(rows)
         print(f"== {name} ({platform.node()}, {_machine()}, load {load_before[0]:.2f} before)")
         print(table)

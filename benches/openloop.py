@@ -94,8 +94,8 @@ def generate(
     host, port = url.rsplit(":", 1)
     block, body = _request_frames(url, message)
     selector = selectors.DefaultSelector()
-    conns = []
-    for _ in range(connections):
+
+    def connect() -> _Connection:
         sock = socket.create_connection((host, int(port)))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setblocking(False)
@@ -103,7 +103,19 @@ def generate(
         conn.out += _PREFACE + _frame(_SETTINGS, 0, 0, struct.pack(">HI", 4, _WINDOW_MAX))
         conn.out += _frame(_WINDOW, 0, 0, struct.pack(">I", _WINDOW_MAX - 65535))
         selector.register(sock, selectors.EVENT_READ, conn)
-        conns.append(conn)
+        return conn
+
+    conns = [connect() for _ in range(connections)]
+
+    def reconnect(conn: _Connection, now: float) -> None:
+        """The server closed or reset `conn` (or sent GOAWAY): its open streams fail as "connection
+        lost", and a new connection takes its place, as a gRPC client's channel reconnects."""
+        for stream in list(conn.open):
+            finish(conn, stream, "connection lost", now)
+        selector.unregister(conn.sock)
+        conn.sock.close()
+        conns[conns.index(conn)] = connect()
+
     outcomes: defaultdict[str, int] = defaultdict(int)
     latencies: defaultdict[str, list[float]] = defaultdict(list)
     messages: defaultdict[str, list[str]] = defaultdict(list)  # the first few of each refusal
@@ -181,7 +193,9 @@ def generate(
         elif kind == _PING and not flags & _ACK:
             conn.out += _frame(_PING, _ACK, 0, payload)
         elif kind == _GOAWAY:
-            raise RuntimeError(f"server sent GOAWAY: {payload[8:200]!r}")
+            if len(messages["GOAWAY"]) < 3:
+                messages["GOAWAY"].append(repr(payload[8:200]))
+            raise ConnectionResetError("GOAWAY")
 
     start = time.perf_counter()
     stop = start + seconds
@@ -214,33 +228,40 @@ def generate(
         else:
             while due and due[0][2] not in due[0][1].open:
                 due.popleft()
-        for conn in conns:
+        for conn in list(conns):
             if conn.out:
                 try:
                     written = conn.sock.send(conn.out)
                 except BlockingIOError:
                     written = 0
+                except OSError:  # reset
+                    reconnect(conn, time.perf_counter())
+                    continue
                 del conn.out[:written]
         for key, _ in selector.select(0.0005):
             conn = key.data
+            if not any(c is conn for c in conns):
+                continue  # replaced in this round
             try:
                 chunk = conn.sock.recv(1 << 20)
+                if not chunk:
+                    raise ConnectionResetError("closed")
+                inbox = conn.inbox
+                inbox += chunk
+                offset, now = 0, time.perf_counter()
+                while len(inbox) - offset >= 9:
+                    length = int.from_bytes(inbox[offset : offset + 3], "big")
+                    if len(inbox) - offset - 9 < length:
+                        break
+                    kind, flags = inbox[offset + 3], inbox[offset + 4]
+                    stream = int.from_bytes(inbox[offset + 5 : offset + 9], "big") & _WINDOW_MAX
+                    on_frame(conn, kind, flags, stream, bytes(inbox[offset + 9 : offset + 9 + length]), now)
+                    offset += 9 + length
+                del inbox[:offset]
             except BlockingIOError:
                 continue
-            if not chunk:
-                raise RuntimeError("server closed the connection")
-            inbox = conn.inbox
-            inbox += chunk
-            offset, now = 0, time.perf_counter()
-            while len(inbox) - offset >= 9:
-                length = int.from_bytes(inbox[offset : offset + 3], "big")
-                if len(inbox) - offset - 9 < length:
-                    break
-                kind, flags = inbox[offset + 3], inbox[offset + 4]
-                stream = int.from_bytes(inbox[offset + 5 : offset + 9], "big") & _WINDOW_MAX
-                on_frame(conn, kind, flags, stream, bytes(inbox[offset + 9 : offset + 9 + length]), now)
-                offset += 9 + length
-            del inbox[:offset]
+            except OSError:  # reset, closed, or GOAWAY
+                reconnect(conn, time.perf_counter())
     elapsed = min(time.perf_counter(), stop) - start
     for conn in conns:
         conn.sock.close()

@@ -9,25 +9,41 @@ server's CPU time per request sent to it (written to its connections: under over
 never read, and are cancelled in its socket buffers). The server runs in its own process on
 core 0, the generator (`benches.openloop`: raw HTTP/2, a few microseconds per request, so that
 it offers what it is asked to) in another on core 1.
+
+Then the same through the node (`hloserve node --cpu-workers 2`, Envoy in front, the MLP placed
+on one worker), twice: as configured by default (`before`: Envoy passes every request on, the
+worker queues what it cannot serve in time) and with `node.max_requests_per_worker` =
+`NODE_MAX_REQUESTS` (`after`: Envoy's circuit breaker refuses UNAVAILABLE what would pass it,
+before any worker parses it). Each node run measures its own sustainable rate first; the
+generator is pointed at Envoy's public port. Target: goodput >= 80% at 10x.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
+from benches import node
 from benches.openloop import UNSENT
 from benches.serving import ROOT, _cpu_seconds, _free_port, _pin, start_server
 
 SATURATE = 64
 """Requests in flight while measuring the sustainable rate."""
-FACTOR = 10
+FACTOR = float(os.environ.get("BENCH_OVERLOAD_FACTOR", "10"))
+"""The overload, as a multiple of the sustainable rate (the environment variable: a smaller one,
+to see where this machine's generator and node stop keeping up)."""
 SECONDS = 10.0
 DEADLINE_S = 1.0
 CONNECTIONS = 64
+NODE_MAX_REQUESTS = 32
+"""`node.max_requests_per_worker` of the `after` node run: a few batches in flight per worker."""
 """Clients, each on its own HTTP/2 connection (the server allows 100 streams on each)."""
 
 
@@ -106,25 +122,54 @@ def _row(phase: str, load: dict[str, Any], sustainable: float, cpu_s: float) -> 
     )
 
 
-def run(window_ms: int = 3000) -> list[Row]:
+def _phases(url: str, pid: int, label: str, sustainable: float | None = None) -> list[Row]:
+    """Warm-up, the sustainable rate (closed loop; unless given, measured with the same
+    configuration before), then `FACTOR` times it with deadlines."""
+    _load(url, seconds=2.0, concurrency=SATURATE)  # warm up
+    rows = []
+    cpu = _cpu_seconds(pid)
+    if sustainable is None:
+        closed = _load(url, seconds=5.0, concurrency=SATURATE)
+        closed_cpu, cpu = _cpu_seconds(pid) - cpu, _cpu_seconds(pid)
+        sustainable = closed["outcomes"].get("OK", 0) / closed["elapsed"]
+        rows.append(_row(f"{label}closed loop, {SATURATE} in flight", closed, sustainable, closed_cpu))
+    overload = _load(url, seconds=SECONDS, rate=FACTOR * sustainable, deadline_s=DEADLINE_S)
+    overload_cpu = _cpu_seconds(pid) - cpu
+    rows.append(
+        _row(f"{label}open loop, {FACTOR:g}x, {DEADLINE_S:g} s deadline", overload, sustainable, overload_cpu)
+    )
+    return rows
+
+
+def _single() -> list[Row]:
     port = _free_port()
     server = start_server(port)
-    url = f"127.0.0.1:{port}"
     try:
-        _load(url, seconds=2.0, concurrency=SATURATE)  # warm up
-        cpu = _cpu_seconds(server.pid)
-        closed = _load(url, seconds=5.0, concurrency=SATURATE)
-        closed_cpu, cpu = _cpu_seconds(server.pid) - cpu, _cpu_seconds(server.pid)
-        sustainable = closed["outcomes"].get("OK", 0) / closed["elapsed"]
-        overload = _load(url, seconds=SECONDS, rate=FACTOR * sustainable, deadline_s=DEADLINE_S)
-        overload_cpu = _cpu_seconds(server.pid) - cpu
-        return [
-            _row(f"closed loop, {SATURATE} in flight", closed, sustainable, closed_cpu),
-            _row(f"open loop, {FACTOR}x, {DEADLINE_S:g} s deadline", overload, sustainable, overload_cpu),
-        ]
+        return _phases(f"127.0.0.1:{port}", server.pid, "")
     finally:
         server.terminate()
         server.wait(30)
+
+
+def _through_node(label: str, max_requests_per_worker: int, sustainable: float | None = None) -> list[Row]:
+    with tempfile.TemporaryDirectory() as directory:
+        repository = Path(directory)
+        shutil.copytree(ROOT / "examples" / "repository" / "mlp", repository / "mlp")
+        settings = {"HLOSERVE_NODE_MAX_REQUESTS_PER_WORKER": str(max_requests_per_worker)}
+        process, port = node._start_node(settings, repository)
+        try:
+            return _phases(f"127.0.0.1:{port}", process.pid, f"node {label}: ", sustainable)
+        finally:
+            node._stop(process)
+
+
+def run(window_ms: int = 3000) -> list[Row]:
+    """The single process, then the node before and after, offered the same rate (10 times what
+    the node sustained before)."""
+    single = _single()
+    before = _through_node("before", 0)
+    sustainable = before[0].answered_per_s
+    return [*single, *before, *_through_node("after", NODE_MAX_REQUESTS, sustainable)]
 
 
 def table(rows: list[Row]) -> str:
@@ -137,14 +182,25 @@ def table(rows: list[Row]) -> str:
         "refusal p50/p99 ms",
         "CPU ms/req",
     )
-    lines = ["{:<32} {:>10} {:>10} {:>8} {:>14} {:>19} {:>11}".format(*header)]
+    lines = ["{:<52} {:>10} {:>10} {:>8} {:>14} {:>19} {:>11}".format(*header)]
     for r in rows:
         lines.append(
-            f"{r.phase:<32} {r.offered_per_s:10.1f} {r.answered_per_s:10.1f} {r.goodput_fraction:8.0%} "
+            f"{r.phase:<52} {r.offered_per_s:10.1f} {r.answered_per_s:10.1f} {r.goodput_fraction:8.0%} "
             f"{f'{r.answer_p50_ms:.1f}/{r.answer_p99_ms:.1f}':>14} "
             f"{f'{r.refusal_p50_ms:.1f}/{r.refusal_p99_ms:.1f}':>19} {r.server_cpu_ms_per_request:11.3f}"
         )
-        lines.append(f"{'':<32} outcomes {json.dumps(r.outcomes)}")
+        lines.append(f"{'':<52} outcomes {json.dumps(r.outcomes)}")
+    by_phase = {r.phase: r for r in rows}
+    cases = [p.split(": ", 1)[1] for p in by_phase if p.startswith("node before: ")]
+    if cases:
+        lines += ["", "through the node: goodput (answers within the deadline / sustainable rate)"]
+        lines.append(f"{'case':<40} {'before':>8} {'after':>8}")
+        for case in cases:
+            before, after = by_phase[f"node before: {case}"], by_phase.get(f"node after: {case}")
+            lines.append(
+                f"{case:<40} {before.goodput_fraction:8.0%} "
+                f"{after.goodput_fraction if after else float('nan'):8.0%}"
+            )
     return "\n".join(lines)
 
 

@@ -45,6 +45,7 @@ def test_breakdown_variant_answers_and_keeps_statistics(variant: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(660)  # the run's own limit is 600 s
 def test_the_gpu_suite_dry_runs_on_a_cpu(tmp_path: Path) -> None:
     """`benches/gpu --quick` as a GPU session runs it (the script, then the suite), small."""
     output = tmp_path / "gpu.json"
@@ -76,7 +77,24 @@ def test_the_gpu_suite_dry_runs_on_a_cpu(tmp_path: Path) -> None:
     assert all(row["errors"] == 0 and row["throughput"] > 0 for row in results["catalogue"])
     assert results["compaction"]["resident_bytes_after"] == 0
     assert results["compaction"]["fragmentation"]["ran"] is False  # a CPU keeps no allocator statistics
-    assert results["real_models"]["ran"] is False and results["real_models"]["why"]
+    # The real models' rows (ResNet-50 and ViT-B/16 on a GPU), with a small CNN in their place:
+    # exported in each precision, served, timed at each batch size.
+    assert [(r["model"], r["precision"], r.get("batch")) for r in results["real_models"]] == [
+        ("small_cnn", precision, batch) for precision in ("fp32", "bf16") for batch in (1, 8)
+    ], results["real_models"]
+    assert all(r["compute_ms"] > 0 and r["grpc_ms"] >= r["compute_ms"] for r in results["real_models"])
+    bf16, fp32 = (next(r for r in results["real_models"] if r["precision"] == p) for p in ("bf16", "fp32"))
+    assert 0 < bf16["weight_bytes"] < 0.6 * fp32["weight_bytes"]
+
+
+def test_the_gpu_suite_measures_resnet50_and_vit_in_both_precisions() -> None:
+    """What a GPU run measures in place of the dry run's small CNN (issue 27)."""
+    from benches import gpu_suite
+
+    assert gpu_suite.REAL_MODELS == ("resnet50", "vit_b_16")
+    assert (gpu_suite.PRECISIONS, gpu_suite.REAL_BATCH_SIZES) == (("fp32", "bf16"), (1, 8))
+    specs = gpu_suite.MODEL_SPECS.read_text()
+    assert all(f"def {name}()" in specs for name in gpu_suite.REAL_MODELS)
 
 
 def test_the_gpu_wheels_are_the_versions_hloserve_pins() -> None:

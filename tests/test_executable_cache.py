@@ -43,6 +43,15 @@ def test_the_key_covers_the_module_and_the_runtime(tmp_path: Path) -> None:
     assert "jaxlib" in _xla.runtime_identity() and "cpu" in _xla.runtime_identity()
 
 
+def test_the_key_covers_xla_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An executable compiled under other XLA_FLAGS is other code: never a hit."""
+    cache = ExecutableCache(tmp_path)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
+    before = cache.key("module a")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true")
+    assert cache.key("module a") != before
+
+
 def test_a_corrupt_entry_is_recompiled_and_replaced(tmp_path: Path) -> None:
     source = load_bundle(write_affine(tmp_path / "affine")).module_for(1).source
     cache = ExecutableCache(tmp_path / "cache")

@@ -36,6 +36,7 @@ from hloserve.export.jax import (
 from hloserve.models import _xla
 from hloserve.models._scratch import module_memory
 from hloserve.models.bundle import load_bundle, read_weights
+from hloserve.models.executable_cache import ExecutableCache
 
 sys.path.insert(0, str(EXAMPLES.parent))
 import export_examples
@@ -268,6 +269,29 @@ def test_verification_catches_a_bundle_that_differs_from_its_model(tmp_path: Pat
         r"it would pass with atol=0.16 or rtol=0.2$",
     ):
         verify_bundle(directory, inputs, expected)
+
+
+def test_the_fresh_process_loads_the_executables_the_exporter_compiled(tmp_path: Path) -> None:
+    """Export compiles each module once: verification's fresh process loads the scratch check's
+    executables from the cache it is given. Planted under the affine modules' keys, executables
+    of another module give themselves away by their answers; without the cache it compiles."""
+    directory = export_bundle(
+        affine, AFFINE, [InputSpec("INPUT", (4,))], tmp_path / "affine", batch_sizes=[1, 2]
+    )
+    other = export_bundle(
+        lambda p, x: x @ p["w"] - p["b"], AFFINE, [InputSpec("INPUT", (4,))], tmp_path / "other",
+        batch_sizes=[1, 2], verify=False,
+    )  # fmt: skip
+    cache = ExecutableCache(tmp_path / "cache")
+    cache.directory.mkdir()
+    for mine, theirs in zip(load_bundle(directory).modules, load_bundle(other).modules, strict=True):
+        planted = _xla.serialize_executable(_xla.compile_module(theirs.source))
+        (cache.directory / f"{cache.key(mine.source)}.xla").write_bytes(planted)
+    inputs = {size: [np.arange(4 * size, dtype=np.float32).reshape(size, 4)] for size in (1, 2)}
+    expected = {size: [affine(AFFINE, x)] for size, (x,) in inputs.items()}
+    verify_bundle(directory, inputs, expected)
+    with pytest.raises(VerificationError, match="differs from the model"):
+        verify_bundle(directory, inputs, expected, executables=cache.directory)
 
 
 def test_verification_is_skipped_with_a_warning_for_another_platform(tmp_path: Path) -> None:

@@ -194,6 +194,29 @@ def test_torch_export_binds_buffers_and_lifted_constants_in_the_programs_order(t
     assert names == ["0.index", "0.lifted_tensor_0", "1.index", "1.lifted_tensor_1"]
 
 
+class Tied(torch.nn.Module):
+    """One weight under two names: an encoder and a decoder sharing a matrix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encode = torch.nn.Linear(3, 3, bias=False)
+        self.decode = torch.nn.Linear(3, 3, bias=False)
+        self.decode.weight = self.encode.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decode(self.encode(x).tanh())
+
+
+def test_torch_export_keeps_a_tied_weight_once(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Tied()
+    example = torch.randn(2, 3)
+    directory = export_torch_bundle(model, (example,), tmp_path / "tied", batch_sizes=(1, 2))
+    bundle = load_bundle(directory)
+    assert [w.name for w in bundle.weights] == ["encode.weight"]
+    assert bundle.weight_nbytes == 3 * 3 * 4
+
+
 class TwoHeads(torch.nn.Module):
     """A segmentation model's shape of result: a dict of tensors, keys out of alphabetical order."""
 

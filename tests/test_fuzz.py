@@ -6,16 +6,13 @@ shared-memory references), raises only hloserve's own request errors and never a
 than a small multiple of the request's own size. The manifest parser, fed arbitrary YAML-ish
 mappings and files, raises only `BundleError`.
 
-Each test runs a fixed, derandomized set of examples in CI (a few seconds); for a long run set
-`HLOSERVE_FUZZ_EXAMPLES`, e.g. `HLOSERVE_FUZZ_EXAMPLES=100000 pytest tests/test_fuzz.py`, which
-also draws fresh random examples instead of the fixed ones.
+The settings, and how to run longer, are `support.fuzzing`'s.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-import os
 import tracemalloc
 import uuid
 from collections.abc import Iterator
@@ -24,8 +21,9 @@ from typing import Any
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, event, example, given, settings
+from hypothesis import event, example, given
 from hypothesis import strategies as st
+from support.fuzzing import FUZZ
 
 from hloserve import dtypes
 from hloserve._proto.hot import hot_infer_pb2 as pb
@@ -33,15 +31,6 @@ from hloserve.api.codec import SHM_BYTE_SIZE, SHM_OFFSET, SHM_REGION, decode_req
 from hloserve.api.shm_registry import SHM_DIR, ShmRegistry
 from hloserve.errors import BundleError, InvalidInput, ModelNotFound, ShmDisabled, ShmRegionError
 from hloserve.models.manifest import Axis, TensorSpec, load_manifest, parse_manifest
-
-_LONG_RUN = int(os.environ.get("HLOSERVE_FUZZ_EXAMPLES", "0"))
-FUZZ = settings(
-    max_examples=_LONG_RUN or 300,
-    derandomize=not _LONG_RUN,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
 
 # -- the ModelInfer decoder ----------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ server's descriptors come back."""
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import json
 import os
@@ -59,6 +60,7 @@ def _bounded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]
         http_body_timeout_s=0.5,
         max_receiving_bytes=8 << 20,
         max_receiving_bytes_per_connection=8 << 20,
+        http_max_inflation_ratio=100_000,
         scheduler={"models": {"mlp": ModelSettings(max_queue_delay_us=500_000)}},
     )
     with start_worker(config) as server:
@@ -242,6 +244,55 @@ def test_bodies_past_the_bytes_being_received_are_503(bounded: ServerThread) -> 
         assert status == 503 and "server.max_receiving_bytes (8388608)" in error, error
         status, error = _status_and_error(_until_closed(slow, 5))  # the slow one runs out of time
         assert status == 408, error
+    assert bounded.call(lambda: bounded.worker.rest.receiving_bytes) == 0
+    _settled(bounded, before)
+
+
+def _gzip_infer(sock: socket.socket, tensor_bytes: int) -> tuple[int, dict[str, Any]]:
+    """A gzip body for `wide` whose binary input is `tensor_bytes` of zeros (its shape says 4 MiB)."""
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "X",
+                    "datatype": "FP32",
+                    "shape": [1, WIDE],
+                    "parameters": {"binary_data_size": tensor_bytes},
+                }
+            ]
+        }
+    ).encode()
+    body = gzip.compress(header + bytes(tensor_bytes), 9)
+    sock.sendall(
+        f"POST /v2/models/wide/infer HTTP/1.1\r\nhost: x\r\ncontent-encoding: gzip\r\n"
+        f"inference-header-content-length: {len(header)}\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    answer = _response(sock)
+    head, _, content = answer.partition(b"\r\n\r\n")
+    length = next(
+        (
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"inference-header")
+        ),
+        None,
+    )
+    return int(head.split()[1]), json.loads(content[:length])
+
+
+def test_inflated_bytes_count_as_bytes_being_received(bounded: ServerThread) -> None:
+    """A gzip body's inflated bytes count against `server.max_receiving_bytes` (8 MiB here) while
+    it inflates: 9 MiB from 9 KiB is refused 503, where it was inflated whole; 4 MiB is served;
+    the budget comes back either way."""
+    before = _descriptors()
+    with _connect(bounded) as sock:
+        status, answer = _gzip_infer(sock, 9 << 20)
+        assert status == 503 and "server.max_receiving_bytes (8388608)" in answer["error"], answer
+    assert bounded.call(lambda: bounded.worker.rest.receiving_bytes) == 0
+    with _connect(bounded) as sock:
+        status, answer = _gzip_infer(sock, WIDE * 4)
+        assert status == 200 and answer["outputs"][0]["shape"] == [1, WIDE], answer
     assert bounded.call(lambda: bounded.worker.rest.receiving_bytes) == 0
     _settled(bounded, before)
 

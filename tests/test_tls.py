@@ -41,7 +41,7 @@ HANDSHAKE_S = 2.0
 
 
 def _tls_settings(certs: Certificates, mutual: bool) -> dict[str, Any]:
-    settings: dict[str, Any] = {"handshake_timeout_s": HANDSHAKE_S}
+    settings: dict[str, Any] = {"handshake_timeout_s": HANDSHAKE_S, "metrics_use_ssl": True}
     for proto in ("grpc", "http"):
         settings[f"{proto}_use_ssl_mutual" if mutual else f"{proto}_use_ssl"] = True
         settings[f"{proto}_server_cert"] = certs.server_cert
@@ -175,6 +175,34 @@ def test_http_mutual_tls(mutual_server: ServerThread, certs: Certificates) -> No
         assert _http_infer(client).shape == (2, 4)
     finally:
         client.close()
+
+
+def _scrape(port: int, certs: Certificates, cert: Path | None = None, key: Path | None = None) -> str:
+    context = ssl.create_default_context(cafile=str(certs.ca))
+    if cert is not None:
+        context.load_cert_chain(str(cert), str(key))
+    connection = http.client.HTTPSConnection("127.0.0.1", port, timeout=10, context=context)
+    try:
+        connection.request("GET", "/metrics")
+        response = connection.getresponse()
+        assert response.status == 200
+        return response.read().decode()
+    finally:
+        connection.close()
+
+
+def test_metrics_over_tls(tls_server: ServerThread, certs: Certificates) -> None:
+    """`server.metrics_use_ssl`: the metrics port serves REST's certificate; plain text is refused."""
+    assert "hloserve_models_loaded" in _scrape(tls_server.worker.metrics_port, certs)
+    _assert_plain_http_refused(tls_server.worker.metrics_port)
+
+
+def test_metrics_mutual_tls(mutual_server: ServerThread, certs: Certificates) -> None:
+    port = mutual_server.worker.metrics_port
+    for cert, key in ((None, None), (certs.stranger_cert, certs.stranger_key)):
+        with pytest.raises((ssl.SSLError, ConnectionError)):
+            _scrape(port, certs, cert, key)
+    assert "hloserve_models_loaded" in _scrape(port, certs, certs.client_cert, certs.client_key)
 
 
 def test_tls_needs_certificate_and_key() -> None:

@@ -13,22 +13,19 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
 from support.bundles import WEIGHT_BYTES, X, write_affine
 from support.clients import infer, wait_until
+from support.otlp import Receiver, attributes, new_traceparent
 from support.servers import EXAMPLES, make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
@@ -42,45 +39,6 @@ CLIENT = trace_pb2.Span.SPAN_KIND_CLIENT
 INTERNAL = trace_pb2.Span.SPAN_KIND_INTERNAL
 
 
-class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """An OTLP/gRPC trace service on 127.0.0.1: keeps every span it is sent, with the
-    `service.name` of its resource."""
-
-    def __init__(self) -> None:
-        self.spans: list[tuple[str, trace_pb2.Span]] = []
-        self._lock = threading.Lock()
-        self._server = grpc.server(futures.ThreadPoolExecutor(2))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self._server)
-        self.port = self._server.add_insecure_port("127.0.0.1:0")
-        self._server.start()
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def Export(self, request: Any, context: Any) -> Any:  # the generated servicer names it
-        with self._lock:
-            for resource_spans in request.resource_spans:
-                attributes = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
-                for scope in resource_spans.scope_spans:
-                    self.spans.extend((attributes.get("service.name", ""), s) for s in scope.spans)
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def trace(self, trace_id: bytes, names: set[str], timeout: float = 30) -> dict[str, trace_pb2.Span]:
-        """The spans of `trace_id` by name, once every one of `names` has arrived."""
-        deadline = time.monotonic() + timeout
-        while True:
-            with self._lock:
-                found = {s.name: s for _, s in self.spans if s.trace_id == trace_id}
-            if names <= set(found) or time.monotonic() > deadline:
-                assert names <= set(found), f"missing {sorted(names - set(found))}; got {sorted(found)}"
-                return found
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self._server.stop(0)
-
-
 @pytest.fixture
 def receiver(monkeypatch: pytest.MonkeyPatch) -> Iterator[Receiver]:
     # Export within 50 ms of a span's end (the SDK's default waits 5 s); frontends inherit it.
@@ -88,19 +46,6 @@ def receiver(monkeypatch: pytest.MonkeyPatch) -> Iterator[Receiver]:
     service = Receiver()
     yield service
     service.stop()
-
-
-def _traceparent() -> tuple[str, bytes, bytes]:
-    trace_id, span_id = os.urandom(16), os.urandom(8)
-    return f"00-{trace_id.hex()}-{span_id.hex()}-01", trace_id, span_id
-
-
-def _attributes(span: trace_pb2.Span) -> dict[str, Any]:
-    found: dict[str, Any] = {}
-    for a in span.attributes:
-        kind = a.value.WhichOneof("value")
-        found[a.key] = getattr(a.value, kind) if kind else None
-    return found
 
 
 def _assert_children_of(parent: trace_pb2.Span, spans: dict[str, trace_pb2.Span], names: list[str]) -> None:
@@ -133,7 +78,7 @@ def test_grpc_traceparent_parents_the_request_span_tree(
     with start_worker(config) as server:
         client = grpcclient.InferenceServerClient(server.url)
         infer(client, "a", {"INPUT": X})  # resident now; `b` must evict it
-        traceparent, trace_id, client_span = _traceparent()
+        traceparent, trace_id, client_span = new_traceparent()
         infer(client, "b", {"INPUT": X}, headers={"traceparent": traceparent})
         phases = ["decode", "admission", "queue", "weight_load", "execute", "encode", "reply"]
         spans = receiver.trace(trace_id, {"ModelInfer", *phases})
@@ -141,16 +86,16 @@ def test_grpc_traceparent_parents_the_request_span_tree(
     root = spans["ModelInfer"]
     assert root.parent_span_id == client_span
     assert root.kind == SERVER
-    assert _attributes(root) == {"hloserve.model": "b", "rpc.grpc.status": "OK"}
+    assert attributes(root) == {"hloserve.model": "b", "rpc.grpc.status": "OK"}
     # the queue wait holds the load (the dispatcher took the batch, then waited for weights)
     _assert_children_of(root, spans, ["decode", "admission", "queue", "execute", "encode", "reply"])
     _assert_children_of(root, spans, ["queue", "weight_load", "execute"])
-    assert _attributes(spans["weight_load"]) == {
+    assert attributes(spans["weight_load"]) == {
         "hloserve.weights.bytes": WEIGHT_BYTES,
         "hloserve.weights.overlapped": False,
     }
     rows = X.shape[0]
-    assert _attributes(spans["execute"]) == {
+    assert attributes(spans["execute"]) == {
         "hloserve.batch_size": rows,
         "hloserve.batch_rows": rows,
         "hloserve.rows": rows,
@@ -166,7 +111,7 @@ def test_rest_traceparent_parents_a_hooked_request(tmp_path: Path, receiver: Rec
         client = httpclient.InferenceServerClient(server.http_url)
         image = httpclient.InferInput("INPUT__0", [1, 224, 224], "UINT8")
         image.set_data_from_numpy(np.zeros((1, 224, 224), np.uint8))
-        traceparent, trace_id, client_span = _traceparent()
+        traceparent, trace_id, client_span = new_traceparent()
         result = client.infer("severity_grader", [image], headers={"traceparent": traceparent})
         assert result.as_numpy("grade").shape == (1, 1)
         phases = ["decode", "admission", "queue", "execute", "postprocess", "encode", "reply"]
@@ -181,18 +126,18 @@ def test_a_split_request_has_one_execute_span_per_execution(tmp_path: Path, rece
     write_affine(tmp_path / "a")  # compiled at 1 and 2 rows: 5 rows run as 2 + 2 + 1
     with start_worker(_tracing_config(tmp_path, receiver.endpoint)) as server:
         client = grpcclient.InferenceServerClient(server.url)
-        traceparent, trace_id, _ = _traceparent()
+        traceparent, trace_id, _ = new_traceparent()
         rows = np.arange(20, dtype=np.float32).reshape(5, 4)
         infer(client, "a", {"INPUT": rows}, headers={"traceparent": traceparent})
         receiver.trace(trace_id, {"ModelInfer", "execute", "reply"})
         client.close()
     executions = sorted(
-        (s.start_time_unix_nano, _attributes(s)["hloserve.batch_rows"])
+        (s.start_time_unix_nano, attributes(s)["hloserve.batch_rows"])
         for _, s in receiver.spans
         if s.trace_id == trace_id and s.name == "execute"
     )
     assert [batch_rows for _, batch_rows in executions] == [2, 2, 1]
-    assert all(_attributes(s)["hloserve.rows"] == 5 for _, s in receiver.spans if s.name == "execute")
+    assert all(attributes(s)["hloserve.rows"] == 5 for _, s in receiver.spans if s.name == "execute")
 
 
 def test_a_request_without_traceparent_is_a_root(tmp_path: Path, receiver: Receiver) -> None:
@@ -212,13 +157,13 @@ def test_an_unknown_model_ends_its_span_with_the_status(tmp_path: Path, receiver
     write_affine(tmp_path / "a")
     with start_worker(_tracing_config(tmp_path, receiver.endpoint)) as server:
         client = grpcclient.InferenceServerClient(server.url)
-        traceparent, trace_id, _ = _traceparent()
+        traceparent, trace_id, _ = new_traceparent()
         with pytest.raises(Exception, match="nope"):
             infer(client, "nope", {"INPUT": X}, headers={"traceparent": traceparent})
         assert infer(client, "a", {"INPUT": X}).as_numpy("OUTPUT").shape == (X.shape[0], 3)
         root = receiver.trace(trace_id, {"ModelInfer"})["ModelInfer"]
         client.close()
-    assert _attributes(root) == {"hloserve.model": "<unknown>", "rpc.grpc.status": "NOT_FOUND"}
+    assert attributes(root) == {"hloserve.model": "<unknown>", "rpc.grpc.status": "NOT_FOUND"}
     assert root.status.code == trace_pb2.Status.STATUS_CODE_ERROR
 
 
@@ -228,7 +173,7 @@ def test_frontends_and_the_engine_join_one_trace(tmp_path: Path, receiver: Recei
     config = _tracing_config(tmp_path, receiver.endpoint, frontends=2)
     with start_worker(config) as server:
         client = grpcclient.InferenceServerClient(server.url)
-        traceparent, trace_id, client_span = _traceparent()
+        traceparent, trace_id, client_span = new_traceparent()
         infer(client, "a", {"INPUT": X}, headers={"traceparent": traceparent})
         frontend = ["decode", "admission", "link", "encode", "reply"]
         spans = receiver.trace(trace_id, {"ModelInfer", "engine", "queue", "execute", *frontend})
@@ -239,7 +184,7 @@ def test_frontends_and_the_engine_join_one_trace(tmp_path: Path, receiver: Recei
     link, engine = spans["link"], spans["engine"]
     assert link.kind == CLIENT
     assert engine.parent_span_id == link.span_id and engine.kind == SERVER
-    assert _attributes(engine) == {"hloserve.model": "a", "rpc.grpc.status": "OK"}
+    assert attributes(engine) == {"hloserve.model": "a", "rpc.grpc.status": "OK"}
     _assert_children_of(engine, spans, ["queue", "execute"])
     # the engine's clock and the frontend's are one machine's: the engine's span is in the link's
     assert link.start_time_unix_nano <= engine.start_time_unix_nano
@@ -253,7 +198,7 @@ def test_rest_through_a_frontend_joins_the_engines_trace(tmp_path: Path, receive
         client = httpclient.InferenceServerClient(server.http_url)
         tensor = httpclient.InferInput("INPUT", list(X.shape), "FP32")
         tensor.set_data_from_numpy(X)
-        traceparent, trace_id, client_span = _traceparent()
+        traceparent, trace_id, client_span = new_traceparent()
         client.infer("a", [tensor], headers={"traceparent": traceparent})
         spans = receiver.trace(trace_id, {"ModelInfer", "link", "engine", "queue", "execute", "reply"})
         client.close()
@@ -261,6 +206,43 @@ def test_rest_through_a_frontend_joins_the_engines_trace(tmp_path: Path, receive
     assert spans["link"].parent_span_id == spans["ModelInfer"].span_id
     assert spans["engine"].parent_span_id == spans["link"].span_id
     assert spans["execute"].parent_span_id == spans["engine"].span_id
+
+
+@pytest.mark.parametrize("frontends", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_request_the_sampler_leaves_out_exports_no_span(
+    tmp_path: Path, receiver: Receiver, frontends: int
+) -> None:
+    """At ratio 0 a request without a traceparent is answered and exports nothing, in the
+    frontend or the engine; a client's sampled traceparent still gets its whole tree (the
+    parent decides)."""
+    write_affine(tmp_path / "a")
+    config = _tracing_config(tmp_path, receiver.endpoint, frontends=frontends).replace(
+        "tracing", sampler="parentbased_traceidratio", sampler_arg="0"
+    )
+    with start_worker(config) as server:
+        client = grpcclient.InferenceServerClient(server.url)
+        for _ in range(3):
+            assert infer(client, "a", {"INPUT": X}).as_numpy("OUTPUT").shape == (X.shape[0], 3)
+        traceparent, trace_id, _ = new_traceparent()
+        infer(client, "a", {"INPUT": X}, headers={"traceparent": traceparent})
+        receiver.trace(trace_id, {"ModelInfer", "queue", "execute", "reply"})
+        client.close()
+    assert {s.trace_id for _, s in receiver.spans} == {trace_id}
+
+
+def test_an_unsampled_request_records_no_phase(receiver: Receiver) -> None:
+    """Left out by the sampler, a request's phases make no span and the dispatcher fills no
+    record for it; a sampled one's do."""
+    for sampler, recorded in (("always_off", False), ("always_on", True)):
+        tracing = open_tracing(TracingConfig(exporter="otlp", endpoint=receiver.endpoint, sampler=sampler))
+        assert tracing is not None
+        spans = tracing.request("ModelInfer", "a", None, time.monotonic_ns())
+        spans.mark("decode")
+        spans.end()
+        assert (spans.engine is not None) == recorded
+        assert (tracing.engine_request("a", "").engine is not None) == recorded
+        tracing.shutdown()
+    assert sorted(s.name for _, s in receiver.spans) == ["ModelInfer", "decode"]
 
 
 def test_trace_settings_answer_hloserves_over_grpc_and_rest(tmp_path: Path, receiver: Receiver) -> None:
@@ -367,7 +349,7 @@ def test_envoy_and_the_worker_join_the_clients_trace_through_the_node(
 
         wait_until(ready, 120, "the node")
         assert process.poll() is None, log.read_text()[-4000:]
-        traceparent, trace_id, client_span = _traceparent()
+        traceparent, trace_id, client_span = new_traceparent()
         infer(client, "a", {"INPUT": X}, headers={"traceparent": traceparent})
         client.close()
         deadline = time.monotonic() + 30

@@ -30,7 +30,7 @@ from hloserve.cli import main
 from hloserve.config import load_config
 from hloserve.export import verification
 from hloserve.export._torchvision import prepare_torchvision_import
-from hloserve.importers import NotConvertible, TritonConfigError, import_onnx_file
+from hloserve.importers import NotConvertible, TritonConfigError, import_onnx_file, onnx_model
 from hloserve.importers.triton_config import plan_model, read_model_config
 from hloserve.models.bundle import load_bundle
 
@@ -316,6 +316,65 @@ def test_import_onnx_file_with_dims_for_dynamic_axes(tmp_path: Path) -> None:
     with pytest.raises(FileExistsError, match=r"already exists; remove it or choose another --out$"):
         import_onnx_file(model, out, dims={"IMAGE": (3, 8, 8)})
     assert sorted(p.name for p in out.parent.iterdir()) == ["conv"]
+
+
+class Windows(torch.nn.Module):
+    """What a transformer's dynamic-batch ONNX export computes from `Shape` at run time: a
+    reshape by the batch size, pads, slices, a split and one row taken by its index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(4)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows = tokens.shape[0]
+        padded = torch.nn.functional.pad(self.norm(tokens), (0, 0, 1, 1))  # (N, 8, 4)
+        windows = padded.reshape(rows, 2, 4, 4)[:, :, 1:3]  # (N, 2, 2, 4)
+        left, right = windows.split(2, dim=-1)
+        return (left * right).reshape(rows, 2, -1)[:, 1] + tokens[:, 0, :1]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Constant folding - Only steps=1 can be constant folded:UserWarning")
+def test_import_onnx_folds_shapes_computed_at_run_time(tmp_path: Path) -> None:
+    """A dynamic batch axis the graph reads with `Shape`: folded and converted at each batch
+    size (onnx2torch's module alone cannot be traced by torch.export), agreeing with ONNX Runtime."""
+    torch.manual_seed(0)
+    model = _onnx_export(
+        Windows(),
+        torch.randn(2, 6, 4),
+        tmp_path / "windows.onnx",
+        input_names=["TOKENS"],
+        output_names=["MIXED"],
+        dynamic_axes={"TOKENS": {0: "n"}, "MIXED": {0: "n"}},
+    )
+    assert {"Shape", "Reshape", "Slice", "Pad"} <= {n.op_type for n in onnx.load(str(model)).graph.node}
+    bundle = import_onnx_file(model, tmp_path / "repo" / "windows", batch_sizes=[1, 3])
+    assert bundle.batch_sizes == (1, 3)
+    assert [c.name for c in bundle.checks] == ["MIXED"]
+    assert load_bundle(tmp_path / "repo" / "windows").manifest.compiled_batch_sizes == (1, 3)
+
+
+def test_an_export_failure_names_the_onnx_node_it_stopped_at() -> None:
+    """onnx2torch names each module after its node; the failure inside one is reported there."""
+
+    class OnnxReshape(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise TypeError("torch.Size() takes an iterable of 'int'")
+
+    converted = torch.nn.Module()
+    converted.add_module("blocks/0/attn/Reshape", OnnxReshape())
+    module = torch.nn.ModuleDict({"model": converted})
+    try:
+        try:
+            module["model"].get_submodule("blocks/0/attn/Reshape")(torch.zeros(1))
+        except TypeError as e:
+            raise ValueError("torch.export cannot trace Selected at batch size 2") from e
+    except ValueError as e:
+        assert onnx_model._at_node(e, module) == " at node 'blocks/0/attn/Reshape' (Reshape)"
+        assert onnx_model._at_node(ValueError("elsewhere"), module) == ""
+    else:
+        pytest.fail("the module did not raise")
 
 
 @pytest.mark.slow

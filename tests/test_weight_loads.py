@@ -1,6 +1,7 @@
 """Weight loads on a live server: while one model executes, the dispatcher starts the copy of a
-queued model that is not on the device, within the budget, evicting nothing in use; and a cold
-model's load time counts against a request's deadline on arrival.
+queued model that is not on the device, within the budget, evicting nothing in use; a traced
+request's weight_load span says whether its load overlapped that execution; and a cold model's
+load time counts against a request's deadline on arrival.
 
 On a CPU the real copy aliases host memory and takes microseconds, so the copy here is a stand-in
 of known duration (`weight_cache.device_copy`, the one thing that cannot exist without a device):
@@ -25,6 +26,7 @@ import tritonclient.grpc as grpcclient
 from support.bundles import write_heavy
 from support.clients import infer
 from support.numerics import assert_close
+from support.otlp import Receiver, attributes, new_traceparent
 from support.servers import ServerThread, make_config, start_worker
 from tritonclient.utils import InferenceServerException
 
@@ -181,6 +183,56 @@ def test_a_cold_model_loads_while_another_executes_and_saves_the_copy(
     copy_s = COPY_DURATION[0]
     assert serial > 0.8 * copy_s, (serial, copy_s)  # a waited for its copy after h's answer...
     assert serial - overlapped > 0.5 * copy_s, (serial, overlapped)  # ...unless it hid behind h
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "serial"])
+def test_a_traced_request_s_weight_load_says_whether_it_overlapped_another_execution(
+    repository: Path,
+    copies: tuple[list[Copy], list[ServerThread]],
+    monkeypatch: pytest.MonkeyPatch,
+    overlap: bool,
+) -> None:
+    """Cold `a` asked while `h` executes: with overlapping loads, a's copy runs inside h's
+    execution, within a's queue wait (overlapped); without, it runs in a's own turn, after its
+    queue wait (not overlapped, which is all a load can be then)."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # export within 50 ms of a span's end
+    receiver = Receiver()
+    recorded, servers = copies
+    config = (
+        make_config(repository)
+        .replace("weights", budget_bytes=HEAVY_BYTES + A_BYTES + 100, overlap_loads=overlap)
+        .replace("tracing", exporter="otlp", endpoint=receiver.endpoint)
+    )
+    try:
+        with start_worker(config) as server:
+            servers[:] = [server]
+            client = grpcclient.InferenceServerClient(server.url)
+            _load_heavy(client)
+            recorded.clear()
+            traceparent, trace_id, _ = new_traceparent()
+            with ThreadPoolExecutor(1) as pool:
+                heavy = _heavy_executing(server, pool)
+                x = np.linspace(-1, 1, 16, dtype=np.float32).reshape(1, 16)
+                infer(client, "a", {"INPUT0": x}, headers={"traceparent": traceparent})
+                heavy_done = heavy.result()
+            spans = receiver.trace(trace_id, {"queue", "weight_load", "execute", "reply"})
+            client.close()
+        loads = [s for _, s in receiver.spans if s.trace_id == trace_id and s.name == "weight_load"]
+    finally:
+        receiver.stop()
+    [a_copy] = recorded
+    assert len(loads) == 1
+    load, queue = spans["weight_load"], spans["queue"]
+    assert attributes(load) == {"hloserve.weights.bytes": A_BYTES, "hloserve.weights.overlapped": overlap}
+    assert load.parent_span_id == queue.parent_span_id == spans["execute"].parent_span_id
+    assert load.end_time_unix_nano <= spans["execute"].start_time_unix_nano
+    if overlap:  # inside a's queue wait, which h's execution filled
+        assert a_copy.ended < heavy_done
+        assert queue.start_time_unix_nano <= load.start_time_unix_nano
+        assert load.end_time_unix_nano <= queue.end_time_unix_nano
+    else:  # after a's queue wait: the dispatcher took a's batch, then waited for its weights
+        assert a_copy.started >= heavy_done - 0.05
+        assert load.start_time_unix_nano >= queue.end_time_unix_nano
 
 
 def test_a_prefetch_never_evicts_a_model_in_use_and_the_budget_counts_it_in_flight(

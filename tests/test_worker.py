@@ -166,6 +166,53 @@ def test_metrics_endpoint_counts_requests(server: ServerThread, triton: Any) -> 
     assert "hloserve_device_memory" not in text  # the CPU backend keeps no allocator statistics
 
 
+def test_metrics_carry_triton_s_names_and_agree_with_the_statistics(
+    server: ServerThread, triton: Any
+) -> None:
+    """A dashboard written for Triton reads the same quantities under the same names and labels,
+    equal to what the statistics extension reports (Triton derives both from one record)."""
+    import tritonclient.grpc as grpcclient
+    from prometheus_client.parser import text_string_to_metric_families
+
+    tensor = grpcclient.InferInput("INPUT0", [3, 16], "FP32")
+    tensor.set_data_from_numpy(np.ones((3, 16), np.float32))
+    for _ in range(3):
+        triton.infer("mlp", [tensor])
+    url = f"http://127.0.0.1:{server.worker.metrics_port}/metrics"
+
+    def read() -> tuple[dict[str, float], dict[str, Any]]:
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        found = {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name.startswith("nv_") and sample.labels == {"model": "mlp", "version": "1"}
+        }
+        return found, triton.get_inference_statistics("mlp", as_json=True)["model_stats"][0]
+
+    # at K=2 the frontends send their counts to the engine a moment after they answer
+    wait_until(
+        lambda: (
+            (pair := read())[0].get("nv_inference_request_success")
+            == int(pair[1]["inference_stats"]["success"]["count"])
+        ),
+        10,
+        "the metrics and the statistics to agree",
+    )
+    metrics, stats = read()
+    timed = stats["inference_stats"]
+    assert metrics["nv_inference_request_success"] >= 3
+    assert metrics["nv_inference_request_success"] == int(timed["success"]["count"])
+    assert metrics["nv_inference_request_failure"] == int(timed["fail"].get("count", 0))
+    assert metrics["nv_inference_count"] == int(stats["inference_count"]) >= 9
+    assert metrics["nv_inference_exec_count"] == int(stats["execution_count"]) >= 1
+    assert metrics["nv_inference_request_duration_us"] == int(timed["success"]["ns"]) // 1000 > 0
+    for phase in ("queue", "compute_input", "compute_infer", "compute_output"):
+        assert metrics[f"nv_inference_{phase}_duration_us"] == int(timed[phase].get("ns", 0)) // 1000
+    assert metrics["nv_inference_compute_infer_duration_us"] > 0
+    assert metrics["nv_inference_pending_request_count"] == 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_binary_serves_and_shuts_down_on_signal(tmp_path: Path, signum: int) -> None:

@@ -153,6 +153,13 @@ def _add_access_flags(parser: argparse.ArgumentParser, where: str = "") -> None:
             ("root-cert", "CAs"),
         ):
             parser.add_argument(f"--{proto}-{part}", type=Path, help=f"PEM file of the {name} {what}")
+    parser.add_argument(
+        "--metrics-use-ssl",
+        nargs="?",
+        const=True,
+        type=_boolean,
+        help=f"serve metrics over TLS with --http-server-cert and --http-server-key{where}",
+    )
 
 
 SERVER_FLAGS = {
@@ -177,6 +184,7 @@ SERVER_FLAGS = {
     "http_server_cert": "--http-server-cert",
     "http_server_key": "--http-server-key",
     "http_root_cert": "--http-root-cert",
+    "metrics_use_ssl": "--metrics-use-ssl",
 }
 """The `server` fields `hloserve serve` takes as flags (the configuration reference lists them)."""
 

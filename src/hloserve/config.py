@@ -148,6 +148,9 @@ class ServerConfig:
     """PEM file of its private key."""
     http_root_cert: Path | None = None
     """PEM file of the CAs a client certificate must chain to, with `http_use_ssl_mutual`."""
+    metrics_use_ssl: bool = False
+    """Serve the metrics port over TLS (HTTPS) with the REST port's `http_server_cert` and
+    `http_server_key`, and with `http_use_ssl_mutual` its client certificates too."""
     max_message_bytes: int = 1 << 30
     """Largest gRPC message, or REST request body, accepted or sent (Triton clients allow up to
     2 GiB)."""
@@ -339,7 +342,11 @@ class ServerConfig:
         Restrictions.grpc(self.grpc_restricted_protocol)
         Restrictions.http(self.http_restricted_api)
         for proto in ("grpc", "http"):
-            if getattr(self, f"{proto}_use_ssl") or getattr(self, f"{proto}_use_ssl_mutual"):
+            if (
+                getattr(self, f"{proto}_use_ssl")
+                or getattr(self, f"{proto}_use_ssl_mutual")
+                or (proto == "http" and self.metrics_use_ssl)
+            ):
                 for part in ("server_cert", "server_key"):
                     _check(
                         getattr(self, f"{proto}_{part}") is not None,
@@ -536,6 +543,11 @@ class NodeConfig:
     """A model stays where it is unless another worker scores better by more than this fraction."""
     default_replicas: int = 1
     """Workers each model is placed on by `lpt_packing` (-1: all)."""
+    max_requests_per_worker: int = 0
+    """Requests Envoy lets be in flight to each worker of a model's cluster (its circuit breaker);
+    past it, a request is refused UNAVAILABLE at once, before any worker parses it: under an
+    overload, the workers serve what they can within clients' deadlines instead of queueing what
+    they cannot (docs/node.md#overload). 0: no bound but the workers' own queues."""
     forbid_memory_oversubscription: bool = True
     """`lpt_packing` puts a model only on workers whose weight budget still fits it, while any does."""
     compaction: Literal["off", "eager", "scheduled"] = "scheduled"
@@ -563,6 +575,7 @@ class NodeConfig:
         _check(self.cpu_workers >= 0, "node.cpu_workers", "must be >= 0")
         _check(0 <= self.worker_base_port <= 65535, "node.worker_base_port", "must be a port number")
         _check(self.max_restarts >= 0, "node.max_restarts", "must be >= 0 (0: never give up)")
+        _check(self.max_requests_per_worker >= 0, "node.max_requests_per_worker", "must be >= 0 (0: none)")
         for key in ("restart_backoff_max_s", "restart_reset_s", "worker_grace_s"):
             _check(getattr(self, key) >= 0, f"node.{key}", "must be >= 0")
         for key in ("discovery_interval_s", "probe_timeout_s", "rebalance_compute_s"):

@@ -1,6 +1,7 @@
 """TLS for the public ports: the server-side `ssl.SSLContext` of gRPC (Triton's `--grpc-use-ssl`,
 `--grpc-use-ssl-mutual`, `--grpc-server-cert`, `--grpc-server-key`, `--grpc-root-cert`) and of
-REST (`server.http_use_ssl` and its siblings), built from the configuration's PEM files.
+REST (`server.http_use_ssl` and its siblings), and of the metrics port (`server.metrics_use_ssl`,
+with REST's files), built from the configuration's PEM files.
 
 TLS 1.2 or newer; ALPN offers `h2` on gRPC (gRPC clients require it) and `http/1.1` on REST. With
 mutual TLS a client must present a certificate that chains to the root certificates, or the
@@ -19,10 +20,17 @@ from hloserve.errors import ConfigError
 __all__ = ["server_context"]
 
 
-def server_context(config: ServerConfig, protocol: Literal["grpc", "http"]) -> ssl.SSLContext | None:
+def server_context(
+    config: ServerConfig, protocol: Literal["grpc", "http", "metrics"]
+) -> ssl.SSLContext | None:
     """The TLS context of `protocol`'s port, or None when it serves plain text; a file that
-    cannot be read (or a key that does not match) is a `ConfigError` naming its field."""
-    if not (config.grpc_tls if protocol == "grpc" else config.http_tls):
+    cannot be read (or a key that does not match) is a `ConfigError` naming its field. The
+    metrics port (`server.metrics_use_ssl`) serves REST's certificate."""
+    if protocol == "metrics":
+        if not config.metrics_use_ssl:
+            return None
+        protocol = "http"
+    elif not (config.grpc_tls if protocol == "grpc" else config.http_tls):
         return None
     cert: Path | None = getattr(config, f"{protocol}_server_cert")
     key: Path | None = getattr(config, f"{protocol}_server_key")

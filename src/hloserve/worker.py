@@ -168,6 +168,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
                 server_config.metrics_port,
                 server_config.metrics_max_connections,
                 server_config.metrics_timeout_s,
+                server_context(server_config, "metrics"),
             )
         tracing = open_tracing(config.tracing)
         shm = (

@@ -17,11 +17,13 @@ from helm_python.chart import lint
 from helm_python.errors import HelmRenderError, HelmValuesError
 
 from hloserve.cli import SERVER_FLAGS
-from hloserve.config import load_config
+from hloserve.config import TracingConfig, load_config
+from hloserve.engine.tracing import settings
 
 from .support import CHART, KUBERNETES, crd_validator, named, of_kind, render, validate_kubernetes
 
 PVC = {"pvc": {"claimName": "hloserve-models"}}
+PVC_ONLY = {"modelRepository": PVC}
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "worker-cpu": {"modelRepository": PVC, "config": {"scheduler": {"discipline": "fifo"}}},
     "worker-gpu": {
@@ -229,6 +231,14 @@ def test_hloserve_accepts_the_configuration_and_environment_it_is_given(
         ({"gpus": 2, "modelRepository": PVC}, HelmRenderError, "use mode: node"),
         ({"gpu": 1, "modelRepository": PVC}, HelmValuesError, "additional properties 'gpu' not allowed"),
         ({"mode": "cluster", "modelRepository": PVC}, HelmValuesError, "at '/mode'"),
+        (
+            {"modelRepository": PVC, "tracing": {"enabled": True}},
+            HelmRenderError,
+            "tracing.endpoint: name the OTLP/gRPC collector",
+        ),
+        ({**PVC_ONLY, "tracing": {"sampler": "sometimes"}}, HelmValuesError, "at '/tracing/sampler'"),
+        ({**PVC_ONLY, "tracing": {"samplerArg": "2"}}, HelmValuesError, "at '/tracing/samplerArg'"),
+        ({**PVC_ONLY, "tracing": {"endpoint": "collector"}}, HelmValuesError, "at '/tracing/endpoint'"),
     ],
 )
 def test_bad_values_fail_rendering_with_a_message_naming_them(
@@ -300,3 +310,54 @@ def test_mutual_tls_probes_open_a_tcp_connection() -> None:
 def test_tls_without_a_secret_fails_rendering() -> None:
     with pytest.raises(HelmRenderError, match=r"tls\.secretName: name the kubernetes\.io/tls Secret"):
         render({"modelRepository": PVC, "tls": {"enabled": True}})
+
+
+# -- tracing (issue 30) ------------------------------------------------------------------------
+
+TRACED = {
+    "modelRepository": PVC,
+    "tracing": {
+        "enabled": True,
+        "endpoint": "http://otel-collector.observability:4317",
+        "sampler": "parentbased_traceidratio",
+        "samplerArg": "0.05",
+        "serviceName": "hloserve-prod",
+    },
+}
+
+
+def _containers(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [c for d in of_kind(objects, "Deployment") for c in _pod(d)["containers"]]
+
+
+@pytest.mark.parametrize("mode", ["worker", "node", "fleet"])
+def test_tracing_values_reach_every_hloserve_container_as_otel_variables(mode: str) -> None:
+    """Workers, nodes, and the fleet's workers and routers (whose Envoy exports too) get the
+    OTEL_* variables, and hloserve reads from them the settings the values name."""
+    values = {**TRACED, "mode": mode, **({"gpus": 1} if mode == "fleet" else {})}
+    report = lint(CHART, values, strict=True, kube_version=f"v{KUBERNETES}")
+    assert not report["errors"], report
+    objects = render(values)
+    for obj in objects:
+        validate_kubernetes(obj)
+    containers = _containers(objects)
+    assert len(containers) == (2 if mode == "fleet" else 1)
+    for container in containers:
+        environ = {e["name"]: e["value"] for e in container["env"]}
+        chosen = settings(load_config(environ=environ).tracing, environ)
+        assert chosen == {
+            "exporter": "otlp",
+            "endpoint": "http://otel-collector.observability:4317",
+            "sampler": "parentbased_traceidratio",
+            "sampler_arg": "0.05",
+            "service_name": "hloserve-prod",
+        }
+        TracingConfig(sampler=chosen["sampler"], sampler_arg=chosen["sampler_arg"]).validate()
+
+
+def test_tracing_is_off_unless_enabled(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    for objects in rendered.values():
+        for container in _containers(objects):
+            environ = {e["name"]: e["value"] for e in container["env"]}
+            assert not [name for name in environ if name.startswith("OTEL_")], container["name"]
+            assert settings(load_config(environ=environ).tracing, environ)["exporter"] == "none"

@@ -68,6 +68,24 @@ def test_routes_match_the_model_header_and_fall_back_to_the_controller() -> None
     assert window["explicit_http_config"]["http2_protocol_options"]["initial_stream_window_size"] > 1 << 30
 
 
+def test_max_requests_per_worker_bounds_each_model_cluster_not_the_controller() -> None:
+    """`node.max_requests_per_worker` is the circuit breaker of a model's clusters (gRPC and
+    REST), times its workers; 0 (the default) leaves them unbounded, and the controller always."""
+    mlp = [envoy.Endpoint("127.0.0.1:1", "127.0.0.1:5"), envoy.Endpoint("127.0.0.1:2", "127.0.0.1:6")]
+
+    def thresholds(per_worker: int) -> dict[str, dict[str, int]]:
+        made = envoy.clusters(
+            {"mlp": mlp}, "127.0.0.1:9", "LEAST_REQUEST", 1 << 30, "127.0.0.1:10", per_worker
+        )
+        return {c["name"]: c["circuit_breakers"]["thresholds"][0] for c in made["resources"]}
+
+    bounded = thresholds(8)
+    for name in ("model_mlp", "http_mlp"):
+        assert bounded[name]["max_requests"] == bounded[name]["max_pending_requests"] == 16
+    assert bounded["controller"]["max_requests"] == 1 << 20
+    assert {t["max_requests"] for t in thresholds(0).values()} == {1 << 20}
+
+
 def _validate(bootstrap: dict[str, Any], path: Path) -> None:
     path.write_text(json.dumps(bootstrap))
     checked = subprocess.run(
@@ -85,7 +103,14 @@ def test_envoy_accepts_the_bootstrap_routes_and_clusters(tmp_path: Path) -> None
             envoy.Endpoint("127.0.0.1:3", "127.0.0.1:4"),
         ]
     }
-    clusters = envoy.clusters(mlp, "127.0.0.1:9", "LEAST_REQUEST", 1 << 30, controller_http="127.0.0.1:10")
+    clusters = envoy.clusters(
+        mlp,
+        "127.0.0.1:9",
+        "LEAST_REQUEST",
+        1 << 30,
+        controller_http="127.0.0.1:10",
+        max_requests_per_worker=8,
+    )
     envoy.write_atomically(tmp_path / "routes.json", envoy.routes(mlp))
     envoy.write_atomically(tmp_path / "routes_http.json", envoy.http_routes(mlp))
     envoy.write_atomically(tmp_path / "clusters.json", clusters)

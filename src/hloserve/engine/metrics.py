@@ -14,6 +14,7 @@ owns them) through the trio token, so a scrape never sees a half-updated record.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,7 +22,12 @@ import prometheus_client
 import structlog
 import trio
 import trio_asyncio
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    UnknownMetricFamily,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -112,6 +118,61 @@ class _StatisticsCollector(Collector):
                 pinned.add_metric([name], int(s.host_pinned))
         yield from (executions, requests, rows, queue, compute, batches, drops, depth, wait, cost)
         yield from (resident, weight_bytes, loads, evictions, load_seconds, prefetches, pinned)
+
+
+class _TritonCollector(Collector):
+    """The per-model inference metrics under Triton's names and labels (`nv_inference_*`, with
+    `model` and `version`), from the same counters as the statistics extension, as Triton derives
+    them: dashboards and alerts written for Triton read hloserve unchanged. Triton's counters carry
+    no `_total` suffix, which prometheus_client adds to every counter, so they are exposed
+    untyped under their exact names."""
+
+    _FAMILIES = (
+        ("nv_inference_request_success", "Number of successful inference requests, all batch sizes"),
+        ("nv_inference_request_failure", "Number of failed inference requests, all batch sizes"),
+        ("nv_inference_count", "Number of inferences performed (batch elements)"),
+        ("nv_inference_exec_count", "Number of model executions performed"),
+        ("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds"),
+        ("nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds"),
+        ("nv_inference_compute_input_duration_us", "Cumulative compute input duration in microseconds"),
+        ("nv_inference_compute_infer_duration_us", "Cumulative compute inference duration in microseconds"),
+        (
+            "nv_inference_compute_output_duration_us",
+            "Cumulative inference compute output duration in microseconds",
+        ),
+    )
+
+    def __init__(self, read: Callable[[], dict[str, ModelStatistics]]):
+        self._read = read
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._read()
+        families = {
+            name: UnknownMetricFamily(name, doc, labels=["model", "version"]) for name, doc in self._FAMILIES
+        }
+        pending = GaugeMetricFamily(
+            "nv_inference_pending_request_count",
+            "Instantaneous number of pending requests awaiting execution per-model.",
+            labels=["model", "version"],
+        )
+        for name, s in stats.items():
+            labels = [name, "1"]  # one version served per model, reported as "1" as by the statistics
+            c = s.compute
+            for family, value in (
+                ("nv_inference_request_success", s.success.count),
+                ("nv_inference_request_failure", s.fail.count),
+                ("nv_inference_count", s.inference_count),
+                ("nv_inference_exec_count", s.execution_count),
+                ("nv_inference_request_duration_us", s.success.ns // 1000),
+                ("nv_inference_queue_duration_us", s.queue.ns // 1000),
+                ("nv_inference_compute_input_duration_us", c.compute_input.ns // 1000),
+                ("nv_inference_compute_infer_duration_us", c.compute_infer.ns // 1000),
+                ("nv_inference_compute_output_duration_us", c.compute_output.ns // 1000),
+            ):
+                families[family].add_metric(labels, value)
+            pending.add_metric(labels, s.queue_depth)
+        yield from families.values()
+        yield pending
 
 
 _EVICTION_CAUSES = ("budget", "compaction", "control")
@@ -239,6 +300,7 @@ class Metrics:
             return lambda: trio.from_thread.run_sync(read, trio_token=token)
 
         self.registry.register(_StatisticsCollector(on_loop(statistics.snapshot)))
+        self.registry.register(_TritonCollector(on_loop(statistics.snapshot)))
         self.registry.register(_CompactionCollector(on_loop(lambda: statistics.compactions)))
         self.registry.register(
             _SwapCollector(on_loop(lambda: (statistics.snapshot(), statistics.weight_budget_bytes)))
@@ -249,11 +311,20 @@ class Metrics:
         """Connections open now."""
         self._cap, self._timeout_s = 64, 10.0
 
-    async def serve(self, host: str, port: int, max_connections: int, timeout_s: float) -> int:
-        """Start the HTTP endpoint on the worker's trio-asyncio loop; returns the bound port."""
+    async def serve(
+        self, host: str, port: int, max_connections: int, timeout_s: float, tls: ssl.SSLContext | None = None
+    ) -> int:
+        """Start the HTTP endpoint (HTTPS with `tls`, whose handshake must end within `timeout_s`)
+        on the worker's trio-asyncio loop; returns the bound port."""
         self._cap, self._timeout_s = max_connections, timeout_s
         self._server = await trio_asyncio.aio_as_trio(asyncio.start_server)(
-            self._connected, host, port, backlog=_BACKLOG, limit=_MAX_HEAD_BYTES
+            self._connected,
+            host,
+            port,
+            backlog=_BACKLOG,
+            limit=_MAX_HEAD_BYTES,
+            ssl=tls,
+            ssl_handshake_timeout=timeout_s if tls is not None else None,
         )
         return int(self._server.sockets[0].getsockname()[1])
 

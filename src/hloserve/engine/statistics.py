@@ -91,6 +91,9 @@ class ModelStatistics:
     set by the control API)."""
     load_wait_seconds: float = 0.0
     """Time its requests waited for its weights to load, summed over the requests."""
+    last_load: tuple[float, float, int, bool] | None = None
+    """Its latest load: (start, end, bytes, overlapped), monotonic seconds; overlapped: begun
+    while another model executed. A traced request's `weight_load` span."""
 
     def record_load(self, seconds: float, nbytes: int) -> None:
         """One load of its weights to the device."""

@@ -5,8 +5,9 @@ Off unless `tracing.exporter` (or `OTEL_TRACES_EXPORTER`) says `otlp`: then `ope
 returns None, the OpenTelemetry SDK is never imported, and a request pays one None check per
 phase. On, a request's phases are marked with `time.monotonic_ns()` as it goes and turned into
 spans with those times when it ends, so the dispatcher only fills an `EngineTrace` (plain numbers)
-and never calls the SDK on its loop. Each worker (and each frontend process) has its own tracer
-provider; nothing global is set.
+and never calls the SDK on its loop. A request the sampler leaves out makes its root (a
+non-recording span, whose context still travels to the engine) and nothing more. Each worker
+(and each frontend process) has its own tracer provider; nothing global is set.
 
 The tree of a request served in one process::
 
@@ -141,8 +142,8 @@ class Tracing:
         queue wait starts now."""
         started = time.monotonic_ns()
         spans = RequestSpans(self, "engine", model, traceparent, started, self._kinds.SERVER)
-        assert spans.engine is not None
-        spans.engine.enqueued_at = started / 1e9
+        if spans.engine is not None:
+            spans.engine.enqueued_at = started / 1e9
         return spans
 
     def shutdown(self) -> None:
@@ -153,7 +154,7 @@ class Tracing:
 class RequestSpans:
     """One request's root span and its phases, each marked as it ends (`mark`)."""
 
-    __slots__ = ("_context", "_last", "_root", "_tracing", "engine")
+    __slots__ = ("_context", "_last", "_recording", "_root", "_tracing", "engine")
 
     def __init__(
         self, tracing: Tracing, name: str, model: str, traceparent: str | None, started_ns: int, kind: Any
@@ -169,14 +170,18 @@ class RequestSpans:
             attributes={"hloserve.model": model},
         )
         self._last = started_ns
-        self.engine: EngineTrace | None = EngineTrace()
-        """What the dispatcher fills for this request (None: the engine is in another process)."""
+        self._recording = self._root.is_recording()
+        """Sampled: its phases become spans (an unsampled request makes no span but its root)."""
+        self.engine: EngineTrace | None = EngineTrace() if self._recording else None
+        """What the dispatcher fills for this request (None: the engine is in another process,
+        or the request is not sampled)."""
         self._context = tracing._in_context(self._root)
 
     def mark(self, phase: str, **attributes: Any) -> None:
         """End the phase that began at the last mark now."""
         now = time.monotonic_ns()
-        self.span(phase, self._last, now, **attributes)
+        if self._recording:
+            self.span(phase, self._last, now, **attributes)
         self._last = now
 
     def skip(self) -> None:

@@ -234,14 +234,18 @@ def lower_program(
     names: list[str] = []
     weights: list[torch.Tensor] = []
     order: list[int | None] = []  # per placeholder: its weight's index, or None for the next input
+    indices: dict[int, int] = {}  # a tensor reached by two names (tied weights) is one weight
     for spec in program.graph_signature.input_specs:
         if spec.kind == InputKind.USER_INPUT:
             order.append(None)
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             assert spec.target is not None  # torch.export names every weight
-            order.append(len(names))
-            names.append(spec.target)
-            weights.append(values[spec.target])
+            value = values[spec.target]
+            if id(value) not in indices:
+                indices[id(value)] = len(names)
+                names.append(spec.target)
+                weights.append(value)
+            order.append(indices[id(value)])
         else:
             raise ValueError(
                 f"the program takes a {spec.kind.name} argument ({spec.arg}); "

@@ -20,6 +20,7 @@ import re
 import shutil
 import string
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from hloserve.export.verification import VerificationError, verify_bundle
 from hloserve.models import _xla
 from hloserve.models._scratch import DEFAULT_MAX_SCRATCH_RATIO, ScratchError, check_scratch, module_memory
 from hloserve.models.bundle import MODEL_PY, WEIGHTS
+from hloserve.models.executable_cache import ExecutableCache
 
 __all__ = [
     "PRECISIONS",
@@ -361,134 +363,139 @@ def export_bundle(
                     f"expected [rows, *{list(spec.shape)}]"
                 )
 
-    if isinstance(fn, Traceable):
-        traceable = fn
-    elif _is_nnx_module(fn):
-        if params is not None:
-            raise ValueError("a flax.nnx module carries its own parameters: pass params=None")
-        traceable = _from_nnx(fn, len(inputs))
-    else:
-        traceable = _from_jax(fn, params, len(inputs))
-    reference = traceable  # what verification compares with: the model in its own precision
-    if precision != "fp32":
-        traceable = _in_precision(traceable, inputs, PRECISIONS[precision], batch_axis)
-    weights = list(traceable.weights)
-    weight_specs = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights]
-
-    local = "cpu" if _xla.device().platform == "cpu" else "cuda"
-    modules: dict[int, str | bytes] = {}
-    traced_outputs: list[tuple[tuple[int, ...], np.dtype]] = []
-    for step, size in enumerate(sizes, 1):
-        started = time.perf_counter()
-        batch = (size,) if batch_axis else ()
-        in_specs = [jax.ShapeDtypeStruct((*batch, *i.shape), np.dtype(i.dtype)) for i in inputs]
-        out_info, lowered = _lower(traceable.function_for(size), [*in_specs, *weight_specs], platform)
-        for k, out in enumerate(out_info):
-            if batch_axis and (not out.shape or out.shape[0] != size):
-                raise ValueError(
-                    f"output {k} has shape {out.shape}; hloserve needs a leading batch axis of {size} "
-                    "(or export with batch_axis=False)"
-                )
-        outputs_here = [(tuple(out.shape[len(batch) :]), np.dtype(out.dtype)) for out in out_info]
-        if traced_outputs and outputs_here != traced_outputs:
-            raise ValueError(
-                f"outputs (shape after the batch axis, dtype) {outputs_here} at batch size {size} "
-                f"but {traced_outputs} at {sizes[0]}"
-            )
-        traced_outputs = outputs_here
-        _check_arity(lowered, len(inputs), len(weights))
-        text = lowered.as_text()
-        signature = _xla.main_signature(text)
-        modules[size] = _portable_artifact(text) if module_format == "bytecode" else text
-        memory = {}  # what XLA plans: measurable on this machine's platform only
-        if platform == local:
-            measured = module_memory(text)
-            memory = {
-                "scratch_mb": round(measured.scratch / 1e6, 1),
-                "scratch_ratio": round(measured.ratio, 2),
-            }
-            check_scratch(measured, f"bundle {directory.name!r}, batch size {size}", max_scratch_ratio)
-        log.info(
-            "exported batch size",
-            bundle=directory.name,
-            batch_size=size,
-            step=f"{step}/{len(sizes)}",
-            seconds=round(time.perf_counter() - started, 2),
-            **memory,
-        )
-    out_specs = (
-        list(outputs)
-        if outputs is not None
-        else [OutputSpec(f"output_{k}") for k in range(len(traced_outputs))]
-    )
-    if len(out_specs) != len(traced_outputs):
-        raise ValueError(f"{len(out_specs)} output names for {len(traced_outputs)} outputs")
-
-    # Everything is traced and checked: only now is the directory touched.
-    directory.mkdir(parents=True, exist_ok=True)
-    for path in directory.iterdir():
-        if _OLD_FILES.match(path.name):  # a module left from other batch sizes would be loaded too
-            path.unlink()
-    for size, source in modules.items():
-        module = directory / (f"model.b{size}.mlir" if batch_axis else "model.mlir")
-        if isinstance(source, bytes):
-            module.write_bytes(source)
+    # Each module is compiled once: the scratch check's executable goes to a cache that the
+    # verification's fresh process loads from (keyed by the module's bytes, as the server's).
+    with tempfile.TemporaryDirectory(prefix="hloserve-export-") as compiled:
+        executables = ExecutableCache(Path(compiled))
+        if isinstance(fn, Traceable):
+            traceable = fn
+        elif _is_nnx_module(fn):
+            if params is not None:
+                raise ValueError("a flax.nnx module carries its own parameters: pass params=None")
+            traceable = _from_nnx(fn, len(inputs))
         else:
-            module.write_text(source)
-    manifest: dict[str, Any] = {
-        "format_version": "2.0",
-        "name": directory.name,
-        "description": description,
-        "executable_inputs": [
-            _spec_tensor(InputSpec(i.name, i.shape, arg.dtype.numpy, i.letters, i.format), batch_axis)
-            for i, arg in zip(inputs, signature.inputs, strict=False)
-        ],
-        "executable_outputs": [
-            _tensor(o.name, dtype, shape, _letters(o.letters, len(shape), o.name), batch_axis)
-            for o, (shape, dtype) in zip(out_specs, traced_outputs, strict=True)
-        ],
-    }
-    if client_inputs is not None:
-        manifest["client_inputs"] = [_spec_tensor(t) for t in client_inputs]
-    if client_outputs is not None:
-        manifest["client_outputs"] = [_spec_tensor(t) for t in client_outputs]
-    if batch_axis:
-        manifest["batching"] = {"compiled_batch_sizes": sizes}
-    manifest["provenance"] = {
-        "exporter": f"hloserve {__version__}",
-        "jax_version": jax.__version__,
-        "platform": platform,
-        "module_format": module_format,
-        "source_framework": traceable.framework,
-        **traceable.versions,
-        "batch_sizes": list(sizes) if batch_axis else [],
-        **({"precision": precision} if precision != "fp32" else {}),
-        "exported_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    }
-    (directory / "manifest.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
-    if weights:
-        from safetensors.numpy import save_file
+            traceable = _from_jax(fn, params, len(inputs))
+        reference = traceable  # what verification compares with: the model in its own precision
+        if precision != "fp32":
+            traceable = _in_precision(traceable, inputs, PRECISIONS[precision], batch_axis)
+        weights = list(traceable.weights)
+        weight_specs = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights]
 
-        # Cast to what the module takes: the loader checks each weight's dtype against it.
-        module_dtypes = [arg.dtype.numpy for arg in signature.inputs[len(inputs) :]]
-        save_file(
-            {
-                n: np.require(w.astype(d, copy=False), requirements="C")
-                for n, w, d in zip(traceable.weight_names, weights, module_dtypes, strict=True)
-            },
-            str(directory / WEIGHTS),
-            metadata={"argument_order": json.dumps(list(traceable.weight_names))},
+        local = "cpu" if _xla.device().platform == "cpu" else "cuda"
+        modules: dict[int, str | bytes] = {}
+        traced_outputs: list[tuple[tuple[int, ...], np.dtype]] = []
+        for step, size in enumerate(sizes, 1):
+            started = time.perf_counter()
+            batch = (size,) if batch_axis else ()
+            in_specs = [jax.ShapeDtypeStruct((*batch, *i.shape), np.dtype(i.dtype)) for i in inputs]
+            out_info, lowered = _lower(traceable.function_for(size), [*in_specs, *weight_specs], platform)
+            for k, out in enumerate(out_info):
+                if batch_axis and (not out.shape or out.shape[0] != size):
+                    raise ValueError(
+                        f"output {k} has shape {out.shape}; hloserve needs a leading batch axis of {size} "
+                        "(or export with batch_axis=False)"
+                    )
+            outputs_here = [(tuple(out.shape[len(batch) :]), np.dtype(out.dtype)) for out in out_info]
+            if traced_outputs and outputs_here != traced_outputs:
+                raise ValueError(
+                    f"outputs (shape after the batch axis, dtype) {outputs_here} at batch size {size} "
+                    f"but {traced_outputs} at {sizes[0]}"
+                )
+            traced_outputs = outputs_here
+            _check_arity(lowered, len(inputs), len(weights))
+            text = lowered.as_text()
+            signature = _xla.main_signature(text)
+            modules[size] = _portable_artifact(text) if module_format == "bytecode" else text
+            memory = {}  # what XLA plans: measurable on this machine's platform only
+            if platform == local:
+                measured = module_memory(modules[size], executables)
+                memory = {
+                    "scratch_mb": round(measured.scratch / 1e6, 1),
+                    "scratch_ratio": round(measured.ratio, 2),
+                }
+                check_scratch(measured, f"bundle {directory.name!r}, batch size {size}", max_scratch_ratio)
+            log.info(
+                "exported batch size",
+                bundle=directory.name,
+                batch_size=size,
+                step=f"{step}/{len(sizes)}",
+                seconds=round(time.perf_counter() - started, 2),
+                **memory,
+            )
+        out_specs = (
+            list(outputs)
+            if outputs is not None
+            else [OutputSpec(f"output_{k}") for k in range(len(traced_outputs))]
         )
-        (directory / WEIGHTS).chmod(0o644)
-    if model_py is not None and Path(model_py).resolve() != (directory / MODEL_PY).resolve():
-        shutil.copyfile(model_py, directory / MODEL_PY)  # (re-exporting beside its own model.py)
-    if verify:
-        # f32 outputs computed in a narrower type: checked with that type's tolerance
-        computed_in = PRECISIONS[precision] if precision != "fp32" else None
-        _verify_export(
-            directory, reference, inputs, sizes, platform, sample_inputs, rtol, atol, batch_axis, computed_in
-        )
-    return directory
+        if len(out_specs) != len(traced_outputs):
+            raise ValueError(f"{len(out_specs)} output names for {len(traced_outputs)} outputs")
+
+        # Everything is traced and checked: only now is the directory touched.
+        directory.mkdir(parents=True, exist_ok=True)
+        for path in directory.iterdir():
+            if _OLD_FILES.match(path.name):  # a module left from other batch sizes would be loaded too
+                path.unlink()
+        for size, source in modules.items():
+            module = directory / (f"model.b{size}.mlir" if batch_axis else "model.mlir")
+            if isinstance(source, bytes):
+                module.write_bytes(source)
+            else:
+                module.write_text(source)
+        manifest: dict[str, Any] = {
+            "format_version": "2.0",
+            "name": directory.name,
+            "description": description,
+            "executable_inputs": [
+                _spec_tensor(InputSpec(i.name, i.shape, arg.dtype.numpy, i.letters, i.format), batch_axis)
+                for i, arg in zip(inputs, signature.inputs, strict=False)
+            ],
+            "executable_outputs": [
+                _tensor(o.name, dtype, shape, _letters(o.letters, len(shape), o.name), batch_axis)
+                for o, (shape, dtype) in zip(out_specs, traced_outputs, strict=True)
+            ],
+        }
+        if client_inputs is not None:
+            manifest["client_inputs"] = [_spec_tensor(t) for t in client_inputs]
+        if client_outputs is not None:
+            manifest["client_outputs"] = [_spec_tensor(t) for t in client_outputs]
+        if batch_axis:
+            manifest["batching"] = {"compiled_batch_sizes": sizes}
+        manifest["provenance"] = {
+            "exporter": f"hloserve {__version__}",
+            "jax_version": jax.__version__,
+            "platform": platform,
+            "module_format": module_format,
+            "source_framework": traceable.framework,
+            **traceable.versions,
+            "batch_sizes": list(sizes) if batch_axis else [],
+            **({"precision": precision} if precision != "fp32" else {}),
+            "exported_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        }
+        (directory / "manifest.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
+        if weights:
+            from safetensors.numpy import save_file
+
+            # Cast to what the module takes: the loader checks each weight's dtype against it.
+            module_dtypes = [arg.dtype.numpy for arg in signature.inputs[len(inputs) :]]
+            save_file(
+                {
+                    n: np.require(w.astype(d, copy=False), requirements="C")
+                    for n, w, d in zip(traceable.weight_names, weights, module_dtypes, strict=True)
+                },
+                str(directory / WEIGHTS),
+                metadata={"argument_order": json.dumps(list(traceable.weight_names))},
+            )
+            (directory / WEIGHTS).chmod(0o644)
+        if model_py is not None and Path(model_py).resolve() != (directory / MODEL_PY).resolve():
+            shutil.copyfile(model_py, directory / MODEL_PY)  # (re-exporting beside its own model.py)
+        if verify:
+            # f32 outputs computed in a narrower type: checked with that type's tolerance
+            computed_in = PRECISIONS[precision] if precision != "fp32" else None
+            _verify_export(
+                directory, reference, inputs, sizes, platform, sample_inputs, rtol, atol, batch_axis,
+                computed_in, executables.directory,
+            )  # fmt: skip
+        return directory
 
 
 def _is_float(dtype: Any) -> bool:
@@ -550,6 +557,7 @@ def _verify_export(
     atol: float | None,
     batch_axis: bool,
     computed_in: np.dtype | None = None,
+    executables: Path | None = None,
 ) -> None:
     local = "cpu" if _xla.device().platform == "cpu" else "cuda"
     if platform != local:
@@ -565,7 +573,9 @@ def _verify_export(
     expected = {
         size: [np.asarray(o) for o in _as_tuple(traceable.reference(*a))] for size, a in given.items()
     }
-    differences = verify_bundle(directory, given, expected, rtol=rtol, atol=atol, computed_in=computed_in)
+    differences = verify_bundle(
+        directory, given, expected, rtol=rtol, atol=atol, computed_in=computed_in, executables=executables
+    )
     log.info(
         "bundle verified in a fresh process",
         bundle=directory.name,

@@ -1,9 +1,10 @@
 """A written bundle checked as the server will run it: loaded in a fresh process by the server's
 own loader, run at each batch size, and compared with the model it came from.
 
-A fresh process sees only the files, so nothing of the exporting process (a traced function, a
-cached executable) can hide a fault in them. Arrays cross to it in an .npz, with dtype tokens
-(npz reads bf16 and fp8 back as void).
+A fresh process sees only the files, so nothing of the exporting process (a traced function, an
+executable in its memory) can hide a fault in them; it may load executables from an executable
+cache, as the server does, which keys them by the module file's bytes. Arrays cross to it in an
+.npz, with dtype tokens (npz reads bf16 and fp8 back as void).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from hloserve import _version, dtypes
 from hloserve.models import _xla
 from hloserve.models.bundle import load_bundle, read_weights
 from hloserve.models.compiled import compile_bundle
+from hloserve.models.executable_cache import ExecutableCache
 
 __all__ = [
     "DEFAULT_TOLERANCES",
@@ -195,12 +197,14 @@ def verify_bundle(
     rtol: float | None = None,
     atol: float | None = None,
     computed_in: np.dtype | None = None,
+    executables: Path | None = None,
 ) -> list[Difference]:
     """Run a bundle as the server would, in a fresh process, and compare it with `expected`.
 
     `inputs` and `expected` map a batch size to its input and output arrays. A fresh process
-    sees only the files, so nothing of the exporting process (a traced function, a cached
-    executable) can hide a fault in them. Each output is compared by `compare` with the
+    sees only the files, so nothing of the exporting process (a traced function) can hide a
+    fault in them; `executables`, an executable cache directory, spares it compiling a module
+    whose bytes the exporter already compiled there. Each output is compared by `compare` with the
     tolerance of its dtype (`DEFAULT_TOLERANCES`), or with `rtol` / `atol` where given (they
     then apply to every output). `computed_in` (bf16, fp16: a bundle exported with
     `precision=`) gives float outputs of a wider type `precision_tolerance(computed_in)` instead;
@@ -220,7 +224,7 @@ def verify_bundle(
         source = str(Path(_version.__file__).resolve().parents[1])  # importable whatever the cwd
         env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH")) if p)
         child = subprocess.run(
-            [sys.executable, "-c", _CHILD, str(directory), str(sent), str(received)],
+            [sys.executable, "-c", _CHILD, str(directory), str(sent), str(received), str(executables or "")],
             capture_output=True,
             text=True,
             env=env,
@@ -263,11 +267,12 @@ def verify_bundle(
 _CHILD = "import sys; from hloserve.export.verification import _run_bundle; _run_bundle(*sys.argv[1:])"
 
 
-def _run_bundle(directory: str, inputs_path: str, outputs_path: str) -> None:
-    """The fresh process's half of `verify_bundle`: load, compile and run as the server does."""
+def _run_bundle(directory: str, inputs_path: str, outputs_path: str, executables: str) -> None:
+    """The fresh process's half of `verify_bundle`: load, compile (or load what the exporter
+    compiled, from the cache `executables`) and run as the server does."""
     _xla.warm_up()
     bundle = load_bundle(Path(directory))
-    compiled = compile_bundle(bundle)
+    compiled = compile_bundle(bundle, ExecutableCache(Path(executables)) if executables else None)
     weights = [_xla.put(w) for w in read_weights(bundle)]
     outputs = {
         size: compiled.execute(size, arrays, weights).outputs

@@ -352,10 +352,19 @@ def cluster_name(model: str, http: bool = False) -> str:
     return f"{'http' if http else 'model'}_{model}"
 
 
+_UNBOUNDED = 1 << 20
+
+
 def _cluster(
-    name: str, endpoints: Sequence[tuple[str, int]], policy: str, window: int, http2: bool
+    name: str,
+    endpoints: Sequence[tuple[str, int]],
+    policy: str,
+    window: int,
+    http2: bool,
+    max_requests: int = _UNBOUNDED,
 ) -> dict[str, Any]:
-    """A cluster of `endpoints` (address, weight), spoken to in HTTP/2 or else HTTP/1.1."""
+    """A cluster of `endpoints` (address, weight), spoken to in HTTP/2 or else HTTP/1.1, with at
+    most `max_requests` requests in flight (past it Envoy answers 503, gRPC UNAVAILABLE)."""
     members = []
     for address, weight in endpoints:
         host, _, port = address.rpartition(":")
@@ -398,13 +407,13 @@ def _cluster(
         "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
         # The workers bound their own queues; Envoy's defaults (1024 requests, 3 retries at once
         # per cluster) would refuse first, and fail the retries of every request a dying worker
-        # held but three.
+        # held but three. `node.max_requests_per_worker` bounds the requests, to shed overload.
         "circuit_breakers": {
             "thresholds": [
                 {
                     "max_connections": 1 << 16,
-                    "max_pending_requests": 1 << 20,
-                    "max_requests": 1 << 20,
+                    "max_pending_requests": max_requests,
+                    "max_requests": max_requests,
                     "max_retries": 1 << 16,
                 }
             ]
@@ -418,10 +427,12 @@ def clusters(
     balance: str,
     max_message_bytes: int,
     controller_http: str | None = None,
+    max_requests_per_worker: int = 0,
 ) -> dict[str, Any]:
     """Per model, a cluster of the workers its requests go to (balanced by `balance`: Envoy's
     ROUND_ROBIN or LEAST_REQUEST) and, with REST, one of the same workers' REST ports; and the
-    controller's."""
+    controller's. A model's clusters let `max_requests_per_worker` requests per worker be in
+    flight (0: no bound)."""
     window = _window(max_message_bytes)
     resources = [_cluster(CONTROLLER, [(controller, 1)], "ROUND_ROBIN", window, http2=True)]
     if controller_http is not None:
@@ -432,10 +443,15 @@ def clusters(
         if not endpoints:
             continue
         grpc = [(e.grpc, e.weight) for e in endpoints]
-        resources.append(_cluster(cluster_name(model), grpc, balance, window, http2=True))
+        bound = max_requests_per_worker * len(endpoints) or _UNBOUNDED
+        resources.append(_cluster(cluster_name(model), grpc, balance, window, http2=True, max_requests=bound))
         http = [(e.http, e.weight) for e in endpoints if e.http is not None]
         if controller_http is not None and http:
-            resources.append(_cluster(cluster_name(model, http=True), http, balance, window, http2=False))
+            resources.append(
+                _cluster(
+                    cluster_name(model, http=True), http, balance, window, http2=False, max_requests=bound
+                )
+            )
     return {"resources": resources}
 
 

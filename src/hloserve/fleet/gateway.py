@@ -58,6 +58,7 @@ class _Publisher:
         """The controller's REST address, with REST (set before the first call)."""
         self._balance = "ROUND_ROBIN" if config.node.scheduling == "round_robin" else "LEAST_REQUEST"
         self._max_message_bytes = config.server.max_message_bytes
+        self._max_requests_per_worker = config.node.max_requests_per_worker
         self._grpc_restrictions = Restrictions.grpc(config.server.grpc_restricted_protocol)
         self._http_restrictions = Restrictions.http(config.server.http_restricted_api)
         self._previous: Mapping[str, Sequence[envoy.Endpoint]] = {}
@@ -74,6 +75,7 @@ class _Publisher:
                 self._balance,
                 self._max_message_bytes,
                 self.controller_http,
+                self._max_requests_per_worker,
             ),
         )
         envoy.write_atomically(self._directory / "routes.json", envoy.routes(routes, self._grpc_restrictions))

@@ -3,12 +3,14 @@
 The ONNX graph is first checked against onnx2torch's converters, node by node, so that an operator
 without one is named with its node before anything runs; constant Identity nodes over an
 initializer (which torch's ONNX exporter writes for a shared weight, and which onnx2torch's Conv
-and Gemm converters do not follow) become initializers. The torch module onnx2torch builds is
-exported by `hloserve.export.torch.export_torch_bundle` at each batch size with static shapes: an
-axis the ONNX model leaves dynamic takes its size from the Triton config (or the caller), and one
-that neither fixes is refused. The bundle is then run by the server's loader in a fresh process
-(`hloserve.export.verification.verify_bundle`) on seeded random inputs at every batch size and compared
-with ONNX Runtime on the original file (`hloserve.importers.onnx_reference`).
+and Gemm converters do not follow) become initializers. At each batch size the graph is made
+static and folded, then converted by onnx2torch (`hloserve.importers._static_shapes`), and
+exported by `hloserve.export.torch.export_torch_bundle`: an axis the ONNX model leaves dynamic
+takes its size from the Triton config (or the caller), and one that neither fixes is refused; an
+export that fails names the node it stopped at. The bundle is then run by the server's loader
+in a fresh process (`hloserve.export.verification.verify_bundle`) on seeded random inputs at every
+batch size and compared with ONNX Runtime on the original file
+(`hloserve.importers.onnx_reference`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from hloserve.importers._staging import write_staged
+from hloserve.importers._static_shapes import static_module
 from hloserve.importers.onnx_reference import OutputCheck, verify_against_onnxruntime
 from hloserve.importers.triton_config import VARIABLE, NotConvertible, TensorPlan
 
@@ -106,14 +109,15 @@ def import_onnx(
     resolved_inputs = _match(onnx_inputs, inputs, "input", batch_sizes, require_all=True)
     resolved_outputs = _match(onnx_outputs, outputs, "output", batch_sizes, require_all=False)
     _check_operators(model)
-    module = _to_torch(model, [onnx_outputs.index(_by_name(onnx_outputs, o.name)) for o in resolved_outputs])
+    sizes = tuple(sorted(batch_sizes)) if batch_sizes is not None else None
+    selected = [onnx_outputs.index(_by_name(onnx_outputs, o.name)) for o in resolved_outputs]
+    module = static_module(model, resolved_inputs, sizes, lambda static: _to_torch(static, selected))
 
     import torch
 
     from hloserve.export.jax import InputSpec, OutputSpec, VerificationError
     from hloserve.export.torch import export_torch_bundle
 
-    sizes = tuple(sorted(batch_sizes)) if batch_sizes is not None else None
     rng = np.random.default_rng(0)
     rows = max(sizes) if sizes else None
     samples = [
@@ -134,9 +138,9 @@ def import_onnx(
             verify=False,  # compared with ONNX Runtime below, not with onnx2torch's module
         )
     except (ValueError, VerificationError) as e:
-        raise NotConvertible(f"export failed: {e}") from None
+        raise NotConvertible(f"export failed{_at_node(e, module)}: {e}") from None
     except Exception as e:  # torchax or JAX failing on a converted operation, in its own words
-        raise NotConvertible(f"export failed: {type(e).__name__}: {e}") from e
+        raise NotConvertible(f"export failed{_at_node(e, module)}: {type(e).__name__}: {e}") from e
     checks: tuple[OutputCheck, ...] = ()
     if verify:
         checks = verify_against_onnxruntime(
@@ -379,3 +383,24 @@ def _failing_node(traceback: Any) -> str | None:
             name = f"{getattr(node, 'name', None)!r} ({getattr(node, 'operation_type', '?')})"
         traceback = traceback.tb_next
     return name
+
+
+def _at_node(error: BaseException, module: Any) -> str:
+    """` at node 'NAME' (OP)`: the converted ONNX node whose forward `error` (or its cause) was
+    raised in (the innermost); onnx2torch names each module after its node. Empty if none."""
+    owners = {id(m): name for name, m in module.named_modules() if name}
+    found = None
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback = error.__traceback__
+        while traceback is not None:
+            owner = traceback.tb_frame.f_locals.get("self")
+            if id(owner) in owners:
+                found = (owners[id(owner)], type(owner).__name__.removeprefix("Onnx"))
+            traceback = traceback.tb_next
+        error = error.__cause__ or error.__context__  # type: ignore[assignment]
+    if found is None:
+        return ""
+    name, op = found
+    return f" at node {name.rsplit('.', 1)[-1]!r} ({op})"

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hloserve.models import _xla
+from hloserve.models.executable_cache import ExecutableCache
 
 __all__ = ["DEFAULT_MAX_SCRATCH_RATIO", "ModuleMemory", "ScratchError", "check_scratch", "module_memory"]
 
@@ -40,9 +41,10 @@ class ModuleMemory:
         return self.scratch / max(self.arguments + self.outputs, 1)
 
 
-def module_memory(source: str | bytes) -> ModuleMemory:
-    """Compile `source` for this machine's device and read what XLA planned (blocking)."""
-    stats = _xla.compiled_memory(_xla.compile_module(source))
+def module_memory(source: str | bytes, cache: ExecutableCache | None = None) -> ModuleMemory:
+    """Compile `source` for this machine's device (through `cache` if given) and read what XLA
+    planned (blocking)."""
+    stats = _xla.compiled_memory(cache.compile(source) if cache is not None else _xla.compile_module(source))
     return ModuleMemory(stats["temp_bytes"], stats["argument_bytes"], stats["output_bytes"])
 
 

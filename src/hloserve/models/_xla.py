@@ -213,9 +213,13 @@ def deserialize_executable(blob: bytes) -> Executable:
 
 
 def runtime_identity() -> str:
-    """What a serialized executable depends on: jaxlib's version, the platform, the device kind."""
+    """What a serialized executable depends on: jaxlib's version, the platform, the device kind,
+    and XLA_FLAGS (they change the code XLA generates) where set."""
     dev = device()
-    return f"jaxlib {jaxlib.version.__version__}; {dev.platform}; {dev.device_kind}"
+    flags = os.environ.get("XLA_FLAGS", "").strip()
+    return f"jaxlib {jaxlib.version.__version__}; {dev.platform}; {dev.device_kind}" + (
+        f"; XLA_FLAGS {flags}" if flags else ""
+    )
 
 
 def compiled_memory(executable: Executable) -> dict[str, int]:

@@ -1,9 +1,10 @@
 """Compiled executables kept on disk, so a restart loads them instead of compiling again.
 
 An entry is keyed by the SHA-256 of the module's bytes and of what a serialized executable
-depends on (jaxlib's version, the platform, the device kind), so an upgrade or another GPU
-never picks up a foreign entry. A stale or corrupt entry is logged, recompiled and replaced.
-Entries are written to a temporary name and renamed, so a crash never leaves half a file.
+depends on (jaxlib's version, the platform, the device kind, XLA_FLAGS), so an upgrade, another
+GPU or other compiler flags never pick up a foreign entry. A stale or corrupt entry is logged,
+recompiled and replaced. Entries are written to a temporary name and renamed, so a crash never
+leaves half a file.
 """
 
 from __future__ import annotations

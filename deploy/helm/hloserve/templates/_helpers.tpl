@@ -41,6 +41,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- if and .Values.tls.enabled (not .Values.tls.secretName) -}}
 {{- fail "tls.secretName: name the kubernetes.io/tls Secret (tls.crt, tls.key; ca.crt with tls.mutual) when tls.enabled is true" -}}
 {{- end -}}
+{{- if and .Values.tracing.enabled (not .Values.tracing.endpoint) -}}
+{{- fail "tracing.endpoint: name the OTLP/gRPC collector (e.g. http://otel-collector:4317) when tracing.enabled is true" -}}
+{{- end -}}
 {{- if and (ne .Values.mode "node") (gt (int .Values.gpus) 1) -}}
 {{- fail (printf "gpus: a %s pod runs one worker on at most one GPU, not %v; for several GPUs in one pod use mode: node, or more replicas" .Values.mode .Values.gpus) -}}
 {{- end -}}
@@ -182,6 +185,26 @@ this container serves TLS (fleet workers behind the routers do not).
   value: "true"
 - name: HLOSERVE_SERVER_{{ $proto }}_ROOT_CERT
   value: /etc/hloserve-tls/ca.crt
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* Tracing's OTEL_* variables, when `tracing.enabled`. */}}
+{{- define "hloserve.tracingEnv" -}}
+{{- with .Values.tracing }}
+{{- if .enabled }}
+- name: OTEL_TRACES_EXPORTER
+  value: otlp
+- name: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
+  value: {{ .endpoint | quote }}
+- name: OTEL_TRACES_SAMPLER
+  value: {{ .sampler | quote }}
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ .samplerArg | quote }}
+{{- with .serviceName }}
+- name: OTEL_SERVICE_NAME
+  value: {{ . | quote }}
 {{- end }}
 {{- end }}
 {{- end }}

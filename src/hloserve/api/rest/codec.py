@@ -31,7 +31,16 @@ from hloserve.api.codec import SHM_REGION, bytes_contents
 from hloserve.api.rest.viewed_request import ViewedRequest
 from hloserve.errors import InvalidInput
 
-__all__ = ["BINARY_DATA_SIZE", "RestInfer", "decode_infer", "dismantle", "encode_infer", "parse_json"]
+__all__ = [
+    "BINARY_DATA_SIZE",
+    "RestInfer",
+    "decode_infer",
+    "dismantle",
+    "encode_infer",
+    "header_length",
+    "json_output_bytes",
+    "parse_json",
+]
 
 BINARY_DATA_SIZE = "binary_data_size"
 """Input and output parameter: the tensor's bytes follow the JSON header, this many."""
@@ -48,6 +57,7 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 """A `\\uD800`..`\\uDFFF` escape in JSON text: a string may hold a lone surrogate."""
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _MAX_DIMENSIONS = 64  # numpy's
+_DIGITS = re.compile(r"[0-9]{1,19}")  # ASCII digits only: str.isdigit takes '²', int() does not
 
 
 def _not_json(constant: str) -> Any:
@@ -138,9 +148,70 @@ def _fair_loads(text: bytes) -> Any:
     parser would hold it for the whole parse (a 64 MB body: 5.9 s). Meanwhile the switch interval
     is `_FAIR_SWITCH_S`."""
     decoder = json.JSONDecoder(parse_constant=_not_json)
+    decoder.parse_string = _fair_scanstring  # type: ignore[attr-defined]
     decoder.scan_once = json.scanner.py_make_scanner(decoder)  # type: ignore[attr-defined]
     with _fair_switching():
         return decoder.decode(_decode_text(text))
+
+
+_STRING_STEP = 1 << 20
+"""Characters of one JSON string scanned at once by `_fair_scanstring` (about 5 ms)."""
+_HIGH_SURROGATE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}")
+
+
+def _fair_scanstring(text: str, end: int, strict: bool = True) -> tuple[str, int]:
+    """`json.decoder.scanstring` (the C one), a `_STRING_STEP` of the string at a time: one call
+    over a whole string holds the interpreter throughout (a load's 64 MiB base64 file: 0.6 s).
+    A string that ends within a step (most) is one call; a longer one is cut before an escape,
+    never between the halves of a surrogate pair."""
+    pieces, start = [], end
+    scan = json.decoder.c_scanstring  # type: ignore[attr-defined]
+    while True:
+        stop = start + _STRING_STEP
+        quote = text.find('"', start, stop)  # the first that no backslash escapes:
+        while quote >= 0 and text[quote - 1] == "\\" and not _starts_escape(text, start, quote):
+            quote = text.find('"', quote + 1, stop)
+        if quote >= 0:  # it ends in this step
+            value, index = scan(text, start, strict)
+            pieces.append(value)
+            return "".join(pieces), index
+        if stop >= len(text):
+            raise json.JSONDecodeError("Unterminated string starting at", text, end - 1)
+        cut = _safe_cut(text, start, stop)
+        try:
+            value, _ = scan(text[start:cut] + '"', 0, strict)
+        except json.JSONDecodeError as e:
+            raise json.JSONDecodeError(e.msg, text, start + e.pos) from None
+        pieces.append(value)
+        start = cut
+
+
+def _safe_cut(text: str, start: int, stop: int) -> int:
+    """Where to end a step of a string that starts at `start` (never inside an escape): `stop`
+    when no escape reaches it, else the start of the last escape before it, or of the high half
+    of a pair before a low one (just after the pair when that is where the step starts).
+    `stop - start` is at least 13."""
+    last = text.rfind("\\", start, stop)
+    if last < stop - 12:  # none (-1), or none reaching `stop`: an escape is 12 characters at most
+        return stop
+    run = last
+    while run > start and text[run - 1] == "\\":
+        run -= 1
+    if (last + 1 - run) % 2 == 0:  # escaped backslashes, all ending before `stop`
+        return last + 1
+    cut = last  # an escape starts here
+    if _HIGH_SURROGATE.fullmatch(text, cut - 6, cut) and _starts_escape(text, start, cut - 6):
+        return cut - 6 if cut - 6 > start else cut + (6 if text[cut + 1 : cut + 2] == "u" else 2)
+    return cut
+
+
+def _starts_escape(text: str, start: int, at: int) -> bool:
+    """Whether the character at `at` is itself, not escaped (an even run of backslashes, from
+    `start`, precedes it): a backslash there begins an escape, a quote there ends the string."""
+    run = at
+    while run > start and text[run - 1] == "\\":
+        run -= 1
+    return (at - run) % 2 == 0
 
 
 def _decode_text(text: bytes) -> str:
@@ -177,6 +248,16 @@ def parse_json(text: bytes, max_containers: int | None = None, fair: bool = Fals
             "half of a pair); strings must be valid Unicode"
         )
     return value
+
+
+def header_length(value: str | None, model: str) -> int | None:
+    """The JSON header's length from an `Inference-Header-Content-Length` value (None: the whole
+    body is JSON). Optional whitespace around at most 19 ASCII digits, so it fits in an int64."""
+    if value is None:
+        return None
+    if not _DIGITS.fullmatch(value.strip(" \t")):
+        raise _fail(model, f"Inference-Header-Content-Length must be a byte count, got {value[:60]!r}")
+    return int(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,6 +371,22 @@ def _asarray(data: Any) -> np.ndarray:
     return np.asarray(data)
 
 
+def _wide_integers(
+    model: str, name: str, data: Any, wire: str, numpy: np.dtype[Any], not_numbers: InvalidInput
+) -> np.ndarray:
+    """JSON integers that numpy reads as floats or objects: one past int64 (a UINT64 in its upper
+    half) beside any other, which numpy promotes to float64 and loses. Read as `numpy` itself
+    when every value is an integer in its range."""
+    objects = np.asarray(data, dtype=object)
+    if not all(type(value) is int for value in objects.flat):
+        raise not_numbers
+    try:
+        return np.asarray(objects, dtype=numpy)
+    except OverflowError:
+        bad = next(v for v in objects.flat if not np.iinfo(numpy).min <= v <= np.iinfo(numpy).max)
+        raise _fail(model, f"'data' value {bad} is out of range for {wire}", name) from None
+
+
 def _json_tensor(model: str, name: str, data: Any, wire: str, shape: list[int]) -> bytes:
     """The raw bytes of JSON `data` (flat or nested, row-major) as a `wire` tensor of `shape`."""
     try:
@@ -321,6 +418,8 @@ def _json_tensor(model: str, name: str, data: Any, wire: str, shape: list[int]) 
             raise not_numbers from None
         if np.isnan(values).any():  # a null (a NaN token was refused by the parser)
             raise not_numbers
+    if values.dtype.kind in "fO" and accepted == "iu":
+        values = _wide_integers(model, name, data, wire, dtype.numpy, not_numbers)
     if values.size and values.dtype.kind not in accepted:
         raise not_numbers
     count = math.prod(shape)
@@ -439,13 +538,30 @@ def _decode_infer(
     return RestInfer(ViewedRequest(request, raw), binary, binary_default)
 
 
-def encode_infer(response: Any, decoded: RestInfer) -> tuple[list[bytes], int | None]:
+def json_output_bytes(response: Any, decoded: RestInfer) -> int:
+    """The tensor bytes of `response` that `encode_infer` writes as JSON numbers (those past
+    `INLINE_JSON` are encoded in a worker thread: 3 ms per 4096 values)."""
+    return sum(
+        len(raw)
+        for tensor, raw in zip(response.outputs, response.raw_output_contents, strict=True)
+        if SHM_REGION not in tensor.parameters and not decoded.binary.get(tensor.name, decoded.binary_default)
+    )
+
+
+def encode_infer(response: Any, decoded: RestInfer, fair: bool = False) -> tuple[list[bytes], int | None]:
     """The REST body of a ModelInferResponse, as the JSON header and the binary outputs that
-    follow it (sent as they are, not joined), and the header's length when binary follows."""
+    follow it (sent as they are, not joined), and the header's length when binary follows.
+    Numbers are written `_SLICE` values at a time, so that, in a worker thread, the interpreter
+    passes to the loop between slices (`json.dumps` of a whole tensor is one C call); `fair`, for
+    a worker thread: meanwhile the switch interval is `_FAIR_SWITCH_S`, as for a fair parse."""
+    if fair:
+        with _fair_switching():
+            return encode_infer(response, decoded)
     outputs = []
     blobs: list[bytes] = []
     for tensor, raw in zip(response.outputs, response.raw_output_contents, strict=True):
         out: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
+        data = None
         if SHM_REGION in tensor.parameters:
             out["parameters"] = {
                 key: getattr(value, value.WhichOneof("parameter_choice"))
@@ -455,19 +571,29 @@ def encode_infer(response: Any, decoded: RestInfer) -> tuple[list[bytes], int | 
             out["parameters"] = {BINARY_DATA_SIZE: len(raw)}
             blobs.append(raw)
         elif tensor.datatype == "BYTES":  # classification strings
-            out["data"] = _strings(raw)
+            data = _dumps(_strings(raw))
         else:
             array = np.frombuffer(raw, dtype=dtypes.by_wire(tensor.datatype).numpy)
             if array.dtype.kind == "V" or array.dtype == np.float16:  # bfloat16, float16: as floats
                 array = array.astype(np.float32)
-            out["data"] = _finite_json(array)
-        outputs.append(out)
+            data = (
+                b"["
+                + b",".join(
+                    _dumps(_finite_json(array[i : i + _SLICE]))[1:-1] for i in range(0, len(array), _SLICE)
+                )
+                + b"]"
+            )
+        text = _dumps(out)
+        outputs.append(text if data is None else text[:-1] + b',"data":' + data + b"}")
     body: dict[str, Any] = {"model_name": response.model_name, "model_version": "1"}
     if response.id:
         body["id"] = response.id
-    body["outputs"] = outputs
-    header = json.dumps(body, separators=(",", ":")).encode()
+    header = _dumps(body)[:-1] + b',"outputs":[' + b",".join(outputs) + b"]}"
     return [header, *blobs], len(header) if blobs else None
+
+
+def _dumps(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
 
 
 def _finite_json(array: np.ndarray) -> list[Any]:

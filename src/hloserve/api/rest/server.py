@@ -33,6 +33,7 @@ import json
 import re
 import socket
 import ssl
+import threading
 import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
@@ -67,6 +68,8 @@ from hloserve.api.rest.codec import (
     decode_infer,
     dismantle,
     encode_infer,
+    header_length,
+    json_output_bytes,
     no_collections,
     parse_json,
 )
@@ -241,7 +244,6 @@ Handler = Callable[[Request], Awaitable[Response]]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
-_DIGITS = re.compile(r"[0-9]{1,19}")  # ASCII digits only: str.isdigit takes '²', int() does not
 _INFER_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
 _JSON = [(b"content-type", b"application/json")]
 _BINARY = [(b"content-type", b"application/octet-stream")]
@@ -287,11 +289,14 @@ _PIECE = 1 << 20
 inflation stops within one piece of it."""
 
 
-def _inflate(inflater: Any, data: bytes | memoryview, cap: int) -> memoryview | None:
+def _inflate(
+    inflater: Any, data: bytes | memoryview, cap: int, book: Callable[[int], None]
+) -> memoryview | None:
     """`data` inflated by `inflater` into one buffer, piece by piece; None as soon as it passes
-    `cap` bytes (what it inflated is dropped). Runs in a worker thread for a large `cap`: zlib frees
-    the interpreter while it inflates, and the pieces are copied one by one (one copy of 1 GiB
-    would hold it for a third of a second)."""
+    `cap` bytes (what it inflated is dropped). Each piece is booked by `book` (the bytes being
+    received), which raises when the server has no room for it. Runs in a worker thread for a
+    large `cap`: zlib frees the interpreter while it inflates, and the pieces are copied one by one
+    (one copy of 1 GiB would hold it for a third of a second)."""
     pieces: list[bytes] = []
     size = 0
     while not inflater.eof:
@@ -304,6 +309,12 @@ def _inflate(inflater: Any, data: bytes | memoryview, cap: int) -> memoryview | 
             del piece, pieces
             _return_memory(size)
             return None
+        try:
+            book(len(piece))
+        except HttpRefusal:
+            del piece, pieces
+            _return_memory(size)
+            raise
         pieces.append(piece)
     if len(pieces) == 1:
         return memoryview(pieces[0])
@@ -421,7 +432,8 @@ class _Routes:
         self._ratio = config.http_max_inflation_ratio
         self._max_receiving = config.max_receiving_bytes
         self.receiving = 0
-        """Bytes of request bodies being received now (`server.max_receiving_bytes`)."""
+        """Bytes of request bodies being received or inflated now (`server.max_receiving_bytes`)."""
+        self._receiving_lock = threading.Lock()  # inflations book from worker threads
         self.inflight = _InFlight(config.http_body_timeout_s, config.http_idle_timeout_s)
 
     async def _body(
@@ -465,17 +477,26 @@ class _Routes:
         """A gzip or deflate body inflated to at most `limit` bytes and `server.http_max_inflation_ratio`
         times its size (1 MiB at least): zlib stops at the first byte past the bound, and the
         request is refused. Past `_INLINE_INFLATE` bytes it inflates in a worker thread (zlib frees
-        the interpreter meanwhile), so a bomb never stalls the loop."""
+        the interpreter meanwhile), so a bomb never stalls the loop. The inflated bytes count
+        against `server.max_receiving_bytes` while it inflates, as received ones do."""
         cap = min(limit, max(self._ratio * len(body), _RATIO_FLOOR))
         inflater = zlib.decompressobj(_WBITS[encoding])
+        booked = [0]
+
+        def book(size: int) -> None:
+            self._reserve(size)
+            booked[0] += size
+
         try:
             if cap <= _INLINE_INFLATE:
-                inflated = _inflate(inflater, body, cap)
+                inflated = _inflate(inflater, body, cap, book)
             else:
                 loop = asyncio.get_running_loop()
-                inflated = await loop.run_in_executor(None, _inflate, inflater, body, cap)
+                inflated = await loop.run_in_executor(None, _inflate, inflater, body, cap, book)
         except zlib.error as e:
             raise HttpRefusal(f"the body is not valid {encoding} data: {e}") from None
+        finally:
+            self._release(booked[0])
         if inflated is None:
             if cap == limit:
                 raise self._too_large(f"{encoding} body that inflates to more than {limit} bytes", limit, key)
@@ -527,16 +548,21 @@ class _Routes:
                 raise HttpRefusal(f"the body has {size} bytes, its Content-Length says {expected}")
             return b"" if view is None else view
         finally:
-            self.receiving -= size
+            self._release(size)
 
     def _reserve(self, size: int) -> None:
-        if self.receiving + size > self._max_receiving:
-            raise HttpRefusal(
-                f"the server is receiving {self.receiving} bytes of request bodies; {size} more would "
-                f"pass server.max_receiving_bytes ({self._max_receiving}); retry later",
-                Status.UNAVAILABLE,
-            )
-        self.receiving += size
+        with self._receiving_lock:
+            if self.receiving + size > self._max_receiving:
+                raise HttpRefusal(
+                    f"the server is receiving {self.receiving} bytes of request bodies; {size} more "
+                    f"would pass server.max_receiving_bytes ({self._max_receiving}); retry later",
+                    Status.UNAVAILABLE,
+                )
+            self.receiving += size
+
+    def _release(self, size: int) -> None:
+        with self._receiving_lock:
+            self.receiving -= size
 
     @staticmethod
     def _too_large(what: str, limit: int, key: str) -> HttpRefusal:
@@ -583,12 +609,7 @@ class _Routes:
         if self._plane.tracing is not None:
             spans = self._plane.trace_request(label, headers.get("traceparent"), time.monotonic_ns())
         try:
-            header_length = headers.get(_HEADER_LENGTH)
-            if header_length is not None and not _DIGITS.fullmatch(header_length.strip()):
-                raise HttpRefusal(
-                    f"Inference-Header-Content-Length must be a byte count, got {header_length!r}"[:200]
-                )
-            length = None if header_length is None else int(header_length)
+            length = header_length(headers.get(_HEADER_LENGTH), model)
             if length is not None and length > self._json_limit:
                 raise self._too_large(
                     f"the JSON header of {length} bytes", self._json_limit, "server.http_max_json_bytes"
@@ -600,7 +621,13 @@ class _Routes:
                 loop = asyncio.get_running_loop()
                 decoded = await loop.run_in_executor(None, decode_infer, received, length, model, version)
             response = await self._unless_disconnected(decoded.request, scope["client"], spans)
-            pieces, binary_length = encode_infer(response, decoded)
+            if json_output_bytes(response, decoded) <= INLINE_JSON:
+                pieces, binary_length = encode_infer(response, decoded)
+            else:  # written a slice at a time in a worker thread, which gives the loop the interpreter
+                loop = asyncio.get_running_loop()
+                pieces, binary_length = await loop.run_in_executor(
+                    None, encode_infer, response, decoded, True
+                )
         except _Disconnected:
             if spans is not None:
                 spans.end("CANCELLED")
@@ -717,9 +744,15 @@ class _Routes:
         parameters = (await self._json(request, files=True)).get("parameters", {})
         if not isinstance(parameters, dict):
             raise HttpRefusal("Invalid value for 'parameters': expected an object")
+        files = sum(
+            len(v) for k, v in parameters.items() if isinstance(v, str) and str(k).startswith("file:")
+        )
+        if files <= INLINE_JSON:
+            decoded = _load_parameters(parameters)
+        else:  # decoded a slice at a time in a worker thread, which gives the loop the interpreter back
+            decoded = await asyncio.get_running_loop().run_in_executor(None, _load_parameters, parameters)
         message = kserve.RepositoryModelLoadRequest(
-            model_name=request.path_params["model"],
-            parameters={str(key): _load_parameter(str(key), value) for key, value in parameters.items()},
+            model_name=request.path_params["model"], parameters=decoded
         )
         await self._service.repository_model_load(message)
         return Response()
@@ -1126,6 +1159,29 @@ class RestServer:
                     await asyncio.wait(late)
 
 
+def _load_parameters(parameters: dict[Any, Any]) -> dict[str, kserve.ModelRepositoryParameter]:
+    return {str(key): _load_parameter(str(key), value) for key, value in parameters.items()}
+
+
+_BASE64_STEP = 1 << 20
+"""Base64 characters decoded at once (5 ms); a multiple of 4."""
+
+
+def _base64(value: str) -> bytes:
+    """`base64.b64decode(value, validate=True)`, `_BASE64_STEP` characters at a time (one call over
+    a 64 MiB file holds the interpreter for a third of a second). The last group of 4 and what
+    follows it are decoded together, as b64decode reads padding there (`0000=` is 3 bytes)."""
+    tail = max(0, (len(value) // 4 - 1) * 4)
+    pieces = []
+    for start in range(0, tail, _BASE64_STEP):
+        piece = value[start : min(tail, start + _BASE64_STEP)]
+        if "=" in piece:
+            raise binascii.Error("padding before the end")
+        pieces.append(base64.b64decode(piece, validate=True))
+    pieces.append(base64.b64decode(value[tail:], validate=True))
+    return b"".join(pieces)
+
+
 def _load_parameter(key: str, value: Any) -> kserve.ModelRepositoryParameter:
     """A load parameter as on gRPC: a config is a JSON string, a `file:` one the file's bytes in
     base64 (as Triton's REST load takes them); anything else is refused by the service."""
@@ -1134,6 +1190,6 @@ def _load_parameter(key: str, value: Any) -> kserve.ModelRepositoryParameter:
     if not key.startswith("file:"):
         return kserve.ModelRepositoryParameter(string_param=value)
     try:
-        return kserve.ModelRepositoryParameter(bytes_param=base64.b64decode(value, validate=True))
-    except binascii.Error:
+        return kserve.ModelRepositoryParameter(bytes_param=_base64(value))
+    except ValueError:  # binascii.Error, or a character past ASCII
         raise HttpRefusal(f"Invalid value for {key[:80]!r}: expected the file's bytes in base64") from None

@@ -1,0 +1,20 @@
+"""`python -m benches zoo --quick` produces its rows: one small zoo model, exported (or taken
+from the zoo's cache), served by a real `hloserve serve`, timed beside torch eager. Here rather
+than in tests/test_benches.py: it needs the zoo's torchvision, which only `tox -e zoo` installs."""
+
+from __future__ import annotations
+
+import pytest
+
+from benches import zoo
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # exports the model unless the zoo's cache has it
+def test_the_zoo_bench_quick_path_measures_one_model() -> None:
+    rows = zoo.run(quick=True, threads=1)
+    assert [(r.model, r.batch) for r in rows] == [(name, 1) for name in zoo.QUICK_MODELS]
+    for row in rows:
+        assert row.hloserve_ms > 0 and row.torch_ms > 0 and row.grpc_ms >= row.hloserve_ms
+        assert row.ratio == pytest.approx(row.hloserve_ms / row.torch_ms, abs=0.02)
+    assert "median ratio" in zoo.table(rows)
