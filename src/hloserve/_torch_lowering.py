@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.export.graph_signature import InputKind
 
-from hloserve import _xla
+from hloserve import _torch_weights, _xla
 
 __all__ = ["LoweringError", "Lowerings", "import_torchax", "lower_program", "quiet"]
 
@@ -169,10 +169,18 @@ def _decomposed(program: torch.export.ExportedProgram, torchax: Any) -> torch.ex
 class _Interpreter(torch.fx.Interpreter):
     """Runs a program's graph on JAX values, one ATen lowering per node."""
 
-    def __init__(self, module: torch.fx.GraphModule, lowerings: Mapping[Any, Callable[..., Any]]) -> None:
+    def __init__(
+        self,
+        module: torch.fx.GraphModule,
+        lowerings: Mapping[Any, Callable[..., Any]],
+        prepared: _torch_weights.Prepared,
+        states: Sequence[Any],
+    ) -> None:
         super().__init__(module)
         self.extra_traceback = False  # LoweringError says where; fx would append the graph's text
         self.lowerings = lowerings
+        self.prepared = prepared
+        self.states = states
         self.registry = import_torchax().ops.ops_registry.all_aten_ops
 
     def _lowering(self, target: Any) -> Callable[..., Any] | None:
@@ -194,9 +202,20 @@ class _Interpreter(torch.fx.Interpreter):
             raise _Unlowered()
         return lowering(*args, **kwargs)
 
+    def _prepared_node(self, n: torch.fx.Node) -> Any:
+        """The rewrites of `hloserve._torch_weights` where they apply to `n`, else `run_node`'s."""
+        if n.name in self.prepared.folded:  # a folded batch norm: its convolution plus the shift
+            y = self.env[n.args[0]]  # type: ignore[index]  # a node: _torch_weights checked it
+            shift = self.states[self.prepared.folded[n.name]]
+            return (y + shift.reshape(-1, *[1] * (y.ndim - 2)),)  # its output is item 0
+        if n.name in self.prepared.unbiased:
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            return self.call_function(n.target, (*args[:2], None, *args[3:]), kwargs)
+        return super().run_node(n)
+
     def run_node(self, n: torch.fx.Node) -> Any:
         try:
-            return super().run_node(n)
+            return self._prepared_node(n)
         except LoweringError:
             raise
         except _Unlowered:
@@ -216,9 +235,12 @@ def _op_name(target: Any) -> str:
 
 def lower_program(
     program: torch.export.ExportedProgram, lowerings: Lowerings | None = None
-) -> tuple[list[str], list[torch.Tensor], Callable[[Sequence[Any], Sequence[Any]], list[Any]]]:
-    """The program's weights (names, tensors, in its own argument order) and a JAX function
-    `(weights, inputs) -> outputs` that computes it.
+) -> tuple[
+    list[str], list[torch.Tensor], Callable[[Sequence[Any], Sequence[Any]], list[Any]], dict[str, Any]
+]:
+    """The program's weights (names, tensors, in its own argument order, as
+    `hloserve._torch_weights` prepares them), a JAX function `(weights, inputs) -> outputs` that
+    computes it, and the provenance entries that say how the weights were prepared.
 
     Raises:
         ValueError: the program takes an argument that is neither a weight nor an input
@@ -252,12 +274,21 @@ def lower_program(
     table = {**_KEPT_WHOLE, **(lowerings or {})}
     mutated = len(program.graph_signature.buffers_to_mutate)
     module = program.graph_module
+    prepared = _torch_weights.prepare(module, names, weights, order)
 
     def function(states: Sequence[Any], inputs: Sequence[Any]) -> list[Any]:
         given = iter(inputs)
-        arguments = [next(given) if k is None else states[k] for k in order]
+        laid_out = [
+            jnp.transpose(s, prepared.restore[k]) if k in prepared.restore else s
+            for k, s in enumerate(states)
+        ]
+        arguments = [
+            next(given) if k is None else None if k == _torch_weights.DROPPED else laid_out[k]
+            for k in prepared.order
+        ]
         with quiet():
-            results = _Interpreter(module, table).run(*arguments, enable_io_processing=False)
+            interpreter = _Interpreter(module, table, prepared, states)
+            results = interpreter.run(*arguments, enable_io_processing=False)
         return list(results[mutated:])
 
-    return names, weights, function
+    return prepared.names, prepared.weights, function, prepared.provenance

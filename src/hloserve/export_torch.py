@@ -65,9 +65,10 @@ def _output_names(program: torch.export.ExportedProgram) -> list[str] | None:
 
 def _to_jax(
     module: torch.nn.Module, examples: Sequence[np.ndarray], size: int, lowerings: Lowerings | None
-) -> tuple[list[str], list[Any], Any, list[str] | None]:
+) -> tuple[list[str], list[Any], Any, list[str] | None, dict[str, Any]]:
     """torch.export at one batch size, then lowered: weight names, their tensors, the JAX
-    function, and the outputs' names if the module returns a dict."""
+    function, the outputs' names if the module returns a dict, and how the weights were
+    prepared (provenance entries)."""
     rows = tuple(_to_torch(a[np.arange(size) % len(a)] if size != UNBATCHED else a) for a in examples)
     try:
         with quiet():
@@ -77,8 +78,8 @@ def _to_jax(
         raise ValueError(
             f"torch.export cannot trace {type(module).__name__} at batch size {size}: {cause}"
         ) from e
-    names, states, function = lower_program(program, lowerings)
-    return names, list(states), function, _output_names(program)
+    names, states, function, prepared = lower_program(program, lowerings)
+    return names, list(states), function, _output_names(program), prepared
 
 
 def export_torch_bundle(
@@ -135,7 +136,7 @@ def export_torch_bundle(
     was_training = module.training
     module.eval()
     try:
-        names, states, first, output_names = _to_jax(module, examples, sizes[0], lowerings)
+        names, states, first, output_names, prepared = _to_jax(module, examples, sizes[0], lowerings)
         if output_names is not None and options.get("outputs") is None:
             options["outputs"] = [OutputSpec(name) for name in output_names]
         weights = [_to_numpy(s) for s in states]
@@ -144,7 +145,7 @@ def export_torch_bundle(
         def function_for(size: int) -> Callable[..., Any]:
             function = first
             if size != sizes[0]:
-                again, _, function, _ = _to_jax(module, examples, size, lowerings)
+                again, _, function, _, _ = _to_jax(module, examples, size, lowerings)
                 if again != names:
                     raise ValueError(
                         f"torch.export names the weights {again} at batch size {size}, {names} before"
@@ -161,7 +162,11 @@ def export_torch_bundle(
             return [_to_numpy(t) for t in pytree.tree_leaves(result)]  # a dict's values, in order
 
         torchax = import_torchax()
-        versions = {"torch_version": str(torch.__version__), "torchax_version": str(torchax.__version__)}
+        versions = {
+            "torch_version": str(torch.__version__),
+            "torchax_version": str(torchax.__version__),
+            **prepared,
+        }
         traceable = Traceable("torch", names, weights, function_for, reference, versions)
         options.setdefault("sample_inputs", examples)
         return export_bundle(
