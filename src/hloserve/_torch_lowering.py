@@ -151,6 +151,40 @@ _KEPT_WHOLE: dict[Any, Callable[..., Any]] = {
 }
 
 
+def _depthwise(
+    x: Any, weight: Any, stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int]
+) -> Any:
+    """A 2-D depthwise convolution (one filter per channel) as a sum of strided slices scaled per
+    channel: one element-wise fusion. XLA:CPU's grouped convolution took 10-40x longer on
+    MobileNetV3's, EfficientNet's and ConvNeXt's shapes (jaxlib 0.10.2, one core)."""
+    kh, kw = weight.shape[2:]
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+    padded = jnp.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    rows = (padded.shape[2] - dh * (kh - 1) - 1) // sh + 1
+    columns = (padded.shape[3] - dw * (kw - 1) - 1) // sw + 1
+    total = None
+    for i in range(kh):
+        for j in range(kw):
+            start = (0, 0, i * dh, j * dw)
+            end = (*padded.shape[:2], i * dh + (rows - 1) * sh + 1, j * dw + (columns - 1) * sw + 1)
+            term = jax.lax.slice(padded, start, end, (1, 1, sh, sw)) * weight[:, 0, i, j][:, None, None]
+            total = term if total is None else total + term
+    return total
+
+
+def _convolution(
+    x: Any, weight: Any, bias: Any, stride: Any, padding: Any, dilation: Any, transposed: Any, *rest: Any
+) -> Any:
+    """torchax's convolution, but a 2-D depthwise one as `_depthwise`."""
+    groups = rest[-1]
+    if transposed or x.ndim != 4 or weight.shape[1] != 1 or not groups == x.shape[1] == weight.shape[0]:
+        torchax = import_torchax()
+        convolution = torchax.ops.ops_registry.all_aten_ops[torch.ops.aten.convolution].func
+        return convolution(x, weight, bias, stride, padding, dilation, transposed, *rest)
+    y = _depthwise(jnp.asarray(x), jnp.asarray(weight).astype(x.dtype), stride, padding, dilation)
+    return y if bias is None else y + jnp.asarray(bias).reshape(-1, 1, 1)
+
+
 # --- the program ----------------------------------------------------------------------------------
 
 
@@ -271,7 +305,7 @@ def lower_program(
                 f"the program takes a {spec.kind.name} argument ({spec.arg}); "
                 "a bundle binds only weights and inputs"
             )
-    table = {**_KEPT_WHOLE, **(lowerings or {})}
+    table = {**_KEPT_WHOLE, torch.ops.aten.convolution.default: _convolution, **(lowerings or {})}
     mutated = len(program.graph_signature.buffers_to_mutate)
     module = program.graph_module
     prepared = _torch_weights.prepare(module, names, weights, order)

@@ -100,8 +100,10 @@ def export_torch_bundle(
     they are what verification runs unless `sample_inputs` is given (with `batch_axis=False`
     they are whole inputs, traced as they are, and the bundle has no batch axis). `inputs`
     names them and sets their letters (default `input_0`, `input_1`... with generated letters). Weights are
-    named by the module's state (`conv.weight`, `bn.running_mean`) in torch.export's argument
-    order (parameters, then buffers and lifted constants); a 0-dim float64 one is demoted to
+    named by the module's state (`conv.weight`, `head.bias`) in torch.export's argument
+    order (parameters, then buffers and lifted constants), then the shifts of the batch norms
+    folded into their convolutions (`bn.bias`); convolution and linear weights are stored
+    transposed (`hloserve._torch_weights`); a 0-dim float64 one is demoted to
     float32, as x64 would otherwise promote the f32 computation it meets. Outputs are named by
     `outputs` if given, else by the keys of a dict the module returns (nested keys joined with
     '.'), else `output_0`, `output_1`... in torch.export's order. `lowerings` maps an
