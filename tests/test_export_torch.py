@@ -179,6 +179,32 @@ def test_torch_export_folds_batch_norm_and_stores_weights_as_xla_reads_them(tmp_
         assert_close(result, model(image).numpy())
 
 
+class OnePerSize(torch.nn.Module):
+    """An ONNX import's shape of module: one model per batch size, each reading its own weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.one = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+        self.two = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return self.one(image) if image.shape[0] == 1 else self.two(image)
+
+
+def test_torch_export_prepares_no_weights_when_batch_sizes_read_different_ones(tmp_path: Path) -> None:
+    """Weights folded for one batch size's program would be wrong for the other's: all stay as
+    torch has them (the ONNX-imported DeiT-Ti of tests/zoo failed to export otherwise)."""
+    torch.manual_seed(0)
+    directory = export_torch_bundle(
+        OnePerSize(), (torch.randn(2, 3, 6, 6),), tmp_path / "two", batch_sizes=(1, 2)
+    )
+    shapes = {w.name: w.shape for w in load_bundle(directory).weights}
+    assert shapes["one.0.weight"] == shapes["two.0.weight"] == (4, 3, 3, 3)
+    assert "one.1.running_mean" in shapes and "two.1.running_var" in shapes
+    provenance = yaml.safe_load((directory / "manifest.yaml").read_text())["provenance"]
+    assert "folded_batch_norms" not in provenance and "weights_stored_transposed" not in provenance
+
+
 def test_weight_transposes_are_found_in_unprepared_weights() -> None:
     """The check above finds the transposes when they are there: an OIHW weight as a parameter."""
     source = """

@@ -268,7 +268,7 @@ def _op_name(target: Any) -> str:
 
 
 def lower_program(
-    program: torch.export.ExportedProgram, lowerings: Lowerings | None = None
+    program: torch.export.ExportedProgram, lowerings: Lowerings | None = None, prepare: bool = True
 ) -> tuple[
     list[str], list[torch.Tensor], Callable[[Sequence[Any], Sequence[Any]], list[Any]], dict[str, Any]
 ]:
@@ -308,7 +308,11 @@ def lower_program(
     table = {**_KEPT_WHOLE, torch.ops.aten.convolution.default: _convolution, **(lowerings or {})}
     mutated = len(program.graph_signature.buffers_to_mutate)
     module = program.graph_module
-    prepared = _torch_weights.prepare(module, names, weights, order)
+    prepared = (
+        _torch_weights.prepare(module, names, weights, order)
+        if prepare
+        else _torch_weights.Prepared(names, weights, order)
+    )
 
     def function(states: Sequence[Any], inputs: Sequence[Any]) -> list[Any]:
         given = iter(inputs)

@@ -64,7 +64,11 @@ def _output_names(program: torch.export.ExportedProgram) -> list[str] | None:
 
 
 def _to_jax(
-    module: torch.nn.Module, examples: Sequence[np.ndarray], size: int, lowerings: Lowerings | None
+    module: torch.nn.Module,
+    examples: Sequence[np.ndarray],
+    size: int,
+    lowerings: Lowerings | None,
+    prepare: bool = True,
 ) -> tuple[list[str], list[Any], Any, list[str] | None, dict[str, Any]]:
     """torch.export at one batch size, then lowered: weight names, their tensors, the JAX
     function, the outputs' names if the module returns a dict, and how the weights were
@@ -78,8 +82,14 @@ def _to_jax(
         raise ValueError(
             f"torch.export cannot trace {type(module).__name__} at batch size {size}: {cause}"
         ) from e
-    names, states, function, prepared = lower_program(program, lowerings)
+    names, states, function, prepared = lower_program(program, lowerings, prepare)
     return names, list(states), function, _output_names(program), prepared
+
+
+def _weights_key(lowered: tuple[list[str], list[Any], Any, Any, dict[str, Any]]) -> str:
+    """What must agree between batch sizes for one weights file to serve them all."""
+    names, states, _, _, prepared = lowered
+    return repr((names, [tuple(s.shape) for s in states], sorted(prepared.items())))
 
 
 def export_torch_bundle(
@@ -138,20 +148,23 @@ def export_torch_bundle(
     was_training = module.training
     module.eval()
     try:
-        names, states, first, output_names, prepared = _to_jax(module, examples, sizes[0], lowerings)
+        lowered = {size: _to_jax(module, examples, size, lowerings) for size in sizes}
+        if len({_weights_key(found) for found in lowered.values()}) > 1:
+            # a module whose batch sizes read different weights (an ONNX import's one model per
+            # size): weights prepared for one size would not be the others', so none are
+            lowered = {size: _to_jax(module, examples, size, lowerings, prepare=False) for size in sizes}
+        names, states, _, output_names, prepared = lowered[sizes[0]]
         if output_names is not None and options.get("outputs") is None:
             options["outputs"] = [OutputSpec(name) for name in output_names]
         weights = [_to_numpy(s) for s in states]
         weights = [w.astype(np.float32) if w.ndim == 0 and w.dtype == np.float64 else w for w in weights]
 
         def function_for(size: int) -> Callable[..., Any]:
-            function = first
-            if size != sizes[0]:
-                again, _, function, _, _ = _to_jax(module, examples, size, lowerings)
-                if again != names:
-                    raise ValueError(
-                        f"torch.export names the weights {again} at batch size {size}, {names} before"
-                    )
+            again, _, function, _, _ = lowered[size]
+            if again != names:
+                raise ValueError(
+                    f"torch.export names the weights {again} at batch size {size}, {names} before"
+                )
 
             def flat(*args: Any) -> Any:
                 return function(list(args[n_inputs:]), tuple(args[:n_inputs]))
