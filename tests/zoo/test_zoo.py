@@ -61,6 +61,7 @@ _EXPORTER_SOURCES = (
     "export.py",
     "export_torch.py",
     "_torch_lowering.py",
+    "_torch_weights.py",
     "_torchvision.py",
     "_scratch.py",
     "verification.py",

@@ -113,8 +113,8 @@ class Traceable:
     """Batch size → a JAX-traceable function of (inputs..., weights...) returning an array or a tuple."""
     reference: Callable[..., Any]
     """The original model on host inputs (with their batch axis): what verification compares with."""
-    versions: Mapping[str, str] = field(default_factory=dict)
-    """Framework versions, for the provenance."""
+    versions: Mapping[str, Any] = field(default_factory=dict)
+    """Framework versions and how the weights were prepared, for the provenance."""
 
 
 def _letters(given: str | None, rank: int, where: str) -> str:

@@ -64,10 +64,15 @@ def _output_names(program: torch.export.ExportedProgram) -> list[str] | None:
 
 
 def _to_jax(
-    module: torch.nn.Module, examples: Sequence[np.ndarray], size: int, lowerings: Lowerings | None
-) -> tuple[list[str], list[Any], Any, list[str] | None]:
+    module: torch.nn.Module,
+    examples: Sequence[np.ndarray],
+    size: int,
+    lowerings: Lowerings | None,
+    prepare: bool = True,
+) -> tuple[list[str], list[Any], Any, list[str] | None, dict[str, Any]]:
     """torch.export at one batch size, then lowered: weight names, their tensors, the JAX
-    function, and the outputs' names if the module returns a dict."""
+    function, the outputs' names if the module returns a dict, and how the weights were
+    prepared (provenance entries)."""
     rows = tuple(_to_torch(a[np.arange(size) % len(a)] if size != UNBATCHED else a) for a in examples)
     try:
         with quiet():
@@ -77,8 +82,14 @@ def _to_jax(
         raise ValueError(
             f"torch.export cannot trace {type(module).__name__} at batch size {size}: {cause}"
         ) from e
-    names, states, function = lower_program(program, lowerings)
-    return names, list(states), function, _output_names(program)
+    names, states, function, prepared = lower_program(program, lowerings, prepare)
+    return names, list(states), function, _output_names(program), prepared
+
+
+def _weights_key(lowered: tuple[list[str], list[Any], Any, Any, dict[str, Any]]) -> str:
+    """What must agree between batch sizes for one weights file to serve them all."""
+    names, states, _, _, prepared = lowered
+    return repr((names, [tuple(s.shape) for s in states], sorted(prepared.items())))
 
 
 def export_torch_bundle(
@@ -99,8 +110,10 @@ def export_torch_bundle(
     they are what verification runs unless `sample_inputs` is given (with `batch_axis=False`
     they are whole inputs, traced as they are, and the bundle has no batch axis). `inputs`
     names them and sets their letters (default `input_0`, `input_1`... with generated letters). Weights are
-    named by the module's state (`conv.weight`, `bn.running_mean`) in torch.export's argument
-    order (parameters, then buffers and lifted constants); a 0-dim float64 one is demoted to
+    named by the module's state (`conv.weight`, `head.bias`) in torch.export's argument
+    order (parameters, then buffers and lifted constants), then the shifts of the batch norms
+    folded into their convolutions (`bn.bias`); convolution and linear weights are stored
+    transposed (`hloserve.export._torch_weights`); a 0-dim float64 one is demoted to
     float32, as x64 would otherwise promote the f32 computation it meets. Outputs are named by
     `outputs` if given, else by the keys of a dict the module returns (nested keys joined with
     '.'), else `output_0`, `output_1`... in torch.export's order. `lowerings` maps an
@@ -135,20 +148,23 @@ def export_torch_bundle(
     was_training = module.training
     module.eval()
     try:
-        names, states, first, output_names = _to_jax(module, examples, sizes[0], lowerings)
+        lowered = {size: _to_jax(module, examples, size, lowerings) for size in sizes}
+        if len({_weights_key(found) for found in lowered.values()}) > 1:
+            # a module whose batch sizes read different weights (an ONNX import's one model per
+            # size): weights prepared for one size would not be the others', so none are
+            lowered = {size: _to_jax(module, examples, size, lowerings, prepare=False) for size in sizes}
+        names, states, _, output_names, prepared = lowered[sizes[0]]
         if output_names is not None and options.get("outputs") is None:
             options["outputs"] = [OutputSpec(name) for name in output_names]
         weights = [_to_numpy(s) for s in states]
         weights = [w.astype(np.float32) if w.ndim == 0 and w.dtype == np.float64 else w for w in weights]
 
         def function_for(size: int) -> Callable[..., Any]:
-            function = first
-            if size != sizes[0]:
-                again, _, function, _ = _to_jax(module, examples, size, lowerings)
-                if again != names:
-                    raise ValueError(
-                        f"torch.export names the weights {again} at batch size {size}, {names} before"
-                    )
+            again, _, function, _, _ = lowered[size]
+            if again != names:
+                raise ValueError(
+                    f"torch.export names the weights {again} at batch size {size}, {names} before"
+                )
 
             def flat(*args: Any) -> Any:
                 return function(list(args[n_inputs:]), tuple(args[:n_inputs]))
@@ -161,7 +177,11 @@ def export_torch_bundle(
             return [_to_numpy(t) for t in pytree.tree_leaves(result)]  # a dict's values, in order
 
         torchax = import_torchax()
-        versions = {"torch_version": str(torch.__version__), "torchax_version": str(torchax.__version__)}
+        versions = {
+            "torch_version": str(torch.__version__),
+            "torchax_version": str(torchax.__version__),
+            **prepared,
+        }
         traceable = Traceable("torch", names, weights, function_for, reference, versions)
         options.setdefault("sample_inputs", examples)
         return export_bundle(
