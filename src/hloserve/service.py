@@ -130,7 +130,10 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         """(model, status) → its call counter and its model's duration histogram: prometheus's
         `labels()` lookup costs more than the count itself."""
         self._inflight = 0
-        self._admission = Admission(lambda callback, arg: asyncio.get_running_loop().call_soon(callback, arg))
+        self._admission = Admission(
+            lambda callback, arg: asyncio.get_running_loop().call_soon(callback, arg),
+            config.server.admission_fraction,
+        )
         self._worker = worker
         self._metas = metas
         self._tracing = tracing
