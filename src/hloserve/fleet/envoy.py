@@ -389,13 +389,16 @@ def _cluster(
                 **idle,
             }
         },
-        # A worker whose connection fails or resets is left out for a while; a worker that
-        # answers UNAVAILABLE because its queue is full is not (it is busy, not gone).
+        # A worker whose connection fails or resets (local-origin errors) is left out for a
+        # while; a worker that answers UNAVAILABLE or DEADLINE_EXCEEDED is not: it is busy, not
+        # gone. Envoy maps a gRPC status to HTTP for outlier detection (UNAVAILABLE: 503,
+        # DEADLINE_EXCEEDED: 504, both "gateway failures"), so under overload enforcing those
+        # ejected every worker, and with no panic threshold Envoy answered "no healthy upstream".
         "outlier_detection": {
             "consecutive_5xx": 0,
             "enforcing_consecutive_5xx": 0,
-            "consecutive_gateway_failure": 2,
-            "enforcing_consecutive_gateway_failure": 100,
+            "consecutive_gateway_failure": 0,
+            "enforcing_consecutive_gateway_failure": 0,
             "consecutive_local_origin_failure": 1,
             "enforcing_consecutive_local_origin_failure": 100,
             "split_external_local_origin_errors": True,
