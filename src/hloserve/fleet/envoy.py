@@ -227,6 +227,30 @@ def _listener(
     }
 
 
+_ADMISSION_CONTROL = {
+    # Sheds at the request's headers, before the field extraction buffers and reads its body:
+    # a request is refused (503, gRPC UNAVAILABLE) with a probability that grows as the share
+    # of recent gRPC answers that were not UNAVAILABLE, DEADLINE_EXCEEDED or RESOURCE_EXHAUSTED
+    # (the circuit breakers' overflow and the workers' refusals) falls below 99%.
+    "name": "envoy.filters.http.admission_control",
+    "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.admission_control.v3.AdmissionControl",
+        "enabled": {"default_value": True, "runtime_key": "hloserve.shed.enabled"},
+        "sampling_window": "1s",
+        "aggression": {"default_value": 4.0, "runtime_key": "hloserve.shed.aggression"},
+        "sr_threshold": {"default_value": {"value": 99.0}, "runtime_key": "hloserve.shed.sr_threshold"},
+        "rps_threshold": {"default_value": 10, "runtime_key": "hloserve.shed.rps_threshold"},
+        "max_rejection_probability": {
+            "default_value": {"value": 99.0},
+            "runtime_key": "hloserve.shed.max_rejection_probability",
+        },
+        "success_criteria": {
+            "grpc_criteria": {"grpc_success_status": [c for c in range(17) if c not in (4, 8, 14)]}
+        },
+    },
+}
+
+
 _COLLECTOR = "opentelemetry_collector"
 
 
@@ -282,15 +306,16 @@ def bootstrap(
     grpc_tls: Tls | None = None,
     http_tls: Tls | None = None,
     traces: Mapping[str, str] | None = None,
+    shed: bool = False,
 ) -> dict[str, Any]:
     """Envoy's static configuration: the public gRPC listener with its filters, the public REST
     listener (`http_port` -1: none), each over TLS when given its files, the admin interface,
     and where the routes (`routes.json`, `routes_http.json`) and clusters (`clusters.json`) are;
     with `traces` (the node's `hloserve.tracing.settings`) exporting spans, Envoy's own spans
-    too (`tracing`)."""
+    too (`tracing`); with `shed`, gRPC requests are shed by `_ADMISSION_CONTROL` first."""
     window = _window(max_message_bytes)
     descriptors = directory / "routing.pb"
-    extraction = [
+    extraction = [*([_ADMISSION_CONTROL] if shed else []),
         {
             "name": _EXTRACTION,
             "typed_config": {
