@@ -88,13 +88,15 @@ def test_max_requests_per_worker_bounds_each_model_cluster_not_the_controller() 
 
 def test_a_worker_that_refuses_is_not_ejected() -> None:
     """Envoy counts gRPC UNAVAILABLE and DEADLINE_EXCEEDED as gateway failures (503, 504); an
-    overloaded worker answers them, and ejecting it left "no healthy upstream" (issue 25)."""
+    overloaded worker answers them, and ejecting it left "no healthy upstream" (issue 25); nor,
+    while its streams reset or time out, is a model left with no worker (panic below half)."""
     mlp = [envoy.Endpoint("127.0.0.1:1", "127.0.0.1:5")]
     for cluster in envoy.clusters({"mlp": mlp}, "127.0.0.1:9", "LEAST_REQUEST", 1 << 30)["resources"]:
         outliers = cluster["outlier_detection"]
         assert outliers["enforcing_consecutive_gateway_failure"] == outliers["enforcing_consecutive_5xx"] == 0
         assert outliers["split_external_local_origin_errors"]  # resets and refused connections still eject
         assert outliers["enforcing_consecutive_local_origin_failure"] == 100
+        assert cluster["common_lb_config"]["healthy_panic_threshold"]["value"] == 50
 
 
 def _validate(bootstrap: dict[str, Any], path: Path) -> None:

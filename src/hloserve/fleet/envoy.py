@@ -315,7 +315,8 @@ def bootstrap(
     too (`tracing`); with `shed`, gRPC requests are shed by `_ADMISSION_CONTROL` first."""
     window = _window(max_message_bytes)
     descriptors = directory / "routing.pb"
-    extraction = [*([_ADMISSION_CONTROL] if shed else []),
+    extraction = [
+        *([_ADMISSION_CONTROL] if shed else []),
         {
             "name": _EXTRACTION,
             "typed_config": {
@@ -418,7 +419,7 @@ def _cluster(
         # while; a worker that answers UNAVAILABLE or DEADLINE_EXCEEDED is not: it is busy, not
         # gone. Envoy maps a gRPC status to HTTP for outlier detection (UNAVAILABLE: 503,
         # DEADLINE_EXCEEDED: 504, both "gateway failures"), so under overload enforcing those
-        # ejected every worker, and with no panic threshold Envoy answered "no healthy upstream".
+        # ejected every worker, and Envoy answered "no healthy upstream".
         "outlier_detection": {
             "consecutive_5xx": 0,
             "enforcing_consecutive_5xx": 0,
@@ -431,7 +432,10 @@ def _cluster(
             "base_ejection_time": "2s",
             "max_ejection_percent": 100,
         },
-        "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
+        # Local-origin failures (a reset or timed-out stream of an overloaded worker) still eject;
+        # when they leave less than half a model's workers, Envoy sends to all of them (panic)
+        # instead of answering "no healthy upstream": a busy worker answers or refuses.
+        "common_lb_config": {"healthy_panic_threshold": {"value": 50}},
         # The workers bound their own queues; Envoy's defaults (1024 requests, 3 retries at once
         # per cluster) would refuse first, and fail the retries of every request a dying worker
         # held but three. `node.max_requests_per_worker` bounds the requests, to shed overload.
