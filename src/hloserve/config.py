@@ -553,7 +553,9 @@ class NodeConfig:
     """Requests Envoy lets be in flight to each worker of a model's cluster (its circuit breaker);
     past it, a request is refused UNAVAILABLE at once, before any worker parses it: under an
     overload, the workers serve what they can within clients' deadlines instead of queueing what
-    they cannot (docs/node.md#overload). 0: no bound but the workers' own queues."""
+    they cannot (docs/node.md#overload). Set, it also turns on Envoy's admission control, which
+    sheds at a request's headers, before its body is read, as refusals grow. 0: no bound but the
+    workers' own queues."""
     forbid_memory_oversubscription: bool = True
     """`lpt_packing` puts a model only on workers whose weight budget still fits it, while any does."""
     compaction: Literal["off", "eager", "scheduled"] = "scheduled"
