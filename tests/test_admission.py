@@ -83,3 +83,15 @@ def test_a_budget_already_spent_is_deadline_exceeded_not_a_refusal_to_retry() ->
     assert admission._loads["m"].rows == 0
     _admit(admission, 1, 1.0, 2.0)
     assert admission._loads["m"].rows == 1
+
+
+def test_a_fraction_admits_only_what_is_answered_within_that_part_of_the_time_left() -> None:
+    """At 0.5, 1000 rows ahead at 0.5 ms (0.5 s) need 1 s left, not 0.5 s: under overload the
+    queue holds half a deadline of work, and what is admitted is answered with room to spare."""
+    admission = Admission(_Loop().call_soon, fraction=0.5)
+    _admit(admission, 999, 0.0, None)
+    with pytest.raises(CannotMeetDeadline, match=r"about 500\.0 ms.*and 900\.0 ms are left"):
+        _admit(admission, 1, 0.0, 0.9)  # would be admitted at a fraction of 1
+    assert admission._loads["m"].rows == 999
+    _admit(admission, 1, 0.0, 1.01)
+    assert admission._loads["m"].rows == 1000

@@ -197,6 +197,11 @@ class ServerConfig:
     does not read; past it, GOAWAY ENHANCE_YOUR_CALM and close."""
     max_inflight_requests: int = 4096
     """Global cap on ModelInfer calls in flight; past it, UNAVAILABLE."""
+    admission_fraction: float = 0.5
+    """A request with a deadline is admitted only when its predicted answer takes at most this
+    fraction of the time it has left; else UNAVAILABLE at once. Below 1 so that under overload
+    the queue holds less than a deadline's worth of work and what is admitted is answered well
+    within its deadline (at 1, everything admitted is answered at its deadline, and most miss)."""
     max_request_rows: int = 65536
     """Most rows (batch-axis extent) one request may carry; past it, INVALID_ARGUMENT. A request
     above the largest compiled size runs as one execution per chunk, so this bounds how long one
@@ -316,6 +321,7 @@ class ServerConfig:
         _check(self.stream_reset_rate > 0, "server.stream_reset_rate", "must be > 0")
         _check(self.max_send_backlog_bytes >= 1 << 16, "server.max_send_backlog_bytes", "must be >= 65536")
         _check(self.max_inflight_requests >= 1, "server.max_inflight_requests", "must be >= 1")
+        _check(0 < self.admission_fraction <= 1, "server.admission_fraction", "must be in (0, 1]")
         _check(self.max_request_rows >= 1, "server.max_request_rows", "must be >= 1")
         _check(self.shutdown_grace_s >= 0, "server.shutdown_grace_s", "must be >= 0")
         _check(self.meta_concurrency >= 1, "server.meta_concurrency", "must be >= 1")
@@ -547,7 +553,9 @@ class NodeConfig:
     """Requests Envoy lets be in flight to each worker of a model's cluster (its circuit breaker);
     past it, a request is refused UNAVAILABLE at once, before any worker parses it: under an
     overload, the workers serve what they can within clients' deadlines instead of queueing what
-    they cannot (docs/node.md#overload). 0: no bound but the workers' own queues."""
+    they cannot (docs/node.md#overload). Set, it also turns on Envoy's admission control, which
+    sheds at a request's headers, before its body is read, as refusals grow. 0: no bound but the
+    workers' own queues."""
     forbid_memory_oversubscription: bool = True
     """`lpt_packing` puts a model only on workers whose weight budget still fits it, while any does."""
     compaction: Literal["off", "eager", "scheduled"] = "scheduled"

@@ -86,6 +86,19 @@ def test_max_requests_per_worker_bounds_each_model_cluster_not_the_controller() 
     assert {t["max_requests"] for t in thresholds(0).values()} == {1 << 20}
 
 
+def test_a_worker_that_refuses_is_not_ejected() -> None:
+    """Envoy counts gRPC UNAVAILABLE and DEADLINE_EXCEEDED as gateway failures (503, 504); an
+    overloaded worker answers them, and ejecting it left "no healthy upstream" (issue 25); nor,
+    while its streams reset or time out, is a model left with no worker (panic below half)."""
+    mlp = [envoy.Endpoint("127.0.0.1:1", "127.0.0.1:5")]
+    for cluster in envoy.clusters({"mlp": mlp}, "127.0.0.1:9", "LEAST_REQUEST", 1 << 30)["resources"]:
+        outliers = cluster["outlier_detection"]
+        assert outliers["enforcing_consecutive_gateway_failure"] == outliers["enforcing_consecutive_5xx"] == 0
+        assert outliers["split_external_local_origin_errors"]  # resets and refused connections still eject
+        assert outliers["enforcing_consecutive_local_origin_failure"] == 100
+        assert cluster["common_lb_config"]["healthy_panic_threshold"]["value"] == 50
+
+
 def _validate(bootstrap: dict[str, Any], path: Path) -> None:
     path.write_text(json.dumps(bootstrap))
     checked = subprocess.run(
@@ -114,7 +127,9 @@ def test_envoy_accepts_the_bootstrap_routes_and_clusters(tmp_path: Path) -> None
     envoy.write_atomically(tmp_path / "routes.json", envoy.routes(mlp))
     envoy.write_atomically(tmp_path / "routes_http.json", envoy.http_routes(mlp))
     envoy.write_atomically(tmp_path / "clusters.json", clusters)
-    bootstrap = envoy.bootstrap(tmp_path, "127.0.0.1", 0, 0, 0, 1 << 30)
+    bootstrap = envoy.bootstrap(tmp_path, "127.0.0.1", 0, 0, 0, 1 << 30, shed=True)
+    filters = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    assert filters["typed_config"]["http_filters"][0]["name"] == "envoy.filters.http.admission_control"
     _validate(bootstrap, tmp_path / "envoy.json")
     # validation does not read the watched files: the same routes and clusters again, given inline
     del bootstrap["dynamic_resources"]

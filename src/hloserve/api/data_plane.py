@@ -206,7 +206,10 @@ class LocalDataPlane:
         """(model, status) → its call counter and its model's duration histogram: prometheus's
         `labels()` lookup costs more than the count itself."""
         self._inflight = 0
-        self._admission = Admission(lambda callback, arg: asyncio.get_running_loop().call_soon(callback, arg))
+        self._admission = Admission(
+            lambda callback, arg: asyncio.get_running_loop().call_soon(callback, arg),
+            config.server.admission_fraction,
+        )
 
     @property
     def tracing(self) -> Tracing | None:

@@ -23,10 +23,17 @@ The estimate, from running figures (O(1) per request, no scans):
   long again to go out; neither shows in the queue.
 
 A request with a deadline is refused when `2 * loop_lag + load_s + (rows ahead + its rows) *
-seconds_per_row` is more than the time it has left, where `load_s` is the time the model's
+seconds_per_row` is more than `fraction` of the time it has left (`server.admission_fraction`),
+where `load_s` is the time the model's
 weights take to load when they are not on the device (their bytes at the weight cache's
 measured seconds per byte; 0 when they are there). One without a deadline is never refused
 here (the queue's depth limit still applies).
+
+Why a fraction: admitting whatever is predicted to finish just inside its deadline lets the
+queue fill to a deadline's worth of work, so under overload every admitted request is answered
+at its deadline, and the estimate's errors (a stall, a reply's wait to go out, the client's
+own clock) make nearly all of them miss it: goodput falls to zero. With `fraction` < 1 the queue
+holds at most that fraction of a deadline, and what is admitted is answered with room to spare.
 """
 
 from __future__ import annotations
@@ -79,11 +86,13 @@ class Ticket:
 class Admission:
     """The front end's admission figures; see the module docstring.
 
-    `call_soon` queues a callback on the event loop the requests are handled on.
+    `call_soon` queues a callback on the event loop the requests are handled on; `fraction` is
+    the part of a request's time left that its predicted answer may take.
     """
 
-    def __init__(self, call_soon: Callable[[Callable[..., Any], float], Any]) -> None:
+    def __init__(self, call_soon: Callable[[Callable[..., Any], float], Any], fraction: float = 1.0) -> None:
         self._call_soon = call_soon
+        self._fraction = fraction
         self._loads: dict[str, _Load] = {}
         self._probe_sent: float | None = None
         self._lag = 0.0
@@ -125,7 +134,7 @@ class Admission:
             per_row = max(load.seconds_per_row, _floor(load, costs))
             lag = self._loop_lag(now)
             expected = 2 * lag + load_s + (ahead + rows) * per_row
-            if now + expected > deadline:
+            if expected > self._fraction * (deadline - now):
                 raise CannotMeetDeadline(model, expected, deadline - now, ahead, rows, per_row, lag, load_s)
         load.rows += rows
         return Ticket(model, rows)

@@ -228,6 +228,30 @@ def _listener(
     }
 
 
+_ADMISSION_CONTROL = {
+    # Sheds at the request's headers, before the field extraction buffers and reads its body:
+    # a request is refused (503, gRPC UNAVAILABLE) with a probability that grows as the share
+    # of recent gRPC answers that were not UNAVAILABLE, DEADLINE_EXCEEDED or RESOURCE_EXHAUSTED
+    # (the circuit breakers' overflow and the workers' refusals) falls below 99%.
+    "name": "envoy.filters.http.admission_control",
+    "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.admission_control.v3.AdmissionControl",
+        "enabled": {"default_value": True, "runtime_key": "hloserve.shed.enabled"},
+        "sampling_window": "1s",
+        "aggression": {"default_value": 4.0, "runtime_key": "hloserve.shed.aggression"},
+        "sr_threshold": {"default_value": {"value": 99.0}, "runtime_key": "hloserve.shed.sr_threshold"},
+        "rps_threshold": {"default_value": 10, "runtime_key": "hloserve.shed.rps_threshold"},
+        "max_rejection_probability": {
+            "default_value": {"value": 99.0},
+            "runtime_key": "hloserve.shed.max_rejection_probability",
+        },
+        "success_criteria": {
+            "grpc_criteria": {"grpc_success_status": [c for c in range(17) if c not in (4, 8, 14)]}
+        },
+    },
+}
+
+
 _COLLECTOR = "opentelemetry_collector"
 
 
@@ -283,15 +307,17 @@ def bootstrap(
     grpc_tls: Tls | None = None,
     http_tls: Tls | None = None,
     traces: Mapping[str, str] | None = None,
+    shed: bool = False,
 ) -> dict[str, Any]:
     """Envoy's static configuration: the public gRPC listener with its filters, the public REST
     listener (`http_port` -1: none), each over TLS when given its files, the admin interface,
     and where the routes (`routes.json`, `routes_http.json`) and clusters (`clusters.json`) are;
     with `traces` (the node's `hloserve.engine.tracing.settings`) exporting spans, Envoy's own spans
-    too (`tracing`)."""
+    too (`tracing`); with `shed`, gRPC requests are shed by `_ADMISSION_CONTROL` first."""
     window = _window(max_message_bytes)
     descriptors = directory / "routing.pb"
     extraction = [
+        *([_ADMISSION_CONTROL] if shed else []),
         {
             "name": _EXTRACTION,
             "typed_config": {
@@ -390,13 +416,16 @@ def _cluster(
                 **idle,
             }
         },
-        # A worker whose connection fails or resets is left out for a while; a worker that
-        # answers UNAVAILABLE because its queue is full is not (it is busy, not gone).
+        # A worker whose connection fails or resets (local-origin errors) is left out for a
+        # while; a worker that answers UNAVAILABLE or DEADLINE_EXCEEDED is not: it is busy, not
+        # gone. Envoy maps a gRPC status to HTTP for outlier detection (UNAVAILABLE: 503,
+        # DEADLINE_EXCEEDED: 504, both "gateway failures"), so under overload enforcing those
+        # ejected every worker, and Envoy answered "no healthy upstream".
         "outlier_detection": {
             "consecutive_5xx": 0,
             "enforcing_consecutive_5xx": 0,
-            "consecutive_gateway_failure": 2,
-            "enforcing_consecutive_gateway_failure": 100,
+            "consecutive_gateway_failure": 0,
+            "enforcing_consecutive_gateway_failure": 0,
             "consecutive_local_origin_failure": 1,
             "enforcing_consecutive_local_origin_failure": 100,
             "split_external_local_origin_errors": True,
@@ -404,7 +433,10 @@ def _cluster(
             "base_ejection_time": "2s",
             "max_ejection_percent": 100,
         },
-        "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
+        # Local-origin failures (a reset or timed-out stream of an overloaded worker) still eject;
+        # when they leave less than half a model's workers, Envoy sends to all of them (panic)
+        # instead of answering "no healthy upstream": a busy worker answers or refuses.
+        "common_lb_config": {"healthy_panic_threshold": {"value": 50}},
         # The workers bound their own queues; Envoy's defaults (1024 requests, 3 retries at once
         # per cluster) would refuse first, and fail the retries of every request a dying worker
         # held but three. `node.max_requests_per_worker` bounds the requests, to shed overload.

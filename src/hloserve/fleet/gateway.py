@@ -155,6 +155,7 @@ async def run_front(
                 _envoy_tls(server_config, "grpc"),
                 _envoy_tls(server_config, "http"),
                 traces=tracing.settings(config.tracing),
+                shed=config.node.max_requests_per_worker > 0,
             )
             envoy.write_atomically(directory / "envoy.json", bootstrap)
             window = 16 << 20
