@@ -57,25 +57,22 @@ ZOO = (
 BATCH_SIZES = "1,4"
 REQUESTS = {"batch 1": 1, "padded (3 on 4)": 3, "split (6 over 4 and smaller)": 6}
 SPECS = Path(specs.__file__).resolve()
-_EXPORTER_SOURCES = (
-    "export.py",
-    "export_torch.py",
-    "_torch_lowering.py",
-    "_torch_weights.py",
-    "_torchvision.py",
-    "_scratch.py",
-    "verification.py",
-    "_xla.py",
-    "bundle.py",
+_EXPORTER_SOURCES = tuple(
+    sorted(
+        path
+        for package in ("export", "models")
+        for path in (ROOT / "src" / "hloserve" / package).glob("*.py")
+    )
 )
+"""What an export depends on: the exporters and the model format they write and verify with."""
 _SPEC_FILES = (SPECS, specs.DETECTOR_MODEL_PY)
 
 
 def _cache_root() -> Path:
     """The exports of this version of the specs and exporter, with these libraries."""
     digest = hashlib.sha256(b"".join(path.read_bytes() for path in _SPEC_FILES))
-    for name in _EXPORTER_SOURCES:
-        digest.update((ROOT / "src" / "hloserve" / name).read_bytes())
+    for path in _EXPORTER_SOURCES:
+        digest.update(path.read_bytes())
     for package in ("torch", "torchvision", "timm", "transformers", "torchax", "jax", "jaxlib"):
         digest.update(f"{package}=={importlib.metadata.version(package)};".encode())
     base = os.environ.get("HLOSERVE_ZOO_CACHE") or Path.home() / ".cache" / "hloserve" / "zoo"

@@ -94,10 +94,10 @@ BATCH_SIZES = {
 REQUESTS = {"batch 1": 1, "padded (3 on 4)": 3, "split (6 over 4 and the rest)": 6}
 _SOURCES = (
     Path(specs.__file__),
-    *sorted((ROOT / "src" / "hloserve" / "importers").glob("*.py")),
-    *(
-        ROOT / "src" / "hloserve" / name
-        for name in ("export.py", "export_torch.py", "_torch_lowering.py", "verification.py", "bundle.py")
+    *sorted(
+        path
+        for package in ("importers", "export", "models")
+        for path in (ROOT / "src" / "hloserve" / package).glob("*.py")
     ),
 )
 _PACKAGES = ("torch", "torchvision", "timm", "torchax", "jax", "jaxlib", "onnx", "onnxruntime", "onnx2torch")
