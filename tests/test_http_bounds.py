@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from support.bundles import write_wide
 from support.servers import EXAMPLES, ServerThread, make_config, start_worker
 
 from hloserve.config import ModelSettings
-from hloserve.export.jax import InputSpec, OutputSpec, export_bundle
 
 pytestmark = pytest.mark.serial  # asserts on timing, or floods the machine
 
@@ -33,25 +33,13 @@ MLP_BODY = json.dumps(
 WIDE = 1 << 20  # floats per row of the `wide` model: a 4 MiB answer
 
 
-def _scaled(params: Any, x: Any) -> tuple[Any]:
-    return (x * params["k"],)
-
-
 @pytest.fixture(scope="module", name="bounded")
 def _bounded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     """A worker with small REST bounds, an MLP queue that holds a lone row for 500 ms, and a
     model with a 4 MiB answer."""
     repository = tmp_path_factory.mktemp("repository")
     shutil.copytree(EXAMPLES / "mlp", repository / "mlp")
-    export_bundle(
-        _scaled,
-        {"k": np.float32(2)},
-        [InputSpec("X", (WIDE,), np.float32, letters="f")],
-        repository / "wide",
-        batch_sizes=(1,),
-        outputs=[OutputSpec("Y", letters="f")],
-        verify=False,
-    )
+    write_wide(repository / "wide", WIDE)
     config = make_config(
         repository,
         http_max_connections=CAP,

@@ -16,9 +16,8 @@ import h2.connection
 import h2.events
 import numpy as np
 import pytest
+from support.bundles import write_wide
 from support.servers import EXAMPLES, ServerThread, make_config, start_worker
-
-from hloserve.export.jax import InputSpec, OutputSpec, export_bundle
 
 pytestmark = pytest.mark.serial  # a probe client's latency, or the descriptors: alone
 
@@ -30,23 +29,11 @@ MLP_BODY = json.dumps(
 ).encode()
 
 
-def _scaled(params: Any, x: Any) -> tuple[Any]:
-    return (x * params["k"],)
-
-
 @pytest.fixture(scope="module", name="server")
 def _server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     repository = tmp_path_factory.mktemp("repository")
     shutil.copytree(EXAMPLES / "mlp", repository / "mlp")
-    export_bundle(
-        _scaled,
-        {"k": np.float32(2)},
-        [InputSpec("X", (WIDE,), np.float32, letters="f")],
-        repository / "wide",
-        batch_sizes=(1,),
-        outputs=[OutputSpec("Y", letters="f")],
-        verify=False,
-    )
+    write_wide(repository / "wide", WIDE)
     config = make_config(
         repository,
         http2=True,
@@ -197,19 +184,24 @@ def test_twelve_unread_answers_are_aborted_at_their_deadline_beside_a_read_one(s
     _assert_serves(server)
 
 
+def _seconds_until_closed(sock: socket.socket) -> float:
+    """Read and drop whatever the server sends until it closes the connection."""
+    started = time.monotonic()
+    try:
+        while sock.recv(65536):
+            pass
+    except ConnectionResetError:
+        pass
+    return time.monotonic() - started
+
+
 def test_an_h2c_connection_with_no_stream_is_closed_when_idle(server: ServerThread) -> None:
     """hypercorn stops its idle timer at the `PRI` preface; an h2c connection that opened no
     stream was never timed out (16 of them past the cap turned everyone else away)."""
     sock, _ = _h2c(server)
     try:
         sock.settimeout(IDLE_TIMEOUT_S + 5)
-        started = time.monotonic()
-        try:
-            while sock.recv(65536):
-                pass
-        except ConnectionResetError:
-            pass
-        waited = time.monotonic() - started
+        waited = _seconds_until_closed(sock)
     finally:
         sock.close()
     assert IDLE_TIMEOUT_S * 0.9 < waited < IDLE_TIMEOUT_S + 2, waited
@@ -226,13 +218,7 @@ def test_an_h2c_connection_idle_after_its_streams_is_closed_too(server: ServerTh
             data = sock.recv(65536)
             assert data
             ended = any(isinstance(e, h2.events.StreamEnded) for e in client.receive_data(data))
-        started = time.monotonic()
-        try:
-            while sock.recv(65536):
-                pass
-        except ConnectionResetError:
-            pass
-        waited = time.monotonic() - started
+        waited = _seconds_until_closed(sock)
     finally:
         sock.close()
     assert waited < IDLE_TIMEOUT_S + 2, waited

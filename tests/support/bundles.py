@@ -116,3 +116,21 @@ def write_heavy(directory: Path, products: int) -> Path:
     return export_bundle(
         heavy, {"w": w}, [InputSpec("INPUT0", (256,))], directory, batch_sizes=(1,), verify=False
     )
+
+
+def _scaled(params: Any, x: Any) -> tuple[Any]:
+    return (x * params["k"],)
+
+
+def write_wide(directory: Path, width: int) -> Path:
+    """A model whose one row is `width` floats in and out (`X` -> `Y`, twice `X`): a large answer
+    at batch size 1, for the REST bounds on what a connection receives and sends."""
+    return export_bundle(
+        _scaled,
+        {"k": np.float32(2)},
+        [InputSpec("X", (width,), np.float32, letters="f")],
+        directory,
+        batch_sizes=(1,),
+        outputs=[OutputSpec("Y", letters="f")],
+        verify=False,
+    )
