@@ -118,61 +118,71 @@ class _StatisticsCollector(Collector):
                 pinned.add_metric([name], int(s.host_pinned))
         yield from (executions, requests, rows, queue, compute, batches, drops, depth, wait, cost)
         yield from (resident, weight_bytes, loads, evictions, load_seconds, prefetches, pinned)
+        yield from _triton_families(stats)
 
 
-class _TritonCollector(Collector):
+_TRITON_COUNTERS: tuple[tuple[str, str, Callable[[ModelStatistics], int]], ...] = (
+    (
+        "nv_inference_request_success",
+        "Number of successful inference requests, all batch sizes",
+        lambda s: s.success.count,
+    ),
+    (
+        "nv_inference_request_failure",
+        "Number of failed inference requests, all batch sizes",
+        lambda s: s.fail.count,
+    ),
+    ("nv_inference_count", "Number of inferences performed (batch elements)", lambda s: s.inference_count),
+    ("nv_inference_exec_count", "Number of model executions performed", lambda s: s.execution_count),
+    (
+        "nv_inference_request_duration_us",
+        "Cumulative inference request duration in microseconds",
+        lambda s: s.success.ns // 1000,
+    ),
+    (
+        "nv_inference_queue_duration_us",
+        "Cumulative inference queuing duration in microseconds",
+        lambda s: s.queue.ns // 1000,
+    ),
+    (
+        "nv_inference_compute_input_duration_us",
+        "Cumulative compute input duration in microseconds",
+        lambda s: s.compute.compute_input.ns // 1000,
+    ),
+    (
+        "nv_inference_compute_infer_duration_us",
+        "Cumulative compute inference duration in microseconds",
+        lambda s: s.compute.compute_infer.ns // 1000,
+    ),
+    (
+        "nv_inference_compute_output_duration_us",
+        "Cumulative inference compute output duration in microseconds",
+        lambda s: s.compute.compute_output.ns // 1000,
+    ),
+)
+"""Triton's per-model counters: name, help and how each is read from a model's statistics."""
+
+
+def _triton_families(stats: dict[str, ModelStatistics]) -> Iterator[Any]:
     """The per-model inference metrics under Triton's names and labels (`nv_inference_*`, with
     `model` and `version`), from the same counters as the statistics extension, as Triton derives
     them: dashboards and alerts written for Triton read hloserve unchanged. Triton's counters carry
     no `_total` suffix, which prometheus_client adds to every counter, so they are exposed
-    untyped under their exact names."""
-
-    _FAMILIES = (
-        ("nv_inference_request_success", "Number of successful inference requests, all batch sizes"),
-        ("nv_inference_request_failure", "Number of failed inference requests, all batch sizes"),
-        ("nv_inference_count", "Number of inferences performed (batch elements)"),
-        ("nv_inference_exec_count", "Number of model executions performed"),
-        ("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds"),
-        ("nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds"),
-        ("nv_inference_compute_input_duration_us", "Cumulative compute input duration in microseconds"),
-        ("nv_inference_compute_infer_duration_us", "Cumulative compute inference duration in microseconds"),
-        (
-            "nv_inference_compute_output_duration_us",
-            "Cumulative inference compute output duration in microseconds",
-        ),
+    untyped under their exact names. Every model reports version "1", as the statistics do."""
+    labels = ["model", "version"]
+    for name, doc, read in _TRITON_COUNTERS:
+        family = UnknownMetricFamily(name, doc, labels=labels)
+        for model, s in stats.items():
+            family.add_metric([model, "1"], read(s))
+        yield family
+    pending = GaugeMetricFamily(
+        "nv_inference_pending_request_count",
+        "Instantaneous number of pending requests awaiting execution per-model.",
+        labels=labels,
     )
-
-    def __init__(self, read: Callable[[], dict[str, ModelStatistics]]):
-        self._read = read
-
-    def collect(self) -> Iterator[Any]:
-        stats = self._read()
-        families = {
-            name: UnknownMetricFamily(name, doc, labels=["model", "version"]) for name, doc in self._FAMILIES
-        }
-        pending = GaugeMetricFamily(
-            "nv_inference_pending_request_count",
-            "Instantaneous number of pending requests awaiting execution per-model.",
-            labels=["model", "version"],
-        )
-        for name, s in stats.items():
-            labels = [name, "1"]  # one version served per model, reported as "1" as by the statistics
-            c = s.compute
-            for family, value in (
-                ("nv_inference_request_success", s.success.count),
-                ("nv_inference_request_failure", s.fail.count),
-                ("nv_inference_count", s.inference_count),
-                ("nv_inference_exec_count", s.execution_count),
-                ("nv_inference_request_duration_us", s.success.ns // 1000),
-                ("nv_inference_queue_duration_us", s.queue.ns // 1000),
-                ("nv_inference_compute_input_duration_us", c.compute_input.ns // 1000),
-                ("nv_inference_compute_infer_duration_us", c.compute_infer.ns // 1000),
-                ("nv_inference_compute_output_duration_us", c.compute_output.ns // 1000),
-            ):
-                families[family].add_metric(labels, value)
-            pending.add_metric(labels, s.queue_depth)
-        yield from families.values()
-        yield pending
+    for model, s in stats.items():
+        pending.add_metric([model, "1"], s.queue_depth)
+    yield pending
 
 
 _EVICTION_CAUSES = ("budget", "compaction", "control")
@@ -300,7 +310,6 @@ class Metrics:
             return lambda: trio.from_thread.run_sync(read, trio_token=token)
 
         self.registry.register(_StatisticsCollector(on_loop(statistics.snapshot)))
-        self.registry.register(_TritonCollector(on_loop(statistics.snapshot)))
         self.registry.register(_CompactionCollector(on_loop(lambda: statistics.compactions)))
         self.registry.register(
             _SwapCollector(on_loop(lambda: (statistics.snapshot(), statistics.weight_budget_bytes)))
