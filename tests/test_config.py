@@ -108,3 +108,11 @@ def test_cli_reports_a_bad_config_and_exits_2(tmp_path: Path, capsys: pytest.Cap
     path.write_text("server: {grpc_port: -5}\n")
     assert main(["serve", "--config", str(path)]) == 2
     assert "server.grpc_port" in capsys.readouterr().err
+
+
+def test_replace_converts_each_value_as_yaml_would_and_names_a_wrong_one(tmp_path: Path) -> None:
+    config = load_config(environ={})
+    replaced = config.replace("server", model_repository=str(tmp_path), grpc_port="9001")
+    assert replaced.server.model_repository == tmp_path and replaced.server.grpc_port == 9001
+    with pytest.raises(ConfigError, match=r"^config server.model_repository: .*expected a path"):
+        config.replace("server", model_repository=3)

@@ -669,9 +669,21 @@ class Config:
         return self
 
     def replace(self, section: str, **changes: Any) -> Config:
-        """A copy with fields of one section changed (used by flags and tests)."""
-        updated = dataclasses.replace(getattr(self, section), **changes)
+        """A copy with fields of one section changed (used by flags and tests), each converted to
+        its declared type as a YAML value is (a `str` for a `Path` field becomes a `Path`)."""
+        current = getattr(self, section)
+        hints = typing.get_type_hints(type(current))
+        converted = {
+            name: value if _is_mapping(hints[name]) else _convert(value, hints[name], f"{section}.{name}")
+            for name, value in changes.items()
+        }
+        updated = dataclasses.replace(current, **converted)
         return dataclasses.replace(self, **{section: updated}).validate()
+
+
+def _is_mapping(hint: Any) -> bool:
+    """A field of per-model sections (`scheduler.models`): built by `_section`, not `_convert`."""
+    return typing.get_origin(hint) in (Mapping, dict)
 
 
 def _check(ok: bool, field_name: str, constraint: str) -> None:
