@@ -41,84 +41,91 @@ _LATENCY_BUCKETS = tuple(0.0005 * 2**k for k in range(15))  # 0.5 ms .. 8 s
 
 
 class _StatisticsCollector(Collector):
-    def __init__(self, read: Callable[[], dict[str, ModelStatistics]]):
+    """Per-model families from one statistics snapshot per scrape (taken on the serving loop), the
+    weight swaps' included."""
+
+    def __init__(self, read: Callable[[], tuple[dict[str, ModelStatistics], int | None]]):
         self._read = read
 
     def collect(self) -> Iterator[Any]:
-        stats = self._read()
-        model = ["model"]
-        executions = CounterMetricFamily(
-            "hloserve_executions", "Executions (dispatches) per model", labels=model
-        )
-        requests = CounterMetricFamily(
-            "hloserve_requests_served", "Requests answered from executions", labels=model
-        )
-        rows = CounterMetricFamily("hloserve_inference_rows", "Rows (batch elements) executed", labels=model)
-        queue = CounterMetricFamily("hloserve_queue_seconds", "Time requests spent queued", labels=model)
-        compute = CounterMetricFamily("hloserve_compute_seconds", "Time spent executing", labels=model)
-        batches = CounterMetricFamily(
-            "hloserve_batch_executions", "Executions per compiled batch size", labels=["model", "batch_size"]
-        )
-        drops = CounterMetricFamily(
-            "hloserve_dropped_requests", "Requests that never ran, by reason", labels=["model", "reason"]
-        )
-        depth = GaugeMetricFamily("hloserve_queue_depth", "Requests waiting", labels=model)
-        wait = GaugeMetricFamily(
-            "hloserve_queue_wait_seconds",
-            "Queue wait of the last 1024 requests",
-            labels=["model", "quantile"],
-        )
-        cost = GaugeMetricFamily(
-            "hloserve_cost_estimate_seconds", "Learned seconds per execution", labels=["model", "batch_size"]
-        )
-        resident = GaugeMetricFamily(
-            "hloserve_model_resident", "Weights on the device (1) or not (0)", labels=model
-        )
-        weight_bytes = GaugeMetricFamily("hloserve_model_weight_bytes", "Bytes of weights", labels=model)
-        loads = CounterMetricFamily("hloserve_weight_loads", "Weight loads to the device", labels=model)
-        evictions = CounterMetricFamily(
-            "hloserve_weight_evictions", "Weight evictions from the device", labels=model
-        )
-        load_seconds = CounterMetricFamily(
-            "hloserve_weight_load_seconds", "Time spent loading weights", labels=model
-        )
-        prefetches = CounterMetricFamily(
-            "hloserve_weight_prefetches",
-            "Weight loads started while another model executed (counted in the loads too)",
-            labels=model,
-        )
-        pinned = GaugeMetricFamily(
-            "hloserve_model_host_pinned",
-            "Host copy of the weights in pinned memory (1) or not (0)",
-            labels=model,
-        )
-        for name, s in stats.items():
-            executions.add_metric([name], s.execution_count)
-            requests.add_metric([name], s.requests_served)
-            rows.add_metric([name], s.inference_count)
-            queue.add_metric([name], s.queue.ns / 1e9)
-            c = s.compute
-            compute.add_metric([name], (c.compute_input.ns + c.compute_infer.ns + c.compute_output.ns) / 1e9)
-            for size, times in sorted(s.by_batch_size.items()):
-                batches.add_metric([name, str(size)], times.compute_infer.count)
-            for reason, count in sorted(s.drops.items()):
-                drops.add_metric([name, reason], count)
-            depth.add_metric([name], s.queue_depth)
-            for q in (0.5, 0.99):
-                wait.add_metric([name, str(q)], s.wait_quantile(q))
-            for size, seconds in sorted(s.cost.items()):
-                cost.add_metric([name, str(size)], seconds)
-            if s.residency:
-                resident.add_metric([name], int(s.resident))
-                weight_bytes.add_metric([name], s.weight_bytes)
-                loads.add_metric([name], s.weight_loads)
-                evictions.add_metric([name], s.weight_evictions)
-                load_seconds.add_metric([name], s.weight_load_seconds)
-                prefetches.add_metric([name], s.weight_prefetches)
-                pinned.add_metric([name], int(s.host_pinned))
-        yield from (executions, requests, rows, queue, compute, batches, drops, depth, wait, cost)
-        yield from (resident, weight_bytes, loads, evictions, load_seconds, prefetches, pinned)
-        yield from _triton_families(stats)
+        stats, budget = self._read()
+        yield from _request_families(stats)
+        yield from _swap_families(stats, budget)
+
+
+def _request_families(stats: dict[str, ModelStatistics]) -> Iterator[Any]:
+    """Executions, requests, rows, queue and compute time, batch sizes and drops per model."""
+    model = ["model"]
+    executions = CounterMetricFamily("hloserve_executions", "Executions (dispatches) per model", labels=model)
+    requests = CounterMetricFamily(
+        "hloserve_requests_served", "Requests answered from executions", labels=model
+    )
+    rows = CounterMetricFamily("hloserve_inference_rows", "Rows (batch elements) executed", labels=model)
+    queue = CounterMetricFamily("hloserve_queue_seconds", "Time requests spent queued", labels=model)
+    compute = CounterMetricFamily("hloserve_compute_seconds", "Time spent executing", labels=model)
+    batches = CounterMetricFamily(
+        "hloserve_batch_executions", "Executions per compiled batch size", labels=["model", "batch_size"]
+    )
+    drops = CounterMetricFamily(
+        "hloserve_dropped_requests", "Requests that never ran, by reason", labels=["model", "reason"]
+    )
+    depth = GaugeMetricFamily("hloserve_queue_depth", "Requests waiting", labels=model)
+    wait = GaugeMetricFamily(
+        "hloserve_queue_wait_seconds",
+        "Queue wait of the last 1024 requests",
+        labels=["model", "quantile"],
+    )
+    cost = GaugeMetricFamily(
+        "hloserve_cost_estimate_seconds", "Learned seconds per execution", labels=["model", "batch_size"]
+    )
+    resident = GaugeMetricFamily(
+        "hloserve_model_resident", "Weights on the device (1) or not (0)", labels=model
+    )
+    weight_bytes = GaugeMetricFamily("hloserve_model_weight_bytes", "Bytes of weights", labels=model)
+    loads = CounterMetricFamily("hloserve_weight_loads", "Weight loads to the device", labels=model)
+    evictions = CounterMetricFamily(
+        "hloserve_weight_evictions", "Weight evictions from the device", labels=model
+    )
+    load_seconds = CounterMetricFamily(
+        "hloserve_weight_load_seconds", "Time spent loading weights", labels=model
+    )
+    prefetches = CounterMetricFamily(
+        "hloserve_weight_prefetches",
+        "Weight loads started while another model executed (counted in the loads too)",
+        labels=model,
+    )
+    pinned = GaugeMetricFamily(
+        "hloserve_model_host_pinned",
+        "Host copy of the weights in pinned memory (1) or not (0)",
+        labels=model,
+    )
+    for name, s in stats.items():
+        executions.add_metric([name], s.execution_count)
+        requests.add_metric([name], s.requests_served)
+        rows.add_metric([name], s.inference_count)
+        queue.add_metric([name], s.queue.ns / 1e9)
+        c = s.compute
+        compute.add_metric([name], (c.compute_input.ns + c.compute_infer.ns + c.compute_output.ns) / 1e9)
+        for size, times in sorted(s.by_batch_size.items()):
+            batches.add_metric([name, str(size)], times.compute_infer.count)
+        for reason, count in sorted(s.drops.items()):
+            drops.add_metric([name, reason], count)
+        depth.add_metric([name], s.queue_depth)
+        for q in (0.5, 0.99):
+            wait.add_metric([name, str(q)], s.wait_quantile(q))
+        for size, seconds in sorted(s.cost.items()):
+            cost.add_metric([name, str(size)], seconds)
+        if s.residency:
+            resident.add_metric([name], int(s.resident))
+            weight_bytes.add_metric([name], s.weight_bytes)
+            loads.add_metric([name], s.weight_loads)
+            evictions.add_metric([name], s.weight_evictions)
+            load_seconds.add_metric([name], s.weight_load_seconds)
+            prefetches.add_metric([name], s.weight_prefetches)
+            pinned.add_metric([name], int(s.host_pinned))
+    yield from (executions, requests, rows, queue, compute, batches, drops, depth, wait, cost)
+    yield from (resident, weight_bytes, loads, evictions, load_seconds, prefetches, pinned)
+    yield from _triton_families(stats)
 
 
 _TRITON_COUNTERS: tuple[tuple[str, str, Callable[[ModelStatistics], int]], ...] = (
@@ -188,63 +195,57 @@ def _triton_families(stats: dict[str, ModelStatistics]) -> Iterator[Any]:
 _EVICTION_CAUSES = ("budget", "compaction", "control")
 
 
-class _SwapCollector(Collector):
-    """Weight swaps: per model, loads (a duration histogram, bytes), evictions by cause, the
-    time requests waited for loads and the residency state; per worker, the budget and the bytes
+def _swap_families(stats: dict[str, ModelStatistics], budget: int | None) -> Iterator[Any]:
+    """Weight swaps: per model, loads (a duration histogram, bytes), evictions by cause, the time
+    requests waited for loads and the residency state; per worker, the budget and the bytes
     resident and pinned."""
-
-    def __init__(self, read: Callable[[], tuple[dict[str, ModelStatistics], int | None]]):
-        self._read = read
-
-    def collect(self) -> Iterator[Any]:
-        stats, budget = self._read()
-        model = ["model"]
-        durations = HistogramMetricFamily(
-            "hloserve_weight_load_duration_seconds", "Duration of each weight load", labels=model
-        )
-        moved = CounterMetricFamily("hloserve_weight_load_bytes", "Bytes copied to the device", labels=model)
-        causes = CounterMetricFamily(
-            "hloserve_weight_evictions_by_cause", "Weight evictions by cause", labels=["model", "cause"]
-        )
-        waited = CounterMetricFamily(
-            "hloserve_weight_load_wait_seconds",
-            "Time requests waited for their model's weights to load, summed over requests",
-            labels=model,
-        )
-        state = GaugeMetricFamily(
-            "hloserve_model_residency",
-            "Where a model's weights are: 1 for its state (device, host, none) and floor",
-            labels=["model", "state", "floor"],
-        )
-        resident_bytes = pinned_bytes = 0
-        for name, s in stats.items():
-            if not s.residency:
-                continue
-            cumulative, buckets = 0, []
-            for bound, count in zip(LOAD_BUCKETS_S, s.weight_load_buckets, strict=True):
-                cumulative += count
-                buckets.append((repr(bound), cumulative))
-            buckets.append(("+Inf", s.weight_loads))
-            durations.add_metric([name], buckets, s.weight_load_seconds)
-            moved.add_metric([name], s.weight_load_bytes)
-            for cause in _EVICTION_CAUSES:
-                causes.add_metric([name, cause], s.evictions_by_cause.get(cause, 0))
-            waited.add_metric([name], s.load_wait_seconds)
-            where = "device" if s.resident else "host" if s.host_resident else "none"
-            state.add_metric([name, where, s.residency], 1)
-            if s.resident:
-                if s.residency == "device":
-                    pinned_bytes += s.weight_bytes
-                else:
-                    resident_bytes += s.weight_bytes
-        yield from (durations, moved, causes, waited, state)
-        gauge = GaugeMetricFamily
-        yield gauge(
-            "hloserve_weight_resident_bytes", "Weight bytes on the device, budgeted", value=resident_bytes
-        )
-        yield gauge("hloserve_weight_pinned_bytes", "Weight bytes pinned on the device", value=pinned_bytes)
-        if budget is not None:
-            yield gauge("hloserve_weight_budget_bytes", "The weight cache's byte budget", value=budget)
+    model = ["model"]
+    durations = HistogramMetricFamily(
+        "hloserve_weight_load_duration_seconds", "Duration of each weight load", labels=model
+    )
+    moved = CounterMetricFamily("hloserve_weight_load_bytes", "Bytes copied to the device", labels=model)
+    causes = CounterMetricFamily(
+        "hloserve_weight_evictions_by_cause", "Weight evictions by cause", labels=["model", "cause"]
+    )
+    waited = CounterMetricFamily(
+        "hloserve_weight_load_wait_seconds",
+        "Time requests waited for their model's weights to load, summed over requests",
+        labels=model,
+    )
+    state = GaugeMetricFamily(
+        "hloserve_model_residency",
+        "Where a model's weights are: 1 for its state (device, host, none) and floor",
+        labels=["model", "state", "floor"],
+    )
+    resident_bytes = pinned_bytes = 0
+    for name, s in stats.items():
+        if not s.residency:
+            continue
+        cumulative, buckets = 0, []
+        for bound, count in zip(LOAD_BUCKETS_S, s.weight_load_buckets, strict=True):
+            cumulative += count
+            buckets.append((repr(bound), cumulative))
+        buckets.append(("+Inf", s.weight_loads))
+        durations.add_metric([name], buckets, s.weight_load_seconds)
+        moved.add_metric([name], s.weight_load_bytes)
+        for cause in _EVICTION_CAUSES:
+            causes.add_metric([name, cause], s.evictions_by_cause.get(cause, 0))
+        waited.add_metric([name], s.load_wait_seconds)
+        where = "device" if s.resident else "host" if s.host_resident else "none"
+        state.add_metric([name, where, s.residency], 1)
+        if s.resident:
+            if s.residency == "device":
+                pinned_bytes += s.weight_bytes
+            else:
+                resident_bytes += s.weight_bytes
+    yield from (durations, moved, causes, waited, state)
+    gauge = GaugeMetricFamily
+    yield gauge(
+        "hloserve_weight_resident_bytes", "Weight bytes on the device, budgeted", value=resident_bytes
+    )
+    yield gauge("hloserve_weight_pinned_bytes", "Weight bytes pinned on the device", value=pinned_bytes)
+    if budget is not None:
+        yield gauge("hloserve_weight_budget_bytes", "The weight cache's byte budget", value=budget)
 
 
 class _CompactionCollector(Collector):
@@ -309,11 +310,10 @@ class Metrics:
         def on_loop(read: Callable[[], Any]) -> Callable[[], Any]:
             return lambda: trio.from_thread.run_sync(read, trio_token=token)
 
-        self.registry.register(_StatisticsCollector(on_loop(statistics.snapshot)))
-        self.registry.register(_CompactionCollector(on_loop(lambda: statistics.compactions)))
         self.registry.register(
-            _SwapCollector(on_loop(lambda: (statistics.snapshot(), statistics.weight_budget_bytes)))
+            _StatisticsCollector(on_loop(lambda: (statistics.snapshot(), statistics.weight_budget_bytes)))
         )
+        self.registry.register(_CompactionCollector(on_loop(lambda: statistics.compactions)))
         self.registry.register(_DeviceMemoryCollector())
         self._server: asyncio.Server | None = None
         self._open = 0
