@@ -1,10 +1,7 @@
 """Prometheus metrics of one worker, on its own registry and HTTP endpoint.
 
-The endpoint is an asyncio server on the worker's loop, bounded as the other listeners are
-(prometheus_client's own took a thread and a descriptor per connection, with no cap or timeout
-and a listen backlog of 5): at most `server.metrics_max_connections` connections, each counted in
-the process's `server.max_open_connections`, one request each within `server.metrics_timeout_s`,
-a backlog of 1024; the exposition is built in a worker thread (its collectors hop to the loop).
+The endpoint (`MetricsEndpoint`, bounded as the other listeners are) runs on the worker's
+trio-asyncio loop; the exposition is built in a worker thread (its collectors hop to the loop).
 
 Request counters and latency histograms are updated as requests finish; per-model execution
 statistics are read at scrape time from `Statistics`, fetched on the event-loop thread (which
@@ -19,7 +16,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import prometheus_client
-import structlog
 import trio
 import trio_asyncio
 from prometheus_client.core import (
@@ -31,7 +27,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from hloserve._transport.h2_limits import CONNECTIONS
+from hloserve._transport.metrics_endpoint import Answer, MetricsEndpoint
 from hloserve.engine.statistics import LOAD_BUCKETS_S, ModelStatistics, Statistics
 from hloserve.models import _xla
 
@@ -315,79 +311,23 @@ class Metrics:
         )
         self.registry.register(_CompactionCollector(on_loop(lambda: statistics.compactions)))
         self.registry.register(_DeviceMemoryCollector())
-        self._server: asyncio.Server | None = None
-        self._open = 0
-        """Connections open now."""
-        self._cap, self._timeout_s = 64, 10.0
+        self._endpoint: MetricsEndpoint | None = None
 
     async def serve(
         self, host: str, port: int, max_connections: int, timeout_s: float, tls: ssl.SSLContext | None = None
     ) -> int:
-        """Start the HTTP endpoint (HTTPS with `tls`, whose handshake must end within `timeout_s`)
-        on the worker's trio-asyncio loop; returns the bound port."""
-        self._cap, self._timeout_s = max_connections, timeout_s
-        self._server = await trio_asyncio.aio_as_trio(asyncio.start_server)(
-            self._connected,
-            host,
-            port,
-            backlog=_BACKLOG,
-            limit=_MAX_HEAD_BYTES,
-            ssl=tls,
-            ssl_handshake_timeout=timeout_s if tls is not None else None,
-        )
-        return int(self._server.sockets[0].getsockname()[1])
+        """Start the HTTP endpoint (HTTPS with `tls`) on the worker's trio-asyncio loop; returns
+        the bound port."""
+        scrape = self._scrape
+        self._endpoint = MetricsEndpoint({b"/metrics": scrape, b"/": scrape}, max_connections, timeout_s)
+        return int(await trio_asyncio.aio_as_trio(self._endpoint.start)(host, port, tls))
 
-    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._open >= self._cap:
-            return _refuse(writer, f"server.metrics_max_connections ({self._cap}) reached; retry later")
-        if not CONNECTIONS.take():
-            return _refuse(writer, f"server.max_open_connections ({CONNECTIONS.cap}) reached; retry later")
-        self._open += 1
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                head = await reader.readuntil(b"\r\n\r\n")
-                request = head.split(b"\r\n", 1)[0].split()
-                if len(request) < 2 or request[0] not in (b"GET", b"HEAD"):
-                    writer.write(_answer(405, b"Method Not Allowed", b"GET /metrics\n"))
-                elif request[1].split(b"?")[0] not in (b"/metrics", b"/"):
-                    writer.write(_answer(404, b"Not Found", b"GET /metrics\n"))
-                else:
-                    loop = asyncio.get_running_loop()
-                    body = await loop.run_in_executor(None, generate_latest, self.registry)
-                    writer.write(_answer(200, b"OK", b"" if request[0] == b"HEAD" else body))
-                await writer.drain()
-        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
-            pass  # slow, silent, oversized or gone: closed
-        except Exception:
-            log.exception("metrics scrape failed")
-        finally:
-            self._open -= 1
-            CONNECTIONS.give()
-            writer.close()
+    async def _scrape(self) -> Answer:
+        """The exposition, built in a worker thread (its collectors hop to the loop)."""
+        body = await asyncio.get_running_loop().run_in_executor(None, generate_latest, self.registry)
+        return Answer(200, "OK", CONTENT_TYPE_LATEST, body)
 
     def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-
-
-_BACKLOG = 1024
-"""The listen backlog: 50 scrapers at once are queued, not reset (prometheus_client's was 5)."""
-_MAX_HEAD_BYTES = 8 << 10
-"""A scrape's request line and headers."""
-log = structlog.get_logger("hloserve.metrics")
-
-
-def _answer(status: int, reason: bytes, body: bytes) -> bytes:
-    head = b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % (
-        status,
-        reason,
-        CONTENT_TYPE_LATEST.encode() if status == 200 else b"text/plain",
-        len(body),
-    )
-    return head + body
-
-
-def _refuse(writer: asyncio.StreamWriter, message: str) -> None:
-    writer.write(_answer(503, b"Service Unavailable", message.encode() + b"\n"))
-    writer.close()
+        if self._endpoint is not None:
+            self._endpoint.close()
+            self._endpoint = None

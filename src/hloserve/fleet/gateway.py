@@ -176,9 +176,7 @@ async def run_front(
             http = None
             if server_config.metrics_port >= 0:
                 pages = NodeHttp(controller, lambda: supervisor.starts, f"127.0.0.1:{admin}")
-                http = await trio_asyncio.aio_as_trio(pages.serve)(
-                    server_config.host, server_config.metrics_port
-                )
+                http = await trio_asyncio.aio_as_trio(pages.serve)(server_config)
             argv = [
                 binary,
                 "-c",

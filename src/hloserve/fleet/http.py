@@ -1,6 +1,7 @@
 """The node's metrics port: `/metrics` (every worker's families with a `worker` label, the
 controller's own and Envoy's), `/healthz` (the controller answers) and `/readyz` (the node is ready, as
-ServerReady answers; the body names the models without a ready replica)."""
+ServerReady answers; the body names the models without a ready replica). It is bounded as a
+worker's is (`MetricsEndpoint`: the `server.metrics_*` keys, TLS with `server.metrics_use_ssl`)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,19 @@ from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from hloserve._transport.metrics_endpoint import Answer, MetricsEndpoint
+from hloserve.config import ServerConfig
 from hloserve.fleet.controller import Controller
 from hloserve.fleet.services import node_readiness
+from hloserve.tls import server_context
 
 __all__ = ["NodeHttp", "merge_expositions"]
 
-_MAX_REQUEST_BYTES = 8192
+_TEXT = "text/plain; charset=utf-8"
 
 
 def merge_expositions(texts: Mapping[str, str]) -> list[Metric]:
@@ -91,6 +96,7 @@ class NodeHttp:
         self._controller = controller
         self._restarts = restarts
         self._envoy = envoy_admin
+        self._building: asyncio.Future[bytes] | None = None
 
     async def exposition(self) -> bytes:
         """Every worker's families with a `worker` label, the controller's, then Envoy's own
@@ -112,39 +118,28 @@ class NodeHttp:
         )
         return bytes(generate_latest(registry)) + envoy.encode()
 
-    async def answer(self, path: bytes) -> tuple[str, str, bytes]:
-        text = "text/plain; charset=utf-8"
-        if path == b"/metrics":
-            return "200 OK", "text/plain; version=0.0.4; charset=utf-8", await self.exposition()
-        if path == b"/healthz":
-            return "200 OK", text, b"ok\n"
-        if path == b"/readyz":
-            ready, missing = node_readiness(self._controller)
-            if ready:
-                return "200 OK", text, b"ready\n"
-            detail = f"no ready replica of {', '.join(missing)}" if missing else "no worker is ready"
-            return "503 Service Unavailable", text, f"not ready: {detail}\n".encode()
-        return "404 Not Found", text, b"expected /metrics, /healthz or /readyz\n"
+    async def _metrics(self) -> Answer:
+        """Scrapes that arrive while one is being built share its answer: a crowd of scrapers
+        costs the workers one scrape, not one each."""
+        if self._building is None or self._building.done():
+            self._building = asyncio.ensure_future(self.exposition())
+        body = await asyncio.shield(self._building)
+        return Answer(200, "OK", CONTENT_TYPE_LATEST, body)
 
-    async def serve(self, host: str, port: int) -> asyncio.Server:
-        """Listen on `host:port`; the caller closes the returned server."""
+    async def _healthz(self) -> Answer:
+        return Answer(200, "OK", _TEXT, b"ok\n")
 
-        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            try:
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
-                writer.close()
-                return
-            path = head.split(b" ", 2)[1].split(b"?")[0] if head.count(b" ") >= 2 else b""
-            status, kind, body = await self.answer(path)
-            writer.write(
-                f"HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
-                "Connection: close\r\n\r\n".encode()
-                + body
-            )
-            try:
-                await writer.drain()
-            finally:
-                writer.close()
+    async def _readyz(self) -> Answer:
+        ready, missing = node_readiness(self._controller)
+        if ready:
+            return Answer(200, "OK", _TEXT, b"ready\n")
+        detail = f"no ready replica of {', '.join(missing)}" if missing else "no worker is ready"
+        return Answer(503, "Service Unavailable", _TEXT, f"not ready: {detail}\n".encode())
 
-        return await asyncio.start_server(answer, host, port, limit=_MAX_REQUEST_BYTES)
+    async def serve(self, server: ServerConfig) -> MetricsEndpoint:
+        """Listen on the node's metrics port (`server`'s host, port, bounds and TLS) on the running
+        asyncio loop; the caller closes the returned endpoint."""
+        routes = {b"/metrics": self._metrics, b"/healthz": self._healthz, b"/readyz": self._readyz}
+        endpoint = MetricsEndpoint(routes, server.metrics_max_connections, server.metrics_timeout_s)
+        await endpoint.start(server.host, server.metrics_port, server_context(server, "metrics"))
+        return endpoint

@@ -116,15 +116,17 @@ def _access_env(server: ServerConfig, public: bool) -> dict[str, str]:
     """What a worker is told of restrictions and TLS, as environment variables (over its config
     file, whatever the node's own flags said), when the node has any: the restrictions, so a
     worker behind Envoy refuses what the node would (Envoy passes the headers through); TLS as
-    the node's when the worker serves the public ports itself, else off (Envoy terminates it;
-    the worker listens on 127.0.0.1 only)."""
+    the node's when the worker serves the public ports itself, else off (Envoy terminates it, the
+    node serves the public metrics port; the worker listens on 127.0.0.1 only)."""
     env = {}
     if server.grpc_restricted_protocol:
         env["HLOSERVE_SERVER_GRPC_RESTRICTED_PROTOCOL"] = ";".join(server.grpc_restricted_protocol)
     if server.http_restricted_api:
         env["HLOSERVE_SERVER_HTTP_RESTRICTED_API"] = ";".join(server.http_restricted_api)
+    if server.metrics_use_ssl:  # REST's files serve it: they are passed below
+        env["HLOSERVE_SERVER_METRICS_USE_SSL"] = "true" if public else "false"
     for proto in ("grpc", "http"):
-        if not getattr(server, f"{proto}_tls"):
+        if not (getattr(server, f"{proto}_tls") or (proto == "http" and server.metrics_use_ssl)):
             continue
         for key in ("use_ssl", "use_ssl_mutual"):
             on = public and getattr(server, f"{proto}_{key}")
