@@ -361,3 +361,49 @@ def test_tracing_is_off_unless_enabled(rendered: dict[str, list[dict[str, Any]]]
             environ = {e["name"]: e["value"] for e in container["env"]}
             assert not [name for name in environ if name.startswith("OTEL_")], container["name"]
             assert settings(load_config(environ=environ).tracing, environ)["exporter"] == "none"
+
+
+@pytest.mark.parametrize("mode", ["worker", "node"])
+def test_tls_metrics_serves_the_metrics_port_over_https_and_the_monitor_scrapes_it(mode: str) -> None:
+    ca = {"ca": {"secret": {"name": "hloserve-tls", "key": "ca.crt"}}, "serverName": "hloserve"}
+    values = {
+        **SECURE,
+        "mode": mode,
+        "tls": {**SECURE["tls"], "metrics": True},
+        "metrics": {"serviceMonitor": {"enabled": True, "tlsConfig": ca}},
+    }
+    objects = render(values)
+    (monitor,) = of_kind(objects, "ServiceMonitor")
+    crd_validator("servicemonitor.v1.json").validate(monitor)  # strict: a misplaced key fails
+    for obj in objects:
+        if obj is not monitor:
+            validate_kubernetes(obj)
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["scheme"] == "https" and endpoint["tlsConfig"] == ca
+    (container,) = _pod(named(objects, "Deployment", "hloserve"))["containers"]
+    server = load_config(environ={e["name"]: e["value"] for e in container["env"]}).server
+    assert server.metrics_use_ssl and str(server.http_server_cert) == "/etc/hloserve-tls/tls.crt"
+    annotations = named(objects, "Deployment", "hloserve")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scheme"] == "https"
+    plain = render(SECURE)  # without tls.metrics: plain text, as before
+    (plain_container,) = _pod(named(plain, "Deployment", "hloserve"))["containers"]
+    assert not load_config(
+        environ={e["name"]: e["value"] for e in plain_container["env"]}
+    ).server.metrics_use_ssl
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({**PVC_ONLY, "tls": {"metrics": True}}, "tls.metrics: the metrics port serves the certificate"),
+        (
+            {**SECURE, "mode": "fleet", "gpus": 1, "tls": {**SECURE["tls"], "metrics": True}},
+            "not with mode: fleet",
+        ),
+    ],
+)
+def test_tls_metrics_without_tls_or_in_fleet_mode_fails_rendering(
+    values: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(HelmRenderError, match=message):
+        render(values)

@@ -41,6 +41,12 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- if and .Values.tls.enabled (not .Values.tls.secretName) -}}
 {{- fail "tls.secretName: name the kubernetes.io/tls Secret (tls.crt, tls.key; ca.crt with tls.mutual) when tls.enabled is true" -}}
 {{- end -}}
+{{- if and .Values.tls.metrics (not .Values.tls.enabled) -}}
+{{- fail "tls.metrics: the metrics port serves the certificate of tls.secretName; set tls.enabled too" -}}
+{{- end -}}
+{{- if and .Values.tls.metrics (eq .Values.mode "fleet") -}}
+{{- fail "tls.metrics: not with mode: fleet, where the routers would serve HTTPS and the workers behind them plain text to one ServiceMonitor; scrape the fleet in the cluster without it" -}}
+{{- end -}}
 {{- if and .Values.tracing.enabled (not .Values.tracing.endpoint) -}}
 {{- fail "tracing.endpoint: name the OTLP/gRPC collector (e.g. http://otel-collector:4317) when tracing.enabled is true" -}}
 {{- end -}}
@@ -56,6 +62,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- $_ := set $annotations "prometheus.io/scrape" "true" -}}
 {{- $_ := set $annotations "prometheus.io/port" (toString .Values.ports.metrics) -}}
 {{- $_ := set $annotations "prometheus.io/path" "/metrics" -}}
+{{- if .Values.tls.metrics }}{{ $_ := set $annotations "prometheus.io/scheme" "https" }}{{ end -}}
 {{- end -}}
 {{- toYaml (merge (deepCopy .Values.podAnnotations) $annotations) -}}
 {{- end -}}
@@ -173,6 +180,10 @@ this container serves TLS (fleet workers behind the routers do not).
   value: {{ join ";" . | quote }}
 {{- end }}
 {{- if .tls }}
+{{- if $values.tls.metrics }}
+- name: HLOSERVE_SERVER_METRICS_USE_SSL
+  value: "true"
+{{- end }}
 {{- range $proto := list "GRPC" "HTTP" }}
 - name: HLOSERVE_SERVER_{{ $proto }}_USE_SSL
   value: "true"
