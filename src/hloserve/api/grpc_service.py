@@ -15,18 +15,20 @@ import functools
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import betterproto2
 import trio_asyncio
 from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError
+from grpclib.server import Stream
 
 from hloserve import dtypes
 from hloserve._proto import inference as kserve
 from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve._transport import grpclib_patches as _grpclib_patches
 from hloserve._version import __version__
+from hloserve.api.codec import InferRequest
 from hloserve.api.data_plane import DataPlane, find_entry, not_ready_because, ready_entry
 from hloserve.api.shm_registry import Region, ShmRegistry
 from hloserve.api.status import grpc_errors as _rpc
@@ -131,15 +133,17 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
 
     # -- ModelInfer (hot path) -----------------------------------------------------------------
 
-    async def _model_infer(self, stream: Any) -> None:
+    async def _model_infer(self, stream: Stream[InferRequest, hot.ModelInferResponse]) -> None:
         received = 0 if self._plane.tracing is None else time.monotonic_ns()
         request = await stream.recv_message()
+        assert request is not None  # a unary call carries one (`grpclib_patches` answers one without)
         started = time.perf_counter()
         name = request.model_name
         label = name if name in self._models else "<unknown>"
         plane = self._plane
         spans = None
         if plane.tracing is not None:
+            assert stream.metadata is not None  # a server's stream has its request's headers
             spans = plane.trace_request(label, stream.metadata.get("traceparent"), received)
         try:
             response = await plane.infer(request, stream.deadline, spans)

@@ -32,7 +32,7 @@ from hloserve._transport import grpclib_patches as _grpclib_patches
 from hloserve._transport import trio_asyncio_patches as _trio_asyncio_patches
 from hloserve.allocator import keep_freed_memory, settle_heap
 from hloserve.api import grpc_server
-from hloserve.api.codec import SHM_REGION
+from hloserve.api.codec import SHM_REGION, InferRequest
 from hloserve.api.data_plane import LocalDataPlane
 from hloserve.api.grpc_server import build_grpc_server
 from hloserve.api.grpc_service import InferenceService
@@ -72,7 +72,7 @@ def _entry(summary: ModelSummary) -> ModelEntry:
     return ModelEntry(summary.name, Remote(bundle, summary.batch_sizes, summary.coalescable, registration))
 
 
-def _names_a_region(request: Any) -> bool:
+def _names_a_region(request: InferRequest) -> bool:
     """Whether a ModelInfer names a client's shared-memory region (for an input or an output)."""
     return any(SHM_REGION in t.parameters for t in request.inputs) or any(
         SHM_REGION in o.parameters for o in request.outputs
@@ -109,7 +109,7 @@ class LinkedDataPlane:
         self._link.count(model, status, elapsed_s)
 
     async def infer(
-        self, request: hot.ModelInferRequest, deadline: Deadline | None, spans: RequestSpans | None = None
+        self, request: InferRequest, deadline: Deadline | None, spans: RequestSpans | None = None
     ) -> hot.ModelInferResponse:
         entry = self._models.get(request.model_name)
         # Without client regions allowed, one named fails here as at K=0: no need to look.

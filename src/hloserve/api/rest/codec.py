@@ -532,8 +532,8 @@ def _decode_infer(
         if not isinstance(output, dict) or not isinstance(output.get("name"), str):
             raise _fail(model, "each of 'outputs' must be an object with a 'name'")
         params = _get(output, "parameters", dict, model, f"output {output['name']!r}: ") or {}
-        added = request.outputs.add(name=output["name"])
-        _set_parameters(added.parameters, params, model, f"output {output['name']!r}: ")
+        requested = request.outputs.add(name=output["name"])
+        _set_parameters(requested.parameters, params, model, f"output {output['name']!r}: ")
         binary[output["name"]] = params.get(_BINARY_DATA, binary_default) is True
     return RestInfer(ViewedRequest(request, raw), binary, binary_default)
 
