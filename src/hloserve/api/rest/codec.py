@@ -538,7 +538,7 @@ def _decode_infer(
     return RestInfer(ViewedRequest(request, raw), binary, binary_default)
 
 
-def json_output_bytes(response: Any, decoded: RestInfer) -> int:
+def json_output_bytes(response: hot.ModelInferResponse, decoded: RestInfer) -> int:
     """The tensor bytes of `response` that `encode_infer` writes as JSON numbers (those past
     `INLINE_JSON` are encoded in a worker thread: 3 ms per 4096 values)."""
     return sum(
@@ -548,7 +548,9 @@ def json_output_bytes(response: Any, decoded: RestInfer) -> int:
     )
 
 
-def encode_infer(response: Any, decoded: RestInfer, fair: bool = False) -> tuple[list[bytes], int | None]:
+def encode_infer(
+    response: hot.ModelInferResponse, decoded: RestInfer, fair: bool = False
+) -> tuple[list[bytes], int | None]:
     """The REST body of a ModelInferResponse, as the JSON header and the binary outputs that
     follow it (sent as they are, not joined), and the header's length when binary follows.
     Numbers are written `_SLICE` values at a time, so that, in a worker thread, the interpreter

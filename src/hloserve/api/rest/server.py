@@ -36,7 +36,7 @@ import ssl
 import threading
 import time
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Mapping, MutableMapping
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +60,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from hloserve._proto import inference as kserve
+from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve._transport.h2_limits import CONNECTIONS, default_max_connections
 from hloserve._transport.requirements import Requires, check
 from hloserve.api.rest import http1 as _rest_http1
@@ -82,8 +83,10 @@ from hloserve.tls import server_context
 log = structlog.get_logger("hloserve.rest")
 
 if TYPE_CHECKING:
+    from hloserve.api.codec import InferRequest
     from hloserve.api.data_plane import DataPlane
     from hloserve.engine.model_table import ModelEntry
+    from hloserve.engine.tracing import RequestSpans
 
 __all__ = ["HTTP_STATUS", "REQUIRES", "RestServer", "build_app"]
 
@@ -290,7 +293,7 @@ inflation stops within one piece of it."""
 
 
 def _inflate(
-    inflater: Any, data: bytes | memoryview, cap: int, book: Callable[[int], None]
+    inflater: zlib._Decompress, data: bytes | memoryview, cap: int, book: Callable[[int], None]
 ) -> memoryview | None:
     """`data` inflated by `inflater` into one buffer, piece by piece; None as soon as it passes
     `cap` bytes (what it inflated is dropped). Each piece is booked by `book` (the bytes being
@@ -352,19 +355,19 @@ class _InFlight:
 
     def __init__(self, body_timeout_s: float, idle_timeout_s: float) -> None:
         self.body_timeout_s, self.idle_timeout_s = body_timeout_s, idle_timeout_s
-        self.serving: dict[Any, asyncio.Task[Any]] = {}
-        self.reading: dict[asyncio.Task[Any], float] = {}
+        self.serving: dict[Hashable, asyncio.Task[None]] = {}
+        self.reading: dict[asyncio.Task[object], float] = {}
         self.idle: dict[_Connection, float] = {}
-        self.sending: dict[asyncio.Task[Any], tuple[float, Any]] = {}
+        self.sending: dict[asyncio.Task[None], tuple[float, Hashable]] = {}
         """The deadline of each answer being sent, and its client, by the task sending it: one
         stream's answer completing (h2c, or pipelined HTTP/1.1) leaves its siblings' deadlines."""
-        self.connections: dict[Any, _Connection] = {}
+        self.connections: dict[Hashable, _Connection] = {}
         """Open connections by client address."""
-        self.cancelled: set[asyncio.Task[Any]] = set()
+        self.cancelled: set[asyncio.Task[object]] = set()
         """Tasks cancelled here (by a disconnect or a deadline), not by a shutdown."""
         self._closing: set[asyncio.Future[None]] = set()
 
-    def disconnected(self, client: Any) -> None:
+    def disconnected(self, client: Hashable) -> None:
         task = self.serving.pop(client, None)
         if task is not None:
             self._cancel(task)
@@ -401,11 +404,11 @@ class _InFlight:
             self._closing.add(closing)
             closing.add_done_callback(self._closing.discard)
 
-    def _cancel(self, task: asyncio.Task[Any]) -> None:
+    def _cancel(self, task: asyncio.Task[object]) -> None:
         self.cancelled.add(task)
         task.cancel()
 
-    def ours(self, task: asyncio.Task[Any]) -> bool:
+    def ours(self, task: asyncio.Task[object]) -> bool:
         """Whether `task`'s cancellation came from here; if so it is taken back (uncancelled)."""
         if task not in self.cancelled:
             return False
@@ -660,7 +663,9 @@ class _Routes:
             spans.mark("reply")
             spans.end()
 
-    async def _unless_disconnected(self, request: Any, client: Any, spans: Any = None) -> Any:
+    async def _unless_disconnected(
+        self, request: InferRequest, client: Hashable, spans: RequestSpans | None = None
+    ) -> hot.ModelInferResponse:
         """The service's answer; a client that disconnects meanwhile cancels it, so that a
         request still in its model's queue is withdrawn (as a gRPC cancellation withdraws one)."""
         task, serving = asyncio.current_task(), self.inflight.serving
@@ -971,7 +976,7 @@ class _Connection(TCPServer):
     `StrictH11` (h2c only with `server.http2`). What its protocol raises leaves `run` (whose
     task group cancels the connection's streams) and is contained by `RestServer`."""
 
-    def __init__(self, inflight: _InFlight, client: Any, http2: bool, *args: Any) -> None:
+    def __init__(self, inflight: _InFlight, client: Hashable, http2: bool, *args: Any) -> None:
         super().__init__(*args)
         self._inflight, self._client, self._http2 = inflight, client, http2
         self.idle_task = _IdleDeadline(inflight, self)  # type: ignore[assignment]  # duck-typed
