@@ -37,7 +37,8 @@ from hloserve.api.data_plane import LocalDataPlane
 from hloserve.api.grpc_server import build_grpc_server
 from hloserve.api.grpc_service import InferenceService
 from hloserve.api.health import worker_health
-from hloserve.api.rest.server import RestServer, build_app
+from hloserve.api.rest.routes import build_app
+from hloserve.api.rest.server import RestServer
 from hloserve.config import Config
 from hloserve.engine.buffer_pool import BufferPool
 from hloserve.engine.meta import MetaModels
