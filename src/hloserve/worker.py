@@ -29,6 +29,7 @@ from hloserve.actors.weight_cache import WeightCache
 from hloserve.api import grpc_server
 from hloserve.api.control import ControlService
 from hloserve.api.data_plane import LocalDataPlane
+from hloserve.api.engine_rpcs import LocalEngineRpcs
 from hloserve.api.grpc_server import build_grpc_server
 from hloserve.api.grpc_service import InferenceService
 from hloserve.api.health import worker_health
@@ -180,7 +181,8 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
             else None
         )
         plane = LocalDataPlane(config, entries, statistics, metrics, metas, shm=shm, tracing=tracing)
-        service = worker.inference = InferenceService(plane, config, entries, statistics, worker, shm)
+        engine = LocalEngineRpcs(worker, config, entries, statistics, shm)
+        service = worker.inference = InferenceService(plane, config, entries, statistics, worker, engine)
         # grpclib looks up the event loop when constructed: build it inside trio-asyncio's loop.
         server = build_grpc_server(
             server_config,
