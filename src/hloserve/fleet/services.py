@@ -86,7 +86,10 @@ def _not_served(name: str) -> grpclib.GRPCError:
     )
 
 
-def _add_durations(into: kserve.InferStatistics | kserve.InferBatchStatistics, more: Any) -> None:
+def _add_durations(
+    into: kserve.InferStatistics | kserve.InferBatchStatistics,
+    more: kserve.InferStatistics | kserve.InferBatchStatistics,
+) -> None:
     for key in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output"):
         if hasattr(into, key) and getattr(more, key, None) is not None:
             mine = getattr(into, key) or kserve.StatisticDuration()
