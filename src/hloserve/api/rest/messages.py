@@ -24,7 +24,7 @@ from hloserve.api.rest.codec import (
 __all__ = ["load_parameters", "parse_fairly", "stats_json", "to_json"]
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> Any:
     """A betterproto2 `to_dict` in Python form as JSON values: enums by name, unset messages gone."""
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items() if v is not None}
@@ -48,7 +48,7 @@ def _field_names(cls: type) -> tuple[str, ...]:
     return tuple(field.name for field in dataclasses.fields(cls))
 
 
-def stats_json(value: Any) -> Any:
+def stats_json(value: object) -> Any:
     """`to_json` of a statistics message, walking its fields directly: the same JSON at a third
     of the cost (betterproto2's `to_dict` made `GET /v2/models/stats` cost 4.7 ms against 1.7 ms for
     gRPC's ModelStatistics). Statistics hold only integers, strings, messages, lists and maps."""
@@ -113,7 +113,7 @@ def _base64(value: str) -> bytes:
     return b"".join(pieces)
 
 
-def _load_parameter(key: str, value: Any) -> kserve.ModelRepositoryParameter:
+def _load_parameter(key: str, value: object) -> kserve.ModelRepositoryParameter:
     """A load parameter as on gRPC: a config is a JSON string, a `file:` one the file's bytes in
     base64 (as Triton's REST load takes them); anything else is refused by the service."""
     if not isinstance(value, str):
