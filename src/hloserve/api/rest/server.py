@@ -14,8 +14,8 @@ import asyncio
 import json
 import socket
 import ssl
-from collections.abc import Hashable
-from typing import Any
+from collections.abc import Awaitable, Callable, Hashable
+from typing import TYPE_CHECKING, Any
 
 import hypercorn.asyncio.tcp_server
 import hypercorn.config
@@ -36,6 +36,9 @@ from hloserve.api.rest.inflight import InFlight
 from hloserve.api.rest.routes import App
 from hloserve.config import ServerConfig
 from hloserve.tls import server_context
+
+if TYPE_CHECKING:
+    from hypercorn.asyncio.task_group import TaskGroup
 
 log = structlog.get_logger("hloserve.rest")
 
@@ -143,7 +146,7 @@ class _IdleDeadline:
     def __init__(self, inflight: InFlight, connection: _Connection) -> None:
         self._inflight, self._connection = inflight, connection
 
-    async def restart(self, task_group: Any, action: Any) -> None:
+    async def restart(self, task_group: TaskGroup, action: Callable[[], Awaitable[None]]) -> None:
         deadline = asyncio.get_running_loop().time() + self._inflight.idle_timeout_s
         self._inflight.idle[self._connection] = deadline
 
