@@ -1,5 +1,6 @@
 """The KServe V2 / Triton gRPC service: an adapter over the data plane (`hloserve.api.data_plane`)
-for inference and readiness, and the metadata, statistics, shared-memory and repository RPCs.
+for inference and readiness, and the metadata and repository RPCs; statistics, loads and
+shared-memory regions through `hloserve.api.engine_rpcs` (the engine's, here or over a link).
 
 ModelInfer bypasses the generated dataclass path: its handler is swapped in `__mapping__` for
 one that parses with the google.protobuf classes compiled under `hloserve_hot` (same fields,
@@ -32,7 +33,7 @@ from hloserve.api.engine_rpcs import EngineRpcs
 from hloserve.api.status import grpc_errors as _rpc
 from hloserve.api.status import to_grpc_error
 from hloserve.config import Config
-from hloserve.engine.statistics import Duration, Statistics
+from hloserve.engine.statistics import Statistics
 from hloserve.engine.tracing import settings, triton_trace_settings
 from hloserve.errors import (
     ShmRegionNotFound,
@@ -59,10 +60,6 @@ _BUILT = {
     "CudaSharedMemoryStatus", "CudaSharedMemoryUnregister",
     "TraceSetting", "CudaSharedMemoryRegister",
 }  # fmt: skip
-
-
-def _duration(d: Duration) -> kserve.StatisticDuration:
-    return kserve.StatisticDuration(count=d.count, ns=d.ns)
 
 
 def _data_type(spec: TensorSpec) -> kserve.DataType:
