@@ -15,7 +15,8 @@ GENERATED = ROOT / "src" / "hloserve" / "_proto"
 
 
 def _files(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): p.read_text() for p in sorted(folder.rglob("*.py"))}
+    generated = (p for p in folder.rglob("*") if p.suffix in (".py", ".pyi"))  # code and type stubs
+    return {str(p.relative_to(folder)): p.read_text() for p in sorted(generated)}
 
 
 def test_generated_code_is_current(tmp_path: Path) -> None:

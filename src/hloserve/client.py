@@ -24,6 +24,8 @@ from hloserve._proto import inference as kserve
 from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve._transport.grpclib_patches import BigFrameChannel
 from hloserve.api.codec import SHM_BYTE_SIZE, SHM_OFFSET, SHM_REGION, TIMEOUT_NS_PARAM
+from hloserve.api.codec import InputTensor as _InputTensor
+from hloserve.api.codec import RequestedOutput as _RequestedOutput
 from hloserve.engine.buffer_pool import BufferPool
 
 __all__ = ["Client", "deadline_params", "decode_response", "encode_request", "encode_request_shm"]
@@ -126,7 +128,9 @@ class Client:
         request = encode_request(model, inputs, outputs=outputs, request_id=request_id, timeout=timeout)
         return decode_response(await self._infer(request, timeout=timeout))
 
-    async def infer_message(self, request: Any, timeout: float | None = None) -> Any:
+    async def infer_message(
+        self, request: hot.ModelInferRequest, timeout: float | None = None
+    ) -> hot.ModelInferResponse:
         """Send a ready ModelInferRequest (see `encode_request`, `encode_request_shm`)."""
         return await self._infer(request, timeout=timeout)
 
@@ -139,14 +143,14 @@ def deadline_params(budget_s: float) -> dict[str, int]:
     return {TIMEOUT_NS_PARAM: int(budget_s * 1e9)} if budget_s > 0 else {}
 
 
-def _new_request(model: str, request_id: str, timeout: float | None) -> Any:
+def _new_request(model: str, request_id: str, timeout: float | None) -> hot.ModelInferRequest:
     request = hot.ModelInferRequest(model_name=model, id=request_id)
     for key, value in deadline_params(timeout or 0.0).items():
         request.parameters[key].int64_param = value
     return request
 
 
-def _add_input(request: Any, name: str, array: np.ndarray) -> Any:
+def _add_input(request: hot.ModelInferRequest, name: str, array: np.ndarray) -> _InputTensor:
     tensor = request.inputs.add()
     tensor.name = name
     tensor.datatype = _wire(array.dtype)
@@ -161,7 +165,7 @@ def encode_request(
     outputs: Sequence[str] = (),
     request_id: str = "",
     timeout: float | None = None,
-) -> Any:
+) -> hot.ModelInferRequest:
     """A ModelInferRequest with every input inline in `raw_input_contents`."""
     request = _new_request(model, request_id, timeout)
     for name, array in inputs.items():
@@ -182,7 +186,7 @@ def encode_request_shm(
     outputs: Mapping[str, np.ndarray] | None = None,
     request_id: str = "",
     timeout: float | None = None,
-) -> Any:
+) -> hot.ModelInferRequest:
     """A ModelInferRequest whose inputs are ALL arrays carved from `pool` (registered as
     `region`), and whose `outputs`, if given, are written by the server into pool arrays too.
 
@@ -198,7 +202,7 @@ def encode_request_shm(
     return request
 
 
-def _shm_params(tensor: Any, region: str, offset: int, byte_size: int) -> None:
+def _shm_params(tensor: _InputTensor | _RequestedOutput, region: str, offset: int, byte_size: int) -> None:
     tensor.parameters[SHM_REGION].string_param = region
     tensor.parameters[SHM_OFFSET].int64_param = offset
     tensor.parameters[SHM_BYTE_SIZE].int64_param = byte_size
@@ -211,7 +215,7 @@ def _wire(dtype: np.dtype[Any]) -> str:
     return wire
 
 
-def decode_response(response: Any) -> dict[str, np.ndarray]:
+def decode_response(response: hot.ModelInferResponse) -> dict[str, np.ndarray]:
     """The inline outputs of a ModelInferResponse as numpy arrays (raw or typed contents).
 
     Outputs the server wrote to shared memory are not included: read them from the pool.

@@ -29,10 +29,12 @@ from hloserve.actors.weight_cache import WeightCache
 from hloserve.api import grpc_server
 from hloserve.api.control import ControlService
 from hloserve.api.data_plane import LocalDataPlane
+from hloserve.api.engine_rpcs import LocalEngineRpcs
 from hloserve.api.grpc_server import build_grpc_server
 from hloserve.api.grpc_service import InferenceService
 from hloserve.api.health import worker_health
-from hloserve.api.rest.server import RestServer, build_app
+from hloserve.api.rest.routes import build_app
+from hloserve.api.rest.server import RestServer
 from hloserve.api.shm_registry import ShmRegistry
 from hloserve.config import Config, ModelSettings
 from hloserve.engine.budget import resolve_budget
@@ -179,7 +181,8 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
             else None
         )
         plane = LocalDataPlane(config, entries, statistics, metrics, metas, shm=shm, tracing=tracing)
-        service = worker.inference = InferenceService(plane, config, entries, statistics, worker, shm)
+        engine = LocalEngineRpcs(worker, config, entries, statistics, shm)
+        service = worker.inference = InferenceService(plane, config, entries, statistics, worker, engine)
         # grpclib looks up the event loop when constructed: build it inside trio-asyncio's loop.
         server = build_grpc_server(
             server_config,

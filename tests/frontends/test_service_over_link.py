@@ -25,6 +25,7 @@ from tritonclient.utils import InferenceServerException
 
 from hloserve._transport import grpclib_patches as _grpclib_patches
 from hloserve.api.data_plane import LocalDataPlane
+from hloserve.api.engine_rpcs import LocalEngineRpcs
 from hloserve.api.grpc_service import InferenceService
 from hloserve.api.proto_codec import KnownFieldsCodec
 from hloserve.config import ModelSettings
@@ -63,7 +64,10 @@ class FrontEndOverLink:
                         self.config, worker.models, worker.statistics, Metrics(worker.statistics),
                         metas, execute_over(link),
                     )  # fmt: skip
-                    service = InferenceService(plane, self.config, worker.models, worker.statistics, worker)
+                    engine = LocalEngineRpcs(worker, self.config, worker.models, worker.statistics)
+                    service = InferenceService(
+                        plane, self.config, worker.models, worker.statistics, worker, engine
+                    )
                     server = _grpclib_patches.GracefulServer(
                         [service],
                         codec=KnownFieldsCodec(),

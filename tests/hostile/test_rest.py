@@ -23,7 +23,8 @@ import pytest
 from support.clients import assert_serves, http_answer
 from support.servers import ServerThread, make_config, start_worker
 
-from hloserve.api.rest import server as rest
+from hloserve.api.rest import body as rest_body
+from hloserve.api.rest.inflight import InFlight
 
 MLP_INPUT = {"name": "INPUT0", "datatype": "FP32", "shape": [1, 16], "data": [0.5] * 16}
 MLP_BODY = json.dumps({"inputs": [MLP_INPUT]}).encode()
@@ -190,7 +191,8 @@ def test_two_content_lengths_are_400_and_closed(server: ServerThread, lengths: b
 def test_a_body_is_used_only_when_exactly_its_declared_bytes_arrived(chunks: list[bytes], says: str) -> None:
     """h11 and h2 hold a client to its Content-Length; `_receive` checks it again, so that no
     answer is ever computed from the unwritten tail of a recycled buffer."""
-    routes = rest._Routes(None, None, {}, make_config().server)  # no plane, no service: only the body is read
+    config = make_config().server
+    bodies = rest_body.BodyReader(config, InFlight(config.http_body_timeout_s, config.http_idle_timeout_s))
     messages = [
         {"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)
     ]
@@ -198,9 +200,9 @@ def test_a_body_is_used_only_when_exactly_its_declared_bytes_arrived(chunks: lis
     async def receive() -> dict[str, Any]:
         return messages.pop(0)
 
-    with pytest.raises(rest.HttpRefusal, match=says):
-        asyncio.run(routes._receive("100", receive, 1 << 20, "server.max_message_bytes"))
-    assert routes.receiving == 0
+    with pytest.raises(rest_body.HttpRefusal, match=says):
+        asyncio.run(bodies._receive("100", receive, 1 << 20, "server.max_message_bytes"))
+    assert bodies.receiving == 0
 
 
 # -- one connection's exception; h2c off and on --------------------------------------------------

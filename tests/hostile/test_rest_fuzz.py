@@ -31,9 +31,10 @@ from hloserve import dtypes
 from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve.api.codec import bytes_contents, decode_request
 from hloserve.api.rest import codec as rest_codec
-from hloserve.api.rest import server as rest
+from hloserve.api.rest import messages as rest_messages
 from hloserve.api.rest.codec import RestInfer, decode_infer, encode_infer, header_length, parse_json
-from hloserve.api.rest.server import HTTP_STATUS, _base64, _error
+from hloserve.api.rest.messages import _base64
+from hloserve.api.rest.routes import HTTP_STATUS, _error
 from hloserve.errors import InvalidInput, ModelNotFound, ShmDisabled, ShmRegionError
 from hloserve.models.manifest import Axis, TensorSpec
 
@@ -266,12 +267,12 @@ def test_the_header_length_is_a_byte_count_or_a_client_error(value: str) -> None
 @contextmanager
 def _steps(string: int, base: int = 4) -> Iterator[None]:
     """Strings scanned, and base64 decoded, a few characters at a time: every cut is exercised."""
-    saved = rest_codec._STRING_STEP, rest._BASE64_STEP
-    rest_codec._STRING_STEP, rest._BASE64_STEP = string, base
+    saved = rest_codec._STRING_STEP, rest_messages._BASE64_STEP
+    rest_codec._STRING_STEP, rest_messages._BASE64_STEP = string, base
     try:
         yield
     finally:
-        rest_codec._STRING_STEP, rest._BASE64_STEP = saved
+        rest_codec._STRING_STEP, rest_messages._BASE64_STEP = saved
 
 
 escaped_strings = st.builds(

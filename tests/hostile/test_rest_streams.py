@@ -129,7 +129,7 @@ def _until(condition: Any, timeout: float) -> float:
 
 
 def test_twelve_unread_answers_are_aborted_at_their_deadline_beside_a_read_one(server: ServerThread) -> None:
-    """The small stream's completion popped the connection's deadline (`_InFlight.sending` was
+    """The small stream's completion popped the connection's deadline (`InFlight.sending` was
     keyed by the client's address), and the twelve 3 MiB answers stayed buffered for good."""
     before = _open_connections(server)
     body, header_length = _wide_request()

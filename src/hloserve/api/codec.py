@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 
@@ -25,6 +25,9 @@ __all__ = [
     "TIMEOUT_NS_PARAM",
     "TRITON_TIMEOUT_PARAM",
     "DecodedRequest",
+    "InferRequest",
+    "InputTensor",
+    "RequestedOutput",
     "decode_request",
     "encode_response",
     "request_deadline",
@@ -40,6 +43,35 @@ TRITON_TIMEOUT_PARAM = "timeout"
 """Triton's request parameter: timeout in microseconds."""
 _TIMEOUT_PARAMS = ((TRITON_TIMEOUT_PARAM, 1e-6), (TIMEOUT_NS_PARAM, 1e-9), ("reactant_timeout_ns", 1e-9))
 """Each timeout parameter and its unit in seconds; 0 (the default) means no timeout."""
+
+
+InputTensor = pb.ModelInferRequest.InferInputTensor
+RequestedOutput = pb.ModelInferRequest.InferRequestedOutputTensor
+Parameters = Mapping[str, pb.InferParameter]
+
+
+class InferRequest(Protocol):
+    """A ModelInferRequest as the data plane reads it: the upb message gRPC parses, or a view of
+    one whose tensor bytes stay where they arrived (`hloserve.api.rest.viewed_request`, which
+    both gRPC's large requests and REST's requests are)."""
+
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def model_version(self) -> str: ...
+    @property
+    def id(self) -> str: ...
+    @property
+    def parameters(self) -> Parameters: ...
+    @property
+    def inputs(self) -> Sequence[InputTensor]: ...
+    @property
+    def outputs(self) -> Sequence[RequestedOutput]: ...
+    @property
+    def raw_input_contents(self) -> Sequence[bytes | memoryview]: ...
+    def SerializeToString(self) -> bytes:
+        """The whole request on the wire (a frontend forwards it to the engine)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,14 +90,14 @@ class DecodedRequest:
     """Outputs answered as Triton's classification (top k "score:index"), k by output index."""
 
 
-def _int_param(param: Any) -> int | None:
+def _int_param(param: pb.InferParameter) -> int | None:
     kind = param.WhichOneof("parameter_choice")
     if kind in ("int64_param", "uint64_param"):
         return int(getattr(param, kind))
     return None
 
 
-def _timeout_s(model: str, parameters: Any) -> float | None:
+def _timeout_s(model: str, parameters: Parameters) -> float | None:
     """The soonest of Triton's `timeout` (us) and the ns budget parameters, each checked."""
     budgets = []
     for name, unit_s in _TIMEOUT_PARAMS:
@@ -90,14 +122,16 @@ def request_deadline(timeout_s: float | None, grpc_remaining_s: float | None, no
     return now + min(budgets) if budgets else None
 
 
-def _wire_shape(model: str, tensor: Any) -> tuple[int, ...]:
+def _wire_shape(model: str, tensor: InputTensor) -> tuple[int, ...]:
     shape = tuple(tensor.shape)
     if any(d < 0 for d in shape):
         raise InvalidInput(model, f"shape {list(shape)} has a negative dimension", tensor.name)
     return shape
 
 
-def _array_from_contents(model: str, tensor: Any, dtype: dtypes.DType, shape: tuple[int, ...]) -> np.ndarray:
+def _array_from_contents(
+    model: str, tensor: InputTensor, dtype: dtypes.DType, shape: tuple[int, ...]
+) -> np.ndarray:
     if dtype.contents_field is None:
         raise InvalidInput(
             model,
@@ -121,7 +155,7 @@ def _array_from_contents(model: str, tensor: Any, dtype: dtypes.DType, shape: tu
 
 
 def _array_from_raw(
-    model: str, name: str, raw: bytes, dtype: dtypes.DType, shape: tuple[int, ...]
+    model: str, name: str, raw: bytes | memoryview, dtype: dtypes.DType, shape: tuple[int, ...]
 ) -> np.ndarray:
     if dtype is dtypes.BYTES:
         return _strings_from_raw(model, name, raw, shape)
@@ -135,7 +169,7 @@ def _array_from_raw(
     return np.frombuffer(raw, dtype=dtype.numpy).reshape(shape)
 
 
-def _strings_from_raw(model: str, name: str, raw: bytes, shape: tuple[int, ...]) -> np.ndarray:
+def _strings_from_raw(model: str, name: str, raw: bytes | memoryview, shape: tuple[int, ...]) -> np.ndarray:
     """A BYTES tensor from raw contents: each element a 4-byte little-endian length, then it."""
     count = math.prod(shape)
     if count * 4 > len(raw):  # before anything of `count` is allocated
@@ -174,7 +208,9 @@ class ShmTarget:
     byte_size: int
 
 
-def _shm_target(model: str, tensor: Any, registry: ShmRegistry | None) -> ShmTarget | None:
+def _shm_target(
+    model: str, tensor: InputTensor | RequestedOutput, registry: ShmRegistry | None
+) -> ShmTarget | None:
     """The tensor's shared-memory parameters, checked; None when it has none."""
     parameters = tensor.parameters
     if SHM_REGION not in parameters:
@@ -196,7 +232,7 @@ def _shm_target(model: str, tensor: Any, registry: ShmRegistry | None) -> ShmTar
 
 
 def decode_request(
-    request: Any,
+    request: InferRequest,
     model: str,
     inputs: Sequence[TensorSpec],
     outputs: Sequence[TensorSpec],
@@ -318,7 +354,9 @@ CLASSIFICATION_PARAM = "classification"
 """Triton's requested-output parameter (tritonclient's `class_count`): answer the top k classes."""
 
 
-def _class_count(model: str, requested: Any, spec: TensorSpec, target: ShmTarget | None) -> int | None:
+def _class_count(
+    model: str, requested: RequestedOutput, spec: TensorSpec, target: ShmTarget | None
+) -> int | None:
     """The k of a requested output's classification parameter, checked; None when absent."""
     if CLASSIFICATION_PARAM not in requested.parameters:
         return None
@@ -370,13 +408,13 @@ def bytes_contents(strings: np.ndarray) -> bytes:
 
 
 def encode_response(
-    request: Any,
+    request: InferRequest,
     model: str,
     specs: Sequence[TensorSpec],
     decoded: DecodedRequest,
     arrays: Sequence[np.ndarray],
     labels: Mapping[str, Sequence[str]] | None = None,
-) -> Any:
+) -> pb.ModelInferResponse:
     """A ModelInferResponse: outputs written to their shared-memory targets, the rest inline.
 
     Clients index `raw_output_contents` by output position (perf_analyzer crashes otherwise), so
@@ -396,6 +434,7 @@ def encode_response(
             tensor.shape.extend(classes.shape)
             contents.append(bytes_contents(classes))
             continue
+        assert spec.dtype.wire is not None  # a client-facing tensor's (the manifest checks)
         tensor.datatype = spec.dtype.wire
         tensor.shape.extend(array.shape)
         if spec.dtype is dtypes.BYTES:

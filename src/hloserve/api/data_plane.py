@@ -14,16 +14,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar, TypeVarTuple
 
 import numpy as np
 import trio
 import trio_asyncio
 from grpclib.metadata import Deadline
+from prometheus_client import Counter, Histogram
 
 from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve.actors.messages import Infer
-from hloserve.api.codec import decode_request, encode_response, request_deadline
+from hloserve.api.codec import InferRequest, decode_request, encode_response, request_deadline
 from hloserve.api.shm_registry import ShmRegistry
 from hloserve.config import Config
 from hloserve.engine.admission import Admission, Ticket
@@ -52,6 +53,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
 
 Execute = Callable[
     ["ModelEntry", list[np.ndarray], int, list[int], float | None, float, "RequestSpans | None"],
@@ -82,7 +84,7 @@ class DataPlane(Protocol):
     def trace_request(self, model: str, traceparent: object, started_ns: int) -> RequestSpans | None: ...
 
     async def infer(
-        self, request: hot.ModelInferRequest, deadline: Deadline | None, spans: RequestSpans | None = None
+        self, request: InferRequest, deadline: Deadline | None, spans: RequestSpans | None = None
     ) -> hot.ModelInferResponse:
         """The answer to a ModelInfer; `deadline` is the transport's (gRPC's), if any."""
         ...
@@ -202,7 +204,7 @@ class LocalDataPlane:
         self._shm = shm
         self._tracing = tracing
         self._platform = f"stablehlo_{platform or _xla.device().platform}"
-        self._counters: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._counters: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
         """(model, status) → its call counter and its model's duration histogram: prometheus's
         `labels()` lookup costs more than the count itself."""
         self._inflight = 0
@@ -244,7 +246,7 @@ class LocalDataPlane:
             (stats.success if status == "OK" else stats.fail).add(elapsed_s)
 
     async def infer(
-        self, request: hot.ModelInferRequest, deadline: Deadline | None, spans: RequestSpans | None = None
+        self, request: InferRequest, deadline: Deadline | None, spans: RequestSpans | None = None
     ) -> hot.ModelInferResponse:
         entry = ready_entry(self._models, request.model_name, request.model_version)
         assert entry.bundle is not None
@@ -350,7 +352,7 @@ class LocalDataPlane:
 _in_thread = trio_asyncio.trio_as_aio(trio.to_thread.run_sync)
 
 
-async def _run_hook(hook: object, step: Callable[..., T], *args: Any) -> T:
+async def _run_hook(hook: object, step: Callable[[*Ts], T], *args: *Ts) -> T:
     """A pipeline step: in a worker thread when it runs a hook (arbitrary, blocking Python),
     inline when the hook is omitted and the step only checks tensors."""
     result: T = await _in_thread(step, *args) if hook is not None else step(*args)

@@ -1,5 +1,6 @@
 """The KServe V2 / Triton gRPC service: an adapter over the data plane (`hloserve.api.data_plane`)
-for inference and readiness, and the metadata, statistics, shared-memory and repository RPCs.
+for inference and readiness, and the metadata and repository RPCs; statistics, loads and
+shared-memory regions through `hloserve.api.engine_rpcs` (the engine's, here or over a link).
 
 ModelInfer bypasses the generated dataclass path: its handler is swapped in `__mapping__` for
 one that parses with the google.protobuf classes compiled under `hloserve_hot` (same fields,
@@ -15,40 +16,35 @@ import functools
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
-import betterproto2
-import trio_asyncio
 from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError
+from grpclib.server import Stream
 
 from hloserve import dtypes
 from hloserve._proto import inference as kserve
 from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve._transport import grpclib_patches as _grpclib_patches
 from hloserve._version import __version__
+from hloserve.api.codec import InferRequest
 from hloserve.api.data_plane import DataPlane, find_entry, not_ready_because, ready_entry
-from hloserve.api.shm_registry import Region, ShmRegistry
+from hloserve.api.engine_rpcs import EngineRpcs
 from hloserve.api.status import grpc_errors as _rpc
 from hloserve.api.status import to_grpc_error
-from hloserve.config import Config, ModelSettings
-from hloserve.engine.statistics import Duration, ExecutionTimes, Statistics
+from hloserve.config import Config
+from hloserve.engine.statistics import Statistics
 from hloserve.engine.tracing import settings, triton_trace_settings
 from hloserve.errors import (
-    InvalidInput,
-    ModelNotFound,
-    ShmDisabled,
     ShmRegionNotFound,
     Unimplemented,
 )
 from hloserve.models.bundle import check_model_name
-from hloserve.models.load_files import FILE_PREFIX, check_files
-from hloserve.models.load_override import CONFIG_PARAM, apply_config
 from hloserve.models.manifest import FILE as MANIFEST
 from hloserve.models.manifest import TensorSpec
 
 if TYPE_CHECKING:
-    from hloserve.engine.model_table import ModelEntry, ModelHost
+    from hloserve.engine.model_table import ModelEntry
 
 __all__ = ["EXTENSIONS", "InferenceService"]
 
@@ -66,16 +62,20 @@ _BUILT = {
 }  # fmt: skip
 
 
-def _duration(d: Duration) -> kserve.StatisticDuration:
-    return kserve.StatisticDuration(count=d.count, ns=d.ns)
-
-
 def _data_type(spec: TensorSpec) -> kserve.DataType:
     return kserve.DataType["TYPE_STRING" if spec.dtype is dtypes.BYTES else f"TYPE_{spec.dtype.wire}"]
 
 
+class ServiceHost(Protocol):
+    """What the service reads of its process's host: the configuration as loads changed it."""
+
+    @property
+    def config(self) -> Config: ...
+
+
 class InferenceService(kserve.GrpcInferenceServiceBase):
-    """`inference.GRPCInferenceService` over the worker's model table."""
+    """`inference.GRPCInferenceService` over a process's model table and data plane; what only the
+    engine answers, through `engine`."""
 
     def __init__(
         self,
@@ -83,21 +83,19 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
         config: Config,
         models: Mapping[str, ModelEntry],
         statistics: Statistics,
-        worker: ModelHost,
-        shm: ShmRegistry | None = None,
+        host: ServiceHost,
+        engine: EngineRpcs,
     ) -> None:
         self._plane = plane
         self._config = config
         self._models = models
         self._statistics = statistics
-        self._worker = worker
-        self._shm = shm
-        """The client's shared-memory regions (None: not allowed, or a frontend's: the engine's)."""
+        self._host = host
+        self._engine = engine
+        """Where the RPCs that only the engine answers go (statistics, loads, regions)."""
 
     def close(self) -> None:
-        """Close every registered shared-memory region."""
-        if self._shm is not None:
-            self._shm.close()
+        self._engine.close()
 
     # -- routing -------------------------------------------------------------------------------
 
@@ -131,15 +129,17 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
 
     # -- ModelInfer (hot path) -----------------------------------------------------------------
 
-    async def _model_infer(self, stream: Any) -> None:
+    async def _model_infer(self, stream: Stream[InferRequest, hot.ModelInferResponse]) -> None:
         received = 0 if self._plane.tracing is None else time.monotonic_ns()
         request = await stream.recv_message()
+        assert request is not None  # a unary call carries one (`grpclib_patches` answers one without)
         started = time.perf_counter()
         name = request.model_name
         label = name if name in self._models else "<unknown>"
         plane = self._plane
         spans = None
         if plane.tracing is not None:
+            assert stream.metadata is not None  # a server's stream has its request's headers
             spans = plane.trace_request(label, stream.metadata.get("traceparent"), received)
         try:
             response = await plane.infer(request, stream.deadline, spans)
@@ -218,7 +218,7 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
             shape = spec.metadata_shape
             return shape[1:] if max_batch and spec.batch_axis == 0 else shape
 
-        policy = self._worker.config.scheduler.models.get(entry.name)  # with load overrides
+        policy = self._host.config.scheduler.models.get(entry.name)  # with load overrides
         if policy is not None and policy.max_batch_size and max_batch:
             max_batch = min(max_batch, policy.max_batch_size)
             sizes = [b for b in sizes if b <= max_batch]
@@ -279,84 +279,27 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
     async def model_statistics(
         self, message: kserve.ModelStatisticsRequest
     ) -> kserve.ModelStatisticsResponse:
-        try:
-            names = (
-                [self._entry(message.name, message.version).name] if message.name else sorted(self._models)
-            )
-        except ModelNotFound as e:  # as Triton: the statistics asked for are not available
-            raise InvalidInput(message.name, f"requested statistics are not available: {e}") from None
-        stats = []
-        for name in names:
-            s = self._statistics[name]
-
-            def times(t: ExecutionTimes) -> dict[str, kserve.StatisticDuration]:
-                return {
-                    "compute_input": _duration(t.compute_input),
-                    "compute_infer": _duration(t.compute_infer),
-                    "compute_output": _duration(t.compute_output),
-                }
-
-            stats.append(
-                kserve.ModelStatistics(
-                    name=name,
-                    version="1",
-                    last_inference=s.last_inference_ms,
-                    inference_count=s.inference_count,
-                    execution_count=s.execution_count,
-                    inference_stats=kserve.InferStatistics(
-                        success=_duration(s.success),
-                        fail=_duration(s.fail),
-                        queue=_duration(s.queue),
-                        **times(s.compute),
-                    ),
-                    batch_stats=[
-                        kserve.InferBatchStatistics(batch_size=size, **times(t))
-                        for size, t in sorted(s.by_batch_size.items())
-                    ],
-                )
-            )
-        return kserve.ModelStatisticsResponse(model_stats=stats)
+        return await self._engine.model_statistics(message)
 
     # -- system shared memory ------------------------------------------------------------------
-
-    def _registry(self) -> ShmRegistry:
-        if self._shm is None:
-            raise ShmDisabled()
-        return self._shm
-
-    def _registered(self, name: str) -> list[Region]:
-        """Every region, or the one named (as Triton: NOT_FOUND when it is not registered)."""
-        registry = self._registry()
-        if name and name not in {r.name for r in registry.status()}:
-            raise ShmRegionNotFound(name)
-        return registry.status(name)
 
     @_rpc("SystemSharedMemoryRegister")
     async def system_shared_memory_register(
         self, message: kserve.SystemSharedMemoryRegisterRequest
     ) -> kserve.SystemSharedMemoryRegisterResponse:
-        self._registry().register(message.name, message.key, message.offset, message.byte_size)
-        return kserve.SystemSharedMemoryRegisterResponse()
+        return await self._engine.system_shared_memory_register(message)
 
     @_rpc("SystemSharedMemoryStatus")
     async def system_shared_memory_status(
         self, message: kserve.SystemSharedMemoryStatusRequest
     ) -> kserve.SystemSharedMemoryStatusResponse:
-        return kserve.SystemSharedMemoryStatusResponse(
-            regions={
-                r.name: kserve.SystemSharedMemoryStatusResponseRegionStatus(
-                    name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size
-                )
-                for r in self._registered(message.name)
-            }
-        )
+        return await self._engine.system_shared_memory_status(message)
 
     @_rpc("SystemSharedMemoryUnregister")
     async def system_shared_memory_unregister(
         self, message: kserve.SystemSharedMemoryUnregisterRequest
     ) -> kserve.SystemSharedMemoryUnregisterResponse:
-        self._registry().unregister(message.name)
-        return kserve.SystemSharedMemoryUnregisterResponse()
+        return await self._engine.system_shared_memory_unregister(message)
 
     # -- CUDA shared memory: none, as Triton without a GPU (so clients can clean up) ----------
 
@@ -390,48 +333,21 @@ class InferenceService(kserve.GrpcInferenceServiceBase):
     async def repository_model_load(
         self, message: kserve.RepositoryModelLoadRequest
     ) -> kserve.RepositoryModelLoadResponse:
-        name = check_model_name(message.model_name)
-        chosen = {
-            key: betterproto2.which_one_of(p, "parameter_choice") for key, p in message.parameters.items()
-        }
-        parameters = {
-            key: value if kind == "string_param" else None
-            for key, (kind, value) in chosen.items()
-            if not key.startswith(FILE_PREFIX)
-        }
-        current = self._worker.config.scheduler.models.get(name, ModelSettings())
-        settings = apply_config(name, parameters, current)
-        sent = {
-            key.removeprefix(FILE_PREFIX): value if kind == "bytes_param" else None
-            for key, (kind, value) in chosen.items()
-            if key.startswith(FILE_PREFIX)
-        }
-        server = self._config.server
-        files = (
-            check_files(
-                name,
-                sent,
-                has_config=CONFIG_PARAM in parameters,
-                max_files=server.max_load_files,
-                max_bytes=server.max_load_file_bytes,
-            )
-            if sent
-            else None
-        )
-        await trio_asyncio.trio_as_aio(self._worker.load_model)(name, settings, files)
-        return kserve.RepositoryModelLoadResponse()
+        return await self._engine.repository_model_load(message)
 
     @_rpc("RepositoryModelUnload")
     async def repository_model_unload(
         self, message: kserve.RepositoryModelUnloadRequest
     ) -> kserve.RepositoryModelUnloadResponse:
-        await trio_asyncio.trio_as_aio(self._worker.unload_model)(message.model_name)
-        return kserve.RepositoryModelUnloadResponse()
+        return await self._engine.repository_model_unload(message)
 
     @_rpc("RepositoryIndex")
     async def repository_index(
         self, message: kserve.RepositoryIndexRequest
     ) -> kserve.RepositoryIndexResponse:
+        engines = await self._engine.repository_index(message)
+        if engines is not None:
+            return engines
         # As upstream: the models a meta model calls are its parts, listed through it alone
         # (still addressable by name).
         parts = {callee for e in self._models.values() if e.ready for callee in e.calls}

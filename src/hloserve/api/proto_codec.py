@@ -17,7 +17,7 @@ from typing import Any
 
 import betterproto2
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 from grpclib.encoding.proto import ProtoCodec
 
 from hloserve._proto.hot import hot_infer_pb2 as hot
@@ -36,9 +36,9 @@ class KnownFieldsCodec(ProtoCodec):
     """`ProtoCodec` whose betterproto2 requests reach the handler without unknown fields."""
 
     def __init__(self) -> None:
-        self._mirrors: dict[type, Any] = {}
+        self._mirrors: dict[type[betterproto2.Message], type[Message]] = {}
 
-    def decode(self, data: bytes, message_type: Any) -> Any:
+    def decode(self, data: bytes, message_type: Any) -> Any:  # as grpclib's codecs: any message class
         if message_type is hot.ModelInferRequest and len(data) >= VIEW_FROM_BYTES:
             return parse_viewed(data)
         if not issubclass(message_type, betterproto2.Message):
@@ -50,11 +50,11 @@ class KnownFieldsCodec(ProtoCodec):
             known = mirror.FromString(data)
         except DecodeError:
             raise ValueError("malformed protobuf wire data") from None
-        known.DiscardUnknownFields()
+        known.DiscardUnknownFields()  # type: ignore[attr-defined]  # upb has it, typeshed not
         return message_type.parse(known.SerializeToString())  # ValueError: a string not UTF-8
 
 
-def _mirror(root: type[betterproto2.Message]) -> Any:
+def _mirror(root: type[betterproto2.Message]) -> type[Message]:
     """A google.protobuf class with `root`'s fields (and, recursively, its messages'), proto2 so
     that every singular field keeps its presence through the re-serialization."""
     file = descriptor_pb2.FileDescriptorProto(name="mirror.proto", package="mirror", syntax="proto2")
@@ -92,7 +92,7 @@ def _mirror(root: type[betterproto2.Message]) -> Any:
             describe(field, meta.proto_type, cls)
         return f".mirror.{described.name}"
 
-    def describe(field: Any, proto_type: str, cls: type | None) -> None:
+    def describe(field: _Field, proto_type: str, cls: type | None) -> None:
         if proto_type == betterproto2.TYPE_MESSAGE:
             assert cls is not None
             field.type = _Field.TYPE_MESSAGE

@@ -17,10 +17,11 @@ import secrets
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, final
+from typing import final
 
 import numpy as np
 import trio
+from numpy.typing import DTypeLike
 
 from hloserve.errors import HloserveError
 
@@ -182,7 +183,9 @@ class BufferPool:
         than slicing an array, once a request)."""
         return self._memory.data
 
-    def scratch(self, slot: PoolSlot, specs: Sequence[tuple[Sequence[int] | int, Any]]) -> list[np.ndarray]:
+    def scratch(
+        self, slot: PoolSlot, specs: Sequence[tuple[Sequence[int] | int, DTypeLike]]
+    ) -> list[np.ndarray]:
         """Typed arrays carved from the slot in one call: disjoint, 64-byte aligned, aliasing it.
 
         `specs` are `(shape, dtype)` pairs. Returns the arrays; write into them directly. Each
@@ -202,7 +205,7 @@ class BufferPool:
         slot.cursor = cursor
         return arrays
 
-    def span_for(self, specs: Sequence[tuple[Sequence[int] | int, Any]]) -> int:
+    def span_for(self, specs: Sequence[tuple[Sequence[int] | int, DTypeLike]]) -> int:
         """Enough contiguous slots for `scratch` to carve `specs` ((shape, dtype) pairs): each
         array is counted with a whole alignment pad, so this is a bound, not the exact fit."""
         nbytes: int = sum(

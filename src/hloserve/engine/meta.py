@@ -17,10 +17,11 @@ import concurrent.futures
 import math
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast, overload
 
 import numpy as np
 import trio
+from numpy.typing import DTypeLike
 
 from hloserve.actors.messages import Infer
 from hloserve.engine.buffer_pool import BufferPool, PoolAcquireTimeout, PoolSlot
@@ -35,6 +36,9 @@ if TYPE_CHECKING:
     from hloserve.engine.model_table import ModelEntry
 
 __all__ = ["Call", "MetaModels"]
+
+Shape = Sequence[int] | int
+"""A scratch buffer's shape: its dimensions, or one length."""
 
 
 def _trio_time(deadline: float | None) -> float:
@@ -126,7 +130,13 @@ class Call:
             raise DeadlineExceeded(model, 0.0) from None
         return named([manifest.outputs[i] for i in selected], route.outward(result, rows))
 
-    def scratch(self, shape: Any, dtype: Any = None) -> Any:
+    @overload
+    def scratch(self, shape: Shape, dtype: DTypeLike) -> np.ndarray: ...
+    @overload
+    def scratch(self, shape: Sequence[tuple[Shape, DTypeLike]]) -> list[np.ndarray]: ...
+    def scratch(
+        self, shape: Shape | Sequence[tuple[Shape, DTypeLike]], dtype: DTypeLike | None = None
+    ) -> np.ndarray | list[np.ndarray]:
         """Buffers for this request, carved at once from the staging pool and released when
         `run` returns: `scratch(shape, dtype)` gives one array, `scratch([(shape, dtype), ...])`
         a list. Once per request; plain arrays when the server has no pool."""
@@ -134,7 +144,11 @@ class Call:
             raise RuntimeError("call.scratch may be used once per request; ask for every buffer in one call")
         self._scratched = True
         single = dtype is not None
-        specs = [(shape, dtype)] if single else list(shape)
+        specs: list[tuple[Shape, DTypeLike]] = (
+            [(cast("Shape", shape), dtype)]
+            if dtype is not None
+            else list(cast("Sequence[tuple[Shape, DTypeLike]]", shape))
+        )
         if self._pool is None:
             arrays = [np.empty(s, dtype=np.dtype(d)) for s, d in specs]
         else:

@@ -25,10 +25,15 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hloserve.actors.messages import EngineTrace
 from hloserve.config import TracingConfig
+
+if TYPE_CHECKING:  # OpenTelemetry is imported only when tracing is on
+    from opentelemetry.sdk.trace.sampling import Sampler
+    from opentelemetry.trace import Span, SpanKind
+    from opentelemetry.util.types import AttributeValue
 
 __all__ = ["RequestSpans", "Tracing", "open_tracing", "settings", "triton_trace_settings"]
 
@@ -88,7 +93,7 @@ def open_tracing(config: TracingConfig, environ: Mapping[str, str] | None = None
     return Tracing(chosen)
 
 
-def _sampler(name: str, arg: str) -> Any:
+def _sampler(name: str, arg: str) -> Sampler:
     from opentelemetry.sdk.trace import sampling
 
     ratio = float(arg)
@@ -157,7 +162,13 @@ class RequestSpans:
     __slots__ = ("_context", "_last", "_recording", "_root", "_tracing", "engine")
 
     def __init__(
-        self, tracing: Tracing, name: str, model: str, traceparent: str | None, started_ns: int, kind: Any
+        self,
+        tracing: Tracing,
+        name: str,
+        model: str,
+        traceparent: str | None,
+        started_ns: int,
+        kind: SpanKind,
     ) -> None:
         self._tracing = tracing
         carrier = {"traceparent": traceparent} if traceparent else {}
@@ -177,18 +188,25 @@ class RequestSpans:
         or the request is not sampled)."""
         self._context = tracing._in_context(self._root)
 
-    def mark(self, phase: str, **attributes: Any) -> None:
+    def mark(self, phase: str, **attributes: AttributeValue) -> None:
         """End the phase that began at the last mark now."""
         now = time.monotonic_ns()
         if self._recording:
-            self.span(phase, self._last, now, **attributes)
+            self.span(phase, self._last, now, None, **attributes)
         self._last = now
 
     def skip(self) -> None:
         """Begin the next phase now (the time since the last mark belongs to no phase)."""
         self._last = time.monotonic_ns()
 
-    def span(self, phase: str, start_ns: int, end_ns: int, kind: Any = None, **attributes: Any) -> Any:
+    def span(
+        self,
+        phase: str,
+        start_ns: int,
+        end_ns: int,
+        kind: SpanKind | None = None,
+        **attributes: AttributeValue,
+    ) -> Span:
         offset = self._tracing._epoch_offset
         span = self._tracing._tracer.start_span(
             phase,
@@ -200,7 +218,7 @@ class RequestSpans:
         span.end(end_time=end_ns + offset)
         return span
 
-    def link_span(self) -> tuple[Any, str]:
+    def link_span(self) -> tuple[Span, str]:
         """Open the `link` span (CLIENT) of a call to the engine process; returns it and the
         `traceparent` that names it, for the link's Run message."""
         span = self._tracing._tracer.start_span(

@@ -18,7 +18,8 @@ from grpclib.config import Configuration
 from grpclib.server import Server
 
 from hloserve.api.health import Health
-from hloserve.api.rest import server as rest
+from hloserve.api.rest.routes import build_app
+from hloserve.api.rest.server import RestServer
 from hloserve.config import Config, ServerConfig
 from hloserve.engine import tracing
 from hloserve.fleet import envoy
@@ -140,8 +141,8 @@ async def run_front(
                     http_use_ssl=False,
                     http_use_ssl_mutual=False,
                 )
-                app = rest.build_app(NodeDataPlane(controller), inference, {}, settings)
-                rest_server = rest.RestServer(app, settings)
+                app = build_app(NodeDataPlane(controller), inference, {}, settings)
+                rest_server = RestServer(app, settings)
                 publish.controller_http = f"127.0.0.1:{await nursery.start(rest_server.run)}"
             publish({})
             admin = free_port()

@@ -20,7 +20,9 @@ from grpclib.metadata import Deadline
 from hloserve._proto import hloserve_control as control
 from hloserve._proto import hloserve_gateway as gateway
 from hloserve._proto import inference as kserve
+from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve._version import __version__
+from hloserve.api.codec import InferRequest
 from hloserve.fleet import placement as lpt
 from hloserve.fleet.controller import Controller, WorkerLink
 
@@ -84,7 +86,10 @@ def _not_served(name: str) -> grpclib.GRPCError:
     )
 
 
-def _add_durations(into: kserve.InferStatistics | kserve.InferBatchStatistics, more: Any) -> None:
+def _add_durations(
+    into: kserve.InferStatistics | kserve.InferBatchStatistics,
+    more: kserve.InferStatistics | kserve.InferBatchStatistics,
+) -> None:
     for key in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output"):
         if hasattr(into, key) and getattr(more, key, None) is not None:
             mine = getattr(into, key) or kserve.StatisticDuration()
@@ -140,7 +145,9 @@ class NodeDataPlane:
     def trace_request(self, model: str, traceparent: object, started_ns: int) -> None:
         return None
 
-    async def infer(self, request: Any, deadline: Deadline | None, spans: object = None) -> Any:
+    async def infer(
+        self, request: InferRequest, deadline: Deadline | None, spans: object = None
+    ) -> hot.ModelInferResponse:
         raise _not_served(request.model_name)
 
     def count(self, model: str, status: str, elapsed_s: float) -> None:

@@ -87,7 +87,7 @@ class _LinkReply:
             self.finished = True
             self.send.send_nowait((self, event))
 
-    def set_result(self, result: Any, /) -> None:
+    def set_result(self, result: object, /) -> None:
         self._finish(result)
 
     def set_exception(self, exception: BaseException, /) -> None:

@@ -8,7 +8,7 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, final
+from typing import TYPE_CHECKING, final
 
 import numpy as np
 import trio
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from hloserve.api.data_plane import Execute
     from hloserve.engine.model_table import ModelEntry
     from hloserve.engine.tracing import RequestSpans
+    from hloserve.models.manifest import TensorSpec
 
 __all__ = ["FrontendLink", "execute_over"]
 
@@ -312,13 +313,13 @@ def execute_over(link: FrontendLink) -> Execute:
 
     async def execute(
         entry: ModelEntry,
-        inputs: list[Any],
+        inputs: list[np.ndarray],
         rows: int,
         outputs: list[int],
         deadline: float | None,
         now: float,
         spans: RequestSpans | None = None,
-    ) -> list[Any]:
+    ) -> list[np.ndarray]:
         if spans is not None:
             span, traceparent = spans.link_span()
             try:
@@ -330,12 +331,12 @@ def execute_over(link: FrontendLink) -> Execute:
 
     async def over_link(
         entry: ModelEntry,
-        inputs: list[Any],
+        inputs: list[np.ndarray],
         rows: int,
         outputs: list[int],
         deadline: float | None,
         traceparent: str,
-    ) -> list[Any]:
+    ) -> list[np.ndarray]:
         assert entry.bundle is not None
         specs = entry.bundle.manifest.executable_outputs
         out_nbytes = sum(_nbytes_bound(specs[i], rows) for i in outputs)
@@ -364,7 +365,7 @@ def _bytes_of(array: np.ndarray) -> memoryview:
         return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
 
 
-def _nbytes_bound(spec: Any, rows: int) -> int:
+def _nbytes_bound(spec: TensorSpec, rows: int) -> int:
     """The bytes of an output of `rows` rows, aligned; 0 when its shape depends on the data (it
     then travels inline)."""
     try:

@@ -32,17 +32,18 @@ from hloserve._transport import grpclib_patches as _grpclib_patches
 from hloserve._transport import trio_asyncio_patches as _trio_asyncio_patches
 from hloserve.allocator import keep_freed_memory, settle_heap
 from hloserve.api import grpc_server
-from hloserve.api.codec import SHM_REGION
+from hloserve.api.codec import SHM_REGION, InferRequest
 from hloserve.api.data_plane import LocalDataPlane
 from hloserve.api.grpc_server import build_grpc_server
 from hloserve.api.grpc_service import InferenceService
 from hloserve.api.health import worker_health
-from hloserve.api.rest.server import RestServer, build_app
+from hloserve.api.rest.routes import build_app
+from hloserve.api.rest.server import RestServer
 from hloserve.config import Config
 from hloserve.engine.buffer_pool import BufferPool
 from hloserve.engine.meta import MetaModels
 from hloserve.engine.metrics import Metrics
-from hloserve.engine.model_table import Failed, Meta, ModelEntry, ModelHost, Remote, _registration
+from hloserve.engine.model_table import Failed, Meta, ModelEntry, Remote, _registration
 from hloserve.engine.policy import PolicyParams
 from hloserve.engine.statistics import Statistics
 from hloserve.engine.tracing import RequestSpans, Tracing, open_tracing
@@ -72,7 +73,7 @@ def _entry(summary: ModelSummary) -> ModelEntry:
     return ModelEntry(summary.name, Remote(bundle, summary.batch_sizes, summary.coalescable, registration))
 
 
-def _names_a_region(request: Any) -> bool:
+def _names_a_region(request: InferRequest) -> bool:
     """Whether a ModelInfer names a client's shared-memory region (for an input or an output)."""
     return any(SHM_REGION in t.parameters for t in request.inputs) or any(
         SHM_REGION in o.parameters for o in request.outputs
@@ -109,7 +110,7 @@ class LinkedDataPlane:
         self._link.count(model, status, elapsed_s)
 
     async def infer(
-        self, request: hot.ModelInferRequest, deadline: Deadline | None, spans: RequestSpans | None = None
+        self, request: InferRequest, deadline: Deadline | None, spans: RequestSpans | None = None
     ) -> hot.ModelInferResponse:
         entry = self._models.get(request.model_name)
         # Without client regions allowed, one named fails here as at K=0: no need to look.
@@ -130,47 +131,59 @@ class LinkedDataPlane:
         return await self._local.model_ready(name, version)
 
 
-class FrontendService(InferenceService):
-    """The gRPC service of one frontend over its `LinkedDataPlane`; what only the engine holds
-    (statistics, the model table's changes, shared-memory regions) answered by the engine over
-    the link, with the statuses it would give."""
+class EngineOverLink:
+    """A frontend's `EngineRpcs`: what only the engine holds (statistics, loads, shared-memory
+    regions, and readiness where it manages residency) answered by the engine over the link,
+    with the statuses it would give."""
 
-    def __init__(
-        self,
-        link: FrontendLink,
-        plane: LinkedDataPlane,
-        config: Config,
-        models: Mapping[str, ModelEntry],
-        statistics: Statistics,
-        host: ModelHost,
-    ) -> None:
-        super().__init__(plane, config, models, statistics, host)  # the registry is the engine's
+    def __init__(self, link: FrontendLink, config: Config) -> None:
         self._call = trio_asyncio.trio_as_aio(link.call)
+        self._externally_managed = config.weights.externally_managed
 
-    async def model_statistics(self, message: kserve.ModelStatisticsRequest) -> Any:
-        return await self._call("model_statistics", message)
+    def close(self) -> None:
+        """Nothing: the regions are the engine's."""
 
-    async def repository_index(self, message: kserve.RepositoryIndexRequest) -> Any:
-        if self._config.weights.externally_managed:
-            return await self._call("repository_index", message)
-        return await super().repository_index(message)
+    async def model_statistics(
+        self, message: kserve.ModelStatisticsRequest
+    ) -> kserve.ModelStatisticsResponse:
+        return cast(kserve.ModelStatisticsResponse, await self._call("model_statistics", message))
 
-    async def repository_model_load(self, message: kserve.RepositoryModelLoadRequest) -> Any:
-        return await self._call("repository_model_load", message)
+    async def repository_index(
+        self, message: kserve.RepositoryIndexRequest
+    ) -> kserve.RepositoryIndexResponse | None:
+        if not self._externally_managed:
+            return None  # this frontend's table knows what is ready
+        return cast(kserve.RepositoryIndexResponse, await self._call("repository_index", message))
 
-    async def repository_model_unload(self, message: kserve.RepositoryModelUnloadRequest) -> Any:
-        return await self._call("repository_model_unload", message)
+    async def repository_model_load(
+        self, message: kserve.RepositoryModelLoadRequest
+    ) -> kserve.RepositoryModelLoadResponse:
+        return cast(kserve.RepositoryModelLoadResponse, await self._call("repository_model_load", message))
 
-    async def system_shared_memory_register(self, message: kserve.SystemSharedMemoryRegisterRequest) -> Any:
-        return await self._call("system_shared_memory_register", message)
+    async def repository_model_unload(
+        self, message: kserve.RepositoryModelUnloadRequest
+    ) -> kserve.RepositoryModelUnloadResponse:
+        return cast(
+            kserve.RepositoryModelUnloadResponse, await self._call("repository_model_unload", message)
+        )
 
-    async def system_shared_memory_status(self, message: kserve.SystemSharedMemoryStatusRequest) -> Any:
-        return await self._call("system_shared_memory_status", message)
+    async def system_shared_memory_register(
+        self, message: kserve.SystemSharedMemoryRegisterRequest
+    ) -> kserve.SystemSharedMemoryRegisterResponse:
+        reply = await self._call("system_shared_memory_register", message)
+        return cast(kserve.SystemSharedMemoryRegisterResponse, reply)
+
+    async def system_shared_memory_status(
+        self, message: kserve.SystemSharedMemoryStatusRequest
+    ) -> kserve.SystemSharedMemoryStatusResponse:
+        reply = await self._call("system_shared_memory_status", message)
+        return cast(kserve.SystemSharedMemoryStatusResponse, reply)
 
     async def system_shared_memory_unregister(
         self, message: kserve.SystemSharedMemoryUnregisterRequest
-    ) -> Any:
-        return await self._call("system_shared_memory_unregister", message)
+    ) -> kserve.SystemSharedMemoryUnregisterResponse:
+        reply = await self._call("system_shared_memory_unregister", message)
+        return cast(kserve.SystemSharedMemoryUnregisterResponse, reply)
 
 
 class ControlOverLink(hc.ControlServiceBase):
@@ -194,10 +207,10 @@ class ControlOverLink(hc.ControlServiceBase):
 
 
 class _Host:
-    """The `ModelHost` a frontend's service reads: its configuration and its model table."""
+    """The host a frontend's service reads (`ServiceHost`): the configuration as loads changed it."""
 
-    def __init__(self, config: Config, models: Mapping[str, ModelEntry], statistics: Statistics) -> None:
-        self.config, self.models, self.statistics = config, models, statistics
+    def __init__(self, config: Config) -> None:
+        self.config = config
 
     def apply(self, summary: ModelSummary) -> None:
         """Take a model's load settings (ModelConfig reports them)."""
@@ -233,7 +246,7 @@ async def _serve(link_fd: int, port: int, http_port: int, setup: Setup) -> None:
         with BufferPool(ARENA_BYTES, ARENA_SLOTS, name=name) as arena:
             link = FrontendLink(trio.SocketStream(sock), arena)
             await nursery.start(link.run)
-            host = _Host(config, models, statistics)
+            host = _Host(config)
             nursery.start_soon(_apply_changes, link, models, host)
             tracing = open_tracing(config.tracing)
             metas = MetaModels(models, 1, 1, None, statistics, PolicyParams())
@@ -248,7 +261,8 @@ async def _serve(link_fd: int, port: int, http_port: int, setup: Setup) -> None:
                 platform=setup.platform,
             )
             plane = LinkedDataPlane(link, local, config, models)
-            service = FrontendService(link, plane, config, models, statistics, cast(ModelHost, host))
+            engine = EngineOverLink(link, config)
+            service = InferenceService(plane, config, models, statistics, host, engine)
             server = build_grpc_server(  # as the single process's
                 config.server,
                 [service, ControlOverLink(link)],

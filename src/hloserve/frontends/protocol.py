@@ -225,7 +225,7 @@ def _encode(message: object) -> object:
     return message
 
 
-def _decode(wire: Any) -> object:
+def _decode(wire: object) -> object:
     if type(wire) is not tuple:
         return wire
     if wire[0] == _RUN:

@@ -19,7 +19,7 @@ import math
 import re
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +64,7 @@ def _not_json(constant: str) -> Any:
     raise ValueError(f"{constant} is not a JSON number (RFC 8259)")
 
 
-def _lone_surrogate(value: Any) -> bool:
+def _lone_surrogate(value: object) -> bool:
     """Whether a string anywhere in `value` (a key or a value) holds a UTF-16 surrogate, which
     no UTF-8 text can (json.loads keeps an unpaired `\\ud800` as one)."""
     pending = [value]
@@ -287,7 +287,9 @@ def _get(obj: dict[str, Any], key: str, kind: type, model: str, where: str) -> A
     return value
 
 
-def _set_parameters(target: Any, parameters: dict[str, Any], model: str, where: str) -> None:
+def _set_parameters(
+    target: MutableMapping[str, hot.InferParameter], parameters: dict[str, Any], model: str, where: str
+) -> None:
     """Copy JSON parameters into a protobuf parameter map (bool, int, float or string each)."""
     for key, value in parameters.items():
         if key in _REST_ONLY:
@@ -318,7 +320,7 @@ def _shape(tensor: dict[str, Any], model: str, name: str) -> list[int]:
     return shape
 
 
-def _json_strings(model: str, name: str, data: Any, shape: list[int]) -> bytes:
+def _json_strings(model: str, name: str, data: object, shape: list[int]) -> bytes:
     """The raw contents of a BYTES tensor given as JSON strings (flat or nested)."""
     flat: list[Any] = []
     pending = [data]
@@ -336,7 +338,7 @@ def _json_strings(model: str, name: str, data: Any, shape: list[int]) -> bytes:
     return bytes_contents(np.array(flat, dtype=object))
 
 
-def dismantle(value: Any) -> None:
+def dismantle(value: object) -> None:
     """Empty every list in `value` longer than `_SLICE` slice by slice: freeing a list of a million
     lists is one C call that holds the interpreter for 50 ms or more; in slices a worker thread
     gives it back between them."""
@@ -358,7 +360,7 @@ _SLICE = 1 << 12
 lists; 65536 took 33 ms)."""
 
 
-def _asarray(data: Any) -> np.ndarray:
+def _asarray(data: object) -> np.ndarray:
     """`np.asarray(data)`; a list longer than `_SLICE` converted slice by slice along its first
     axis (the interpreter may pass to another thread between slices) when every slice comes out
     the same kind and shape, which makes the same array."""
@@ -372,7 +374,7 @@ def _asarray(data: Any) -> np.ndarray:
 
 
 def _wide_integers(
-    model: str, name: str, data: Any, wire: str, numpy: np.dtype[Any], not_numbers: InvalidInput
+    model: str, name: str, data: object, wire: str, numpy: np.dtype[Any], not_numbers: InvalidInput
 ) -> np.ndarray:
     """JSON integers that numpy reads as floats or objects: one past int64 (a UINT64 in its upper
     half) beside any other, which numpy promotes to float64 and loses. Read as `numpy` itself
@@ -387,7 +389,7 @@ def _wide_integers(
         raise _fail(model, f"'data' value {bad} is out of range for {wire}", name) from None
 
 
-def _json_tensor(model: str, name: str, data: Any, wire: str, shape: list[int]) -> bytes:
+def _json_tensor(model: str, name: str, data: object, wire: str, shape: list[int]) -> bytes:
     """The raw bytes of JSON `data` (flat or nested, row-major) as a `wire` tensor of `shape`."""
     try:
         dtype = dtypes.by_wire(wire)
@@ -532,13 +534,13 @@ def _decode_infer(
         if not isinstance(output, dict) or not isinstance(output.get("name"), str):
             raise _fail(model, "each of 'outputs' must be an object with a 'name'")
         params = _get(output, "parameters", dict, model, f"output {output['name']!r}: ") or {}
-        added = request.outputs.add(name=output["name"])
-        _set_parameters(added.parameters, params, model, f"output {output['name']!r}: ")
+        requested = request.outputs.add(name=output["name"])
+        _set_parameters(requested.parameters, params, model, f"output {output['name']!r}: ")
         binary[output["name"]] = params.get(_BINARY_DATA, binary_default) is True
     return RestInfer(ViewedRequest(request, raw), binary, binary_default)
 
 
-def json_output_bytes(response: Any, decoded: RestInfer) -> int:
+def json_output_bytes(response: hot.ModelInferResponse, decoded: RestInfer) -> int:
     """The tensor bytes of `response` that `encode_infer` writes as JSON numbers (those past
     `INLINE_JSON` are encoded in a worker thread: 3 ms per 4096 values)."""
     return sum(
@@ -548,7 +550,9 @@ def json_output_bytes(response: Any, decoded: RestInfer) -> int:
     )
 
 
-def encode_infer(response: Any, decoded: RestInfer, fair: bool = False) -> tuple[list[bytes], int | None]:
+def encode_infer(
+    response: hot.ModelInferResponse, decoded: RestInfer, fair: bool = False
+) -> tuple[list[bytes], int | None]:
     """The REST body of a ModelInferResponse, as the JSON header and the binary outputs that
     follow it (sent as they are, not joined), and the header's length when binary follows.
     Numbers are written `_SLICE` values at a time, so that, in a worker thread, the interpreter
@@ -592,7 +596,7 @@ def encode_infer(response: Any, decoded: RestInfer, fair: bool = False) -> tuple
     return [header, *blobs], len(header) if blobs else None
 
 
-def _dumps(value: Any) -> bytes:
+def _dumps(value: object) -> bytes:
     return json.dumps(value, separators=(",", ":")).encode()
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 import h11
@@ -48,7 +49,7 @@ class Refused(Exception):
     """A request answered and its connection to be closed at once: the answer has been sent."""
 
 
-def _answer(status: int, message: str) -> list[Any]:
+def _answer(status: int, message: str) -> list[h11.Response | h11.Data | h11.EndOfMessage]:
     body = json.dumps({"error": message}).encode()
     headers = [
         (b"content-type", b"application/json"),
@@ -58,7 +59,7 @@ def _answer(status: int, message: str) -> list[Any]:
     return [h11.Response(status_code=status, headers=headers), h11.Data(data=body), h11.EndOfMessage()]
 
 
-def framing_problem(headers: Any) -> str | None:
+def framing_problem(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
     """Why a request's framing headers are ambiguous (RFC 9112 section 6.3), or None."""
     names = [name.lower() for name, _ in headers]
     if b"transfer-encoding" in names and b"content-length" in names:

@@ -9,9 +9,10 @@ goes through upb.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
 from hloserve._proto.hot import hot_infer_pb2 as hot
+from hloserve.api.codec import InputTensor, Parameters, RequestedOutput
 
 __all__ = ["VIEW_FROM_BYTES", "ViewedRequest", "parse_viewed"]
 
@@ -27,21 +28,42 @@ _FIXED_BYTES = {1: 8, 5: 4}
 
 
 class ViewedRequest:
-    """A hot-path ModelInferRequest whose `raw_input_contents` are views of the bytes received;
-    every other field is the upb message's."""
+    """A hot-path ModelInferRequest (`hloserve.api.codec.InferRequest`) whose `raw_input_contents`
+    are views of the bytes received; every other field is the upb message's."""
 
     __slots__ = ("_message", "raw_input_contents")
 
-    def __init__(self, message: Any, raw: list[bytes | memoryview]) -> None:
+    def __init__(self, message: hot.ModelInferRequest, raw: list[bytes | memoryview]) -> None:
         self._message, self.raw_input_contents = message, raw
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._message, name)
+    @property
+    def model_name(self) -> str:
+        return self._message.model_name
+
+    @property
+    def model_version(self) -> str:
+        return self._message.model_version
+
+    @property
+    def id(self) -> str:
+        return self._message.id
+
+    @property
+    def parameters(self) -> Parameters:
+        return self._message.parameters
+
+    @property
+    def inputs(self) -> Sequence[InputTensor]:
+        return self._message.inputs
+
+    @property
+    def outputs(self) -> Sequence[RequestedOutput]:
+        return self._message.outputs
 
     def SerializeToString(self) -> bytes:
         """The whole request on the wire: the message, then each raw entry as field 7 (a
         protobuf parser takes fields in any order and appends repeated ones in order)."""
-        parts = [self._message.SerializeToString()]
+        parts: list[bytes | memoryview] = [self._message.SerializeToString()]
         for entry in self.raw_input_contents:
             parts += [_RAW_TAG, _varint_bytes(len(entry)), entry]
         return b"".join(parts)
