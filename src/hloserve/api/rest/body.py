@@ -13,7 +13,7 @@ import asyncio
 import ctypes
 import threading
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -70,8 +70,21 @@ def response_encoding(accept: str | None) -> str | None:
     return None if best == "identity" else best
 
 
-def compress(body: bytes, encoding: str) -> bytes:
-    return zlib.compress(body, 6, _WBITS[encoding])
+COMPRESS_ON_LOOP_BYTES = 64 << 10
+"""An answer up to this size is compressed on the loop (well under a millisecond); a larger one in
+a worker thread (zlib lets go of the interpreter), as large bodies are parsed and inflated."""
+
+
+async def compress(pieces: Sequence[bytes | memoryview], encoding: str) -> bytes:
+    """The answer's pieces as one gzip or deflate body, built off the loop when it is large."""
+    if sum(len(p) for p in pieces) <= COMPRESS_ON_LOOP_BYTES:
+        return _compress(pieces, encoding)
+    return await asyncio.get_running_loop().run_in_executor(None, _compress, pieces, encoding)
+
+
+def _compress(pieces: Sequence[bytes | memoryview], encoding: str) -> bytes:
+    compressor = zlib.compressobj(6, zlib.DEFLATED, _WBITS[encoding])
+    return b"".join([*(compressor.compress(p) for p in pieces), compressor.flush()])
 
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]

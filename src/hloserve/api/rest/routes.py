@@ -196,7 +196,7 @@ class Routes:
             response_headers = [*response_headers, (_HEADER_LENGTH_OUT, str(binary_length).encode())]
         encoding = response_encoding(headers.get("accept-encoding"))
         if encoding is not None:
-            pieces = [compress(b"".join(pieces), encoding)]
+            pieces = [await compress(pieces, encoding)]
             response_headers = [*response_headers, (b"content-encoding", encoding.encode())]
         sending, task = self.inflight.sending, asyncio.current_task()
         assert task is not None
