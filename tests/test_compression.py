@@ -5,6 +5,9 @@ from __future__ import annotations
 import gzip
 import socket
 import struct
+import subprocess
+import sys
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -208,3 +211,89 @@ def test_inflated_bytes_count_against_the_server_s_receiving_budget(budgeted: Se
         time.sleep(0.05)
     else:
         raise AssertionError("the compressed request was not served once the budget was free")
+
+
+def test_a_compressed_request_with_a_large_reply_is_answered_compressed(small: ServerThread) -> None:
+    """8192 rows: a request and a reply over what is inflated and compressed on the loop, both
+    done in a worker thread, the answer exact."""
+    x = np.random.default_rng(2).random((8192, 16), dtype=np.float32)
+    client = grpcclient.InferenceServerClient(small.url)
+    try:
+        tensor = grpcclient.InferInput("INPUT0", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x)
+        y = client.infer("mlp", [tensor], compression_algorithm="gzip").as_numpy("OUTPUT0")
+    finally:
+        client.close()
+    assert_close(y, reference("mlp", x))
+
+
+PROBE_BOUND_S = 0.1
+"""What a large compressed request may cost another client's call."""
+
+
+_PROBE = """
+import sys, time
+import tritonclient.grpc as grpcclient
+client = grpcclient.InferenceServerClient(sys.argv[1])
+assert client.is_server_ready()
+print("probing", flush=True)
+worst, answers = 0.0, 0
+while not sys.stdin.readline().strip() == "stop":
+    started = time.perf_counter()
+    assert client.is_server_ready()
+    worst, answers = max(worst, time.perf_counter() - started), answers + 1
+print(worst, answers, flush=True)
+"""
+"""A good client in a process of its own (the test's own threads would share its interpreter):
+it calls ServerReady each time a line arrives, until `stop`, then prints its worst wait."""
+
+
+@pytest.mark.serial  # a probe client's latency: alone
+def test_a_large_compressed_request_costs_others_under_the_bound() -> None:
+    """300 MiB of zeros that grpcio gzips to a few hundred kilobytes inflate, up to the limit of
+    256 MiB, in a worker thread: a probe client calling ServerReady every 20 ms never waits past
+    100 ms. On the loop the inflation held every client for 0.8 s; in one zlib call in a thread,
+    0.2 to 0.8 s (the call gathers its output holding the interpreter); 4 MiB at a time, under
+    the bound."""
+    limit = 256 * MiB
+    env = {"HLOSERVE_SERVER_MAX_MESSAGE_BYTES": str(limit), "HLOSERVE_SERVER_HTTP_PORT": "-1"}
+    with start_worker(process="subprocess", env=env) as server:
+        bomb = _mlp_request(300 * MiB // 64).SerializeToString()
+        probe = subprocess.Popen(
+            [sys.executable, "-c", _PROBE, server.url],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert probe.stdin is not None and probe.stdout is not None
+        try:
+            assert probe.stdout.readline() == "probing\n"
+            ticks = threading.Event()
+
+            def tick() -> None:
+                assert probe.stdin is not None
+                while not ticks.wait(0.02):
+                    probe.stdin.write("go\n")
+                    probe.stdin.flush()
+
+            ticker = threading.Thread(target=tick, daemon=True)
+            ticker.start()
+            options = [("grpc.max_send_message_length", 512 * MiB)]
+            with grpc.insecure_channel(server.url, options=options) as channel:
+                call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")  # bytes as they are
+                try:
+                    call(bomb, timeout=60, compression=grpc.Compression.Gzip)
+                    status, details = grpc.StatusCode.OK, ""
+                except grpc.RpcError as e:
+                    status, details = e.code(), e.details() or ""
+            time.sleep(0.1)  # a few more probes after it
+            ticks.set()
+            ticker.join(10)
+            worst, answers = probe.communicate("stop\n", timeout=30)[0].split()
+        finally:
+            probe.kill()
+            probe.wait()
+        assert status == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+        assert "inflates past server.max_message_bytes" in details
+        assert int(answers) > 0 and float(worst) < PROBE_BOUND_S, worst
+        assert _grpcio_infer(server.url, _mlp_request(4), True)[0] == grpc.StatusCode.OK

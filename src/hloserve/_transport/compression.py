@@ -21,6 +21,7 @@ when receiving and `send_initial_metadata` and `send_message` when replying.
 
 from __future__ import annotations
 
+import asyncio
 import struct
 import time
 import zlib
@@ -45,7 +46,13 @@ _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 """zlib's window bits for each encoding: gzip framing, or zlib framing (gRPC's "deflate")."""
 ACCEPT_ENCODING = "identity,deflate,gzip"
 _LEVEL = 1
-"""zlib's fastest level: replies are compressed on the event loop; most of the gain, least time."""
+"""zlib's fastest level: most of the gain, least time."""
+_PIECE = 4 << 20
+"""What one step of a large inflation produces."""
+ON_LOOP_BYTES = 1 << 10
+"""A compressed request up to this size is inflated on the loop (at most about a megabyte, the
+deflate format's ratio being at most about 1000:1: about a millisecond), a reply up to 64 times it
+compressed there; larger ones in a worker thread (zlib lets go of the interpreter)."""
 
 
 _HEADERS = ("grpc-encoding", "grpc-accept-encoding")
@@ -85,15 +92,20 @@ def refused(stream: Any, flags: int) -> GRPCError | None:
     )
 
 
-def inflate(stream: Any, data: bytes, limit: int, rpc: str, budget: Budget) -> bytes:
+async def inflate(stream: Any, data: bytes, limit: int, rpc: str, budget: Budget) -> bytes:
     """A compressed message's bytes, inflated to at most `limit` bytes and what `budget` can
-    hold (more is refused before it is inflated further)."""
+    hold (more is refused before it is inflated further); in a worker thread unless the message
+    is small enough that its inflation cannot hold the loop (`ON_LOOP_BYTES`)."""
     encoding = _header(stream, "grpc-encoding")
     inflater = zlib.decompressobj(_WBITS[encoding])
     room = budget.receiving_room()
     cap = min(limit, room)
     try:
-        message = inflater.decompress(data, cap + 1)
+        if len(data) <= ON_LOOP_BYTES:
+            message = inflater.decompress(data, cap + 1)
+        else:
+            loop = asyncio.get_running_loop()
+            message = await loop.run_in_executor(None, _inflate_in_pieces, inflater, data, cap + 1)
     except zlib.error as e:
         raise GRPCError(
             Status.INVALID_ARGUMENT, f"{rpc}: the {encoding} message does not inflate ({e})"
@@ -112,6 +124,21 @@ def inflate(stream: Any, data: bytes, limit: int, rpc: str, budget: Budget) -> b
     if not inflater.eof:
         raise GRPCError(Status.INVALID_ARGUMENT, f"{rpc}: the {encoding} message is truncated")
     return message
+
+
+def _inflate_in_pieces(inflater: Any, data: bytes, most: int) -> bytes:
+    """At most `most` inflated bytes, `_PIECE` at a time: zlib lets go of the interpreter while it
+    inflates, but one call gathers its output into one object holding it (a quarter of a second
+    for 256 MiB, during which the loop cannot run)."""
+    pieces, size, pending = [], 0, data
+    while size < most and not inflater.eof:
+        piece = inflater.decompress(pending, min(_PIECE, most - size))
+        pending = inflater.unconsumed_tail
+        if not piece and not pending:
+            break
+        pieces.append(piece)
+        size += len(piece)
+    return b"".join(pieces)
 
 
 def _reply_encoding(stream: Any) -> str | None:
@@ -135,6 +162,11 @@ async def send_initial_metadata(self: grpclib.server.Stream[Any, Any], metadata:
     self._send_initial_metadata_done = True
 
 
+def _compress(encoded: bytes, encoding: str) -> bytes:
+    packer = zlib.compressobj(_LEVEL, zlib.DEFLATED, _WBITS[encoding])
+    return packer.compress(encoded) + packer.flush()
+
+
 async def send_compressed(self: grpclib.server.Stream[Any, Any], message: Any) -> bool:
     """grpclib's `send_message`, compressing the message when the reply is compressed; False
     (nothing sent) when it is not."""
@@ -146,8 +178,11 @@ async def send_compressed(self: grpclib.server.Stream[Any, Any], message: Any) -
     if not self._cardinality.server_streaming and self._send_message_done:
         raise ProtocolError("Message was already sent")
     (message,) = await self._dispatch.send_message(message)
-    packer = zlib.compressobj(_LEVEL, zlib.DEFLATED, _WBITS[encoding])
-    data = packer.compress(self._codec.encode(message, self._send_type)) + packer.flush()
+    encoded = self._codec.encode(message, self._send_type)
+    if len(encoded) <= ON_LOOP_BYTES << 6:
+        data = _compress(encoded, encoding)
+    else:
+        data = await asyncio.get_running_loop().run_in_executor(None, _compress, encoded, encoding)
     await self._stream.send_data(struct.pack(">?I", True, len(data)) + data)
     self._send_message_done = True
     self._messages_sent += 1

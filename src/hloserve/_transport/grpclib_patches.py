@@ -220,7 +220,7 @@ class GuardedStream(grpclib.server.Stream[Any, Any]):
         with protocol.receiving(length, rpc):
             data = await _whole(stream, length, rpc, f"{length}-byte message its prefix declares")
             if meta[0]:  # while the compressed bytes are held: the inflated ones count too
-                data = _compression.inflate(self, data, limit, rpc, protocol)
+                data = await _compression.inflate(self, data, limit, rpc, protocol)
         try:
             message = self._codec.decode(data, self._recv_type)
         except GRPCError:
