@@ -556,12 +556,6 @@ class NodeConfig:
     they cannot (docs/node.md#overload). Set, it also turns on Envoy's admission control, which
     sheds at a request's headers, before its body is read, as refusals grow. 0: no bound but the
     workers' own queues."""
-    shed_latency_s: float = 0.0
-    """Envoy's adaptive concurrency on the public gRPC listener: it lets as many inference
-    requests be in flight as keep their 90th percentile latency near this (a fraction of the
-    clients' deadlines), at most `max_requests_per_worker` per worker of the node, and refuses
-    the rest UNAVAILABLE at their headers, before their body is read (instead of the admission
-    control that `max_requests_per_worker` turns on; docs/node.md#overload). 0: off."""
     forbid_memory_oversubscription: bool = True
     """`lpt_packing` puts a model only on workers whose weight budget still fits it, while any does."""
     compaction: Literal["off", "eager", "scheduled"] = "scheduled"
@@ -590,7 +584,6 @@ class NodeConfig:
         _check(0 <= self.worker_base_port <= 65535, "node.worker_base_port", "must be a port number")
         _check(self.max_restarts >= 0, "node.max_restarts", "must be >= 0 (0: never give up)")
         _check(self.max_requests_per_worker >= 0, "node.max_requests_per_worker", "must be >= 0 (0: none)")
-        _check(self.shed_latency_s >= 0, "node.shed_latency_s", "must be >= 0 (0: off)")
         for key in ("restart_backoff_max_s", "restart_reset_s", "worker_grace_s"):
             _check(getattr(self, key) >= 0, f"node.{key}", "must be >= 0")
         for key in ("discovery_interval_s", "probe_timeout_s", "rebalance_compute_s"):

@@ -99,56 +99,6 @@ def test_a_worker_that_refuses_is_not_ejected() -> None:
         assert cluster["common_lb_config"]["healthy_panic_threshold"]["value"] == 50
 
 
-def _manager_filters(bootstrap: dict[str, Any]) -> list[str]:
-    manager = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    return [f["name"] for f in manager["http_filters"]]
-
-
-def test_shedding_filters_come_before_the_body_is_read(tmp_path: Path) -> None:
-    """`shed` (max_requests_per_worker) puts admission control first; `shed_latency_s` its
-    adaptive concurrency instead, at a fixed latency target; neither, no shedding filter."""
-    extraction, lua, router = (
-        "envoy.filters.http.grpc_field_extraction",
-        "envoy.filters.http.lua",
-        ("envoy.filters.http.router"),
-    )
-    plain = envoy.bootstrap(tmp_path, "127.0.0.1", 0, -1, 0, 1 << 20)
-    assert _manager_filters(plain) == [extraction, lua, router]
-    shed = envoy.bootstrap(tmp_path, "127.0.0.1", 0, -1, 0, 1 << 20, shed=True)
-    assert _manager_filters(shed) == ["envoy.filters.http.admission_control", extraction, lua, router]
-    adaptive = envoy.bootstrap(
-        tmp_path, "127.0.0.1", 0, -1, 0, 1 << 20, shed=True, shed_latency_s=0.25, shed_max_requests=64
-    )
-    assert _manager_filters(adaptive) == ["envoy.filters.http.adaptive_concurrency", extraction, lua, router]
-    manager = adaptive["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    gradient = manager["http_filters"][0]["typed_config"]["gradient_controller_config"]
-    assert gradient["min_rtt_calc_params"]["fixed_value"] == "0.250000s"
-    assert gradient["concurrency_limit_params"]["max_concurrency_limit"] == 64
-
-
-def test_with_a_latency_target_only_inference_is_shed() -> None:
-    """The adaptive concurrency decides at the headers, on the route they match: inference
-    without the model header (a KServe client's) matches a route of its own to the controller,
-    where it is shed; the controller's other calls (a load takes seconds, and would pull the
-    bound down) match the fallback, where the filter is off; a model's route keeps it."""
-    mlp = [envoy.Endpoint("127.0.0.1:1")]
-    (config,) = envoy.routes({"mlp": mlp}, shed_latency=True)["resources"]
-    model, infer, fallback = config["virtual_hosts"][0]["routes"]
-    adaptive = "envoy.filters.http.adaptive_concurrency"
-    assert adaptive not in model["typed_per_filter_config"]
-    assert infer["match"] == {"path": "/inference.GRPCInferenceService/ModelInfer", "grpc": {}}
-    assert infer["route"]["cluster"] == fallback["route"]["cluster"] == "controller"
-    assert "typed_per_filter_config" not in infer
-    assert fallback["typed_per_filter_config"][adaptive]["disabled"] is True
-    (plain,) = envoy.routes({"mlp": mlp})["resources"]
-    assert len(plain["virtual_hosts"][0]["routes"]) == 2  # without it, nothing names the filter
-
-
-def test_a_negative_latency_target_is_refused() -> None:
-    with pytest.raises(ConfigError, match=r"node\.shed_latency_s"):
-        NodeConfig(shed_latency_s=-0.1).validate()
-
-
 def _validate(bootstrap: dict[str, Any], path: Path) -> None:
     path.write_text(json.dumps(bootstrap))
     checked = subprocess.run(
@@ -158,8 +108,7 @@ def _validate(bootstrap: dict[str, Any], path: Path) -> None:
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
-@pytest.mark.parametrize("shed_latency_s", [0.0, 0.25])
-def test_envoy_accepts_the_bootstrap_routes_and_clusters(tmp_path: Path, shed_latency_s: float) -> None:
+def test_envoy_accepts_the_bootstrap_routes_and_clusters(tmp_path: Path) -> None:
     envoy.write_atomically(tmp_path / "routing.pb", envoy.descriptor_set())
     mlp = {
         "mlp": [
@@ -175,12 +124,12 @@ def test_envoy_accepts_the_bootstrap_routes_and_clusters(tmp_path: Path, shed_la
         controller_http="127.0.0.1:10",
         max_requests_per_worker=8,
     )
-    envoy.write_atomically(tmp_path / "routes.json", envoy.routes(mlp, shed_latency=shed_latency_s > 0))
+    envoy.write_atomically(tmp_path / "routes.json", envoy.routes(mlp))
     envoy.write_atomically(tmp_path / "routes_http.json", envoy.http_routes(mlp))
     envoy.write_atomically(tmp_path / "clusters.json", clusters)
-    bootstrap = envoy.bootstrap(
-        tmp_path, "127.0.0.1", 0, 0, 0, 1 << 30, shed=True, shed_latency_s=shed_latency_s
-    )
+    bootstrap = envoy.bootstrap(tmp_path, "127.0.0.1", 0, 0, 0, 1 << 30, shed=True)
+    filters = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    assert filters["typed_config"]["http_filters"][0]["name"] == "envoy.filters.http.admission_control"
     _validate(bootstrap, tmp_path / "envoy.json")
     # validation does not read the watched files: the same routes and clusters again, given inline
     del bootstrap["dynamic_resources"]

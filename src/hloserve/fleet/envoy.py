@@ -252,38 +252,6 @@ _ADMISSION_CONTROL = {
 }
 
 
-_ADAPTIVE = "envoy.filters.http.adaptive_concurrency"
-_ENVOY_MAX_CONCURRENCY = 1000
-"""The adaptive concurrency's own default cap."""
-
-
-def _adaptive_concurrency(latency_s: float, max_requests: int) -> dict[str, Any]:
-    """Sheds at the request's headers as `_ADMISSION_CONTROL` does, but by a bound on requests
-    in flight (its gradient controller's), so that the requests it lets through are answered
-    rather than refused further on: every 100 ms the bound moves by the ratio of `latency_s` to
-    the 90th percentile latency of the answers since, up to `max_requests`, and a request past
-    it is refused (503, gRPC UNAVAILABLE). The target is fixed (no periodic measurement of the
-    unloaded latency, which drops the bound to 3 for its duration and, on a batching worker,
-    measures a batch's wait). The cap matters: answers that come after their clients gave up are
-    no samples, so a bound that let the queues grow past the deadlines would never come down."""
-    return {
-        "name": _ADAPTIVE,
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.adaptive_concurrency.v3"
-            ".AdaptiveConcurrency",
-            "gradient_controller_config": {
-                "sample_aggregate_percentile": {"value": 90},
-                "concurrency_limit_params": {
-                    "concurrency_update_interval": "0.1s",
-                    "max_concurrency_limit": max_requests,
-                },
-                "min_rtt_calc_params": {"fixed_value": f"{latency_s:.6f}s", "buffer": {"value": 0}},
-            },
-            "concurrency_limit_exceeded_status": {"code": 503},
-        },
-    }
-
-
 _COLLECTOR = "opentelemetry_collector"
 
 
@@ -340,27 +308,16 @@ def bootstrap(
     http_tls: Tls | None = None,
     traces: Mapping[str, str] | None = None,
     shed: bool = False,
-    shed_latency_s: float = 0.0,
-    shed_max_requests: int = _ENVOY_MAX_CONCURRENCY,
 ) -> dict[str, Any]:
     """Envoy's static configuration: the public gRPC listener with its filters, the public REST
     listener (`http_port` -1: none), each over TLS when given its files, the admin interface,
     and where the routes (`routes.json`, `routes_http.json`) and clusters (`clusters.json`) are;
     with `traces` (the node's `hloserve.engine.tracing.settings`) exporting spans, Envoy's own spans
-    too (`tracing`). gRPC requests are shed first: with `shed_latency_s`, by
-    `_adaptive_concurrency` with at most `shed_max_requests` in flight (the routes must say
-    `shed_latency`), else with `shed` by `_ADMISSION_CONTROL`."""
+    too (`tracing`); with `shed`, gRPC requests are shed by `_ADMISSION_CONTROL` first."""
     window = _window(max_message_bytes)
     descriptors = directory / "routing.pb"
-    shedding = (
-        [_adaptive_concurrency(shed_latency_s, shed_max_requests)]
-        if shed_latency_s > 0
-        else [_ADMISSION_CONTROL]
-        if shed
-        else []
-    )
     extraction = [
-        *shedding,
+        *([_ADMISSION_CONTROL] if shed else []),
         {
             "name": _EXTRACTION,
             "typed_config": {
@@ -562,7 +519,6 @@ def _route_config(name: str, routes: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-_DISABLED = {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "disabled": True}
 _UNTIMED = {"timeout": "0s", "max_stream_duration": {"grpc_timeout_header_max": "0s"}}
 
 
@@ -613,16 +569,12 @@ def _refusals(
 
 
 def routes(
-    placement: Mapping[str, Sequence[Endpoint]],
-    restrictions: Restrictions | None = None,
-    shed_latency: bool = False,
+    placement: Mapping[str, Sequence[Endpoint]], restrictions: Restrictions | None = None
 ) -> dict[str, Any]:
     """Per-model RPCs to the model's cluster by the `x-model-name` header; the rest to the
     controller; first, the refusals of `restrictions` (`server.grpc_restricted_protocol`). A
     request that fails because its worker is gone or refused it as UNAVAILABLE is retried on
-    another worker of the cluster. With `shed_latency` (the listener's adaptive concurrency),
-    only inference counts against its bound: the controller's calls (a load takes seconds) are
-    neither shed nor sampled."""
+    another worker of the cluster."""
     paths = "|".join(ROUTED_RPCS)
     retry = _retry("connect-failure,refused-stream,reset,unavailable")
     model_routes = [
@@ -635,20 +587,16 @@ def routes(
             "route": {"cluster": cluster_name(model), **_UNTIMED, "retry_policy": retry},
             # A request that arrives with the header matches here first: nothing reads its body,
             # which streams through instead of being held whole by the field extraction.
-            "typed_per_filter_config": dict.fromkeys((_EXTRACTION, _LUA_FILTER), _DISABLED),
+            "typed_per_filter_config": {
+                name: {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "disabled": True}
+                for name in (_EXTRACTION, _LUA_FILTER)
+            },
         }
         for model, endpoints in sorted(placement.items())
         if endpoints
     ]
-    fallback: dict[str, Any] = {"match": {"prefix": "/"}, "route": {"cluster": CONTROLLER, **_UNTIMED}}
-    inference = []
-    if shed_latency:
-        # Inference without the header is routed here at its headers, where the shedding
-        # decides, and to its model once the field extraction has read the name.
-        infer = {"path": f"/{_SERVICE}/ModelInfer", "grpc": {}}
-        inference = [{"match": infer, "route": fallback["route"]}]
-        fallback["typed_per_filter_config"] = {_ADAPTIVE: _DISABLED}
-    return _route_config("routes", [*_refusals(restrictions, grpc=True), *model_routes, *inference, fallback])
+    fallback = {"match": {"prefix": "/"}, "route": {"cluster": CONTROLLER, **_UNTIMED}}
+    return _route_config("routes", [*_refusals(restrictions, grpc=True), *model_routes, fallback])
 
 
 def _path_name(model: str) -> str:

@@ -59,7 +59,6 @@ class _Publisher:
         self._balance = "ROUND_ROBIN" if config.node.scheduling == "round_robin" else "LEAST_REQUEST"
         self._max_message_bytes = config.server.max_message_bytes
         self._max_requests_per_worker = config.node.max_requests_per_worker
-        self._shed_latency = config.node.shed_latency_s > 0
         self._grpc_restrictions = Restrictions.grpc(config.server.grpc_restricted_protocol)
         self._http_restrictions = Restrictions.http(config.server.http_restricted_api)
         self._previous: Mapping[str, Sequence[envoy.Endpoint]] = {}
@@ -79,21 +78,12 @@ class _Publisher:
                 self._max_requests_per_worker,
             ),
         )
-        envoy.write_atomically(
-            self._directory / "routes.json", envoy.routes(routes, self._grpc_restrictions, self._shed_latency)
-        )
+        envoy.write_atomically(self._directory / "routes.json", envoy.routes(routes, self._grpc_restrictions))
         if self.controller_http is not None:
             envoy.write_atomically(
                 self._directory / "routes_http.json", envoy.http_routes(routes, self._http_restrictions)
             )
         self._previous = routes
-
-
-def _shed_max_requests(config: Config, workers: int) -> int:
-    """The cap of Envoy's adaptive concurrency: `max_requests_per_worker` for each of the node's
-    own workers (Envoy's default where either is unknown: none set, or workers found through DNS)."""
-    bound = config.node.max_requests_per_worker * workers
-    return bound or 1000
 
 
 def _envoy_tls(server: ServerConfig, protocol: Literal["grpc", "http"]) -> envoy.Tls | None:
@@ -166,8 +156,6 @@ async def run_front(
                 _envoy_tls(server_config, "http"),
                 traces=tracing.settings(config.tracing),
                 shed=config.node.max_requests_per_worker > 0,
-                shed_latency_s=config.node.shed_latency_s,
-                shed_max_requests=_shed_max_requests(config, len(specs)),
             )
             envoy.write_atomically(directory / "envoy.json", bootstrap)
             window = 16 << 20
