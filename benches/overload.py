@@ -47,16 +47,9 @@ SECONDS = 10.0
 DEADLINE_S = 1.0
 CONNECTIONS = 64
 """Clients, each on its own HTTP/2 connection (the server allows 100 streams on each)."""
-AFTER = {
-    "after": {"HLOSERVE_NODE_MAX_REQUESTS_PER_WORKER": "32"},
-    "after, latency target": {
-        "HLOSERVE_NODE_MAX_REQUESTS_PER_WORKER": "32",
-        "HLOSERVE_NODE_SHED_LATENCY_S": "0.25",
-    },
-}
+AFTER = {"after": {"HLOSERVE_NODE_MAX_REQUESTS_PER_WORKER": "32"}}
 """The node runs after shedding, by label: a few batches in flight per worker (circuit breakers
-and admission control), and the same bound at the headers with a latency target of a quarter of
-the deadline (adaptive concurrency)."""
+and admission control)."""
 
 
 @dataclass(frozen=True)
