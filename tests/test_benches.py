@@ -1,5 +1,6 @@
 """The breakdown bench's patched servers serve what they claim (`python -m benches breakdown`);
-`benches/gpu` runs to the end on a CPU (`--quick`) and carries the wheels it needs."""
+the overload bench's sink refuses as it claims; `benches/gpu` runs to the end on a CPU
+(`--quick`) and carries the wheels it needs."""
 
 from __future__ import annotations
 
