@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from benches.loadgen import python_loop
-from benches.serving import ROOT, _free_port, install, machine_cpu, measure, start_server
+from benches.serving import ROOT, _free_port, _pin, install, machine_cpu, measure, start_server
 from benches.weight_cache import MODELS, WEIGHT_FLOATS, _catalogue, _residency_counts
 
 SCENARIOS = (
@@ -93,8 +93,10 @@ def _requests(result: Any) -> int:
 
 
 def _start_node(
-    settings: dict[str, str], repository: Path | None = None
+    settings: dict[str, str], repository: Path | None = None, core: int | None = None
 ) -> tuple[subprocess.Popen[bytes], int]:
+    """`hloserve node` with two CPU workers (on `core` with its children, Envoy included, when
+    given), ready once its controller has placed the models."""
     port = _free_port()
     env = {
         **os.environ,
@@ -102,7 +104,8 @@ def _start_node(
         "HLOSERVE_NODE_DISCOVERY_INTERVAL_S": "0.5",
         **settings,
     }
-    command = [sys.executable, "-m", "hloserve.cli", "node", "--cpu-workers", "2",
+    pinned = _pin(core) if core is not None else []
+    command = [*pinned, sys.executable, "-m", "hloserve.cli", "node", "--cpu-workers", "2",
                "--scheduling", "lpt_packing", "--grpc-port", str(port), "--metrics-port", "-1",
                "--http-port", "-1", "--allow-client-shm"]  # fmt: skip
     if repository is not None:

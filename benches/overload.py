@@ -10,12 +10,14 @@ never read, and are cancelled in its socket buffers). The server runs in its own
 core 0, the generator (`benches.openloop`: raw HTTP/2, a few microseconds per request, so that
 it offers what it is asked to) in another on core 1.
 
-Then the same through the node (`hloserve node --cpu-workers 2`, Envoy in front, the MLP placed
-on one worker), twice: as configured by default (`before`: Envoy passes every request on, the
-worker queues what it cannot serve in time) and with `node.max_requests_per_worker` =
-`NODE_MAX_REQUESTS` (`after`: Envoy's circuit breaker refuses UNAVAILABLE what would pass it,
-before any worker parses it). Each node run measures its own sustainable rate first; the
-generator is pointed at Envoy's public port. Target: goodput >= 80% at 10x.
+Then the same through the node (`hloserve node --cpu-workers 2` on core 0 with every child,
+Envoy in front, the MLP placed on one worker), as configured by default (`before`: Envoy passes
+every request on, the worker queues what it cannot serve in time), then with each of `AFTER`
+(Envoy refuses UNAVAILABLE what would pass its bounds, before any worker parses it), all offered
+the same rate: `FACTOR` times what the node sustained before. Last, that rate sent to Envoy alone
+on core 0 refusing every request from its route: the generator's share of its core and Envoy's
+CPU per refusal there are what the offered load costs before any server work, and bound what
+any server behind Envoy could reach on the same cores. Target: goodput >= 80% at 10x.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -42,9 +46,10 @@ to see where this machine's generator and node stop keeping up)."""
 SECONDS = 10.0
 DEADLINE_S = 1.0
 CONNECTIONS = 64
-NODE_MAX_REQUESTS = 32
-"""`node.max_requests_per_worker` of the `after` node run: a few batches in flight per worker."""
 """Clients, each on its own HTTP/2 connection (the server allows 100 streams on each)."""
+AFTER = {"after": {"HLOSERVE_NODE_MAX_REQUESTS_PER_WORKER": "32"}}
+"""The node runs after shedding, by label: a few batches in flight per worker (circuit breakers
+and admission control)."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,9 @@ class Row:
     server_cpu_ms_per_request: float
     """The server's CPU time over the requests written to its connections (not those that
     expired waiting for a stream)."""
+    generator_core: float
+    """The generator's CPU time over the elapsed time: the share of its core the offered load
+    itself took."""
     messages: dict[str, list[str]]
     """The first few error messages of each kind."""
 
@@ -87,11 +95,14 @@ def _mlp_request() -> bytes:
 
 
 def _load(url: str, **settings: Any) -> dict[str, Any]:
-    """`openloop.generate` in its own process on core 1 (this one's GIL and core stay out of it)."""
+    """`openloop.generate` in its own process on core 1 (this one's GIL and core stay out of it),
+    with the CPU time it took (`cpu_s`)."""
     code = (
-        "import json, sys; from benches.openloop import generate; from benches.overload import _mlp_request; "
-        "url, settings = json.loads(sys.argv[1]); "
-        "print(json.dumps(generate(url, _mlp_request(), **settings)))"
+        "import json, sys, time; from benches.openloop import generate; "
+        "from benches.overload import _mlp_request; "
+        "url, settings = json.loads(sys.argv[1]); cpu = time.process_time(); "
+        "load = generate(url, _mlp_request(), **settings); load['cpu_s'] = time.process_time() - cpu; "
+        "print(json.dumps(load))"
     )
     arguments = json.dumps([url, {"connections": CONNECTIONS, **settings}])
     command = [*_pin(1), sys.executable, "-c", code, arguments]
@@ -118,6 +129,7 @@ def _row(phase: str, load: dict[str, Any], sustainable: float, cpu_s: float) -> 
         _percentile(latencies.get("UNAVAILABLE", []), 0.5),
         _percentile(latencies.get("UNAVAILABLE", []), 0.99),
         round(cpu_s / max(1, load["sent"] - outcomes.get(UNSENT, 0)) * 1e3, 3),
+        round(load["cpu_s"] / elapsed, 3),
         load.get("messages", {}),
     )
 
@@ -151,25 +163,103 @@ def _single() -> list[Row]:
         server.wait(30)
 
 
-def _through_node(label: str, max_requests_per_worker: int, sustainable: float | None = None) -> list[Row]:
+def _through_node(label: str, settings: dict[str, str], sustainable: float | None = None) -> list[Row]:
+    """The node on core 0 (Envoy, controller and workers), `settings` its HLOSERVE_* variables."""
     with tempfile.TemporaryDirectory() as directory:
         repository = Path(directory)
         shutil.copytree(ROOT / "examples" / "repository" / "mlp", repository / "mlp")
-        settings = {"HLOSERVE_NODE_MAX_REQUESTS_PER_WORKER": str(max_requests_per_worker)}
-        process, port = node._start_node(settings, repository)
+        process, port = node._start_node(settings, repository, core=0)
         try:
             return _phases(f"127.0.0.1:{port}", process.pid, f"node {label}: ", sustainable)
         finally:
             node._stop(process)
 
 
+def _sink_config(port: int, admin: int) -> dict[str, Any]:
+    """Envoy answering every gRPC request UNAVAILABLE from its route, reading nothing else."""
+    refusal = {"content-type": "application/grpc", "grpc-status": "14", "grpc-message": "shed"}
+    manager = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
+        ".HttpConnectionManager",
+        "stat_prefix": "sink",
+        "codec_type": "HTTP2",
+        "route_config": {
+            "virtual_hosts": [
+                {
+                    "name": "sink",
+                    "domains": ["*"],
+                    "routes": [
+                        {
+                            "match": {"prefix": "/"},
+                            "direct_response": {"status": 200},
+                            "response_headers_to_add": [
+                                {"header": {"key": k, "value": v}} for k, v in refusal.items()
+                            ],
+                        }
+                    ],
+                }
+            ]
+        },
+        "http_filters": [
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+                },
+            }
+        ],
+    }
+
+    def address(port: int) -> dict[str, Any]:
+        return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
+
+    listener = {
+        "name": "sink",
+        "address": address(port),
+        "filter_chains": [
+            {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}
+        ],
+    }
+    return {"admin": {"address": address(admin)}, "static_resources": {"listeners": [listener]}}
+
+
+def _sink(rate: float, sustainable: float) -> list[Row]:
+    """What the offered load itself costs: `rate` sent to Envoy on core 0 refusing each request at
+    once (the cheapest refusal there is in front of a worker). The generator's share of its core
+    and Envoy's CPU per request bound the goodput of any server on these cores."""
+    from hloserve.fleet.envoy import find_envoy
+
+    port, admin = _free_port(), _free_port()
+    with tempfile.TemporaryDirectory() as directory:
+        config = Path(directory) / "sink.json"
+        config.write_text(json.dumps(_sink_config(port, admin)))
+        command = [*_pin(0), find_envoy(), "-c", str(config), "--disable-hot-restart", "--log-level", "error"]
+        envoy = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            url = f"127.0.0.1:{port}"
+            for _ in range(100):
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+            cpu = _cpu_seconds(envoy.pid)
+            load = _load(url, seconds=SECONDS, rate=rate, deadline_s=DEADLINE_S)
+            phase = f"Envoy refusing at once, {FACTOR:g}x the node's rate"
+            return [_row(phase, load, sustainable, _cpu_seconds(envoy.pid) - cpu)]
+        finally:
+            envoy.terminate()
+            envoy.wait(30)
+
+
 def run(window_ms: int = 3000) -> list[Row]:
-    """The single process, then the node before and after, offered the same rate (10 times what
-    the node sustained before)."""
+    """The single process, then the node before and after, offered the same rate (`FACTOR` times
+    what the node sustained before), then that rate refused by Envoy alone."""
     single = _single()
-    before = _through_node("before", 0)
+    before = _through_node("before", {})
     sustainable = before[0].answered_per_s
-    return [*single, *before, *_through_node("after", NODE_MAX_REQUESTS, sustainable)]
+    after = [row for label, settings in AFTER.items() for row in _through_node(label, settings, sustainable)]
+    return [*single, *before, *after, *_sink(FACTOR * sustainable, sustainable)]
 
 
 def table(rows: list[Row]) -> str:
@@ -181,25 +271,27 @@ def table(rows: list[Row]) -> str:
         "ok p50/p99 ms",
         "refusal p50/p99 ms",
         "CPU ms/req",
+        "gen core",
     )
-    lines = ["{:<52} {:>10} {:>10} {:>8} {:>14} {:>19} {:>11}".format(*header)]
+    lines = ["{:<52} {:>10} {:>10} {:>8} {:>14} {:>19} {:>11} {:>8}".format(*header)]
     for r in rows:
         lines.append(
             f"{r.phase:<52} {r.offered_per_s:10.1f} {r.answered_per_s:10.1f} {r.goodput_fraction:8.0%} "
             f"{f'{r.answer_p50_ms:.1f}/{r.answer_p99_ms:.1f}':>14} "
-            f"{f'{r.refusal_p50_ms:.1f}/{r.refusal_p99_ms:.1f}':>19} {r.server_cpu_ms_per_request:11.3f}"
+            f"{f'{r.refusal_p50_ms:.1f}/{r.refusal_p99_ms:.1f}':>19} {r.server_cpu_ms_per_request:11.3f} "
+            f"{r.generator_core:8.0%}"
         )
         lines.append(f"{'':<52} outcomes {json.dumps(r.outcomes)}")
     by_phase = {r.phase: r for r in rows}
     cases = [p.split(": ", 1)[1] for p in by_phase if p.startswith("node before: ")]
     if cases:
+        labels = ["before", *AFTER]
         lines += ["", "through the node: goodput (answers within the deadline / sustainable rate)"]
-        lines.append(f"{'case':<40} {'before':>8} {'after':>8}")
+        lines.append(f"{'case':<40}" + "".join(f" {label:>22}" for label in labels))
         for case in cases:
-            before, after = by_phase[f"node before: {case}"], by_phase.get(f"node after: {case}")
+            found = [by_phase.get(f"node {label}: {case}") for label in labels]
             lines.append(
-                f"{case:<40} {before.goodput_fraction:8.0%} "
-                f"{after.goodput_fraction if after else float('nan'):8.0%}"
+                f"{case:<40}" + "".join(f" {r.goodput_fraction if r else float('nan'):22.0%}" for r in found)
             )
     return "\n".join(lines)
 

@@ -1,11 +1,13 @@
 """The breakdown bench's patched servers serve what they claim (`python -m benches breakdown`);
-`benches/gpu` runs to the end on a CPU (`--quick`) and carries the wheels it needs."""
+the overload bench's sink refuses as it claims; `benches/gpu` runs to the end on a CPU
+(`--quick`) and carries the wheels it needs."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tomllib
@@ -15,10 +17,41 @@ import export_examples
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from support.clients import wait_until
 from support.numerics import assert_close
 from support.servers import ROOT
 
+from benches import overload
+from benches.openloop import generate
 from benches.serving import _free_port, start_server
+from hloserve.fleet.envoy import find_envoy
+
+
+def test_the_overload_sink_refuses_every_request_unavailable_at_once() -> None:
+    """`benches overload`'s last case: Envoy alone, answering gRPC UNAVAILABLE from its route,
+    so the generator and Envoy's own cost per refusal are measured with no server behind."""
+    port = _free_port()
+    envoy = subprocess.Popen(
+        [find_envoy(), "--config-yaml", json.dumps(overload._sink_config(port, _free_port())),
+         "--disable-hot-restart", "--log-level", "error"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        wait_until(lambda: _accepts(port), 30, "the sink")
+        load = generate(f"127.0.0.1:{port}", overload._mlp_request(), seconds=0.5, rate=200, deadline_s=1.0)
+        assert set(load["outcomes"]) == {"UNAVAILABLE"} and load["outcomes"]["UNAVAILABLE"] >= 90, load
+        assert load["messages"]["UNAVAILABLE"][0] == "shed"
+    finally:
+        envoy.terminate()
+        envoy.wait(30)
+
+
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
 
 
 @pytest.mark.slow

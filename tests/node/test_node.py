@@ -1,12 +1,13 @@
 """`hloserve node --cpu-workers 2` end to end: real workers, real Envoy, unmodified tritonclient
 (gRPC and REST) and perf_analyzer on the public ports, the controller's RPCs, a meta model and
-its part, a worker killed under load, and a clean stop."""
+its part, a worker killed under load, an overloaded worker kept in its routes, and a clean stop."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -32,6 +33,7 @@ from support.bundles import PARAMS, X, affine, write_affine
 from support.clients import wait_until
 from support.numerics import assert_close
 from support.servers import EXAMPLES, ROOT
+from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 from tritonclient.utils import shared_memory as shm
 
@@ -41,6 +43,7 @@ from hloserve.fleet.controller import changed_workers
 from hloserve.fleet.workers import free_port
 
 sys.path.insert(0, str(ROOT / "benches"))
+from openloop import generate
 from perf_analyzer import run_perf_analyzer
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # Envoy and several workers: the machine
@@ -704,6 +707,47 @@ def test_a_worker_killed_under_load_costs_no_request_and_comes_back(node: Node) 
     assert "kept" in str(triton.InferenceServerClient(workers["worker0"]).get_system_shared_memory_status())
     public.unregister_system_shared_memory("kept")
     shm.destroy_shared_memory_region(region)
+
+
+def _refusals_that_eject(node: Node) -> dict[str, float]:
+    """Envoy's ejections of mlp's workers for consecutive 5xx or gateway failures (how it counts
+    gRPC UNAVAILABLE, 503, and DEADLINE_EXCEEDED, 504), from the node's metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics").read().decode()
+    found = re.findall(
+        r"^envoy_cluster_outlier_detection_ejections_enforced_(consecutive_5xx|consecutive_gateway_failure)"
+        r'\{[^}]*envoy_cluster_name="model_mlp"[^}]*\} (\S+)$',
+        text,
+        re.MULTILINE,
+    )
+    return {kind: float(value) for kind, value in found}
+
+
+def test_an_overloaded_worker_that_refuses_is_not_ejected(node: Node) -> None:
+    """Past its capacity a worker refuses what it cannot answer within the deadline (UNAVAILABLE,
+    DEADLINE_EXCEEDED); it is busy, not gone, and Envoy keeps sending to it (issue 25: it was
+    ejected, and every model it held answered "no healthy upstream"). With Envoy's gateway-failure
+    ejection enforced (threshold 5), this overload ejects it twice."""
+    request = service_pb2.ModelInferRequest(model_name="mlp")
+    request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
+    request.raw_input_contents.append(np.ones((1, 16), np.float32).tobytes())
+    public = node.client()
+    for _ in range(8):  # warm
+        public.infer("mlp", _inputs(public, "mlp"), client_timeout=30)
+    # one and a half times what the workers answer here, each request with a 1 s deadline: they refuse
+    # (UNAVAILABLE) what they would not answer in time
+    message = request.SerializeToString()
+    closed = generate(node.url, message, seconds=2.0, concurrency=64, connections=8)
+    rate = 1.5 * closed["outcomes"]["OK"] / closed["elapsed"]
+    load = generate(node.url, message, seconds=4.0, rate=rate, deadline_s=1.0, connections=8)
+    outcomes, messages = load["outcomes"], load["messages"]
+    assert outcomes.get("UNAVAILABLE", 0) > 0 and outcomes.get("OK", 0) > 0, (rate, outcomes, messages)
+    assert not any("no healthy upstream" in m for m in messages.get("UNAVAILABLE", [])), messages
+    assert _refusals_that_eject(node) == {"consecutive_5xx": 0, "consecutive_gateway_failure": 0}
+    # and it is answered at once after, not after an ejection's time out
+    before = sum(_served(address).get("mlp", 0) for address in node.workers().values())
+    for _ in range(8):
+        public.infer("mlp", _inputs(public, "mlp"), client_timeout=5)
+    assert sum(_served(address).get("mlp", 0) for address in node.workers().values()) >= before + 8
 
 
 def test_one_worker_serves_the_public_port_itself(tmp_path: Path) -> None:
