@@ -118,6 +118,7 @@ def _depthwise(
     MobileNetV3's, EfficientNet's and ConvNeXt's shapes (jaxlib 0.10.2, one core)."""
     kh, kw = weight.shape[2:]
     (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+    per_tap = jnp.transpose(weight, (2, 3, 1, 0))[:, :, 0, :]  # (kh, kw, C): the stored HWIO
     padded = jnp.pad(x, ((0, 0), (ph, ph), (pw, pw), (0, 0)))
     rows = (padded.shape[1] - dh * (kh - 1) - 1) // sh + 1
     columns = (padded.shape[2] - dw * (kw - 1) - 1) // sw + 1
@@ -127,7 +128,7 @@ def _depthwise(
             start = (0, i * dh, j * dw, 0)
             last = (i * dh + (rows - 1) * sh + 1, j * dw + (columns - 1) * sw + 1)
             end = (padded.shape[0], *last, padded.shape[3])
-            term = jax.lax.slice(padded, start, end, (1, sh, sw, 1)) * weight[:, 0, i, j]
+            term = jax.lax.slice(padded, start, end, (1, sh, sw, 1)) * per_tap[i, j]
             total = term if total is None else total + term
     return total
 

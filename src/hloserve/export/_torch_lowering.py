@@ -149,6 +149,15 @@ def _matmul(x: Any, y: Any) -> Any:
     return jnp.matmul(x, y)
 
 
+def _gelu(x: Any, *, approximate: str = "none") -> Any:
+    """GELU as torch's CPU kernel computes it, `x/2 (1 + erf(x/sqrt(2)))`: `jax.nn.gelu` goes
+    through erfc, which XLA:CPU computed 5x slower than erf (ConvNeXt-T: 60 ms a batch of 4)."""
+    x = jnp.asarray(x)
+    if approximate == "tanh":
+        return jax.nn.gelu(x, approximate=True)
+    return x * 0.5 * (1 + jax.lax.erf(x * (2**-0.5)))
+
+
 _KEPT_WHOLE: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.linear.default: _linear,
     torch.ops.aten.matmul.default: _matmul,
@@ -319,7 +328,12 @@ def lower_program(
                 f"the program takes a {spec.kind.name} argument ({spec.arg}); "
                 "a bundle binds only weights and inputs"
             )
-    table = {**_KEPT_WHOLE, torch.ops.aten.convolution.default: _convolution, **(lowerings or {})}
+    table: dict[Any, Callable[..., Any]] = {
+        **_KEPT_WHOLE,
+        torch.ops.aten.convolution.default: _convolution,
+        torch.ops.aten.gelu.default: _gelu,
+        **(lowerings or {}),
+    }
     mutated = len(program.graph_signature.buffers_to_mutate)
     module = program.graph_module
     prepared = (
