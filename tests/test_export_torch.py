@@ -183,7 +183,7 @@ class ChannelsLastShapes(torch.nn.Module):
     """What the channels-last lowering computes on NHWC arrays, beside what it hands back to torch's
     layout: strided and grouped convolutions, a dilated strided depthwise one, a batch norm it
     cannot fold, ConvNeXt's permutes around a layer norm, a squeeze-excite mean, means over the
-    channel axis, broadcasts of 3-D and 4-D tensors, an interpolation and a flatten."""
+    channel axis and over every axis, broadcasts of 3-D and 4-D tensors, an interpolation and a flatten."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -207,7 +207,8 @@ class ChannelsLastShapes(torch.nn.Module):
         y = y + torch.nn.functional.gelu(z) * self.scale
         y = y * torch.sigmoid(self.excite(y.mean((2, 3), keepdim=True)))
         segmentation = torch.nn.functional.interpolate(y, size=(8, 8), mode="bilinear")
-        return segmentation, self.head(y.flatten(1)) + y.mean((2, 3)).sum(1, keepdim=True)
+        logits = self.head(y.flatten(1)) + y.mean((2, 3)).sum(1, keepdim=True)
+        return segmentation, logits + torch.mean(y, dim=None, keepdim=True).flatten(1)
 
 
 def test_torch_export_keeps_activations_channels_last(tmp_path: Path) -> None:

@@ -87,6 +87,8 @@ def applies(args: Sequence[Any]) -> bool:
 def mean(lowering: Callable[..., Any], x: ChannelsLast, dims: Any, keepdim: bool = False, **kw: Any) -> Any:
     """A mean over a `ChannelsLast`'s axes; None where the result's axes would not be in torch's
     order (the caller computes it on the NCHW tensor instead)."""
+    if not dims and not isinstance(dims, int):
+        return None  # None or []: every axis, as torch reads it
     axes = sorted({d % 4 for d in ([dims] if isinstance(dims, int) else dims)})
     physical_axes = [_AXIS[d] for d in axes]
     if keepdim:
