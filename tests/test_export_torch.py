@@ -179,6 +179,65 @@ def test_torch_export_folds_batch_norm_and_stores_weights_as_xla_reads_them(tmp_
         assert_close(result, model(image).numpy())
 
 
+class ChannelsLastShapes(torch.nn.Module):
+    """What the channels-last lowering computes on NHWC arrays, beside what it hands back to torch's
+    layout: strided and grouped convolutions, a dilated strided depthwise one, a batch norm it
+    cannot fold, ConvNeXt's permutes around a layer norm, a squeeze-excite mean, means over the
+    channel axis and over every axis, broadcasts of 3-D and 4-D tensors, an interpolation and a flatten."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.grouped = torch.nn.Conv2d(8, 8, 3, padding=1, groups=2)
+        self.depthwise = torch.nn.Conv2d(8, 8, 3, stride=2, padding=2, dilation=2, groups=8)
+        self.pointwise = torch.nn.Conv2d(8, 12, 1, stride=2)
+        self.norm = torch.nn.BatchNorm2d(8)  # after an add: not folded
+        self.layer_norm = torch.nn.LayerNorm(12)
+        self.linear = torch.nn.Linear(12, 12)
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 12).reshape(12, 1, 1))
+        self.excite = torch.nn.Conv2d(12, 12, 1)
+        self.head = torch.nn.Linear(12 * 2 * 2, 5)
+
+    def forward(self, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.nn.functional.hardswish(self.stem(image))
+        x = self.norm(x + self.grouped(x)) - x.mean(1, keepdim=True)
+        x = torch.relu(self.depthwise(x)) * torch.sigmoid(image[:, :1, ::4, ::4] + 1)
+        y = self.pointwise(x)
+        z = self.linear(self.layer_norm(y.permute(0, 2, 3, 1))).permute(0, 3, 1, 2)
+        y = y + torch.nn.functional.gelu(z) * self.scale
+        y = y * torch.sigmoid(self.excite(y.mean((2, 3), keepdim=True)))
+        segmentation = torch.nn.functional.interpolate(y, size=(8, 8), mode="bilinear")
+        logits = self.head(y.flatten(1)) + y.mean((2, 3)).sum(1, keepdim=True)
+        return segmentation, logits + torch.mean(y, dim=None, keepdim=True).flatten(1)
+
+
+def test_torch_export_keeps_activations_channels_last(tmp_path: Path) -> None:
+    """Activations stay NHWC between convolutions (XLA:CPU's NCHW path was 3x slower on
+    EfficientNet), and the bundle still computes what torch does, outputs in torch's layout."""
+    torch.manual_seed(0)
+    model = ChannelsLastShapes()
+    model.norm.running_mean.uniform_(-1, 1)
+    model.norm.running_var.uniform_(0.5, 2)
+    directory = export_torch_bundle(model, (torch.randn(2, 3, 16, 16),), tmp_path / "nhwc", batch_sizes=(2,))
+    bundle = load_bundle(directory)
+    (module,) = bundle.modules
+    executable = _xla.compile_module(module.source)
+    hlo = executable.hlo_modules()[0].to_string()
+    # NCHW all through, XLA:CPU transposes around each convolution: 15 transposes (jaxlib
+    # 0.10.2); channels-last, only where torch's layout is asked for (input, interpolation,
+    # flatten, outputs)
+    assert hlo.count("transpose(") <= 8, hlo
+    image = torch.randn(2, 3, 16, 16)
+    arguments = _xla.put_all([image.numpy(), *read_weights(bundle)])
+    results = _xla.to_numpy(_xla.run(executable, arguments))
+    model.eval()
+    with torch.no_grad():
+        expected = model(image)
+    assert [r.shape for r in results] == [(2, 12, 8, 8), (2, 5)]
+    for result, reference in zip(results, expected, strict=True):
+        assert_close(result, reference.numpy())
+
+
 class OnePerSize(torch.nn.Module):
     """An ONNX import's shape of module: one model per batch size, each reading its own weights."""
 

@@ -27,8 +27,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind
 
+from hloserve.export import _channels_last as channels_last
 from hloserve.export import _torch_weights
 from hloserve.models import _xla
 
@@ -40,6 +42,7 @@ Lowerings = Mapping[Any, Callable[..., Any]]
 """ATen operation (`torch.ops.aten.foo.default` or the packet `torch.ops.aten.foo`) → a JAX
 function of the same arguments (JAX arrays where the op takes tensors)."""
 
+_BATCH_NORM = torch.ops.aten._native_batch_norm_legit_no_training.default
 _REMOVED_OVERLOAD = re.compile(r"(?:^|_)(?:dimname|Dimname|names)(?:_|$)")
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>\S+)$')
 _ISSUES = "https://github.com/google/torchax/issues"
@@ -146,44 +149,31 @@ def _matmul(x: Any, y: Any) -> Any:
     return jnp.matmul(x, y)
 
 
+def _gelu(x: Any, *, approximate: str = "none") -> Any:
+    """GELU as torch's CPU kernel computes it, `x/2 (1 + erf(x/sqrt(2)))`: `jax.nn.gelu` goes
+    through erfc, which XLA:CPU computed 5x slower than erf (ConvNeXt-T: 60 ms a batch of 4)."""
+    x = jnp.asarray(x)
+    if approximate == "tanh":
+        return jax.nn.gelu(x, approximate=True)
+    return x * 0.5 * (1 + jax.lax.erf(x * (2**-0.5)))
+
+
 _KEPT_WHOLE: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.linear.default: _linear,
     torch.ops.aten.matmul.default: _matmul,
 }
 
 
-def _depthwise(
-    x: Any, weight: Any, stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int]
-) -> Any:
-    """A 2-D depthwise convolution (one filter per channel) as a sum of strided slices scaled per
-    channel: one element-wise fusion. XLA:CPU's grouped convolution took 6-80x longer on
-    MobileNetV3's, EfficientNet's and ConvNeXt's shapes (jaxlib 0.10.2, one core)."""
-    kh, kw = weight.shape[2:]
-    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
-    padded = jnp.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
-    rows = (padded.shape[2] - dh * (kh - 1) - 1) // sh + 1
-    columns = (padded.shape[3] - dw * (kw - 1) - 1) // sw + 1
-    total = None
-    for i in range(kh):
-        for j in range(kw):
-            start = (0, 0, i * dh, j * dw)
-            end = (*padded.shape[:2], i * dh + (rows - 1) * sh + 1, j * dw + (columns - 1) * sw + 1)
-            term = jax.lax.slice(padded, start, end, (1, 1, sh, sw)) * weight[:, 0, i, j][:, None, None]
-            total = term if total is None else total + term
-    return total
-
-
 def _convolution(
     x: Any, weight: Any, bias: Any, stride: Any, padding: Any, dilation: Any, transposed: Any, *rest: Any
 ) -> Any:
-    """torchax's convolution, but a 2-D depthwise one as `_depthwise`."""
-    groups = rest[-1]
-    if transposed or x.ndim != 4 or weight.shape[1] != 1 or not groups == x.shape[1] == weight.shape[0]:
-        torchax = import_torchax()
-        convolution = torchax.ops.ops_registry.all_aten_ops[torch.ops.aten.convolution].func
-        return convolution(x, weight, bias, stride, padding, dilation, transposed, *rest)
-    y = _depthwise(jnp.asarray(x), jnp.asarray(weight).astype(x.dtype), stride, padding, dilation)
-    return y if bias is None else y + jnp.asarray(bias).reshape(-1, 1, 1)
+    """torchax's convolution, but a 2-D one channels-last (`hloserve.export._channels_last`)."""
+    kept = isinstance(x, channels_last.ChannelsLast) or getattr(x, "ndim", 0) == 4
+    if kept and not transposed and getattr(weight, "ndim", 0) == 4:
+        return channels_last.convolution(x, weight, bias, stride, padding, dilation, rest[-1])
+    torchax = import_torchax()
+    convolution = torchax.ops.ops_registry.all_aten_ops[torch.ops.aten.convolution].func
+    return convolution(channels_last.logical(x), weight, bias, stride, padding, dilation, transposed, *rest)
 
 
 # --- the program ----------------------------------------------------------------------------------
@@ -237,14 +227,44 @@ class _Interpreter(torch.fx.Interpreter):
         lowering = self._lowering(target)
         if lowering is None:
             raise _Unlowered()
+        if lowering is _convolution:
+            return lowering(*args, **kwargs)
+        kept = self._channels_last(target, lowering, args, kwargs)
+        if kept is not None:
+            return kept
+        args, kwargs = pytree.tree_map(channels_last.logical, (args, kwargs))
         return lowering(*args, **kwargs)
+
+    def _channels_last(self, target: Any, lowering: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        """The operation computed on `ChannelsLast` operands' arrays, where
+        `hloserve.export._channels_last` can; else None."""
+        first: Any = args[0] if args else None
+        kept = isinstance(first, channels_last.ChannelsLast)
+        if target in channels_last.ELEMENTWISE and channels_last.applies([*args, *kwargs.values()]):
+            if any(hasattr(v, "ndim") for v in kwargs.values()):
+                return None
+            return channels_last.ChannelsLast(lowering(*map(channels_last.physical, args), **kwargs))
+        if target is torch.ops.aten.mean.dim and kept:
+            return channels_last.mean(lowering, *args, **kwargs)
+        if target is torch.ops.aten.permute.default and (kept or getattr(first, "ndim", 0) == 4):
+            return channels_last.permute(first, args[1])
+        if target is _BATCH_NORM and kept and not kwargs:
+            weight, bias, mean, var = args[1:5]
+            y = channels_last.batch_norm(first, weight, bias, mean, var, args[6])
+            return y, jnp.zeros((0,), y.array.dtype), jnp.zeros((0,), y.array.dtype)
+        return None
+
+    def output(self, target: Any, args: Any, kwargs: Any) -> Any:
+        return pytree.tree_map(channels_last.logical, super().output(target, args, kwargs))
 
     def _prepared_node(self, n: torch.fx.Node) -> Any:
         """The rewrites of `hloserve.export._torch_weights` where they apply to `n`, else `run_node`'s."""
         if n.name in self.prepared.folded:  # a folded batch norm: its convolution plus the shift
             y = self.env[n.args[0]]  # type: ignore[index]  # a node: _torch_weights checked it
             shift = self.states[self.prepared.folded[n.name]]
-            return (y + shift.reshape(-1, *[1] * (y.ndim - 2)),)  # its output is item 0
+            if isinstance(y, channels_last.ChannelsLast):
+                return (channels_last.ChannelsLast(y.array + shift),)  # its output is item 0
+            return (y + shift.reshape(-1, *[1] * (y.ndim - 2)),)
         if n.name in self.prepared.unbiased:
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             return self.call_function(n.target, (*args[:2], None, *args[3:]), kwargs)
@@ -308,7 +328,12 @@ def lower_program(
                 f"the program takes a {spec.kind.name} argument ({spec.arg}); "
                 "a bundle binds only weights and inputs"
             )
-    table = {**_KEPT_WHOLE, torch.ops.aten.convolution.default: _convolution, **(lowerings or {})}
+    table: dict[Any, Callable[..., Any]] = {
+        **_KEPT_WHOLE,
+        torch.ops.aten.convolution.default: _convolution,
+        torch.ops.aten.gelu.default: _gelu,
+        **(lowerings or {}),
+    }
     mutated = len(program.graph_signature.buffers_to_mutate)
     module = program.graph_module
     prepared = (

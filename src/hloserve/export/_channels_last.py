@@ -1,0 +1,212 @@
+"""Image activations kept channels-last (NHWC) inside a lowered torch program.
+
+torch programs are NCHW. XLA:CPU computes a convolution in NHWC, so an NCHW one costs a
+transpose of its input and of its output on top of a convolution kernel that is itself slow
+(EfficientNet-B0's 1x1 convolutions took 5x torch's time). Here a 4-D activation that a
+convolution produces is held as a `ChannelsLast`: its array is NHWC, what the program means
+by it is that array transposed to NCHW. The operations between convolutions in vision models
+(element-wise arithmetic and activations, spatial means, the permutes around ConvNeXt's layer
+norms, batch norms) compute on the NHWC array directly; any other operation receives the NCHW
+tensor, one transpose where it asks for it, so the program computes what torch's does.
+Convolutions run NHWC: a 1x1 one as a dot over the channel axis, a depthwise one as a sum of
+strided slices scaled per channel (one element-wise fusion), a grouped one with few channels
+per group likewise per tap and input channel, any other with XLA's NHWC/HWIO convolution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from hloserve.models import _xla
+
+__all__ = ["ELEMENTWISE", "ChannelsLast", "convolution", "logical", "mean", "permute", "physical"]
+
+jax, jnp = _xla.jax, _xla.jnp
+
+TO_NHWC = (0, 2, 3, 1)
+TO_NCHW = (0, 3, 1, 2)
+_AXIS = {0: 0, 1: 3, 2: 1, 3: 2}  # an NCHW axis → the NHWC axis that holds it
+
+_GROUPED_TERMS = 16 * 9
+"""A grouped convolution with at most this many weights per output (inputs per group times taps)
+runs as `_grouped`; XLA's convolution computes larger ones."""
+
+_aten = torch.ops.aten
+_UNARY_AND_BINARY = (
+    "relu sigmoid clamp gelu tanh neg exp erf sqrt rsqrt hardtanh silu hardswish hardsigmoid "
+    "maximum minimum abs"
+)
+ELEMENTWISE = frozenset(
+    {
+        *(getattr(_aten, op).Tensor for op in ("add", "sub", "mul", "div", "rsub")),
+        *(getattr(_aten, op).Scalar for op in ("add", "sub", "mul", "div", "rsub")),
+        *(getattr(_aten, op).default for op in _UNARY_AND_BINARY.split()),
+        _aten.pow.Tensor_Scalar,
+        _aten.where.self,
+    }
+)
+"""Operations applied element by element, with broadcasting: the same on NHWC arrays once every
+operand is NHWC (or a scalar)."""
+
+
+class ChannelsLast:
+    """A 4-D activation whose array is NHWC; the program means the NCHW tensor."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: Any) -> None:
+        self.array = array
+
+
+def logical(value: Any) -> Any:
+    """`value` as the torch program sees it: a `ChannelsLast` as its NCHW array."""
+    return jnp.transpose(value.array, TO_NCHW) if isinstance(value, ChannelsLast) else value
+
+
+def physical(value: Any) -> Any:
+    """An operand of an element-wise operation beside a `ChannelsLast`, laid out as its array."""
+    if isinstance(value, ChannelsLast):
+        return value.array
+    if not hasattr(value, "ndim") or value.ndim == 0:
+        return value  # a scalar broadcasts as it is
+    array = jnp.asarray(value)
+    return jnp.transpose(array.reshape((1,) * (4 - array.ndim) + array.shape), TO_NHWC)
+
+
+def applies(args: Sequence[Any]) -> bool:
+    """Whether an element-wise operation over `args` can run channels-last: some operand is
+    `ChannelsLast` and none has more than 4 axes."""
+    return any(isinstance(a, ChannelsLast) for a in args) and all(
+        getattr(a, "ndim", 0) <= 4 for a in args if not isinstance(a, ChannelsLast)
+    )
+
+
+def mean(lowering: Callable[..., Any], x: ChannelsLast, dims: Any, keepdim: bool = False, **kw: Any) -> Any:
+    """A mean over a `ChannelsLast`'s axes; None where the result's axes would not be in torch's
+    order (the caller computes it on the NCHW tensor instead)."""
+    if not dims and not isinstance(dims, int):
+        return None  # None or []: every axis, as torch reads it
+    axes = sorted({d % 4 for d in ([dims] if isinstance(dims, int) else dims)})
+    physical_axes = [_AXIS[d] for d in axes]
+    if keepdim:
+        return ChannelsLast(lowering(x.array, physical_axes, True, **kw))
+    if axes == [2, 3]:  # (N, C): NHWC's remaining axes are in NCHW's order
+        return lowering(x.array, physical_axes, False, **kw)
+    return None
+
+
+def permute(x: Any, order: Sequence[int]) -> Any:
+    """torch's permute of a `ChannelsLast` (one transpose of its array, none for ConvNeXt's
+    `permute(0, 2, 3, 1)`), or of a plain 4-D tensor into NCHW from NHWC (kept as its array)."""
+    order = [d % 4 for d in order]
+    if isinstance(x, ChannelsLast):
+        composed = [TO_NCHW[d] for d in order]
+        return x.array if composed == [0, 1, 2, 3] else jnp.transpose(x.array, composed)
+    return ChannelsLast(x) if order == list(TO_NCHW) else None
+
+
+def batch_norm(x: ChannelsLast, weight: Any, bias: Any, mean_: Any, var: Any, eps: float) -> ChannelsLast:
+    """An eval batch norm over the channel axis (last)."""
+    scale = jax.lax.rsqrt(var + eps)
+    scale = scale if weight is None else scale * weight
+    y = (x.array - mean_) * scale
+    return ChannelsLast(y if bias is None else y + bias)
+
+
+def _materialized(padded: Any) -> Any:
+    """`padded` computed once into its own buffer: XLA would otherwise fuse the element-wise
+    producers and the padding into each tap of the sum that reads it, and recompute them there."""
+    return jax.lax.optimization_barrier(padded)
+
+
+def _depthwise(
+    x: Any, weight: Any, stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int]
+) -> Any:
+    """A depthwise convolution of NHWC `x` by OIHW `weight` (one filter per channel) as a sum of
+    strided slices scaled per channel. XLA:CPU's grouped convolution took 6-80x longer on
+    MobileNetV3's, EfficientNet's and ConvNeXt's shapes (jaxlib 0.10.2, one core)."""
+    kh, kw = weight.shape[2:]
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+    per_tap = jnp.transpose(weight, (2, 3, 1, 0))[:, :, 0, :]  # (kh, kw, C): the stored HWIO
+    padded = _materialized(jnp.pad(x, ((0, 0), (ph, ph), (pw, pw), (0, 0))))
+    rows = (padded.shape[1] - dh * (kh - 1) - 1) // sh + 1
+    columns = (padded.shape[2] - dw * (kw - 1) - 1) // sw + 1
+    total = None
+    for i in range(kh):
+        for j in range(kw):
+            start = (0, i * dh, j * dw, 0)
+            last = (i * dh + (rows - 1) * sh + 1, j * dw + (columns - 1) * sw + 1)
+            end = (padded.shape[0], *last, padded.shape[3])
+            term = jax.lax.slice(padded, start, end, (1, sh, sw, 1)) * per_tap[i, j]
+            total = term if total is None else total + term
+    return total
+
+
+def _grouped(
+    x: Any,
+    weight: Any,
+    groups: int,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+) -> Any:
+    """A grouped convolution with few inputs per group (RegNet's 8) as one element-wise fusion:
+    per tap and per input channel of a group, that channel times its row of weights to the
+    group's outputs. XLA:CPU's grouped convolution took 2-5x longer on RegNetY-400MF's shapes."""
+    out_channels, per_group, kh, kw = weight.shape
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+    per_tap = jnp.transpose(weight, (2, 3, 1, 0)).reshape(kh, kw, per_group, groups, -1)
+    padded = _materialized(jnp.pad(x, ((0, 0), (ph, ph), (pw, pw), (0, 0))))
+    rows = (padded.shape[1] - dh * (kh - 1) - 1) // sh + 1
+    columns = (padded.shape[2] - dw * (kw - 1) - 1) // sw + 1
+    total = None
+    for i in range(kh):
+        for j in range(kw):
+            last = (i * dh + (rows - 1) * sh + 1, j * dw + (columns - 1) * sw + 1)
+            end = (padded.shape[0], *last, padded.shape[3])
+            tap = jax.lax.slice(padded, (0, i * dh, j * dw, 0), end, (1, sh, sw, 1))
+            tap = tap.reshape(*tap.shape[:3], groups, per_group)
+            for k in range(per_group):
+                term = tap[..., k : k + 1] * per_tap[i, j, k]
+                total = term if total is None else total + term
+    assert total is not None
+    return total.reshape(*total.shape[:3], out_channels)
+
+
+def convolution(
+    x: Any,
+    weight: Any,
+    bias: Any,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> ChannelsLast:
+    """A 2-D convolution (not transposed) of `x` (NCHW tensor or `ChannelsLast`) by torch's OIHW
+    `weight`, computed NHWC."""
+    array = x.array if isinstance(x, ChannelsLast) else jnp.transpose(jnp.asarray(x), TO_NHWC)
+    weight = jnp.asarray(weight).astype(array.dtype)
+    stride, padding, dilation = (list(v) * (2 // len(v)) for v in (stride, padding, dilation))
+    out_channels, per_group, kh, kw = weight.shape
+    if groups > 1 and per_group == 1 and groups == out_channels:
+        y = _depthwise(array, weight, stride, padding, dilation)
+    elif groups > 1 and per_group * kh * kw <= _GROUPED_TERMS:
+        y = _grouped(array, weight, groups, stride, padding, dilation)
+    elif groups == 1 and (kh, kw) == (1, 1) and padding == [0, 0]:
+        strided = array[:, :: stride[0], :: stride[1], :] if stride != [1, 1] else array
+        hwio = jnp.transpose(weight, (2, 3, 1, 0))  # cancels the program's OIHW restore
+        y = jax.lax.dot_general(strided, hwio[0, 0], (((3,), (0,)), ((), ())))
+    else:
+        y = jax.lax.conv_general_dilated(
+            array,
+            jnp.transpose(weight, (2, 3, 1, 0)),
+            window_strides=stride,
+            padding=[(p, p) for p in padding],
+            rhs_dilation=dilation,
+            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+            feature_group_count=groups,
+        )
+    return ChannelsLast(y if bias is None else y + jnp.asarray(bias).astype(y.dtype))
