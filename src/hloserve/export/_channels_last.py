@@ -15,7 +15,7 @@ per group likewise per tap and input channel, any other with XLA's NHWC/HWIO con
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -128,21 +128,29 @@ def _depthwise(
     """A depthwise convolution of NHWC `x` by OIHW `weight` (one filter per channel) as a sum of
     strided slices scaled per channel. XLA:CPU's grouped convolution took 6-80x longer on
     MobileNetV3's, EfficientNet's and ConvNeXt's shapes (jaxlib 0.10.2, one core)."""
-    kh, kw = weight.shape[2:]
-    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
     per_tap = jnp.transpose(weight, (2, 3, 1, 0))[:, :, 0, :]  # (kh, kw, C): the stored HWIO
+    total = None
+    for i, j, tap in _taps(x, weight.shape[2:], stride, padding, dilation):
+        term = tap * per_tap[i, j]
+        total = term if total is None else total + term
+    return total
+
+
+def _taps(
+    x: Any, kernel: Sequence[int], stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int]
+) -> Iterator[tuple[int, int, Any]]:
+    """Each kernel tap (i, j) of a convolution of NHWC `x`: the strided slice of the padded input
+    (computed once) that the tap multiplies."""
+    kh, kw = kernel
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
     padded = _materialized(jnp.pad(x, ((0, 0), (ph, ph), (pw, pw), (0, 0))))
     rows = (padded.shape[1] - dh * (kh - 1) - 1) // sh + 1
     columns = (padded.shape[2] - dw * (kw - 1) - 1) // sw + 1
-    total = None
     for i in range(kh):
         for j in range(kw):
-            start = (0, i * dh, j * dw, 0)
             last = (i * dh + (rows - 1) * sh + 1, j * dw + (columns - 1) * sw + 1)
             end = (padded.shape[0], *last, padded.shape[3])
-            term = jax.lax.slice(padded, start, end, (1, sh, sw, 1)) * per_tap[i, j]
-            total = term if total is None else total + term
-    return total
+            yield i, j, jax.lax.slice(padded, (0, i * dh, j * dw, 0), end, (1, sh, sw, 1))
 
 
 def _grouped(
@@ -157,21 +165,13 @@ def _grouped(
     per tap and per input channel of a group, that channel times its row of weights to the
     group's outputs. XLA:CPU's grouped convolution took 2-5x longer on RegNetY-400MF's shapes."""
     out_channels, per_group, kh, kw = weight.shape
-    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
     per_tap = jnp.transpose(weight, (2, 3, 1, 0)).reshape(kh, kw, per_group, groups, -1)
-    padded = _materialized(jnp.pad(x, ((0, 0), (ph, ph), (pw, pw), (0, 0))))
-    rows = (padded.shape[1] - dh * (kh - 1) - 1) // sh + 1
-    columns = (padded.shape[2] - dw * (kw - 1) - 1) // sw + 1
     total = None
-    for i in range(kh):
-        for j in range(kw):
-            last = (i * dh + (rows - 1) * sh + 1, j * dw + (columns - 1) * sw + 1)
-            end = (padded.shape[0], *last, padded.shape[3])
-            tap = jax.lax.slice(padded, (0, i * dh, j * dw, 0), end, (1, sh, sw, 1))
-            tap = tap.reshape(*tap.shape[:3], groups, per_group)
-            for k in range(per_group):
-                term = tap[..., k : k + 1] * per_tap[i, j, k]
-                total = term if total is None else total + term
+    for i, j, tap in _taps(x, (kh, kw), stride, padding, dilation):
+        tap = tap.reshape(*tap.shape[:3], groups, per_group)
+        for k in range(per_group):
+            term = tap[..., k : k + 1] * per_tap[i, j, k]
+            total = term if total is None else total + term
     assert total is not None
     return total.reshape(*total.shape[:3], out_channels)
 
