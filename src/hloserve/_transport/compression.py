@@ -35,6 +35,7 @@ from multidict import MultiDict
 
 __all__ = [
     "ACCEPT_ENCODING",
+    "WBITS",
     "inflate",
     "keep_headers",
     "refused",
@@ -42,8 +43,9 @@ __all__ = [
     "send_initial_metadata",
 ]
 
-_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
-"""zlib's window bits for each encoding: gzip framing, or zlib framing (gRPC's "deflate")."""
+WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+"""zlib's window bits for each encoding, on gRPC and REST: gzip framing, or zlib framing ("deflate",
+as Triton reads it on both)."""
 ACCEPT_ENCODING = "identity,deflate,gzip"
 _LEVEL = 1
 """zlib's fastest level: most of the gain, least time."""
@@ -84,7 +86,7 @@ def refused(stream: Any, flags: int) -> GRPCError | None:
     if not flags:
         return None
     encoding = _header(stream, "grpc-encoding") or "identity"
-    if encoding in _WBITS:
+    if encoding in WBITS:
         return None
     return GRPCError(
         Status.UNIMPLEMENTED,
@@ -97,7 +99,7 @@ async def inflate(stream: Any, data: bytes, limit: int, rpc: str, budget: Budget
     hold (more is refused before it is inflated further); in a worker thread unless the message
     is small enough that its inflation cannot hold the loop (`ON_LOOP_BYTES`)."""
     encoding = _header(stream, "grpc-encoding")
-    inflater = zlib.decompressobj(_WBITS[encoding])
+    inflater = zlib.decompressobj(WBITS[encoding])
     room = budget.receiving_room()
     cap = min(limit, room)
     try:
@@ -144,7 +146,7 @@ def _inflate_in_pieces(inflater: Any, data: bytes, most: int) -> bytes:
 def _reply_encoding(stream: Any) -> str | None:
     encoding = _header(stream, "grpc-encoding")
     accepted = {e.strip() for e in _header(stream, "grpc-accept-encoding").split(",")}
-    return encoding if encoding in _WBITS and encoding in accepted else None
+    return encoding if encoding in WBITS and encoding in accepted else None
 
 
 async def send_initial_metadata(self: grpclib.server.Stream[Any, Any], metadata: Any = None) -> None:
@@ -163,7 +165,7 @@ async def send_initial_metadata(self: grpclib.server.Stream[Any, Any], metadata:
 
 
 def _compress(encoded: bytes, encoding: str) -> bytes:
-    packer = zlib.compressobj(_LEVEL, zlib.DEFLATED, _WBITS[encoding])
+    packer = zlib.compressobj(_LEVEL, zlib.DEFLATED, WBITS[encoding])
     return packer.compress(encoded) + packer.flush()
 
 

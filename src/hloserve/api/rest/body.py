@@ -19,13 +19,12 @@ from typing import Any
 import numpy as np
 from grpclib.const import Status
 
+from hloserve._transport.compression import WBITS
 from hloserve.api.rest.inflight import InFlight
 from hloserve.config import ServerConfig
 
 __all__ = ["BodyReader", "Disconnected", "HttpRefusal", "Receive", "compress", "response_encoding"]
 
-
-_WBITS = {"gzip": 31, "deflate": 15}  # zlib window bits: gzip container, zlib container (as Triton)
 
 _RATIO_FLOOR = 1 << 20
 """A compressed body may always inflate to this (`server.http_max_inflation_ratio` or not)."""
@@ -83,7 +82,7 @@ async def compress(pieces: Sequence[bytes | memoryview], encoding: str) -> bytes
 
 
 def _compress(pieces: Sequence[bytes | memoryview], encoding: str) -> bytes:
-    compressor = zlib.compressobj(6, zlib.DEFLATED, _WBITS[encoding])
+    compressor = zlib.compressobj(6, zlib.DEFLATED, WBITS[encoding])
     return b"".join([*(compressor.compress(p) for p in pieces), compressor.flush()])
 
 
@@ -182,7 +181,7 @@ class BodyReader:
         if limit is None or limit >= self._limit:
             key, limit = "server.max_message_bytes", self._limit
         encoding = headers.get("content-encoding", "identity").strip().lower()
-        if encoding not in (*_WBITS, "identity", ""):
+        if encoding not in (*WBITS, "identity", ""):
             raise HttpRefusal(
                 f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or identity",
                 Status.UNIMPLEMENTED,  # as Triton: 501, saying what it accepts
@@ -205,7 +204,7 @@ class BodyReader:
         finally:
             inflight.reading.pop(task, None)
             inflight.cancelled.discard(task)  # a cancellation the read swallowed, if any
-        if encoding not in _WBITS:
+        if encoding not in WBITS:
             return memoryview(body)
         return await self._inflate(body, encoding, limit, key)
 
@@ -216,7 +215,7 @@ class BodyReader:
         the interpreter meanwhile), so a bomb never stalls the loop. The inflated bytes count
         against `server.max_receiving_bytes` while it inflates, as received ones do."""
         cap = min(limit, max(self._ratio * len(body), _RATIO_FLOOR))
-        inflater = zlib.decompressobj(_WBITS[encoding])
+        inflater = zlib.decompressobj(WBITS[encoding])
         booked = [0]
 
         def book(size: int) -> None:
