@@ -277,10 +277,24 @@ class _DeviceMemoryCollector(Collector):
             yield GaugeMetricFamily("hloserve_device_memory_free_bytes", "Arena not in use", value=free)
 
 
-class Metrics:
-    """The worker's metric objects and, once `serve` is called, its HTTP endpoint."""
+class _ProgramsCollector(Collector):
+    def __init__(self, read: Callable[[], int]):
+        self._read = read
 
-    def __init__(self, statistics: Statistics) -> None:
+    def collect(self) -> Iterator[Any]:
+        yield GaugeMetricFamily(
+            "hloserve_programs_loaded",
+            "Programs loaded (executables per batch size), each shared by the models whose modules "
+            "are byte-identical",
+            value=self._read(),
+        )
+
+
+class Metrics:
+    """The worker's metric objects and, once `serve` is called, its HTTP endpoint. `programs`
+    reads how many programs are loaded (`Programs`), thread-safe."""
+
+    def __init__(self, statistics: Statistics, programs: Callable[[], int] | None = None) -> None:
         self.registry = CollectorRegistry()
         self.requests = prometheus_client.Counter(
             "hloserve_requests",
@@ -311,6 +325,8 @@ class Metrics:
         )
         self.registry.register(_CompactionCollector(on_loop(lambda: statistics.compactions)))
         self.registry.register(_DeviceMemoryCollector())
+        if programs is not None:
+            self.registry.register(_ProgramsCollector(programs))
         self._endpoint: MetricsEndpoint | None = None
 
     async def serve(

@@ -11,10 +11,13 @@ shape by shape, because PJRT itself checks only byte sizes. Nothing is compiled 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import re
 import struct
+import threading
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +35,7 @@ __all__ = [
     "MAX_NAME_BYTES",
     "Bundle",
     "ModuleFile",
+    "ModuleText",
     "WeightSpec",
     "bundle_directory",
     "check_inside",
@@ -66,14 +70,53 @@ class WeightSpec:
     nbytes: int
 
 
+@dataclass(frozen=True, slots=True, weakref_slot=True, eq=False)
+class ModuleText:
+    """A module's contents, parsed once: every bundle whose module file holds the same bytes
+    shares one (the text is held once, and parsed once, however many variants of a model the
+    repository has)."""
+
+    digest: str
+    """SHA-256 of the file's bytes: byte-identical modules are one program."""
+    source: str | bytes
+    """StableHLO text, or portable-artifact bytecode."""
+    signature: _xla.Signature
+
+
+_texts: weakref.WeakValueDictionary[str, ModuleText] = weakref.WeakValueDictionary()
+"""The module texts some bundle holds, by digest (an entry goes with the last bundle using it)."""
+_texts_lock = threading.Lock()  # bundles load in worker threads
+
+
+def _module_text(raw: bytes) -> ModuleText:
+    """The shared, parsed text of a module file's bytes. Raises ValueError or KeyError as
+    `_xla.main_signature` does."""
+    digest = hashlib.sha256(raw).hexdigest()
+    with _texts_lock:
+        text = _texts.get(digest)
+    if text is not None:
+        return text
+    source: str | bytes = raw if raw.startswith(_BYTECODE_MAGIC) else raw.decode("utf-8", errors="replace")
+    text = ModuleText(digest, source, _xla.main_signature(source))
+    with _texts_lock:
+        return _texts.setdefault(digest, text)
+
+
 @dataclass(frozen=True, slots=True)
 class ModuleFile:
     path: Path
     batch_size: int
     """The compiled batch size; 0 for a bundle's single `model.mlir`."""
-    source: str | bytes
-    """StableHLO text, or portable-artifact bytecode."""
-    signature: _xla.Signature
+    text: ModuleText
+
+    @property
+    def source(self) -> str | bytes:
+        """StableHLO text, or portable-artifact bytecode."""
+        return self.text.source
+
+    @property
+    def signature(self) -> _xla.Signature:
+        return self.text.signature
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +136,17 @@ class Bundle:
     @property
     def weight_nbytes(self) -> int:
         return sum(w.nbytes for w in self.weights)
+
+    @property
+    def program_digest(self) -> str:
+        """What its executables are compiled from: bundles with the same digest (byte-identical
+        modules for the same batch sizes) share one loaded program. Empty for a meta bundle."""
+        if not self.modules:
+            return ""
+        digest = hashlib.sha256()
+        for module in self.modules:
+            digest.update(f"{module.batch_size}:{module.text.digest};".encode())
+        return digest.hexdigest()
 
     def module_for(self, batch_size: int) -> ModuleFile:
         for module in self.modules:
@@ -244,14 +298,11 @@ def _modules(directory: Path, bundle: str, manifest: Manifest) -> tuple[ModuleFi
             raw = path.read_bytes()
         except OSError as e:
             raise BundleError(bundle, path.name, None, f"cannot be read: {e.strerror}") from None
-        source: str | bytes = (
-            raw if raw.startswith(_BYTECODE_MAGIC) else raw.decode("utf-8", errors="replace")
-        )
         try:
-            signature = _xla.main_signature(source)
+            text = _module_text(raw)
         except (ValueError, KeyError) as e:
             raise BundleError(bundle, path.name, None, str(e.args[0])) from None
-        modules.append(ModuleFile(path, size, source, signature))
+        modules.append(ModuleFile(path, size, text))
     return tuple(modules)
 
 

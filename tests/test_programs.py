@@ -1,0 +1,104 @@
+"""Programs shared by models whose modules are byte-identical (issue 36): one compile and one
+warm-up for every variant, each variant answering with its own weights."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from support.bundles import (
+    PARAMS,
+    X,
+    affine,
+    affine_output,
+    edit_manifest,
+    save_affine_weights,
+    write_affine,
+)
+from support.numerics import assert_close
+from support.servers import ServerThread, make_config, start_worker
+
+from hloserve.models.bundle import load_bundle
+from hloserve.models.executable_cache import ExecutableCache
+from hloserve.models.programs import Programs
+
+
+def _variant(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in PARAMS.items()}
+
+
+def _named(name: str) -> Callable[[dict[str, Any]], None]:
+    def rename(manifest: dict[str, Any]) -> None:
+        manifest["name"] = name
+
+    return rename
+
+
+def _variants(repository: Path, count: int) -> dict[str, dict[str, np.ndarray]]:
+    """`count` copies of one affine bundle (`v0`, `v1`, ...), each with weights of its own."""
+    first = write_affine(repository / "v0")
+    params = {}
+    for i in range(count):
+        directory = repository / f"v{i}"
+        if i:
+            shutil.copytree(first, directory)
+            edit_manifest(directory, _named(f"v{i}"))
+        params[f"v{i}"] = _variant(i)
+        save_affine_weights(directory, params[f"v{i}"])
+    return params
+
+
+def test_a_program_is_compiled_once_for_byte_identical_modules(tmp_path: Path) -> None:
+    _variants(tmp_path, 3)
+    write_affine(tmp_path / "other", batch_sizes=(1, 4))
+    cache = ExecutableCache(tmp_path / "cache")
+    programs = Programs(cache)
+    loaded = [programs.load(load_bundle(tmp_path / name)) for name in ("v0", "v1", "v2")]
+    assert [shared for _, shared in loaded] == [False, True, True]
+    assert loaded[1][0] is loaded[0][0] is loaded[2][0]
+    assert loaded[0][0].loaded_for == "v0"
+    assert cache.hits + cache.misses == 2  # one compile (or cache read) per batch size, not per model
+    assert set(loaded[0][0].costs) == {1, 2}  # warmed up once, each size
+    other, shared = programs.load(load_bundle(tmp_path / "other"))
+    assert not shared and other is not loaded[0][0]
+    assert len(programs) == 2
+    del loaded, other
+    assert len(programs) == 0  # a program lives while a model uses it
+
+
+def test_variants_share_a_program_and_answer_with_their_own_weights(tmp_path: Path) -> None:
+    params = _variants(tmp_path, 4)
+    write_affine(tmp_path / "other", batch_sizes=(1,))  # another module: a program of its own
+    with start_worker(make_config(tmp_path)) as server:
+        assert isinstance(server, ServerThread)
+        client = grpcclient.InferenceServerClient(server.url)
+        assert server.call(lambda: len(server.worker.programs)) == 2
+        for name, p in params.items():
+            assert_close(affine_output(client, name), affine(p, X))
+        x4 = np.arange(8, dtype=np.float32).reshape(2, 4)
+        assert_close(affine_output(client, "v3", x4), affine(params["v3"], x4))
+        assert_close(affine_output(client, "other"), affine(PARAMS, X))
+
+        client.unload_model("v1")  # the others keep serving on the program they share
+        for name in ("v0", "v2", "v3"):
+            assert_close(affine_output(client, name), affine(params[name], X))
+        assert server.call(lambda: len(server.worker.programs)) == 2
+
+        # v2 reloaded with another module (other batch sizes): it leaves the shared program
+        shutil.rmtree(tmp_path / "v2")
+        write_affine(tmp_path / "v2", batch_sizes=(1, 4))
+        save_affine_weights(tmp_path / "v2", params["v2"])
+        client.load_model("v2")
+        assert server.call(lambda: len(server.worker.programs)) == 3
+        table = server.worker.models
+        assert table["v2"].compiled.program is not table["v0"].compiled.program
+        assert table["v3"].compiled.program is table["v0"].compiled.program
+        assert table["v2"].batch_sizes == (1, 4)
+        for name in ("v0", "v2", "v3"):
+            assert_close(affine_output(client, name), affine(params[name], X))
+        client.close()
