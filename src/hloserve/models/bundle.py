@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import re
+import stat
 import struct
 import threading
 import weakref
@@ -197,6 +198,17 @@ def check_inside(path: Path, repository: Path, bundle: str) -> None:
         )
 
 
+def _check_entry(path: Path, repository: Path, bundle: str) -> None:
+    """`check_inside` for an entry directly in a bundle directory that was checked already: one
+    `lstat` when it is no link (it lies where its directory does), the whole check when it is."""
+    try:
+        if not stat.S_ISLNK(path.lstat().st_mode):
+            return
+    except OSError:
+        pass  # gone meanwhile: the full check says so, or the read that follows does
+    check_inside(path, repository, bundle)
+
+
 def bundle_directory(repository: Path, name: str) -> Path:
     """The directory of bundle `name` in `repository`: InvalidInput for a name that is not a
     plain name, BundleError for a directory that is a link leading outside the repository."""
@@ -252,7 +264,7 @@ def _weights(directory: Path, bundle: str) -> tuple[tuple[WeightSpec, ...], Path
     path = directory / WEIGHTS
     if not path.exists():
         return (), None
-    check_inside(path, directory.parent, bundle)
+    _check_entry(path, directory.parent, bundle)
     specs, order = _read_safetensors_header(path, bundle)
     if not specs:
         return (), path
@@ -279,7 +291,7 @@ def _modules(directory: Path, bundle: str, manifest: Manifest) -> tuple[ModuleFi
     for path in directory.iterdir():
         match = _MODULE_NAME.match(path.name)
         if match:
-            check_inside(path, directory.parent, bundle)
+            _check_entry(path, directory.parent, bundle)
             found[int(match.group(1) or 0)] = path
     if not found:
         raise BundleError(bundle, "model.mlir", None, "no module: expected model.mlir or model.b{N}.mlir")
@@ -373,7 +385,7 @@ def load_bundle(directory: Path) -> Bundle:
     has_model_py = model_py.is_file()
     for path in (directory / MANIFEST, model_py):
         if path.exists():
-            check_inside(path, repository, name)
+            _check_entry(path, repository, name)
     manifest = load_manifest(directory / MANIFEST, name, has_model_py=has_model_py)
     labels = _labels(directory, name, manifest)
     if manifest.is_meta:
