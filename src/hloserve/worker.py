@@ -241,8 +241,9 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
             grpc=f"{server_config.host}:{worker.grpc_port}",
             http=None if worker.http_port is None else f"{server_config.host}:{worker.http_port}",
             metrics=None if worker.metrics_port is None else f"{server_config.host}:{worker.metrics_port}",
-            models_ready=ready,
-            models_failed=sorted(set(entries) - set(ready)),
+            models_ready=_named(ready),
+            models_failed=_named(sorted(set(entries) - set(ready))),
+            programs=len(programs),
             device=str(_xla.device()),
         )
         try:
@@ -266,3 +267,14 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
                 if tracing is not None:  # exports the spans still pending
                     await trio.to_thread.run_sync(tracing.shutdown)
             nursery.cancel_scope.cancel()
+
+
+LOGGED_NAMES = 20
+"""Model names a start-up log line lists; a catalogue of thousands is counted, not listed."""
+
+
+def _named(models: list[str]) -> list[str] | str:
+    """`models` when few, else how many and the first of them (the log line stays bounded)."""
+    if len(models) <= LOGGED_NAMES:
+        return models
+    return f"{len(models)} models: {', '.join(models[:LOGGED_NAMES])}, ..."
