@@ -4,12 +4,14 @@ warm-up for every variant, each variant answering with its own weights."""
 from __future__ import annotations
 
 import shutil
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tritonclient.grpc as grpcclient
+from prometheus_client.parser import text_string_to_metric_families
 from support.bundles import (
     PARAMS,
     X,
@@ -102,3 +104,28 @@ def test_variants_share_a_program_and_answer_with_their_own_weights(tmp_path: Pa
         for name in ("v0", "v2", "v3"):
             assert_close(affine_output(client, name), affine(params[name], X))
         client.close()
+
+
+def _scrape(server: ServerThread) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.worker.metrics_port}/metrics", timeout=10).read()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text.decode())
+        for sample in family.samples
+    }
+
+
+def test_a_scrape_exposes_the_busiest_models_up_to_its_bound(tmp_path: Path) -> None:
+    params = _variants(tmp_path, 4)
+    config = make_config(tmp_path, metrics_max_models=2)
+    with start_worker(config) as server:
+        assert isinstance(server, ServerThread)
+        client = grpcclient.InferenceServerClient(server.url)
+        for name in ("v2", "v2", "v3"):
+            assert_close(affine_output(client, name), affine(params[name], X))
+        client.close()
+        samples = _scrape(server)
+    served = {dict(labels)["model"] for (name, labels) in samples if name == "hloserve_executions_total"}
+    assert served == {"v2", "v3"}
+    assert samples[("hloserve_models_unexposed", ())] == 2
+    assert samples[("hloserve_programs_loaded", ())] == 1

@@ -162,7 +162,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
             params,
         )
 
-        metrics = Metrics(statistics, programs.__len__)
+        metrics = Metrics(statistics, programs.__len__, server_config.metrics_max_models)
         ready = sorted(n for n, e in entries.items() if e.ready)
         metrics.models_loaded.set(len(ready))
         metrics.models_failed.set(len(entries) - len(ready))
