@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import structlog
 import tritonclient.grpc as grpcclient
 from prometheus_client.parser import text_string_to_metric_families
 from support.bundles import (
@@ -129,3 +130,30 @@ def test_a_scrape_exposes_the_busiest_models_up_to_its_bound(tmp_path: Path) -> 
     assert served == {"v2", "v3"}
     assert samples[("hloserve_models_unexposed", ())] == 2
     assert samples[("hloserve_programs_loaded", ())] == 1
+
+
+def test_two_thousand_variants_start_on_one_program(tmp_path: Path) -> None:
+    """Start-up at thousands of models: every variant READY, one program loaded (one compile,
+    one warm-up), the load log naming the program each shares; some answer with their weights."""
+    first = write_affine(tmp_path / "v0")
+    for i in range(1, 2000):
+        directory = tmp_path / f"v{i}"
+        shutil.copytree(first, directory)
+        edit_manifest(directory, _named(f"v{i}"))
+    chosen = {f"v{i}": _variant(i) for i in (7, 1000, 1999)}
+    for name, params in chosen.items():
+        save_affine_weights(tmp_path / name, params)
+    with structlog.testing.capture_logs() as logs, start_worker(make_config(tmp_path)) as server:
+        assert isinstance(server, ServerThread)
+        client = grpcclient.InferenceServerClient(server.url)
+        index = client.get_model_repository_index(as_json=True)["models"]
+        assert len(index) == 2000 and all(m["state"] == "READY" for m in index)
+        assert server.call(lambda: len(server.worker.programs)) == 1
+        for name, params in chosen.items():
+            assert_close(affine_output(client, name), affine(params, X))
+        assert_close(affine_output(client, "v3"), affine(PARAMS, X))
+        client.close()
+    loaded = [e for e in logs if e["event"] == "model loaded"]
+    assert len(loaded) == 2000
+    assert sum("shared_with" in e for e in loaded) == 1999
+    assert {e["program"] for e in loaded} == {loaded[0]["program"]}
