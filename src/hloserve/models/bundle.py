@@ -22,6 +22,7 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -82,6 +83,15 @@ class ModuleText:
     source: str | bytes
     """StableHLO text, or portable-artifact bytecode."""
     signature: _xla.Signature
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str | bytes, _xla.Signature]]:
+        """Unpickled (in a frontend process) into that process's shared copy, as loaded ones are."""
+        return _interned, (self.digest, self.source, self.signature)
+
+
+def _interned(digest: str, source: str | bytes, signature: _xla.Signature) -> ModuleText:
+    with _texts_lock:
+        return _texts.setdefault(digest, ModuleText(digest, source, signature))
 
 
 _texts: weakref.WeakValueDictionary[str, ModuleText] = weakref.WeakValueDictionary()
