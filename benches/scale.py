@@ -274,11 +274,13 @@ def table(rows: list[Row]) -> str:
     shared = {r.models: r for r in rows if r.series == "shared"}
     if len(shared) > 1:
         small, large = shared[min(shared)], shared[max(shared)]
-        per_model_kb = (large.rss_mb - small.rss_mb) * 1024 / (large.models - small.models)
-        per_model_ms = large.ready_warm_s * 1e3 / large.models
+        added = large.models - small.models
+        per_model_kb = (large.rss_mb - small.rss_mb) * 1024 / added
+        warm_ms = (large.ready_warm_s - small.ready_warm_s) * 1e3 / added
+        fresh_ms = (large.ready_fresh_s - small.ready_fresh_s) * 1e3 / added
         lines.append(
-            f"shared, {small.models} -> {large.models} models: {per_model_kb:.0f} KB of RSS and "
-            f"{per_model_ms:.1f} ms of warm start-up per model"
+            f"shared, each model from {small.models} to {large.models}: {per_model_kb:.0f} KB of RSS, "
+            f"{warm_ms:.1f} ms of start-up (warm cache), {fresh_ms:.1f} ms (fresh)"
         )
     return "\n".join(lines)
 
