@@ -62,6 +62,7 @@ from hloserve.engine.policy import (
     Candidate,
     ModelPolicy,
     Pending,
+    Policies,
     PolicyParams,
     charge,
     drop_reason,
@@ -117,7 +118,7 @@ class _Split:
 @dataclass(slots=True)
 class _State:
     discipline: Discipline
-    policies: dict[str, ModelPolicy]  # scheduling state per model (weights, recent compute, costs)
+    policies: Policies  # scheduling state per model (weights, recent compute, costs), with its sums
     waiting: dict[str, QueueSummary] = field(default_factory=dict)  # models with queued requests
     for_weight_cache: list[Compact | SetResidency | AddWeights | DropWeights] = field(default_factory=list)
     """Control messages to pass on to the weight cache."""
@@ -150,7 +151,7 @@ class Dispatcher:
         self._statistics = statistics
         self._params = params
         self._queues: dict[str, QueueAddress] = {}
-        self._state = _State(discipline, policies)
+        self._state = _State(discipline, Policies(policies, params.ema_halflife_s))
         for name, policy in policies.items():
             statistics[name].weight = policy.weight
         # Unbounded on purpose: its senders may not wait. A model queue reports with send_nowait
@@ -260,6 +261,7 @@ class Dispatcher:
                 policy = self._state.policies[model]
                 if weight is not None:
                     policy.weight = weight
+                    self._state.policies.reweigh()
                     self._statistics[model].weight = weight
                 if discipline is not None:
                     policy.discipline = discipline
@@ -420,7 +422,9 @@ class Dispatcher:
         weights = await self._weights.acquire(model.name)
         acquired = time.monotonic()
         if stats.weight_load_seconds > policy.charged_load_s:  # loads since its last turn: its own
-            charge(policy, stats.weight_load_seconds - policy.charged_load_s, acquired, self._params)
+            charged = stats.weight_load_seconds - policy.charged_load_s
+            charge(policy, charged, acquired, self._params)
+            self._state.policies.record(charged, acquired)
             policy.charged_load_s = stats.weight_load_seconds
         specs = model.bundle.manifest.executable_inputs
 
@@ -441,6 +445,7 @@ class Dispatcher:
         ended = time.monotonic()
         seconds = result.input_s + result.infer_s
         record_execution(policy, batch_size, seconds, ended, self._params)
+        self._state.policies.record(seconds, ended)
         stats.record_execution(batch_size, rows, result.input_s, result.infer_s, 0.0)
         stats.cost = dict(policy.cost)
         loaded = stats.weight_loads > loads_before

@@ -51,6 +51,10 @@ __all__ = ["WeightCache", "WeightCacheHandle", "device_copy"]
 
 log = structlog.get_logger("hloserve.weight_cache")
 
+INLINE_READ_BYTES = 64 << 10
+"""A `system` floor of at most this many bytes (and not shared with other workers) is read on
+the loop's thread when its model is added: tens of microseconds from the page cache."""
+
 HostArray = np.ndarray | _xla.DeviceArray
 """One array of a host floor: a numpy array (pageable), or a jax array in pinned host memory."""
 
@@ -127,6 +131,7 @@ class WeightCache:
         self._copied_bytes = 0  # bytes copied from host floors to the device since start...
         self._copy_seconds = 0.0  # ...and the seconds those copies took
         self._transfers = 0  # copies in flight (started by Prefetch)
+        self._in_flight: set[str] = set()  # the models of those copies
         self._transfers_ended = trio.Event()  # set when the last copy in flight ends
         self._transfers_ended.set()
         self._nursery: trio.Nursery | None = None
@@ -229,11 +234,16 @@ class WeightCache:
         `model` fits the budget; whether it does."""
         if self._budget is None:
             return True
-        for victim in list(self._lru):
-            if self.resident_bytes + model.nbytes <= self._budget:
+        victims, missing = [], self.resident_bytes + model.nbytes - self._budget
+        for victim in self._lru:  # oldest first, only as far as needed: O(evicted + skipped)
+            if missing <= 0:
                 break
-            if victim not in keep and self._models[victim].transfer is None:
-                self._evict(victim)
+            candidate = self._models[victim]
+            if victim not in keep and candidate.transfer is None:
+                victims.append(victim)
+                missing -= candidate.nbytes
+        for victim in victims:
+            self._evict(victim)
         return self.resident_bytes + model.nbytes <= self._budget
 
     async def _load(self, name: str, model: _Model) -> None:
@@ -271,12 +281,9 @@ class WeightCache:
         ):
             return
         if self._budget is not None:
-            evictable = sum(
-                self._models[n].nbytes
-                for n in self._lru
-                if n not in message.keep and self._models[n].transfer is None
-            )
-            if self.resident_bytes - evictable + model.nbytes > self._budget:
+            # what must stay (the LRU's bytes are resident_bytes): O(kept + in flight), not O(resident)
+            held = sum(self._models[n].nbytes for n in message.keep | self._in_flight if n in self._lru)
+            if held + model.nbytes > self._budget:
                 log.debug("no room to prefetch; the model loads when it runs", model=name)
                 return  # evicting would not make room: evict nothing
         self._make_room(model, message.keep)
@@ -288,6 +295,7 @@ class WeightCache:
             self._loaded(name, started, overlapped=True)
             return
         model.transfer = trio.Event()
+        self._in_flight.add(name)
         if not self._transfers:
             self._transfers_ended = trio.Event()
         self._transfers += 1
@@ -307,6 +315,7 @@ class WeightCache:
             assert model.transfer is not None
             model.transfer.set()
             model.transfer = None
+            self._in_flight.discard(name)
             self._transfers -= 1
             if not self._transfers:
                 self._transfers_ended.set()
@@ -388,7 +397,10 @@ class WeightCache:
     async def _on_add(self, message: AddWeights) -> None:
         floor: Residency = message.floor
         model = _Model(message.bundle, floor, message.bundle.weight_nbytes, None)
-        if floor == "system":
+        if floor == "system" and model.nbytes <= INLINE_READ_BYTES and self._share_mode is None:
+            # a thread hop costs more than reading a few KB: what thousands of small variants pay
+            model.host, model.pinned = self._host_floor(message.name, model.bundle)
+        elif floor == "system":
             model.host, model.pinned = await trio.to_thread.run_sync(
                 self._host_floor, message.name, model.bundle
             )

@@ -23,6 +23,7 @@ from benches import (
     node,
     overload,
     rest,
+    scale,
     scheduler,
     serving,
     shared_memory,
@@ -47,6 +48,7 @@ SUITES = {
     "rest": rest,
     "tracing": tracing,
     "zoo": zoo,
+    "scale": scale,
 }
 _BEGIN, _END = "<!-- latest compare run: begin -->", "<!-- latest compare run: end -->"
 
@@ -85,6 +87,7 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, help="zoo: hloserve and torch both on this many cores (default: all)"
     )
+    parser.add_argument("--sizes", help="scale: comma-separated catalogue sizes (default: 10,100,1000,10000)")
     args = parser.parse_args()
     unknown = [name for name in args.suites if name not in SUITES]
     if unknown:
@@ -93,7 +96,11 @@ def main() -> None:
     for name in args.suites or ["compare"]:
         load_before = os.getloadavg()
         models = args.models.split(",") if args.models else None
-        extra = {"quick": args.quick, "models": models, "threads": args.threads} if name == "zoo" else {}
+        extra: dict[str, object] = (
+            {"quick": args.quick, "models": models, "threads": args.threads} if name == "zoo" else {}
+        )
+        if name == "scale" and args.sizes:
+            extra = {"sizes": [int(n) for n in args.sizes.split(",")]}
         rows = SUITES[name].run(window_ms=args.window_ms, **extra)
         table = SUITES[name].table(rows)
         print(f"== {name} ({platform.node()}, {_machine()}, load {load_before[0]:.2f} before)")

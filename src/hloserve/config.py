@@ -71,6 +71,10 @@ class ServerConfig:
     metrics_timeout_s: float = 10.0
     """A scrape's request must arrive and its answer leave within this, else its connection is
     closed (one scrape per connection)."""
+    metrics_max_models: int = 1000
+    """Models whose per-model series one scrape exposes: the busiest (resident first, then by
+    executions); the rest are counted in `hloserve_models_unexposed`. Bounds a scrape's time and
+    size with thousands of models; 0 exposes every model."""
     http_port: int = 8000
     """KServe V2 REST port (as Triton's 8000); 0 picks a free one, -1 turns REST off. Request
     bodies are bounded by `max_message_bytes`, as gRPC messages are."""
@@ -295,6 +299,7 @@ class ServerConfig:
         _check(self.http_body_timeout_s > 0, "server.http_body_timeout_s", "must be > 0")
         _check(self.metrics_max_connections >= 1, "server.metrics_max_connections", "must be >= 1")
         _check(self.metrics_timeout_s > 0, "server.metrics_timeout_s", "must be > 0")
+        _check(self.metrics_max_models >= 0, "server.metrics_max_models", "must be >= 0 (0: every model)")
         _check(self.http_max_json_bytes >= 1024, "server.http_max_json_bytes", "must be >= 1024")
         _check(self.http_max_inflation_ratio >= 1, "server.http_max_inflation_ratio", "must be >= 1")
         _check(self.max_message_bytes >= 1 << 20, "server.max_message_bytes", "must be >= 1048576")

@@ -50,6 +50,7 @@ from hloserve.errors import ConfigError
 from hloserve.frontends.pool import Frontends
 from hloserve.models import _xla
 from hloserve.models.executable_cache import ExecutableCache, default_directory
+from hloserve.models.programs import Programs
 from hloserve.tls import server_context
 
 __all__ = ["Worker", "serve"]
@@ -107,7 +108,8 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
     cache = None
     if server_config.cache_executables:
         cache = ExecutableCache(server_config.executable_cache or default_directory())
-    prepared = await prepare_repository(server_config.model_repository, cache)
+    programs = Programs(cache)
+    prepared = await prepare_repository(server_config.model_repository, programs)
     if cache is not None:
         log.info("executable cache", directory=str(cache.directory), hits=cache.hits, compiled=cache.misses)
     statistics = Statistics()
@@ -146,7 +148,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
     async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
         dispatcher.use_weights(await nursery.start(supervised, "weight cache", weight_cache.run))
         await nursery.start(supervised, "dispatcher", dispatcher.run)
-        worker = Worker(config, budget_bytes, statistics, dispatcher.inbox, nursery, cache)
+        worker = Worker(config, budget_bytes, statistics, dispatcher.inbox, nursery, programs)
         await worker.start(prepared)
         entries = worker.models
         metas = MetaModels(
@@ -160,7 +162,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
             params,
         )
 
-        metrics = Metrics(statistics)
+        metrics = Metrics(statistics, programs.__len__, server_config.metrics_max_models)
         ready = sorted(n for n, e in entries.items() if e.ready)
         metrics.models_loaded.set(len(ready))
         metrics.models_failed.set(len(entries) - len(ready))
@@ -239,8 +241,9 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
             grpc=f"{server_config.host}:{worker.grpc_port}",
             http=None if worker.http_port is None else f"{server_config.host}:{worker.http_port}",
             metrics=None if worker.metrics_port is None else f"{server_config.host}:{worker.metrics_port}",
-            models_ready=ready,
-            models_failed=sorted(set(entries) - set(ready)),
+            models_ready=_named(ready),
+            models_failed=_named(sorted(set(entries) - set(ready))),
+            programs=len(programs),
             device=str(_xla.device()),
         )
         try:
@@ -264,3 +267,14 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
                 if tracing is not None:  # exports the spans still pending
                     await trio.to_thread.run_sync(tracing.shutdown)
             nursery.cancel_scope.cancel()
+
+
+LOGGED_NAMES = 20
+"""Model names a start-up log line lists; a catalogue of thousands is counted, not listed."""
+
+
+def _named(models: list[str]) -> list[str] | str:
+    """`models` when few, else how many and the first of them (the log line stays bounded)."""
+    if len(models) <= LOGGED_NAMES:
+        return models
+    return f"{len(models)} models: {', '.join(models[:LOGGED_NAMES])}, ..."

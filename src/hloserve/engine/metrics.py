@@ -277,10 +277,39 @@ class _DeviceMemoryCollector(Collector):
             yield GaugeMetricFamily("hloserve_device_memory_free_bytes", "Arena not in use", value=free)
 
 
-class Metrics:
-    """The worker's metric objects and, once `serve` is called, its HTTP endpoint."""
+class _ProgramsCollector(Collector):
+    def __init__(self, read: Callable[[], int]):
+        self._read = read
 
-    def __init__(self, statistics: Statistics) -> None:
+    def collect(self) -> Iterator[Any]:
+        yield GaugeMetricFamily(
+            "hloserve_programs_loaded",
+            "Programs loaded (executables per batch size), each shared by the models whose modules "
+            "are byte-identical",
+            value=self._read(),
+        )
+
+
+class _UnexposedCollector(Collector):
+    def __init__(self, read: Callable[[], int]):
+        self._read = read
+
+    def collect(self) -> Iterator[Any]:
+        yield GaugeMetricFamily(
+            "hloserve_models_unexposed",
+            "Models left out of the per-model series (server.metrics_max_models)",
+            value=self._read(),
+        )
+
+
+class Metrics:
+    """The worker's metric objects and, once `serve` is called, its HTTP endpoint. `programs`
+    reads how many programs are loaded (`Programs`), thread-safe; `max_models` bounds the models
+    whose series a scrape exposes (0: all)."""
+
+    def __init__(
+        self, statistics: Statistics, programs: Callable[[], int] | None = None, max_models: int = 0
+    ) -> None:
         self.registry = CollectorRegistry()
         self.requests = prometheus_client.Counter(
             "hloserve_requests",
@@ -307,10 +336,16 @@ class Metrics:
             return lambda: trio.from_thread.run_sync(read, trio_token=token)
 
         self.registry.register(
-            _StatisticsCollector(on_loop(lambda: (statistics.snapshot(), statistics.weight_budget_bytes)))
+            _StatisticsCollector(
+                on_loop(lambda: (statistics.snapshot(max_models), statistics.weight_budget_bytes))
+            )
         )
+        if max_models:
+            self.registry.register(_UnexposedCollector(on_loop(lambda: max(0, len(statistics) - max_models))))
         self.registry.register(_CompactionCollector(on_loop(lambda: statistics.compactions)))
         self.registry.register(_DeviceMemoryCollector())
+        if programs is not None:
+            self.registry.register(_ProgramsCollector(programs))
         self._endpoint: MetricsEndpoint | None = None
 
     async def serve(

@@ -41,7 +41,6 @@ from hloserve.config import Config, ModelSettings, SchedulerConfig
 from hloserve.engine.policy import ModelPolicy
 from hloserve.engine.statistics import Statistics
 from hloserve.errors import BundleError, ConfigError, InvalidInput, ModelNotFound
-from hloserve.models import _xla
 from hloserve.models.bundle import (
     MODEL_PY,
     Bundle,
@@ -49,12 +48,11 @@ from hloserve.models.bundle import (
     check_model_name,
     discover,
     load_bundle,
-    read_weights,
 )
-from hloserve.models.compiled import CompiledModel, compile_bundle
-from hloserve.models.executable_cache import ExecutableCache
+from hloserve.models.compiled import CompiledModel
 from hloserve.models.load_files import remove, write_bundle
 from hloserve.models.model_py import MetaRun, ModelHooks, Registration, load_model_py
+from hloserve.models.programs import Programs
 from hloserve.types import RESIDENCIES, Discipline, Residency
 
 __all__ = [
@@ -235,38 +233,50 @@ class Prepared:
     """The allocator's peak after the warm-up (None where the backend keeps no statistics)."""
     seconds: float
     """How long preparing it took."""
+    shared: bool = False
+    """Its program was loaded already, for another model: neither compiled nor warmed up."""
 
 
-def prepare(bundle: Bundle, cache: ExecutableCache | None) -> Prepared:
-    """Run its model.py, compile, then run each size once on zeros (blocking: call in a worker
-    thread). The warm-up places the weights only for its own run; residency is the weight cache's.
-    """
+def prepare(bundle: Bundle, programs: Programs) -> Prepared:
+    """Run its model.py and get its program: shared with the models whose modules are
+    byte-identical, else compiled and run once per size on zeros (blocking: call in a worker
+    thread). Its weights are not read here: residency is the weight cache's."""
     started = time.perf_counter()
     registration = _registration(bundle)
     if bundle.manifest.is_meta:
         return Prepared(bundle, None, {}, registration, None, time.perf_counter() - started)
-    compiled = compile_bundle(bundle, cache)
-    weights = [_xla.put(w) for w in read_weights(bundle)]
-    costs = compiled.warm_up(weights)
-    stats = _xla.memory_stats()
-    _xla.free(weights)
-    peak = None if stats is None else stats.get("peak_bytes_in_use")
-    return Prepared(bundle, compiled, costs, registration, peak, time.perf_counter() - started)
+    program, shared = programs.load(bundle)
+    return Prepared(
+        bundle,
+        CompiledModel(bundle, program),
+        dict(program.costs),
+        registration,
+        program.peak_bytes,
+        time.perf_counter() - started,
+        shared,
+    )
 
 
-async def prepare_repository(repository: Path, cache: ExecutableCache | None) -> dict[str, Prepared | Failed]:
+async def prepare_repository(repository: Path, programs: Programs) -> dict[str, Prepared | Failed]:
     """Every bundle of the repository, prepared, or why not (start-up: before the actors, whose
-    weight budget depends on what was compiled)."""
+    weight budget depends on what was compiled). All in one worker thread: for a variant whose
+    program is loaded already, preparing takes microseconds, less than a hop to a thread."""
     if not repository.is_dir():
         raise ConfigError("server.model_repository", f"{repository} is not a directory")
     found = await trio.to_thread.run_sync(discover, repository)
+    return await trio.to_thread.run_sync(_prepare_all, found, programs)
+
+
+def _prepare_all(
+    found: list[tuple[str, Bundle | BundleError]], programs: Programs
+) -> dict[str, Prepared | Failed]:
     bundles = {name: bundle if isinstance(bundle, Bundle) else None for name, bundle in found}
     prepared: dict[str, Prepared | Failed] = {}
     for name, bundle in found:
         try:
             if isinstance(bundle, BundleError):
                 raise bundle
-            prepared[name] = await trio.to_thread.run_sync(prepare, bundle, cache)
+            prepared[name] = prepare(bundle, programs)
             if bundle.manifest.is_meta:  # against every bundle found, whatever the order
                 _check_meta(bundle, bundles)
         except BundleError as e:
@@ -288,7 +298,7 @@ class ModelTable:
         statistics: Statistics,
         dispatcher: trio.MemorySendChannel[DispatcherMessage],
         nursery: trio.Nursery,
-        cache: ExecutableCache | None,
+        programs: Programs,
     ) -> None:
         self.config = config
         self.weight_budget = weight_budget
@@ -297,7 +307,8 @@ class ModelTable:
         self._entries: dict[str, ModelEntry] = {}
         self._dispatcher = dispatcher
         self._nursery = nursery  # where model queues run
-        self._cache = cache
+        self.programs = programs
+        """The loaded programs, shared by models with byte-identical modules."""
         self._turns: dict[str, trio.Lock] = {}
         """Per model name while a load, unload, reload or control call for it is under way."""
         self._loads: Path | None = None
@@ -375,7 +386,7 @@ class ModelTable:
                     where = "the files sent have" if private else "the repository has"
                     raise ModelNotFound(name, f"{where} no bundle {name!r} (no manifest.yaml)")
                 bundle = await trio.to_thread.run_sync(load_bundle, directory)
-                prepared = await trio.to_thread.run_sync(prepare, bundle, self._cache)
+                prepared = await trio.to_thread.run_sync(prepare, bundle, self.programs)
                 if bundle.manifest.is_meta:
                     _check_meta(bundle, {n: e.bundle for n, e in self._entries.items()})
                 _check_settings(
@@ -439,18 +450,32 @@ class ModelTable:
             AddModel(name, compiled, _policy(scheduler, name, prepared.costs), handle, floor, send)
         )
         self._entries[name] = ModelEntry(name, Loaded(bundle, compiled, handle, registration))
-        log.info(
-            "model loaded",
-            model=name,
-            source=source,
-            batch_sizes=list(compiled.batch_sizes),
-            weight_bytes=bundle.weight_nbytes,
-            scratch_bytes=compiled.scratch_bytes,
-            compile_s=round(compiled.compile_s, 3),
-            load_s=round(prepared.seconds, 3),
-            warm_up_ms={size: round(s * 1e3, 3) for size, s in prepared.costs.items()},
-            model_py=bundle.model_py is not None,
-        )
+        program = compiled.program
+        if prepared.shared:  # no compile, no warm-up: say whose program it runs
+            log.info(
+                "model loaded",
+                model=name,
+                source=source,
+                program=program.digest[:16],
+                shared_with=program.loaded_for,
+                weight_bytes=bundle.weight_nbytes,
+                load_s=round(prepared.seconds, 4),
+                model_py=bundle.model_py is not None,
+            )
+        else:
+            log.info(
+                "model loaded",
+                model=name,
+                source=source,
+                program=program.digest[:16],
+                batch_sizes=list(compiled.batch_sizes),
+                weight_bytes=bundle.weight_nbytes,
+                scratch_bytes=compiled.scratch_bytes,
+                compile_s=round(compiled.compile_s, 3),
+                load_s=round(prepared.seconds, 3),
+                warm_up_ms={size: round(s * 1e3, 3) for size, s in prepared.costs.items()},
+                model_py=bundle.model_py is not None,
+            )
         (await placed.receive()).unwrap()
 
     async def record_failure(self, name: str, reason: str) -> None:

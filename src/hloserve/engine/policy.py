@@ -16,7 +16,7 @@ learned per batch size (`learn_cost`).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 
 from hloserve.types import Discipline
@@ -27,6 +27,7 @@ __all__ = [
     "Candidate",
     "ModelPolicy",
     "Pending",
+    "Policies",
     "PolicyParams",
     "decay",
     "drop_reason",
@@ -199,6 +200,71 @@ def charge(policy: ModelPolicy, seconds: float, now: float, params: PolicyParams
     policy.ema_at = now
 
 
+class Policies(MutableMapping[str, ModelPolicy]):
+    """Every model's policy, with the sums fair share divides by kept up to date, so that a
+    decision costs the same with ten models or ten thousand: the total weight, and the total
+    recent compute (every model's decays at one rate, so the sum decays as each part does).
+
+    Adding a model or recording compute (`record`) is O(1); removing one or changing a weight
+    (`reweigh`) sums afresh, O(models), which also clears any rounding the increments gathered.
+    """
+
+    def __init__(self, policies: Mapping[str, ModelPolicy] | None = None, halflife_s: float = 30.0) -> None:
+        self._policies: dict[str, ModelPolicy] = {}
+        self._halflife_s = halflife_s
+        self.total_weight = 0.0
+        self._recent = 0.0
+        self._recent_at = 0.0
+        for name, policy in (policies or {}).items():
+            self[name] = policy
+
+    def __getitem__(self, model: str) -> ModelPolicy:
+        return self._policies[model]
+
+    def __setitem__(self, model: str, policy: ModelPolicy) -> None:
+        if model in self._policies:
+            del self[model]
+        self._policies[model] = policy
+        self.total_weight += policy.weight
+        at = max(self._recent_at, policy.ema_at)
+        self._recent = self._decayed(self._recent, self._recent_at, at) + self._decayed(
+            policy.ema, policy.ema_at, at
+        )
+        self._recent_at = at
+
+    def __delitem__(self, model: str) -> None:
+        del self._policies[model]
+        self.reweigh()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._policies)
+
+    def __len__(self) -> int:
+        return len(self._policies)
+
+    def __contains__(self, model: object) -> bool:
+        return model in self._policies
+
+    def _decayed(self, value: float, at: float, now: float) -> float:
+        return decay(value, now - at, self._halflife_s)
+
+    def record(self, seconds: float, now: float) -> None:
+        """A model's recent compute grew by `seconds` at `now` (`record_execution`, `charge`)."""
+        self._recent = self._decayed(self._recent, self._recent_at, now) + seconds
+        self._recent_at = max(self._recent_at, now)
+
+    def recent(self, now: float) -> float:
+        """Every model's recent compute seconds, decayed to `now`."""
+        return self._decayed(self._recent, self._recent_at, now)
+
+    def reweigh(self) -> None:
+        """Sum the weights and the recent compute afresh (after a weight changed, a removal)."""
+        self.total_weight = sum(p.weight for p in self._policies.values())
+        at = max((p.ema_at for p in self._policies.values()), default=0.0)
+        self._recent = sum(self._decayed(p.ema, p.ema_at, at) for p in self._policies.values())
+        self._recent_at = at
+
+
 @dataclass(frozen=True, slots=True)
 class Candidate:
     """A model with a batch ready to run, as the dispatcher sees it."""
@@ -255,14 +321,17 @@ def select(
                 c.model,
             ),
         ).model
-    recent = {m: decay(p.ema, now - p.ema_at, params.ema_halflife_s) for m, p in policies.items()}
-    total_recent = sum(recent.values())
-    total_weight = sum(p.weight for p in policies.values())
+    if isinstance(policies, Policies):  # the dispatcher's: sums kept, O(candidates)
+        total_weight, total_recent = policies.total_weight, policies.recent(now)
+    else:
+        total_weight = sum(p.weight for p in policies.values())
+        total_recent = sum(decay(p.ema, now - p.ema_at, params.ema_halflife_s) for p in policies.values())
 
     def priority(c: Candidate) -> float:
         policy = policies[c.model]
         share = policy.weight / total_weight
-        recent_share = recent[c.model] / total_recent if total_recent else 0.0
+        recent = decay(policy.ema, now - policy.ema_at, params.ema_halflife_s)
+        recent_share = recent / total_recent if total_recent else 0.0
         return fair_priority(share, recent_share, policy.expected_cost(c.batch_size, params), params)
 
     return min(ready, key=lambda c: (-priority(c), c.front_enqueued_at, c.model)).model

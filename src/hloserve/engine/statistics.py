@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+import heapq
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
@@ -143,6 +144,15 @@ class Statistics:
             stats = self._models[model] = ModelStatistics()
         return stats
 
-    def snapshot(self) -> dict[str, ModelStatistics]:
-        """A deep copy, safe to read from another thread."""
-        return copy.deepcopy(self._models)
+    def __len__(self) -> int:
+        return len(self._models)
+
+    def snapshot(self, limit: int = 0) -> dict[str, ModelStatistics]:
+        """A deep copy, safe to read from another thread; of the `limit` busiest models only
+        (resident first, then by executions: O(models log limit)) when `limit` is not 0."""
+        if not limit or len(self._models) <= limit:
+            return copy.deepcopy(self._models)
+        busiest = heapq.nlargest(
+            limit, self._models.items(), key=lambda item: (item[1].resident, item[1].execution_count)
+        )
+        return copy.deepcopy(dict(sorted(busiest)))

@@ -11,13 +11,18 @@ shape by shape, because PJRT itself checks only byte sizes. Nothing is compiled 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import re
+import stat
 import struct
+import threading
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -32,6 +37,7 @@ __all__ = [
     "MAX_NAME_BYTES",
     "Bundle",
     "ModuleFile",
+    "ModuleText",
     "WeightSpec",
     "bundle_directory",
     "check_inside",
@@ -66,14 +72,62 @@ class WeightSpec:
     nbytes: int
 
 
+@dataclass(frozen=True, slots=True, weakref_slot=True, eq=False)
+class ModuleText:
+    """A module's contents, parsed once: every bundle whose module file holds the same bytes
+    shares one (the text is held once, and parsed once, however many variants of a model the
+    repository has)."""
+
+    digest: str
+    """SHA-256 of the file's bytes: byte-identical modules are one program."""
+    source: str | bytes
+    """StableHLO text, or portable-artifact bytecode."""
+    signature: _xla.Signature
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str | bytes, _xla.Signature]]:
+        """Unpickled (in a frontend process) into that process's shared copy, as loaded ones are."""
+        return _interned, (self.digest, self.source, self.signature)
+
+
+def _interned(digest: str, source: str | bytes, signature: _xla.Signature) -> ModuleText:
+    with _texts_lock:
+        return _texts.setdefault(digest, ModuleText(digest, source, signature))
+
+
+_texts: weakref.WeakValueDictionary[str, ModuleText] = weakref.WeakValueDictionary()
+"""The module texts some bundle holds, by digest (an entry goes with the last bundle using it)."""
+_texts_lock = threading.Lock()  # bundles load in worker threads
+
+
+def _module_text(raw: bytes) -> ModuleText:
+    """The shared, parsed text of a module file's bytes. Raises ValueError or KeyError as
+    `_xla.main_signature` does."""
+    digest = hashlib.sha256(raw).hexdigest()
+    with _texts_lock:
+        text = _texts.get(digest)
+    if text is not None:
+        return text
+    source: str | bytes = raw if raw.startswith(_BYTECODE_MAGIC) else raw.decode("utf-8", errors="replace")
+    text = ModuleText(digest, source, _xla.main_signature(source))
+    with _texts_lock:
+        return _texts.setdefault(digest, text)
+
+
 @dataclass(frozen=True, slots=True)
 class ModuleFile:
     path: Path
     batch_size: int
     """The compiled batch size; 0 for a bundle's single `model.mlir`."""
-    source: str | bytes
-    """StableHLO text, or portable-artifact bytecode."""
-    signature: _xla.Signature
+    text: ModuleText
+
+    @property
+    def source(self) -> str | bytes:
+        """StableHLO text, or portable-artifact bytecode."""
+        return self.text.source
+
+    @property
+    def signature(self) -> _xla.Signature:
+        return self.text.signature
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +147,17 @@ class Bundle:
     @property
     def weight_nbytes(self) -> int:
         return sum(w.nbytes for w in self.weights)
+
+    @property
+    def program_digest(self) -> str:
+        """What its executables are compiled from: bundles with the same digest (byte-identical
+        modules for the same batch sizes) share one loaded program. Empty for a meta bundle."""
+        if not self.modules:
+            return ""
+        digest = hashlib.sha256()
+        for module in self.modules:
+            digest.update(f"{module.batch_size}:{module.text.digest};".encode())
+        return digest.hexdigest()
 
     def module_for(self, batch_size: int) -> ModuleFile:
         for module in self.modules:
@@ -141,6 +206,17 @@ def check_inside(path: Path, repository: Path, bundle: str) -> None:
             None,
             "is a link leading outside the model repository; bundles load only from inside it",
         )
+
+
+def _check_entry(path: Path, repository: Path, bundle: str) -> None:
+    """`check_inside` for an entry directly in a bundle directory that was checked already: one
+    `lstat` when it is no link (it lies where its directory does), the whole check when it is."""
+    try:
+        if not stat.S_ISLNK(path.lstat().st_mode):
+            return
+    except OSError:
+        pass  # gone meanwhile: the full check says so, or the read that follows does
+    check_inside(path, repository, bundle)
 
 
 def bundle_directory(repository: Path, name: str) -> Path:
@@ -198,7 +274,7 @@ def _weights(directory: Path, bundle: str) -> tuple[tuple[WeightSpec, ...], Path
     path = directory / WEIGHTS
     if not path.exists():
         return (), None
-    check_inside(path, directory.parent, bundle)
+    _check_entry(path, directory.parent, bundle)
     specs, order = _read_safetensors_header(path, bundle)
     if not specs:
         return (), path
@@ -225,7 +301,7 @@ def _modules(directory: Path, bundle: str, manifest: Manifest) -> tuple[ModuleFi
     for path in directory.iterdir():
         match = _MODULE_NAME.match(path.name)
         if match:
-            check_inside(path, directory.parent, bundle)
+            _check_entry(path, directory.parent, bundle)
             found[int(match.group(1) or 0)] = path
     if not found:
         raise BundleError(bundle, "model.mlir", None, "no module: expected model.mlir or model.b{N}.mlir")
@@ -244,14 +320,11 @@ def _modules(directory: Path, bundle: str, manifest: Manifest) -> tuple[ModuleFi
             raw = path.read_bytes()
         except OSError as e:
             raise BundleError(bundle, path.name, None, f"cannot be read: {e.strerror}") from None
-        source: str | bytes = (
-            raw if raw.startswith(_BYTECODE_MAGIC) else raw.decode("utf-8", errors="replace")
-        )
         try:
-            signature = _xla.main_signature(source)
+            text = _module_text(raw)
         except (ValueError, KeyError) as e:
             raise BundleError(bundle, path.name, None, str(e.args[0])) from None
-        modules.append(ModuleFile(path, size, source, signature))
+        modules.append(ModuleFile(path, size, text))
     return tuple(modules)
 
 
@@ -322,7 +395,7 @@ def load_bundle(directory: Path) -> Bundle:
     has_model_py = model_py.is_file()
     for path in (directory / MANIFEST, model_py):
         if path.exists():
-            check_inside(path, repository, name)
+            _check_entry(path, repository, name)
     manifest = load_manifest(directory / MANIFEST, name, has_model_py=has_model_py)
     labels = _labels(directory, name, manifest)
     if manifest.is_meta:

@@ -1,6 +1,8 @@
 """A bundle compiled for the device: one executable per batch size, and how to run one batch.
 
 Compiling blocks (and releases the GIL), so `compile_bundle` is called from a worker thread.
+A worker gets the program of each model from `Programs`, which shares one among byte-identical
+modules; `compile_bundle` compiles one of its own (export's verification, tests).
 An execution blocks for its whole length (on CPU it runs in the calling thread): the
 dispatcher runs a cheap one inline and hands an expensive one to a worker thread.
 Weights are passed in, not owned: where they live (host, device, evicted) is the concern of
@@ -20,6 +22,7 @@ from hloserve.errors import ExecutionFailed
 from hloserve.models import _xla
 from hloserve.models.bundle import Bundle
 from hloserve.models.executable_cache import ExecutableCache
+from hloserve.models.programs import Program, compile_program
 
 __all__ = ["CompiledModel", "ExecutionResult", "compile_bundle"]
 
@@ -35,12 +38,11 @@ class ExecutionResult:
 
 @dataclass(frozen=True, slots=True)
 class CompiledModel:
+    """A model ready to run: its bundle (weights, manifest) and its program, which every model
+    with byte-identical modules shares (`hloserve.models.programs`)."""
+
     bundle: Bundle
-    executables: dict[int, _xla.Executable]
-    """Batch size → executable; key 0 is a bundle's single `model.mlir`."""
-    compile_s: float
-    scratch_bytes: int
-    """The largest temporary buffer XLA planned for any of the executables."""
+    program: Program
     batch_sizes: tuple[int, ...] = field(init=False)
     """The compiled sizes, ascending."""
     coalescable: bool = field(init=False)
@@ -49,30 +51,29 @@ class CompiledModel:
     def __post_init__(self) -> None:  # both are read per request
         manifest = self.bundle.manifest
         tensors = (*manifest.executable_inputs, *manifest.executable_outputs)
-        object.__setattr__(self, "batch_sizes", tuple(sorted(self.executables)))
+        executables = self.program.executables
+        object.__setattr__(self, "batch_sizes", tuple(sorted(executables)))
         object.__setattr__(
-            self, "coalescable", 0 not in self.executables and all(t.batch_axis is not None for t in tensors)
+            self, "coalescable", 0 not in executables and all(t.batch_axis is not None for t in tensors)
         )
 
     @property
     def name(self) -> str:
         return self.bundle.name
 
-    def warm_up(self, weights: Sequence[_xla.DeviceArray]) -> dict[int, float]:
-        """Run every compiled size once on zeros; returns the seconds each took (blocking).
+    @property
+    def executables(self) -> dict[int, _xla.Executable]:
+        """Batch size → executable; key 0 is a bundle's single `model.mlir`."""
+        return self.program.executables
 
-        Seeds the scheduler's cost estimates and takes first-run costs off the first request.
-        """
-        costs = {}
-        for size in self.batch_sizes:
-            module = self.bundle.module_for(size)
-            zeros = [
-                np.zeros(t.shape, t.dtype.numpy)
-                for t in module.signature.inputs[: len(module.signature.inputs) - len(weights)]
-            ]
-            result = self.execute(size, zeros, weights)
-            costs[size] = result.input_s + result.infer_s
-        return costs
+    @property
+    def compile_s(self) -> float:
+        return self.program.compile_s
+
+    @property
+    def scratch_bytes(self) -> int:
+        """The largest temporary buffer XLA planned for any of the executables."""
+        return self.program.scratch_bytes
 
     def execute(
         self, batch_size: int, inputs: Sequence[np.ndarray], weights: Sequence[_xla.DeviceArray]
@@ -92,7 +93,7 @@ class CompiledModel:
         with _execution_errors(self.name):
             args = [_xla.put(np.ascontiguousarray(a)) for a in inputs]
             placed = time.perf_counter()
-            outputs = _xla.to_numpy(_xla.run(self.executables[batch_size], [*args, *weights]))
+            outputs = _xla.to_numpy(_xla.run(self.program.executables[batch_size], [*args, *weights]))
         return ExecutionResult(outputs, placed - started, time.perf_counter() - placed)
 
 
@@ -109,9 +110,6 @@ def _execution_errors(model: str) -> Iterator[None]:
 
 
 def compile_bundle(bundle: Bundle, cache: ExecutableCache | None = None) -> CompiledModel:
-    """Compile every module of a bundle, through the executable cache if given (blocking)."""
-    started = time.perf_counter()
-    compile_module = cache.compile if cache is not None else _xla.compile_module
-    executables = {m.batch_size: compile_module(m.source) for m in bundle.modules}
-    scratch = max((_xla.compiled_memory(e)["temp_bytes"] for e in executables.values()), default=0)
-    return CompiledModel(bundle, executables, time.perf_counter() - started, scratch)
+    """Compile every module of a bundle, through the executable cache if given, into a program
+    of its own (blocking); a worker shares programs through `Programs` instead."""
+    return CompiledModel(bundle, compile_program(bundle, cache))

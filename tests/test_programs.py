@@ -1,0 +1,159 @@
+"""Programs shared by models whose modules are byte-identical (issue 36): one compile and one
+warm-up for every variant, each variant answering with its own weights."""
+
+from __future__ import annotations
+
+import shutil
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+import tritonclient.grpc as grpcclient
+from prometheus_client.parser import text_string_to_metric_families
+from support.bundles import (
+    PARAMS,
+    X,
+    affine,
+    affine_output,
+    edit_manifest,
+    save_affine_weights,
+    write_affine,
+)
+from support.numerics import assert_close
+from support.servers import ServerThread, make_config, start_worker
+
+from hloserve.models.bundle import load_bundle
+from hloserve.models.executable_cache import ExecutableCache
+from hloserve.models.programs import Programs
+
+
+def _variant(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in PARAMS.items()}
+
+
+def _named(name: str) -> Callable[[dict[str, Any]], None]:
+    def rename(manifest: dict[str, Any]) -> None:
+        manifest["name"] = name
+
+    return rename
+
+
+def _variants(repository: Path, count: int) -> dict[str, dict[str, np.ndarray]]:
+    """`count` copies of one affine bundle (`v0`, `v1`, ...), each with weights of its own."""
+    first = write_affine(repository / "v0")
+    params = {}
+    for i in range(count):
+        directory = repository / f"v{i}"
+        if i:
+            shutil.copytree(first, directory)
+            edit_manifest(directory, _named(f"v{i}"))
+        params[f"v{i}"] = _variant(i)
+        save_affine_weights(directory, params[f"v{i}"])
+    return params
+
+
+def test_a_program_is_compiled_once_for_byte_identical_modules(tmp_path: Path) -> None:
+    _variants(tmp_path, 3)
+    write_affine(tmp_path / "other", batch_sizes=(1, 4))
+    cache = ExecutableCache(tmp_path / "cache")
+    programs = Programs(cache)
+    loaded = [programs.load(load_bundle(tmp_path / name)) for name in ("v0", "v1", "v2")]
+    assert [shared for _, shared in loaded] == [False, True, True]
+    assert loaded[1][0] is loaded[0][0] is loaded[2][0]
+    assert loaded[0][0].loaded_for == "v0"
+    assert cache.hits + cache.misses == 2  # one compile (or cache read) per batch size, not per model
+    assert set(loaded[0][0].costs) == {1, 2}  # warmed up once, each size
+    other, shared = programs.load(load_bundle(tmp_path / "other"))
+    assert not shared and other is not loaded[0][0]
+    assert len(programs) == 2
+    del loaded, other
+    assert len(programs) == 0  # a program lives while a model uses it
+
+
+def test_variants_share_a_program_and_answer_with_their_own_weights(tmp_path: Path) -> None:
+    params = _variants(tmp_path, 4)
+    write_affine(tmp_path / "other", batch_sizes=(1,))  # another module: a program of its own
+    with start_worker(make_config(tmp_path)) as server:
+        assert isinstance(server, ServerThread)
+        client = grpcclient.InferenceServerClient(server.url)
+        assert server.call(lambda: len(server.worker.programs)) == 2
+        for name, p in params.items():
+            assert_close(affine_output(client, name), affine(p, X))
+        x4 = np.arange(8, dtype=np.float32).reshape(2, 4)
+        assert_close(affine_output(client, "v3", x4), affine(params["v3"], x4))
+        assert_close(affine_output(client, "other"), affine(PARAMS, X))
+
+        client.unload_model("v1")  # the others keep serving on the program they share
+        for name in ("v0", "v2", "v3"):
+            assert_close(affine_output(client, name), affine(params[name], X))
+        assert server.call(lambda: len(server.worker.programs)) == 2
+
+        # v2 reloaded with another module (other batch sizes): it leaves the shared program
+        shutil.rmtree(tmp_path / "v2")
+        write_affine(tmp_path / "v2", batch_sizes=(1, 4))
+        save_affine_weights(tmp_path / "v2", params["v2"])
+        client.load_model("v2")
+        assert server.call(lambda: len(server.worker.programs)) == 3
+        table = server.worker.models
+        assert table["v2"].compiled.program is not table["v0"].compiled.program
+        assert table["v3"].compiled.program is table["v0"].compiled.program
+        assert table["v2"].batch_sizes == (1, 4)
+        for name in ("v0", "v2", "v3"):
+            assert_close(affine_output(client, name), affine(params[name], X))
+        client.close()
+
+
+def _scrape(server: ServerThread) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.worker.metrics_port}/metrics", timeout=10).read()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text.decode())
+        for sample in family.samples
+    }
+
+
+def test_a_scrape_exposes_the_busiest_models_up_to_its_bound(tmp_path: Path) -> None:
+    params = _variants(tmp_path, 4)
+    config = make_config(tmp_path, metrics_max_models=2)
+    with start_worker(config) as server:
+        assert isinstance(server, ServerThread)
+        client = grpcclient.InferenceServerClient(server.url)
+        for name in ("v2", "v2", "v3"):
+            assert_close(affine_output(client, name), affine(params[name], X))
+        client.close()
+        samples = _scrape(server)
+    served = {dict(labels)["model"] for (name, labels) in samples if name == "hloserve_executions_total"}
+    assert served == {"v2", "v3"}
+    assert samples[("hloserve_models_unexposed", ())] == 2
+    assert samples[("hloserve_programs_loaded", ())] == 1
+
+
+def test_two_thousand_variants_start_on_one_program(tmp_path: Path) -> None:
+    """Start-up at thousands of models: every variant READY, one program loaded (one compile,
+    one warm-up), the load log naming the program each shares; some answer with their weights."""
+    first = write_affine(tmp_path / "v0")
+    for i in range(1, 2000):
+        directory = tmp_path / f"v{i}"
+        shutil.copytree(first, directory)
+        edit_manifest(directory, _named(f"v{i}"))
+    chosen = {f"v{i}": _variant(i) for i in (7, 1000, 1999)}
+    for name, params in chosen.items():
+        save_affine_weights(tmp_path / name, params)
+    with structlog.testing.capture_logs() as logs, start_worker(make_config(tmp_path)) as server:
+        assert isinstance(server, ServerThread)
+        client = grpcclient.InferenceServerClient(server.url)
+        index = client.get_model_repository_index(as_json=True)["models"]
+        assert len(index) == 2000 and all(m["state"] == "READY" for m in index)
+        assert server.call(lambda: len(server.worker.programs)) == 1
+        for name, params in chosen.items():
+            assert_close(affine_output(client, name), affine(params, X))
+        assert_close(affine_output(client, "v3"), affine(PARAMS, X))
+        client.close()
+    loaded = [e for e in logs if e["event"] == "model loaded"]
+    assert len(loaded) == 2000
+    assert sum("shared_with" in e for e in loaded) == 1999
+    assert {e["program"] for e in loaded} == {loaded[0]["program"]}
