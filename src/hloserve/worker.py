@@ -29,7 +29,7 @@ from hloserve.actors.weight_cache import WeightCache
 from hloserve.api import grpc_server
 from hloserve.api.control import ControlService
 from hloserve.api.data_plane import LocalDataPlane
-from hloserve.api.engine_rpcs import LocalEngineRpcs
+from hloserve.api.repository_plane import LocalEngineRpcs
 from hloserve.api.grpc_server import build_grpc_server
 from hloserve.api.grpc_service import InferenceService
 from hloserve.api.health import worker_health

@@ -25,7 +25,7 @@ from tritonclient.utils import InferenceServerException
 
 from hloserve._transport import grpclib_patches as _grpclib_patches
 from hloserve.api.data_plane import LocalDataPlane
-from hloserve.api.engine_rpcs import LocalEngineRpcs
+from hloserve.api.repository_plane import LocalEngineRpcs
 from hloserve.api.grpc_service import InferenceService
 from hloserve.api.proto_codec import KnownFieldsCodec
 from hloserve.config import ModelSettings

@@ -1,6 +1,6 @@
 """The KServe V2 / Triton gRPC service: an adapter over the data plane (`hloserve.api.data_plane`)
 for inference and readiness, and the metadata and repository RPCs; statistics, loads and
-shared-memory regions through `hloserve.api.engine_rpcs` (the engine's, here or over a link).
+shared-memory regions through `hloserve.api.repository_plane` (the engine's, here or over a link).
 
 ModelInfer bypasses the generated dataclass path: its handler is swapped in `__mapping__` for
 one that parses with the google.protobuf classes compiled under `hloserve_hot` (same fields,
@@ -29,7 +29,7 @@ from hloserve._transport import grpclib_patches as _grpclib_patches
 from hloserve._version import __version__
 from hloserve.api.codec import InferRequest
 from hloserve.api.data_plane import DataPlane, find_entry, not_ready_because, ready_entry
-from hloserve.api.engine_rpcs import EngineRpcs
+from hloserve.api.repository_plane import EngineRpcs
 from hloserve.api.status import grpc_errors as _rpc
 from hloserve.api.status import to_grpc_error
 from hloserve.config import Config
