@@ -320,8 +320,8 @@ def _engine(path: str) -> None:
 
     async def main() -> None:
         async with serve(config) as worker:
-            assert worker.inference is not None
-            frontends = Frontends(worker, worker.inference)  # its links, not its processes
+            assert worker.planes is not None
+            frontends = Frontends(worker, worker.planes)  # its links, not its processes
             listener = trio.SocketListener(await _unix_listener(path))
             print("ready", flush=True)
 

@@ -25,9 +25,10 @@ from tritonclient.utils import InferenceServerException
 
 from hloserve._transport import grpclib_patches as _grpclib_patches
 from hloserve.api.data_plane import LocalDataPlane
-from hloserve.api.repository_plane import LocalEngineRpcs
 from hloserve.api.grpc_service import InferenceService
+from hloserve.api.model_plane import LocalModelPlane
 from hloserve.api.proto_codec import KnownFieldsCodec
+from hloserve.api.repository_plane import LocalRepositoryPlane
 from hloserve.config import ModelSettings
 from hloserve.engine.buffer_pool import BufferPool
 from hloserve.engine.meta import MetaModels
@@ -60,13 +61,14 @@ class FrontEndOverLink:
                     link = FrontendLink(trio.SocketStream(frontend_end), arena)
                     await nursery.start(link.run)
                     metas = MetaModels(worker.models, 1, 1, None, worker.statistics, PolicyParams())
+                    tables = {"config": self.config, "models": worker.models, "statistics": worker.statistics}
                     plane = LocalDataPlane(
-                        self.config, worker.models, worker.statistics, Metrics(worker.statistics),
-                        metas, execute_over(link),
-                    )  # fmt: skip
-                    engine = LocalEngineRpcs(worker, self.config, worker.models, worker.statistics)
+                        **tables, metrics=Metrics(worker.statistics), metas=metas, execute=execute_over(link)
+                    )
                     service = InferenceService(
-                        plane, self.config, worker.models, worker.statistics, worker, engine
+                        data=plane,
+                        models=LocalModelPlane(**tables, host=worker),
+                        repository=LocalRepositoryPlane(**tables, host=worker),
                     )
                     server = _grpclib_patches.GracefulServer(
                         [service],

@@ -1,67 +1,69 @@
-"""The RPCs whose state only the engine holds: per-model statistics, loads and unloads, and the
-client's shared-memory regions (and, where residency is externally managed, the repository
-index, whose readiness is residency).
+"""The repository plane: what the protocol adapters (the gRPC servicer, the REST routes) serve of
+the model repository (its index, loads and unloads) and of the client's shared-memory regions.
 
-`InferenceService` serves them through an `EngineRpcs`: the engine's own (`LocalEngineRpcs`, over
-its model table) or, in a frontend, its link to the engine
-(`hloserve.frontends.process.EngineOverLink`).
+`RepositoryPlane` is the protocol, in the KServe V2 messages (betterproto2); `LocalRepositoryPlane`
+its implementation in the engine, over its model table and its host. A frontend's loads, unloads
+and regions are the engine's, answered over its link (`hloserve.frontends.process.LinkedRepositoryPlane`),
+and a node's span its workers (`hloserve.fleet.services.NodeRepositoryPlane`).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import betterproto2
 import trio_asyncio
 
 from hloserve._proto import inference as kserve
-from hloserve.api.data_plane import find_entry
+from hloserve.api.data_plane import not_ready_because
 from hloserve.api.shm_registry import Region, ShmRegistry
 from hloserve.config import Config, ModelSettings
-from hloserve.engine.statistics import Duration, ExecutionTimes, Statistics
-from hloserve.errors import InvalidInput, ModelNotFound, ShmDisabled, ShmRegionNotFound
+from hloserve.engine.statistics import Statistics
+from hloserve.errors import ShmDisabled, ShmRegionNotFound, Unimplemented
 from hloserve.models.bundle import check_model_name
 from hloserve.models.load_files import FILE_PREFIX, check_files
 from hloserve.models.load_override import CONFIG_PARAM, apply_config
+from hloserve.models.manifest import FILE as MANIFEST
 
 if TYPE_CHECKING:
     from hloserve.engine.model_table import ModelEntry, ModelHost
 
-__all__ = ["EngineRpcs", "LocalEngineRpcs"]
+__all__ = ["LocalRepositoryPlane", "RepositoryPlane", "cuda_region_status", "index_of", "no_cuda_regions"]
 
 
-def _duration(d: Duration) -> kserve.StatisticDuration:
-    return kserve.StatisticDuration(count=d.count, ns=d.ns)
+class RepositoryPlane(Protocol):
+    """What the adapters serve of the repository and the client's regions (see the module
+    docstring)."""
 
+    async def index(self, message: kserve.RepositoryIndexRequest) -> kserve.RepositoryIndexResponse:
+        """The models served (and, unless `message.ready`, the bundles that are not)."""
+        ...
 
-class EngineRpcs(Protocol):
-    """The RPCs only the engine answers (see the module docstring); errors become statuses in
-    the service."""
+    async def load(self, message: kserve.RepositoryModelLoadRequest) -> kserve.RepositoryModelLoadResponse:
+        """Load (or reload) a model, with the settings and files the message carries."""
+        ...
 
-    async def model_statistics(
-        self, message: kserve.ModelStatisticsRequest
-    ) -> kserve.ModelStatisticsResponse: ...
-    async def repository_model_load(
-        self, message: kserve.RepositoryModelLoadRequest
-    ) -> kserve.RepositoryModelLoadResponse: ...
-    async def repository_model_unload(
+    async def unload(
         self, message: kserve.RepositoryModelUnloadRequest
     ) -> kserve.RepositoryModelUnloadResponse: ...
-    async def system_shared_memory_register(
+
+    async def register_region(
         self, message: kserve.SystemSharedMemoryRegisterRequest
     ) -> kserve.SystemSharedMemoryRegisterResponse: ...
-    async def system_shared_memory_status(
+
+    async def region_status(
         self, message: kserve.SystemSharedMemoryStatusRequest
-    ) -> kserve.SystemSharedMemoryStatusResponse: ...
-    async def system_shared_memory_unregister(
+    ) -> kserve.SystemSharedMemoryStatusResponse:
+        """Every region, or the one named (NOT_FOUND when it is not registered)."""
+        ...
+
+    async def unregister_region(
         self, message: kserve.SystemSharedMemoryUnregisterRequest
-    ) -> kserve.SystemSharedMemoryUnregisterResponse: ...
-    async def repository_index(
-        self, message: kserve.RepositoryIndexRequest
-    ) -> kserve.RepositoryIndexResponse | None:
-        """The engine's index where only it knows readiness; None: the service's model table
-        answers."""
+    ) -> kserve.SystemSharedMemoryUnregisterResponse:
+        """Unregister the region named, or every region."""
         ...
 
     def close(self) -> None:
@@ -69,11 +71,70 @@ class EngineRpcs(Protocol):
         ...
 
 
-class LocalEngineRpcs:
-    """`EngineRpcs` in the engine, over its model table and its host."""
+def no_cuda_regions(rpc: str) -> Unimplemented:
+    """The refusal of a CUDA region's registration: hloserve has none, as Triton without a GPU
+    (whose other CUDA RPCs answer as for no region, so that clients can clean up)."""
+    return Unimplemented(
+        rpc,
+        "hloserve has no CUDA shared memory (as Triton built without GPU support); "
+        "use system shared memory (--allow-client-shm)",
+    )
+
+
+def cuda_region_status(name: str) -> None:
+    """CudaSharedMemoryStatus: no region (NOT_FOUND for one named)."""
+    if name:
+        raise ShmRegionNotFound(name)  # nothing is: hloserve has no CUDA shared memory
+
+
+async def index_of(
+    models: Mapping[str, ModelEntry], config: Config, statistics: Statistics, ready: bool
+) -> kserve.RepositoryIndexResponse:
+    """RepositoryIndex over a model table: its models (only those ready, with `ready`) and,
+    without `ready`, the repository's bundles not being served (as Triton). As upstream, the
+    models a meta model calls are its parts, listed through it alone (still addressable)."""
+    parts = {callee for e in models.values() if e.ready for callee in e.calls}
+    index = []
+    if not ready:
+        on_disk = await asyncio.to_thread(_bundle_names, config.server.model_repository)
+        index = [
+            kserve.RepositoryIndexResponseModelIndex(
+                name=name, version="1", state="UNAVAILABLE", reason="unloaded"
+            )
+            for name in on_disk
+            if name not in models
+        ]
+    for entry in sorted(models.values(), key=lambda e: e.name):
+        if entry.name in parts:
+            continue
+        reason = not_ready_because(entry, config, statistics)
+        if reason is None or not ready:
+            index.append(
+                kserve.RepositoryIndexResponseModelIndex(
+                    name=entry.name,
+                    version="1",
+                    state="READY" if reason is None else "UNAVAILABLE",
+                    reason=reason or "",
+                )
+            )
+    return kserve.RepositoryIndexResponse(models=sorted(index, key=lambda m: m.name))
+
+
+def _bundle_names(repository: Path) -> list[str]:
+    """The names of the repository's bundle directories (each holding a manifest)."""
+    try:
+        return [p.name for p in repository.iterdir() if (p / MANIFEST).is_file()]
+    except OSError:
+        return []
+
+
+class LocalRepositoryPlane:
+    """The repository plane in the engine, over its model table and its host (which loads and
+    unloads); the client's regions in `shm` (None: not allowed)."""
 
     def __init__(
         self,
+        *,
         host: ModelHost,
         config: Config,
         models: Mapping[str, ModelEntry],
@@ -92,53 +153,8 @@ class LocalEngineRpcs:
         if self._shm is not None:
             self._shm.close()
 
-    async def repository_index(
-        self, message: kserve.RepositoryIndexRequest
-    ) -> kserve.RepositoryIndexResponse | None:
-        return None  # the service's table is this one
-
-    async def model_statistics(
-        self, message: kserve.ModelStatisticsRequest
-    ) -> kserve.ModelStatisticsResponse:
-        try:
-            names = (
-                [find_entry(self._models, message.name, message.version).name]
-                if message.name
-                else sorted(self._models)
-            )
-        except ModelNotFound as e:  # as Triton: the statistics asked for are not available
-            raise InvalidInput(message.name, f"requested statistics are not available: {e}") from None
-        stats = []
-        for name in names:
-            s = self._statistics[name]
-
-            def times(t: ExecutionTimes) -> dict[str, kserve.StatisticDuration]:
-                return {
-                    "compute_input": _duration(t.compute_input),
-                    "compute_infer": _duration(t.compute_infer),
-                    "compute_output": _duration(t.compute_output),
-                }
-
-            stats.append(
-                kserve.ModelStatistics(
-                    name=name,
-                    version="1",
-                    last_inference=s.last_inference_ms,
-                    inference_count=s.inference_count,
-                    execution_count=s.execution_count,
-                    inference_stats=kserve.InferStatistics(
-                        success=_duration(s.success),
-                        fail=_duration(s.fail),
-                        queue=_duration(s.queue),
-                        **times(s.compute),
-                    ),
-                    batch_stats=[
-                        kserve.InferBatchStatistics(batch_size=size, **times(t))
-                        for size, t in sorted(s.by_batch_size.items())
-                    ],
-                )
-            )
-        return kserve.ModelStatisticsResponse(model_stats=stats)
+    async def index(self, message: kserve.RepositoryIndexRequest) -> kserve.RepositoryIndexResponse:
+        return await index_of(self._models, self._config, self._statistics, message.ready)
 
     def _registry(self) -> ShmRegistry:
         if self._shm is None:
@@ -152,13 +168,13 @@ class LocalEngineRpcs:
             raise ShmRegionNotFound(name)
         return registry.status(name)
 
-    async def system_shared_memory_register(
+    async def register_region(
         self, message: kserve.SystemSharedMemoryRegisterRequest
     ) -> kserve.SystemSharedMemoryRegisterResponse:
         self._registry().register(message.name, message.key, message.offset, message.byte_size)
         return kserve.SystemSharedMemoryRegisterResponse()
 
-    async def system_shared_memory_status(
+    async def region_status(
         self, message: kserve.SystemSharedMemoryStatusRequest
     ) -> kserve.SystemSharedMemoryStatusResponse:
         return kserve.SystemSharedMemoryStatusResponse(
@@ -170,15 +186,13 @@ class LocalEngineRpcs:
             }
         )
 
-    async def system_shared_memory_unregister(
+    async def unregister_region(
         self, message: kserve.SystemSharedMemoryUnregisterRequest
     ) -> kserve.SystemSharedMemoryUnregisterResponse:
         self._registry().unregister(message.name)
         return kserve.SystemSharedMemoryUnregisterResponse()
 
-    async def repository_model_load(
-        self, message: kserve.RepositoryModelLoadRequest
-    ) -> kserve.RepositoryModelLoadResponse:
+    async def load(self, message: kserve.RepositoryModelLoadRequest) -> kserve.RepositoryModelLoadResponse:
         name = check_model_name(message.model_name)
         chosen = {
             key: betterproto2.which_one_of(p, "parameter_choice") for key, p in message.parameters.items()
@@ -210,7 +224,7 @@ class LocalEngineRpcs:
         await trio_asyncio.trio_as_aio(self._host.load_model)(name, settings, files)
         return kserve.RepositoryModelLoadResponse()
 
-    async def repository_model_unload(
+    async def unload(
         self, message: kserve.RepositoryModelUnloadRequest
     ) -> kserve.RepositoryModelUnloadResponse:
         await trio_asyncio.trio_as_aio(self._host.unload_model)(message.model_name)
