@@ -34,8 +34,8 @@ from hloserve.engine.buffer_pool import BufferPool
 from hloserve.engine.meta import MetaModels
 from hloserve.engine.metrics import Metrics
 from hloserve.engine.policy import PolicyParams
-from hloserve.frontends.engine_end import EngineLink
-from hloserve.frontends.frontend_end import FrontendLink, execute_over
+from hloserve.frontends.engine_link import EngineLink
+from hloserve.frontends.frontend_link import FrontendLink, execute_over
 from hloserve.worker import serve
 
 

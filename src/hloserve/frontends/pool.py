@@ -32,7 +32,7 @@ from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve.api.control import ControlService
 from hloserve.engine.admission import Ticket
 from hloserve.errors import ConfigError, Overloaded
-from hloserve.frontends.engine_end import EngineLink, EngineServices
+from hloserve.frontends.engine_link import EngineLink, EngineServices
 from hloserve.frontends.protocol import ARENA_PREFIX, FORWARD, EngineCalls, ModelSummary, Setup, TableChanged
 from hloserve.models import _xla
 

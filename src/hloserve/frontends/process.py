@@ -49,7 +49,7 @@ from hloserve.engine.model_table import Failed, Meta, ModelEntry, Remote, _regis
 from hloserve.engine.policy import PolicyParams
 from hloserve.engine.statistics import Statistics
 from hloserve.engine.tracing import RequestSpans, open_tracing
-from hloserve.frontends.frontend_end import FrontendLink, execute_over
+from hloserve.frontends.frontend_link import FrontendLink, execute_over
 from hloserve.frontends.protocol import ARENA_PREFIX, FORWARD, EngineCalls, Listening, ModelSummary, Setup
 from hloserve.tls import server_context
 

@@ -10,8 +10,8 @@ memory), copies a request's inputs into a slot once and names them by `TensorRef
 maps the arena, queues views of it and writes the outputs back into the region of the slot the
 frontend reserved.
 
-The ends: `hloserve.frontends.engine_end.EngineLink` (the engine's actor for one frontend) and
-`hloserve.frontends.frontend_end.FrontendLink` (the frontend's).
+The ends: `hloserve.frontends.engine_link.EngineLink` (the engine's actor for one frontend) and
+`hloserve.frontends.frontend_link.FrontendLink` (the frontend's).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ ALIGNMENT = 64
 """Where tensors start in the arena (and outputs in a slot's reserved region)."""
 ARENA_PREFIX = "hloserve-f"
 """An arena's /dev/shm name: this, the frontend's index, its pid and a random token. The engine
-unlinks it once mapped (`hloserve.frontends.engine_end`)."""
+unlinks it once mapped (`hloserve.frontends.engine_link`)."""
 
 
 @dataclass(frozen=True, slots=True)
