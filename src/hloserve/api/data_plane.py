@@ -5,7 +5,7 @@ inference and readiness through, whichever process it runs in.
 limits, admission, `model.py` hooks and meta models, execute, encode, and the per-model counts.
 Its `Execute` step is where executable inputs go: the model's queue in the engine
 (`execute_on_queue`), the link in a frontend (`hloserve.frontends.frontend_link.execute_over`). A frontend
-and a node implement the protocol too (`hloserve.frontends.process.LinkedDataPlane`,
+and a node implement the protocol too (`hloserve.frontends.frontend.LinkedDataPlane`,
 `hloserve.fleet.services.NodeDataPlane`).
 
 Every call an adapter serves is one `Call` (`with plane.call(rpc, model, traceparent) as call:`):

@@ -4,7 +4,7 @@ and the trace settings.
 
 `ModelPlane` is the protocol, in the KServe V2 messages (betterproto2) that gRPC carries as they
 are and REST writes as JSON; `LocalModelPlane` its implementation over a model table. A frontend
-answers statistics through the engine (`hloserve.frontends.process.LinkedModelPlane`), a node
+answers statistics through the engine (`hloserve.frontends.frontend.LinkedModelPlane`), a node
 from its workers (`hloserve.fleet.services.NodeModelPlane`).
 """
 

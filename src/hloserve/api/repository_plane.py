@@ -3,7 +3,7 @@ the model repository (its index, loads and unloads) and of the client's shared-m
 
 `RepositoryPlane` is the protocol, in the KServe V2 messages (betterproto2); `LocalRepositoryPlane`
 its implementation in the engine, over its model table and its host. A frontend's loads, unloads
-and regions are the engine's, answered over its link (`hloserve.frontends.process.LinkedRepositoryPlane`),
+and regions are the engine's, answered over its link (`hloserve.frontends.frontend.LinkedRepositoryPlane`),
 and a node's span its workers (`hloserve.fleet.services.NodeRepositoryPlane`).
 """
 

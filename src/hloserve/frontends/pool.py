@@ -2,7 +2,7 @@
 
 `Frontends.run` reserves the public gRPC and REST ports (bound, never listening, SO_REUSEPORT
 sockets: they keep the ports and take no connection), starts `server.frontends` processes of
-`hloserve.frontends.process`, each with its link (an `EngineLink` actor), and reports started once every
+`hloserve.frontends.frontend`, each with its link (an `EngineLink` actor), and reports started once every
 one listens. A frontend that dies is restarted with backoff, its arena unlinked and its in-flight
 requests forgotten. `publish` pushes a change of the model table to every frontend and waits
 for each to apply it; a frontend started later gets the table as it is. `drain` sends SIGTERM
@@ -213,9 +213,9 @@ class Frontends:
         try:
             # A frontend imports jax (bundles name its types) but never initialises a device: the
             # engine is the only process that touches it (on a GPU, XLA would take most of its
-            # memory). It sets its own parent-death signal (`hloserve.frontends.process.main`).
+            # memory). It sets its own parent-death signal (`hloserve.frontends.frontend.main`).
             process = Process(
-                [sys.executable, "-m", "hloserve.frontends.process", *argv],
+                [sys.executable, "-m", "hloserve.frontends.frontend", *argv],
                 env={**os.environ, "JAX_PLATFORMS": "cpu"},
                 stdin=subprocess.PIPE,
                 pass_fds=(frontend_end.fileno(),),

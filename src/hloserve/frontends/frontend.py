@@ -1,4 +1,4 @@
-"""A frontend process (docs/frontends.md): `python -m hloserve.frontends.process LINK_FD PORT HTTP_PORT`.
+"""A frontend process (docs/frontends.md): `python -m hloserve.frontends.frontend LINK_FD PORT HTTP_PORT`.
 
 Started by the engine (`hloserve.frontends.pool`), which writes the configuration and a summary of its
 model table to the process's stdin and hands it one end of a socketpair. The frontend dies with
