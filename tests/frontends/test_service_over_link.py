@@ -27,8 +27,8 @@ from hloserve._transport import grpclib_patches as _grpclib_patches
 from hloserve.api.data_plane import LocalDataPlane
 from hloserve.api.grpc_service import InferenceService
 from hloserve.api.model_plane import LocalModelPlane
-from hloserve.api.proto_codec import KnownFieldsCodec
 from hloserve.api.repository_plane import LocalRepositoryPlane
+from hloserve.api.wire_codec import KnownFieldsCodec
 from hloserve.config import ModelSettings
 from hloserve.engine.buffer_pool import BufferPool
 from hloserve.engine.meta import MetaModels

@@ -28,9 +28,9 @@ from prometheus_client import Counter, Histogram
 
 from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve.actors.messages import Infer
-from hloserve.api.codec import InferRequest, decode_request, encode_response, request_deadline
 from hloserve.api.shm_registry import ShmRegistry
 from hloserve.api.status import status_of
+from hloserve.api.tensor_codec import InferRequest, decode_request, encode_response, request_deadline
 from hloserve.config import Config
 from hloserve.engine.admission import Admission, Ticket
 from hloserve.engine.meta import MetaModels

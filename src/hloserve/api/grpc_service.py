@@ -23,12 +23,12 @@ from grpclib.server import Stream
 from hloserve._proto import inference as kserve
 from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve._transport import grpclib_patches as _grpclib_patches
-from hloserve.api.codec import InferRequest
 from hloserve.api.data_plane import DataPlane
 from hloserve.api.model_plane import EXTENSIONS, ModelPlane
 from hloserve.api.repository_plane import RepositoryPlane, cuda_region_status, no_cuda_regions
 from hloserve.api.status import grpc_errors as _rpc
 from hloserve.api.status import to_grpc_error
+from hloserve.api.tensor_codec import InferRequest
 from hloserve.errors import Unimplemented
 
 __all__ = ["EXTENSIONS", "InferenceService"]

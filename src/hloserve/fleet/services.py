@@ -23,8 +23,8 @@ from hloserve._proto import hloserve_gateway as gateway
 from hloserve._proto import inference as kserve
 from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve._version import __version__
-from hloserve.api.codec import InferRequest
 from hloserve.api.data_plane import Call, uncounted_call
+from hloserve.api.tensor_codec import InferRequest
 from hloserve.fleet import placement as lpt
 from hloserve.fleet.controller import Controller, WorkerLink
 

@@ -32,7 +32,6 @@ from hloserve._transport import grpclib_patches as _grpclib_patches
 from hloserve._transport import trio_asyncio_patches as _trio_asyncio_patches
 from hloserve.allocator import keep_freed_memory, settle_heap
 from hloserve.api import grpc_server
-from hloserve.api.codec import SHM_REGION, InferRequest
 from hloserve.api.data_plane import Call, LocalDataPlane
 from hloserve.api.grpc_server import build_grpc_server
 from hloserve.api.grpc_service import InferenceService
@@ -41,6 +40,7 @@ from hloserve.api.model_plane import LocalModelPlane
 from hloserve.api.repository_plane import index_of
 from hloserve.api.rest.routes import build_app
 from hloserve.api.rest.server import RestServer
+from hloserve.api.tensor_codec import SHM_REGION, InferRequest
 from hloserve.config import Config
 from hloserve.engine.buffer_pool import BufferPool
 from hloserve.engine.meta import MetaModels

@@ -32,7 +32,8 @@ from hloserve._proto import inference as kserve
 from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve.api.repository_plane import cuda_region_status, no_cuda_regions
 from hloserve.api.rest.body import BodyReader, Disconnected, HttpRefusal, Receive, compress, response_encoding
-from hloserve.api.rest.codec import (
+from hloserve.api.rest.inflight import InFlight
+from hloserve.api.rest.json_codec import (
     INLINE_JSON,
     decode_infer,
     encode_infer,
@@ -40,17 +41,16 @@ from hloserve.api.rest.codec import (
     json_output_bytes,
     parse_json,
 )
-from hloserve.api.rest.inflight import InFlight
 from hloserve.api.rest.messages import load_parameters, parse_fairly, stats_json, to_json
 from hloserve.api.status import to_grpc_error
 from hloserve.config import ServerConfig
 from hloserve.restricted import Restrictions, http_group, http_message
 
 if TYPE_CHECKING:
-    from hloserve.api.codec import InferRequest
     from hloserve.api.data_plane import Call, DataPlane
     from hloserve.api.model_plane import ModelPlane
     from hloserve.api.repository_plane import RepositoryPlane
+    from hloserve.api.tensor_codec import InferRequest
 
 __all__ = ["HTTP_STATUS", "App", "Routes", "build_app"]
 
