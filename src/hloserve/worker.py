@@ -119,15 +119,14 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
     budget_bytes = resolve_budget(config, compiled)
     statistics.weight_budget_bytes = budget_bytes
     # The actors start empty: the models join them through the model table, as any load does.
+    weights = config.weights
     weight_cache = WeightCache(
-        {},
-        {},
-        budget_bytes,
-        config.weights.externally_managed,
         statistics,
-        scheduler.compaction_interval,
-        int(config.weights.shared_host_weights_mode, 8) if config.weights.shared_host_weights else None,
-        config.weights.pin_host_floors,
+        budget_bytes=budget_bytes,
+        externally_managed=weights.externally_managed,
+        compaction_interval=scheduler.compaction_interval,
+        share_mode=int(weights.shared_host_weights_mode, 8) if weights.shared_host_weights else None,
+        pin_host_floors=weights.pin_host_floors,
     )
     params = PolicyParams(
         scheduler.ema_halflife_s,
@@ -136,13 +135,11 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         scheduler.cost_ema_alpha,
     )
     dispatcher = Dispatcher(
-        {},
         statistics,
-        scheduler.discipline,
-        {},
-        params,
-        scheduler.gather_passes,
-        overlap_loads=config.weights.overlap_loads,
+        discipline=scheduler.discipline,
+        params=params,
+        gather_passes=scheduler.gather_passes,
+        overlap_loads=weights.overlap_loads,
     )
     async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
         dispatcher.use_weights(await nursery.start(supervised, "weight cache", weight_cache.run))

@@ -21,7 +21,7 @@ from support.servers import EXAMPLES, make_config
 
 from hloserve._proto import inference as kserve
 from hloserve._proto.hot import hot_infer_pb2 as hot
-from hloserve.api.data_plane import UNKNOWN, LocalDataPlane, Record
+from hloserve.api.data_plane import UNKNOWN, Job, LocalDataPlane, Record
 from hloserve.api.model_plane import EXTENSIONS, LocalModelPlane
 from hloserve.api.repository_plane import LocalRepositoryPlane
 from hloserve.api.shm_registry import ShmRegistry
@@ -74,8 +74,8 @@ def _serve(
     trio's), over a data plane whose execute step is the model's function (in place of the
     engine); its answer, and the metrics the plane counted in."""
 
-    async def execute(entry: ModelEntry, inputs: list[np.ndarray], *rest: object) -> list[np.ndarray]:
-        return [reference(entry.name, inputs[0])]
+    async def execute(entry: ModelEntry, job: Job) -> list[np.ndarray]:
+        return [reference(entry.name, job.inputs[0])]
 
     async def main() -> tuple[T, Metrics]:
         async with trio_asyncio.open_loop():

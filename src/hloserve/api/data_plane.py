@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Protocol, TypeVar, TypeVarTuple, final
 
@@ -50,6 +51,7 @@ __all__ = [
     "Call",
     "DataPlane",
     "Execute",
+    "Job",
     "LocalDataPlane",
     "Record",
     "check_version",
@@ -62,12 +64,25 @@ __all__ = [
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
 
-Execute = Callable[
-    ["ModelEntry", list[np.ndarray], int, list[int], float | None, float, "RequestSpans | None"],
-    Awaitable[list[np.ndarray]],
-]
-"""How executable inputs reach the engine: `(entry, inputs, rows, outputs, deadline, now, spans)`
-to the outputs. `spans` is the request's trace, None when it is not traced."""
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A request's executable inputs on their way to the engine (`Execute`)."""
+
+    inputs: list[np.ndarray]
+    rows: int
+    outputs: list[int]
+    """The executable outputs asked for, by index."""
+    deadline: float | None
+    """When it must be answered (`time.monotonic()`; None: no deadline)..."""
+    now: float
+    """...as of when it was admitted."""
+    spans: RequestSpans | None = None
+    """The request's trace; None when it is not traced."""
+
+
+Execute = Callable[["ModelEntry", Job], Awaitable[list[np.ndarray]]]
+"""How executable inputs reach the engine: a model's entry and a `Job` to the outputs."""
 
 VERSIONS = ("", "1")
 """Every model has exactly one version, "1" ("" asks for the latest)."""
@@ -188,23 +203,15 @@ def ready_entry(models: Mapping[str, ModelEntry], name: str, version: str = "") 
     return entry
 
 
-async def execute_on_queue(
-    entry: ModelEntry,
-    inputs: list[np.ndarray],
-    rows: int,
-    outputs: list[int],
-    deadline: float | None,
-    now: float,
-    spans: RequestSpans | None = None,
-) -> list[np.ndarray]:
+async def execute_on_queue(entry: ModelEntry, job: Job) -> list[np.ndarray]:
     """`Execute` in the engine: queue executable inputs on the model's queue, await its outputs.
     A client that cancels or disconnects cancels the awaiting task, and so withdraws them."""
     queue = entry.queue
     assert queue is not None
     reply: asyncio.Future[list[np.ndarray]] = asyncio.get_running_loop().create_future()
-    queued = Infer(entry.name, inputs, rows, outputs, reply, now, deadline)
-    if spans is not None:
-        return await _execute_traced(queue, queued, spans)
+    queued = Infer(entry.name, job.inputs, job.rows, job.outputs, reply, job.now, job.deadline)
+    if job.spans is not None:
+        return await _execute_traced(queue, queued, job.spans)
     queue.submit_nowait(queued)
     reply.add_done_callback(lambda f: queue.withdraw_nowait(queued) if f.cancelled() else None)
     return await reply
@@ -356,15 +363,14 @@ class LocalDataPlane:
                     spans.mark("preprocess", **{"hloserve.rows": rows})
                 entry.check_rows(rows, "preprocess")
                 outputs = await self._execute(
-                    entry, inputs, rows, route.executable_outputs, until, now, spans
+                    entry, Job(inputs, rows, route.executable_outputs, until, now, spans)
                 )
                 outputs = await _run_hook(hooks.postprocess, route.outward, outputs, decoded.rows)
                 if spans is not None:
                     spans.mark("postprocess")
             else:
-                outputs = await self._execute(
-                    entry, decoded.inputs, decoded.rows, decoded.outputs, until, now, spans
-                )
+                job = Job(decoded.inputs, decoded.rows, decoded.outputs, until, now, spans)
+                outputs = await self._execute(entry, job)
         finally:
             self._inflight -= 1
             self._admission.release(ticket)
