@@ -95,7 +95,7 @@ class Worker(ModelTable):
         await self._changing(name, super().record_failure(name, reason))
 
     rest: RestServer | None = None
-    """The REST front end (its open connections), when it runs."""
+    """The REST server (its open connections), when it runs."""
 
 
 @asynccontextmanager
