@@ -143,7 +143,13 @@ ADAPTERS = ("hloserve.api.grpc_service", "hloserve.api.health", "hloserve.api.re
 
 PLANES = ("hloserve.api.data_plane", "hloserve.api.model_plane", "hloserve.api.repository_plane")
 
-ADAPTERS_MAY_IMPORT = (*PLANES, "hloserve.api.tensor_codec", "hloserve.api.status", "hloserve.api.wire_codec")
+ADAPTERS_MAY_IMPORT = (
+    *PLANES,
+    "hloserve.api.tensor_codec",
+    "hloserve.api.viewed_request",
+    "hloserve.api.wire_codec",
+    "hloserve.api.status",
+)
 """Of the layers below and beside them, what an adapter may import besides the leaves and the
 transport: the planes and what their messages and errors are made of (never the model table,
 the engine or the models, which the planes stand in front of)."""
