@@ -60,7 +60,6 @@ from hloserve.actors.weight_cache import WeightCacheHandle
 from hloserve.engine.batching import assemble, join_outputs, slice_rows, split_outputs
 from hloserve.engine.policy import (
     Candidate,
-    ModelPolicy,
     Pending,
     Policies,
     PolicyParams,
@@ -135,25 +134,22 @@ class Dispatcher:
 
     def __init__(
         self,
-        models: dict[str, CompiledModel],
         statistics: Statistics,
+        *,
         discipline: Discipline,
-        policies: dict[str, ModelPolicy],
         params: PolicyParams,
         gather_passes: int = 0,
-        *,
         overlap_loads: bool = True,
     ) -> None:
-        self._models = models
+        """An empty dispatcher: each model joins it with `AddModel`."""
+        self._models: dict[str, CompiledModel] = {}
         self._overlap_loads = overlap_loads
         self._gather_passes = gather_passes
         self._weights: WeightCacheHandle | None = None
         self._statistics = statistics
         self._params = params
         self._queues: dict[str, QueueAddress] = {}
-        self._state = _State(discipline, Policies(policies, params.ema_halflife_s))
-        for name, policy in policies.items():
-            statistics[name].weight = policy.weight
+        self._state = _State(discipline, Policies({}, params.ema_halflife_s))
         # Unbounded on purpose: its senders may not wait. A model queue reports with send_nowait
         # from its own loop; waiting there could deadlock (the dispatcher waits on that queue's
         # bounded inbox in `take`), and dropping a summary would strand the requests it reports.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import final
 
@@ -104,19 +104,16 @@ class WeightCache:
 
     def __init__(
         self,
-        bundles: Mapping[str, Bundle],
-        floors: Mapping[str, Residency],
+        statistics: Statistics,
+        *,
         budget_bytes: int | None,
         externally_managed: bool,
-        statistics: Statistics,
         compaction_interval: int = 0,
         share_mode: int | None = None,
         pin_host_floors: bool | None = None,
     ) -> None:
-        self._models = {
-            name: _Model(bundle, floors.get(name, "system"), bundle.weight_nbytes, None)
-            for name, bundle in bundles.items()
-        }
+        """An empty cache: each model's weights join it with `AddWeights`."""
+        self._models: dict[str, _Model] = {}
         self._budget = budget_bytes
         self._externally_managed = externally_managed
         self._statistics = statistics

@@ -101,8 +101,8 @@ def _without_execution() -> None:
 
 
 def _without_actors() -> None:
-    from hloserve.api.codec import decode_request, encode_response
     from hloserve.api.data_plane import LocalDataPlane, ready_entry
+    from hloserve.api.tensor_codec import decode_request, encode_response
     from hloserve.engine.batching import assemble
     from hloserve.models import _xla
     from hloserve.models.bundle import read_weights

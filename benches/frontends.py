@@ -15,7 +15,7 @@ only in the JSON, in requests per second).
 
 The engine alone: an engine process (pinned to core 0) accepting links on a Unix socket, fed at
 full speed by a driver in this process that writes requests into the link directly
-(`hloserve.frontends.frontend_end.FrontendLink`) and counts each call as a frontend does; the frontend
+(`hloserve.frontends.frontend_link.FrontendLink`) and counts each call as a frontend does; the frontend
 column is then the driver's CPU (the link's share of a frontend's cost). "mlp 5x c=16" drives
 five links at once, 16 in flight on each: the engine as five frontends would load it. The
 target: the engine's CPU per tiny request at most a fifth of a frontend's, so that one engine
@@ -220,7 +220,7 @@ def _scenario(
     import trio
 
     from hloserve.engine.buffer_pool import BufferPool
-    from hloserve.frontends.frontend_end import FrontendLink
+    from hloserve.frontends.frontend_link import FrontendLink
 
     x = np.random.default_rng(0).random(shape, dtype=np.float32)
     latencies: list[float] = []
@@ -320,8 +320,8 @@ def _engine(path: str) -> None:
 
     async def main() -> None:
         async with serve(config) as worker:
-            assert worker.inference is not None
-            frontends = Frontends(worker, worker.inference)  # its links, not its processes
+            assert worker.planes is not None
+            frontends = Frontends(worker, worker.planes)  # its links, not its processes
             listener = trio.SocketListener(await _unix_listener(path))
             print("ready", flush=True)
 

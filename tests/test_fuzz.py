@@ -27,8 +27,8 @@ from support.fuzzing import FUZZ
 
 from hloserve import dtypes
 from hloserve._proto.hot import hot_infer_pb2 as pb
-from hloserve.api.codec import SHM_BYTE_SIZE, SHM_OFFSET, SHM_REGION, decode_request
 from hloserve.api.shm_registry import SHM_DIR, ShmRegistry
+from hloserve.api.tensor_codec import SHM_BYTE_SIZE, SHM_OFFSET, SHM_REGION, decode_request
 from hloserve.errors import BundleError, InvalidInput, ModelNotFound, ShmDisabled, ShmRegionError
 from hloserve.models.manifest import Axis, TensorSpec, load_manifest, parse_manifest
 

@@ -61,7 +61,7 @@ def test_the_graph_is_read() -> None:
         "hloserve.worker"
     ]
     assert {"hloserve.types", "hloserve.actors.messages"} <= graph["hloserve.engine.model_table"]
-    assert "hloserve.engine.model_table" in graph["hloserve.api.grpc_service"]
+    assert "hloserve.engine.model_table" in graph["hloserve.api.data_plane"]  # under TYPE_CHECKING
 
 
 def test_only_the_entry_points_import_the_worker() -> None:
@@ -136,3 +136,48 @@ def test_imports_go_down_the_layers() -> None:
         if _layer(imported) > _layer(module)
     )
     assert upward == []
+
+
+ADAPTERS = ("hloserve.api.grpc_service", "hloserve.api.health", "hloserve.api.rest")
+"""The protocol adapters: they translate the protocol and serve through the planes alone."""
+
+PLANES = ("hloserve.api.data_plane", "hloserve.api.model_plane", "hloserve.api.repository_plane")
+
+ADAPTERS_MAY_IMPORT = (
+    *PLANES,
+    "hloserve.api.tensor_codec",
+    "hloserve.api.viewed_request",
+    "hloserve.api.wire_codec",
+    "hloserve.api.status",
+)
+"""Of the layers below and beside them, what an adapter may import besides the leaves and the
+transport: the planes and what their messages and errors are made of (never the model table,
+the engine or the models, which the planes stand in front of)."""
+
+
+def _is(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def test_adapters_reach_no_further_than_the_planes() -> None:
+    """An adapter (gRPC, REST, health) imports the planes and the protocol's codecs and statuses,
+    never the model table, the engine, the actors or the models behind the planes."""
+    graph = _graph()
+    leaves = tuple(f"hloserve.{name}" for name in LAYERS[0][1])
+    allowed = (*ADAPTERS, *ADAPTERS_MAY_IMPORT, *leaves, "hloserve._transport", "hloserve._proto")
+    reaching = sorted(
+        f"{module} imports {imported}"
+        for module, imports in graph.items()
+        if _is(module, ADAPTERS)
+        for imported in imports
+        if not _is(imported, allowed)
+    )
+    assert reaching == []
+
+
+def test_the_adapters_rule_sees_an_adapter_reach_past_the_planes() -> None:
+    """The rule above can fail: the planes themselves import the model table, which an adapter
+    may not (so an adapter's import of a plane's module is a short walk from the table)."""
+    graph = _graph()
+    assert any(_is(i, ("hloserve.engine",)) for p in PLANES for i in graph[p])
+    assert all(_is(a, ADAPTERS) for a in graph if a.startswith("hloserve.api.rest."))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from support.bundles import write_affine
 
-from hloserve.actors.weight_cache import WeightCache
+from hloserve.actors.weight_cache import WeightCache, _Model
 from hloserve.engine import policy
 from hloserve.engine.policy import Candidate, ModelPolicy, Policies, PolicyParams, select
 from hloserve.engine.statistics import Statistics
@@ -85,7 +85,8 @@ def _visited_to_make_room(tmp_path: Path, models: int) -> int:
     bundle = load_bundle(write_affine(tmp_path / "a"))
     nbytes = bundle.weight_nbytes
     resident = models // 10
-    cache = WeightCache({f"m{i}": bundle for i in range(models)}, {}, resident * nbytes, False, Statistics())
+    cache = WeightCache(Statistics(), budget_bytes=resident * nbytes, externally_managed=False)
+    cache._models = {f"m{i}": _Model(bundle, "system", nbytes, None) for i in range(models)}
     cache._lru = _CountingLru()
     for i in range(resident):
         model = cache._models[f"m{i}"]

@@ -371,7 +371,7 @@ def test_envoy_and_the_worker_join_the_clients_trace_through_the_node(
 
 def test_off_by_default_without_importing_the_sdk() -> None:
     code = (
-        "import sys, hloserve.worker, hloserve.frontends.process\n"
+        "import sys, hloserve.worker, hloserve.frontends.frontend\n"
         "from hloserve.config import TracingConfig\n"
         "from hloserve.engine.tracing import open_tracing\n"
         "assert open_tracing(TracingConfig(), {}) is None\n"

@@ -10,7 +10,7 @@ from support.numerics import close
 from support.servers import ServerThread
 from tritonclient.grpc import service_pb2
 
-from hloserve.api.rest.viewed_request import VIEW_FROM_BYTES, ViewedRequest, parse_viewed
+from hloserve.api.viewed_request import VIEW_FROM_BYTES, ViewedRequest, parse_viewed
 
 
 def _request() -> service_pb2.ModelInferRequest:

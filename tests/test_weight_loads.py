@@ -301,6 +301,7 @@ def test_a_prefetch_evicts_only_what_makes_room_and_nothing_when_nothing_would(t
     """The cache alone, room for x and y (512 bytes each) or for `big` (1024). Prefetching big
     with x kept could make room only by evicting x as well as y: it evicts nothing and copies
     nothing. With nothing kept it evicts both, least recently used first, and copies big."""
+    from hloserve.actors.messages import AddWeights
     from hloserve.actors.weight_cache import WeightCache
     from hloserve.engine.statistics import Statistics
     from hloserve.models.bundle import load_bundle
@@ -308,7 +309,7 @@ def test_a_prefetch_evicts_only_what_makes_room_and_nothing_when_nothing_would(t
     bundles = {name: load_bundle(write_sized(tmp_path / name, A_COLUMNS)) for name in "xy"}
     bundles["big"] = load_bundle(write_sized(tmp_path / "big", B_COLUMNS))
     statistics = Statistics()
-    cache = WeightCache(bundles, {}, 2 * A_BYTES + 10, False, statistics)
+    cache = WeightCache(statistics, budget_bytes=2 * A_BYTES + 10, externally_managed=False)
 
     def state() -> dict[str, tuple[bool, int, int, int]]:
         return {
@@ -319,6 +320,8 @@ def test_a_prefetch_evicts_only_what_makes_room_and_nothing_when_nothing_would(t
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             handle = await nursery.start(cache.run)
+            for name, bundle in bundles.items():
+                await handle.forward(AddWeights(name, bundle, "unpinned"))
             await handle.acquire("y")
             await handle.acquire("x")
             await handle.prefetch("big", frozenset({"x"}))

@@ -23,9 +23,9 @@ from hloserve import dtypes
 from hloserve._proto import inference as kserve
 from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve._transport.grpclib_patches import BigFrameChannel
-from hloserve.api.codec import SHM_BYTE_SIZE, SHM_OFFSET, SHM_REGION, TIMEOUT_NS_PARAM
-from hloserve.api.codec import InputTensor as _InputTensor
-from hloserve.api.codec import RequestedOutput as _RequestedOutput
+from hloserve.api.tensor_codec import SHM_BYTE_SIZE, SHM_OFFSET, SHM_REGION, TIMEOUT_NS_PARAM
+from hloserve.api.tensor_codec import InputTensor as _InputTensor
+from hloserve.api.tensor_codec import RequestedOutput as _RequestedOutput
 from hloserve.engine.buffer_pool import BufferPool
 
 __all__ = ["Client", "deadline_params", "decode_response", "encode_request", "encode_request_shm"]

@@ -1,6 +1,6 @@
 """Every error hloserve raises on purpose, each building its own sentence.
 
-Raise sites stay one line; the front end maps each class to a gRPC status in one table
+Raise sites stay one line; the adapters map each class to a gRPC status in one table
 (`hloserve.api.status`). Messages name the model, the tensor and what was expected, because the
 person reading them is a client author with only the message to go on. Whatever a client sent
 is quoted through `clip`, so a message stays short however long the client's strings are.

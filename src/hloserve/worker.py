@@ -15,7 +15,7 @@ cancelling the surrounding scope stops at once, failing queued calls with UNAVAI
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Mapping
-from contextlib import asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager
 
 import structlog
 import trio
@@ -29,10 +29,11 @@ from hloserve.actors.weight_cache import WeightCache
 from hloserve.api import grpc_server
 from hloserve.api.control import ControlService
 from hloserve.api.data_plane import LocalDataPlane
-from hloserve.api.engine_rpcs import LocalEngineRpcs
 from hloserve.api.grpc_server import build_grpc_server
 from hloserve.api.grpc_service import InferenceService
 from hloserve.api.health import worker_health
+from hloserve.api.model_plane import LocalModelPlane
+from hloserve.api.repository_plane import LocalRepositoryPlane
 from hloserve.api.rest.routes import build_app
 from hloserve.api.rest.server import RestServer
 from hloserve.api.shm_registry import ShmRegistry
@@ -47,7 +48,7 @@ from hloserve.engine.reloader import RepositoryWatcher
 from hloserve.engine.statistics import Statistics
 from hloserve.engine.tracing import open_tracing
 from hloserve.errors import ConfigError
-from hloserve.frontends.pool import Frontends
+from hloserve.frontends.pool import EnginePlanes, Frontends
 from hloserve.models import _xla
 from hloserve.models.executable_cache import ExecutableCache, default_directory
 from hloserve.models.programs import Programs
@@ -67,8 +68,8 @@ class Worker(ModelTable):
     """The bound KServe V2 REST port; None when REST is off (`server.http_port` -1)."""
     frontends: Frontends | None = None
     """With `server.frontends` >= 1: they see every change of the table before its call returns."""
-    inference: InferenceService | None = None
-    """The KServe V2 inference service: its counters and admission (what a frontend's link reaches)."""
+    planes: EnginePlanes | None = None
+    """The planes its gRPC and REST adapters serve through (and a frontend's link reaches)."""
 
     async def _changing(self, name: str, change: Awaitable[None]) -> None:
         """Apply a change of model `name`; if its entry changed, every frontend applies it too
@@ -95,7 +96,7 @@ class Worker(ModelTable):
         await self._changing(name, super().record_failure(name, reason))
 
     rest: RestServer | None = None
-    """The REST front end (its open connections), when it runs."""
+    """The REST server (its open connections), when it runs."""
 
 
 @asynccontextmanager
@@ -120,15 +121,14 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
     budget_bytes = resolve_budget(config, compiled)
     statistics.weight_budget_bytes = budget_bytes
     # The actors start empty: the models join them through the model table, as any load does.
+    weights = config.weights
     weight_cache = WeightCache(
-        {},
-        {},
-        budget_bytes,
-        config.weights.externally_managed,
         statistics,
-        scheduler.compaction_interval,
-        int(config.weights.shared_host_weights_mode, 8) if config.weights.shared_host_weights else None,
-        config.weights.pin_host_floors,
+        budget_bytes=budget_bytes,
+        externally_managed=weights.externally_managed,
+        compaction_interval=scheduler.compaction_interval,
+        share_mode=int(weights.shared_host_weights_mode, 8) if weights.shared_host_weights else None,
+        pin_host_floors=weights.pin_host_floors,
     )
     params = PolicyParams(
         scheduler.ema_halflife_s,
@@ -137,13 +137,11 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         scheduler.cost_ema_alpha,
     )
     dispatcher = Dispatcher(
-        {},
         statistics,
-        scheduler.discipline,
-        {},
-        params,
-        scheduler.gather_passes,
-        overlap_loads=config.weights.overlap_loads,
+        discipline=scheduler.discipline,
+        params=params,
+        gather_passes=scheduler.gather_passes,
+        overlap_loads=weights.overlap_loads,
     )
     async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
         dispatcher.use_weights(await nursery.start(supervised, "weight cache", weight_cache.run))
@@ -163,71 +161,84 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
         )
 
         metrics = Metrics(statistics, programs.__len__, server_config.metrics_max_models)
-        ready = sorted(n for n, e in entries.items() if e.ready)
-        metrics.models_loaded.set(len(ready))
-        metrics.models_failed.set(len(entries) - len(ready))
-        if server_config.metrics_port >= 0:
-            worker.metrics_port = await metrics.serve(
-                server_config.host,
-                server_config.metrics_port,
-                server_config.metrics_max_connections,
-                server_config.metrics_timeout_s,
-                server_context(server_config, "metrics"),
+        with ExitStack() as failing:  # what a failed start-up lets go of (kept once started)
+            failing.callback(metrics.close)
+            failing.callback(metas.close)
+            ready = sorted(n for n, e in entries.items() if e.ready)
+            metrics.models_loaded.set(len(ready))
+            metrics.models_failed.set(len(entries) - len(ready))
+            if server_config.metrics_port >= 0:
+                worker.metrics_port = await metrics.serve(
+                    server_config.host,
+                    server_config.metrics_port,
+                    server_config.metrics_max_connections,
+                    server_config.metrics_timeout_s,
+                    server_context(server_config, "metrics"),
+                )
+            tracing = open_tracing(config.tracing)
+            shm = (
+                ShmRegistry(
+                    server_config.shm_max_regions, server_config.shm_max_bytes, server_config.shm_owner_uids
+                )
+                if server_config.allow_client_shm
+                else None
             )
-        tracing = open_tracing(config.tracing)
-        shm = (
-            ShmRegistry(
-                server_config.shm_max_regions, server_config.shm_max_bytes, server_config.shm_owner_uids
+            data = LocalDataPlane(
+                config=config,
+                models=entries,
+                statistics=statistics,
+                metrics=metrics,
+                metas=metas,
+                shm=shm,
+                tracing=tracing,
             )
-            if server_config.allow_client_shm
-            else None
-        )
-        plane = LocalDataPlane(config, entries, statistics, metrics, metas, shm=shm, tracing=tracing)
-        engine = LocalEngineRpcs(worker, config, entries, statistics, shm)
-        service = worker.inference = InferenceService(plane, config, entries, statistics, worker, engine)
-        # grpclib looks up the event loop when constructed: build it inside trio-asyncio's loop.
-        server = build_grpc_server(
-            server_config,
-            [service, ControlService(worker)],
-            lambda draining: worker_health(entries, plane, server_config.max_health_watches, draining),
-        )
-        try:  # both read here, so a bad file stops the engine before any frontend starts
+            planes = worker.planes = EnginePlanes(
+                data,
+                LocalModelPlane(config=config, models=entries, statistics=statistics, host=worker),
+                LocalRepositoryPlane(
+                    host=worker, config=config, models=entries, statistics=statistics, shm=shm
+                ),
+            )
+            service = InferenceService(data=data, models=planes.models, repository=planes.repository)
+            # grpclib looks up the event loop when constructed: build it inside trio-asyncio's loop.
+            server = build_grpc_server(
+                server_config,
+                [service, ControlService(worker)],
+                lambda draining: worker_health(data, server_config.max_health_watches, draining),
+            )
+            # both read here, so a bad file stops the engine before any frontend starts
             grpc_tls = server_context(server_config, "grpc")
             server_context(server_config, "http")
-        except ConfigError:
-            metrics.close()
-            raise
-        rest = None
-        if server_config.http_port >= 0 and not server_config.frontends:  # else each frontend serves REST
-            # before gRPC: a failed bind cancels it with the nursery
-            app = build_app(plane, service, entries, server_config)
-            rest = worker.rest = RestServer(app, server_config)
+            rest = None
+            if server_config.http_port >= 0 and not server_config.frontends:  # else each frontend serves REST
+                # before gRPC: a failed bind cancels it with the nursery
+                app = build_app(
+                    data=data, models=planes.models, repository=planes.repository, config=server_config
+                )
+                rest = worker.rest = RestServer(app, server_config)
+                try:
+                    worker.http_port = await nursery.start(rest.run)
+                except OSError as e:
+                    raise ConfigError(
+                        "server.http_port",
+                        f"cannot listen on {server_config.host}:{server_config.http_port}: {e}",
+                    ) from None
+            frontends = None
+            if server_config.frontends:
+                frontends = worker.frontends = Frontends(worker, planes)
             try:
-                worker.http_port = await nursery.start(rest.run)
-            except OSError as e:
-                metrics.close()
+                if frontends is not None:  # the engine: K processes serve gRPC and REST, over links to it
+                    worker.grpc_port, http_port = await nursery.start(frontends.run)
+                    worker.http_port = None if http_port < 0 else http_port
+                else:
+                    await grpc_server.start(server, server_config, server_config.grpc_port, grpc_tls)
+                    worker.grpc_port = server.port
+            except OSError as e:  # (a port the frontends cannot have is a ConfigError already)
                 raise ConfigError(
-                    "server.http_port",
-                    f"cannot listen on {server_config.host}:{server_config.http_port}: {e}",
+                    "server.grpc_port",
+                    f"cannot listen on {server_config.host}:{server_config.grpc_port}: {e}",
                 ) from None
-        frontends = None
-        if server_config.frontends:
-            frontends = worker.frontends = Frontends(worker, plane, service)
-        try:
-            if frontends is not None:  # the engine: K processes serve gRPC and REST, over links to it
-                worker.grpc_port, http_port = await nursery.start(frontends.run)
-                worker.http_port = None if http_port < 0 else http_port
-            else:
-                await grpc_server.start(server, server_config, server_config.grpc_port, grpc_tls)
-                worker.grpc_port = server.port
-        except ConfigError:  # a port the frontends cannot have
-            metrics.close()
-            raise
-        except OSError as e:
-            metrics.close()
-            raise ConfigError(
-                "server.grpc_port", f"cannot listen on {server_config.host}:{server_config.grpc_port}: {e}"
-            ) from None
+            failing.pop_all()  # started: the shutdown below closes them
         if server_config.reload:
             watcher = RepositoryWatcher(
                 worker,

@@ -23,8 +23,8 @@ from support.servers import make_config
 
 from hloserve.config import ModelSettings
 from hloserve.engine.buffer_pool import BufferPool
-from hloserve.frontends.engine_end import EngineLink, EngineServices
-from hloserve.frontends.frontend_end import FrontendLink
+from hloserve.frontends.engine_link import EngineLink, EngineServices
+from hloserve.frontends.frontend_link import FrontendLink
 from hloserve.frontends.protocol import (
     HEADER,
     MAX_FRAME_BYTES,

@@ -33,7 +33,7 @@ def children(pid: int) -> list[int]:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == pid and "hloserve.frontends.process" in _cmdline(int(stat.parent.name)):
+        if int(fields[1]) == pid and "hloserve.frontends.frontend" in _cmdline(int(stat.parent.name)):
             found.append(int(stat.parent.name))
     return sorted(found)
 

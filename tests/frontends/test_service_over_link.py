@@ -25,16 +25,17 @@ from tritonclient.utils import InferenceServerException
 
 from hloserve._transport import grpclib_patches as _grpclib_patches
 from hloserve.api.data_plane import LocalDataPlane
-from hloserve.api.engine_rpcs import LocalEngineRpcs
 from hloserve.api.grpc_service import InferenceService
-from hloserve.api.proto_codec import KnownFieldsCodec
+from hloserve.api.model_plane import LocalModelPlane
+from hloserve.api.repository_plane import LocalRepositoryPlane
+from hloserve.api.wire_codec import KnownFieldsCodec
 from hloserve.config import ModelSettings
 from hloserve.engine.buffer_pool import BufferPool
 from hloserve.engine.meta import MetaModels
 from hloserve.engine.metrics import Metrics
 from hloserve.engine.policy import PolicyParams
-from hloserve.frontends.engine_end import EngineLink
-from hloserve.frontends.frontend_end import FrontendLink, execute_over
+from hloserve.frontends.engine_link import EngineLink
+from hloserve.frontends.frontend_link import FrontendLink, execute_over
 from hloserve.worker import serve
 
 
@@ -60,13 +61,14 @@ class FrontEndOverLink:
                     link = FrontendLink(trio.SocketStream(frontend_end), arena)
                     await nursery.start(link.run)
                     metas = MetaModels(worker.models, 1, 1, None, worker.statistics, PolicyParams())
+                    tables = {"config": self.config, "models": worker.models, "statistics": worker.statistics}
                     plane = LocalDataPlane(
-                        self.config, worker.models, worker.statistics, Metrics(worker.statistics),
-                        metas, execute_over(link),
-                    )  # fmt: skip
-                    engine = LocalEngineRpcs(worker, self.config, worker.models, worker.statistics)
+                        **tables, metrics=Metrics(worker.statistics), metas=metas, execute=execute_over(link)
+                    )
                     service = InferenceService(
-                        plane, self.config, worker.models, worker.statistics, worker, engine
+                        data=plane,
+                        models=LocalModelPlane(**tables, host=worker),
+                        repository=LocalRepositoryPlane(**tables, host=worker),
                     )
                     server = _grpclib_patches.GracefulServer(
                         [service],

@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the REST codec (`hloserve.api.rest.codec`): JSON and binary-extension
+"""Property-based fuzzing of the REST codec (`hloserve.api.rest.json_codec`): JSON and binary-extension
 request bodies, the `Inference-Header-Content-Length` parser, and answers.
 
 Whatever a client sends, every step from the body to the service's decoder either decodes it or
@@ -29,12 +29,12 @@ from support.numerics import assert_close
 
 from hloserve import dtypes
 from hloserve._proto.hot import hot_infer_pb2 as hot
-from hloserve.api.codec import bytes_contents, decode_request
-from hloserve.api.rest import codec as rest_codec
+from hloserve.api.rest import json_codec as rest_codec
 from hloserve.api.rest import messages as rest_messages
-from hloserve.api.rest.codec import RestInfer, decode_infer, encode_infer, header_length, parse_json
+from hloserve.api.rest.json_codec import RestInfer, decode_infer, encode_infer, header_length, parse_json
 from hloserve.api.rest.messages import _base64
 from hloserve.api.rest.routes import HTTP_STATUS, _error
+from hloserve.api.tensor_codec import bytes_contents, decode_request
 from hloserve.errors import InvalidInput, ModelNotFound, ShmDisabled, ShmRegionError
 from hloserve.models.manifest import Axis, TensorSpec
 

@@ -26,7 +26,7 @@ from support.numerics import assert_close
 from support.servers import ServerProcess, start_worker
 
 from hloserve._proto import inference as kserve
-from hloserve.api.rest import codec as rest_codec
+from hloserve.api.rest import json_codec as rest_codec
 from hloserve.api.rest import messages as rest_messages
 from hloserve.config import ServerConfig
 from hloserve.export.jax import InputSpec, OutputSpec, export_bundle

@@ -1,4 +1,7 @@
-"""The protocols: the data plane every adapter serves through (`data_plane`), the gRPC
-inference service and its server, the control service, health, the wire codec, the
-shared-memory registry, the error-to-status mapping; `rest/` holds the KServe V2 REST
-front end."""
+"""The protocols: the planes every adapter serves through (`data_plane`: inference and
+readiness; `model_plane`: metadata, configuration, statistics; `repository_plane`: the
+repository and shared-memory regions), the adapters over them (the gRPC inference service and
+its server, health, the control service, `rest/`), and the codecs named by what they translate
+(`tensor_codec`: ModelInfer messages to arrays; `wire_codec`: gRPC bytes to messages, whose
+tensors `viewed_request` leaves in the bytes received), the shared-memory registry and the
+error-to-status mapping."""

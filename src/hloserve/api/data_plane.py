@@ -1,12 +1,15 @@
 """The data plane: what every protocol adapter (the gRPC servicer, the REST routes, health) serves
-requests through, whichever process it runs in.
+inference and readiness through, whichever process it runs in.
 
 `DataPlane` is the protocol; `LocalDataPlane` its implementation over a model table: decode,
 limits, admission, `model.py` hooks and meta models, execute, encode, and the per-model counts.
 Its `Execute` step is where executable inputs go: the model's queue in the engine
-(`execute_on_queue`), the link in a frontend (`hloserve.frontends.frontend_end.execute_over`). A frontend
-and a node implement the protocol too (`hloserve.frontends.process.LinkedDataPlane`,
+(`execute_on_queue`), the link in a frontend (`hloserve.frontends.frontend_link.execute_over`). A frontend
+and a node implement the protocol too (`hloserve.frontends.frontend.LinkedDataPlane`,
 `hloserve.fleet.services.NodeDataPlane`).
+
+Every call an adapter serves is one `Call` (`with plane.call(rpc, model, traceparent) as call:`):
+the one place that labels, counts, times and traces a call, and ends its spans.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Protocol, TypeVar, TypeVarTuple
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Protocol, TypeVar, TypeVarTuple, final
 
 import numpy as np
 import trio
@@ -24,8 +29,9 @@ from prometheus_client import Counter, Histogram
 
 from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve.actors.messages import Infer
-from hloserve.api.codec import InferRequest, decode_request, encode_response, request_deadline
 from hloserve.api.shm_registry import ShmRegistry
+from hloserve.api.status import status_of
+from hloserve.api.tensor_codec import InferRequest, decode_request, encode_response, request_deadline
 from hloserve.config import Config
 from hloserve.engine.admission import Admission, Ticket
 from hloserve.engine.meta import MetaModels
@@ -33,7 +39,6 @@ from hloserve.engine.metrics import Metrics
 from hloserve.engine.pipeline import Route
 from hloserve.engine.statistics import Statistics
 from hloserve.errors import CannotMeetDeadline, InvalidInput, ModelNotFound, ModelNotReady, Overloaded, clip
-from hloserve.models import _xla
 
 if TYPE_CHECKING:
     from hloserve.actors.model_queue import ModelQueueHandle
@@ -41,10 +46,14 @@ if TYPE_CHECKING:
     from hloserve.engine.tracing import RequestSpans, Tracing
 
 __all__ = [
+    "UNKNOWN",
     "VERSIONS",
+    "Call",
     "DataPlane",
     "Execute",
+    "Job",
     "LocalDataPlane",
+    "Record",
     "check_version",
     "execute_on_queue",
     "find_entry",
@@ -55,47 +64,114 @@ __all__ = [
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
 
-Execute = Callable[
-    ["ModelEntry", list[np.ndarray], int, list[int], float | None, float, "RequestSpans | None"],
-    Awaitable[list[np.ndarray]],
-]
-"""How executable inputs reach the engine: `(entry, inputs, rows, outputs, deadline, now, spans)`
-to the outputs. `spans` is the request's trace, None when it is not traced."""
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A request's executable inputs on their way to the engine (`Execute`)."""
+
+    inputs: list[np.ndarray]
+    rows: int
+    outputs: list[int]
+    """The executable outputs asked for, by index."""
+    deadline: float | None
+    """When it must be answered (`time.monotonic()`; None: no deadline)..."""
+    now: float
+    """...as of when it was admitted."""
+    spans: RequestSpans | None = None
+    """The request's trace; None when it is not traced."""
+
+
+Execute = Callable[["ModelEntry", Job], Awaitable[list[np.ndarray]]]
+"""How executable inputs reach the engine: a model's entry and a `Job` to the outputs."""
 
 VERSIONS = ("", "1")
 """Every model has exactly one version, "1" ("" asks for the latest)."""
 
+UNKNOWN = "<unknown>"
+"""The model label of a call naming a model the table does not have (bounds the labels)."""
+
 _TRACEPARENT_MAX = 256  # a W3C traceparent is 55 characters; anything much longer is not one
+
+Record = Callable[[str, str, float], None]
+"""Where a finished call is counted: `(model label, status name, seconds)`."""
+
+
+def _uncounted(model: str, status: str, elapsed_s: float) -> None:
+    """A plane that counts nothing (a node's front: its workers count)."""
+
+
+@final
+class Call:
+    """One call an adapter serves, from `with plane.call(...) as call:` to the block's end: the
+    only place a call is labelled, counted, timed and traced.
+
+    On leaving the block the call is counted under its model's label (`UNKNOWN` for a model the
+    table lacks) with the status of what ended it: OK, the status its error stands for
+    (`hloserve.api.status.status_of`; INTERNAL when unexpected), or none at all when the client
+    went away (a cancellation, or an error whose status is CANCELLED), which is traced but not
+    counted. Its spans (`spans`, None when it is not traced) end with that status."""
+
+    __slots__ = ("_record", "_started", "model", "spans")
+
+    def __init__(self, model: str, spans: RequestSpans | None, record: Record) -> None:
+        self.model = model
+        """Its label: the model's name, or `UNKNOWN`."""
+        self.spans = spans
+        self._record = record
+        self._started = 0.0
+
+    def __enter__(self) -> Call:
+        self._started = time.perf_counter()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        elapsed = time.perf_counter() - self._started
+        if error is None:
+            status = "OK"
+        elif isinstance(error, Exception):
+            known = status_of(error)
+            status = "INTERNAL" if known is None else known.name
+        else:
+            status = "CANCELLED"  # a cancellation (asyncio's or trio's): the client went away
+        if status != "CANCELLED":
+            self._record(self.model, status, elapsed)
+        spans = self.spans
+        if spans is not None:
+            if error is None:
+                spans.mark("reply")
+            spans.end(status)
+
+
+def uncounted_call(rpc: str, model: str, traceparent: object = None, received_ns: int | None = None) -> Call:
+    """`DataPlane.call` of a plane that neither counts nor traces (a node's front)."""
+    return Call(UNKNOWN, None, _uncounted)
 
 
 class DataPlane(Protocol):
-    """What a protocol adapter needs to serve inference, readiness and a model's metadata."""
+    """What a protocol adapter needs to serve inference and readiness."""
 
-    @property
-    def tracing(self) -> Tracing | None:
-        """The process's traces (None: off)."""
+    def call(self, rpc: str, model: str, traceparent: object = None, received_ns: int | None = None) -> Call:
+        """The accounting of one call of `rpc` naming `model`: use it as `with plane.call(...) as
+        call:` around the whole call (see `Call`). Traced when tracing is on, under the client's
+        `traceparent` header if it sent one, from `received_ns` (`time.monotonic_ns()`; None: now)."""
         ...
-
-    @property
-    def platform(self) -> str:
-        """The platform models run on (ModelMetadata, ModelConfig)."""
-        ...
-
-    def trace_request(self, model: str, traceparent: object, started_ns: int) -> RequestSpans | None: ...
 
     async def infer(
         self, request: InferRequest, deadline: Deadline | None, spans: RequestSpans | None = None
     ) -> hot.ModelInferResponse:
-        """The answer to a ModelInfer; `deadline` is the transport's (gRPC's), if any."""
-        ...
-
-    def count(self, model: str, status: str, elapsed_s: float) -> None:
-        """Count one ModelInfer call that ended with `status` after `elapsed_s`."""
+        """The answer to a ModelInfer; `deadline` is the transport's (gRPC's), if any; `spans`
+        its call's (`Call.spans`)."""
         ...
 
     async def ready(self) -> bool: ...
 
     async def model_ready(self, name: str, version: str = "") -> bool: ...
+
+    def serves(self, name: str) -> bool:
+        """Whether `name` is a model of this plane's table, ready or not (health's question)."""
+        ...
 
 
 def check_version(model: str, version: str) -> None:
@@ -127,23 +203,15 @@ def ready_entry(models: Mapping[str, ModelEntry], name: str, version: str = "") 
     return entry
 
 
-async def execute_on_queue(
-    entry: ModelEntry,
-    inputs: list[np.ndarray],
-    rows: int,
-    outputs: list[int],
-    deadline: float | None,
-    now: float,
-    spans: RequestSpans | None = None,
-) -> list[np.ndarray]:
+async def execute_on_queue(entry: ModelEntry, job: Job) -> list[np.ndarray]:
     """`Execute` in the engine: queue executable inputs on the model's queue, await its outputs.
     A client that cancels or disconnects cancels the awaiting task, and so withdraws them."""
     queue = entry.queue
     assert queue is not None
     reply: asyncio.Future[list[np.ndarray]] = asyncio.get_running_loop().create_future()
-    queued = Infer(entry.name, inputs, rows, outputs, reply, now, deadline)
-    if spans is not None:
-        return await _execute_traced(queue, queued, spans)
+    queued = Infer(entry.name, job.inputs, job.rows, job.outputs, reply, job.now, job.deadline)
+    if job.spans is not None:
+        return await _execute_traced(queue, queued, job.spans)
     queue.submit_nowait(queued)
     reply.add_done_callback(lambda f: queue.withdraw_nowait(queued) if f.cancelled() else None)
     return await reply
@@ -180,20 +248,22 @@ def not_ready_because(entry: ModelEntry, config: Config, statistics: Statistics)
 
 
 class LocalDataPlane:
-    """The data plane over a model table (see the module docstring)."""
+    """The data plane over a model table (see the module docstring). Its calls are counted in
+    this process's metrics and statistics (`record`), or by `record` when given (a frontend's
+    go to the engine over the link)."""
 
     def __init__(
         self,
+        *,
         config: Config,
         models: Mapping[str, ModelEntry],
         statistics: Statistics,
         metrics: Metrics,
         metas: MetaModels,
         execute: Execute = execute_on_queue,
-        *,
         shm: ShmRegistry | None = None,
         tracing: Tracing | None = None,
-        platform: str | None = None,
+        record: Record | None = None,
     ) -> None:
         self._config = config
         self._models = models
@@ -203,7 +273,7 @@ class LocalDataPlane:
         self._execute = execute
         self._shm = shm
         self._tracing = tracing
-        self._platform = f"stablehlo_{platform or _xla.device().platform}"
+        self._record = record or self.record
         self._counters: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
         """(model, status) → its call counter and its model's duration histogram: prometheus's
         `labels()` lookup costs more than the count itself."""
@@ -215,22 +285,22 @@ class LocalDataPlane:
 
     @property
     def tracing(self) -> Tracing | None:
+        """The process's traces (None: off); the engine's link spans a frontend's `Run` with them."""
         return self._tracing
 
-    @property
-    def platform(self) -> str:
-        return self._platform
+    def call(self, rpc: str, model: str, traceparent: object = None, received_ns: int | None = None) -> Call:
+        label = model if model in self._models else UNKNOWN
+        spans = None
+        if self._tracing is not None:
+            if not isinstance(traceparent, str) or len(traceparent) > _TRACEPARENT_MAX:
+                traceparent = None
+            started_ns = time.monotonic_ns() if received_ns is None else received_ns
+            spans = self._tracing.request(rpc, label, traceparent, started_ns)
+        return Call(label, spans, self._record)
 
-    def trace_request(self, model: str, traceparent: object, started_ns: int) -> RequestSpans | None:
-        """The spans of a ModelInfer call that began at `started_ns` (`time.monotonic_ns()`),
-        parented by the client's `traceparent` header if it sent one; None when tracing is off."""
-        if self._tracing is None:
-            return None
-        if not isinstance(traceparent, str) or len(traceparent) > _TRACEPARENT_MAX:
-            traceparent = None
-        return self._tracing.request("ModelInfer", model, traceparent, started_ns)
-
-    def count(self, model: str, status: str, elapsed_s: float) -> None:
+    def record(self, model: str, status: str, elapsed_s: float) -> None:
+        """Count a finished call (`Record`) in this process's metrics and per-model statistics:
+        what every `Call` of this plane ends with, and what a frontend's link reports."""
         counters = self._counters.get((model, status))
         if counters is None:
             metrics = self._metrics
@@ -293,15 +363,14 @@ class LocalDataPlane:
                     spans.mark("preprocess", **{"hloserve.rows": rows})
                 entry.check_rows(rows, "preprocess")
                 outputs = await self._execute(
-                    entry, inputs, rows, route.executable_outputs, until, now, spans
+                    entry, Job(inputs, rows, route.executable_outputs, until, now, spans)
                 )
                 outputs = await _run_hook(hooks.postprocess, route.outward, outputs, decoded.rows)
                 if spans is not None:
                     spans.mark("postprocess")
             else:
-                outputs = await self._execute(
-                    entry, decoded.inputs, decoded.rows, decoded.outputs, until, now, spans
-                )
+                job = Job(decoded.inputs, decoded.rows, decoded.outputs, until, now, spans)
+                outputs = await self._execute(entry, job)
         finally:
             self._inflight -= 1
             self._admission.release(ticket)
@@ -338,6 +407,9 @@ class LocalDataPlane:
 
     async def ready(self) -> bool:
         return bool(self._models) and all(e.ready for e in self._models.values())
+
+    def serves(self, name: str) -> bool:
+        return name in self._models
 
     async def model_ready(self, name: str, version: str = "") -> bool:
         check_version(name, version)

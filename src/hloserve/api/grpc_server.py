@@ -12,7 +12,7 @@ from grpclib.config import Configuration
 
 from hloserve._transport import grpclib_patches as _grpclib_patches
 from hloserve._transport.h2_limits import CONNECTIONS
-from hloserve.api.proto_codec import KnownFieldsCodec
+from hloserve.api.wire_codec import KnownFieldsCodec
 from hloserve.config import ServerConfig
 from hloserve.restricted import Restrictions, restrict_grpc
 

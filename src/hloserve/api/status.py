@@ -20,7 +20,7 @@ from grpclib.exceptions import GRPCError
 
 from hloserve import errors
 
-__all__ = ["MAX_STATUS_MESSAGE_CHARS", "STATUS_BY_ERROR", "grpc_errors", "to_grpc_error"]
+__all__ = ["MAX_STATUS_MESSAGE_CHARS", "STATUS_BY_ERROR", "grpc_errors", "status_of", "to_grpc_error"]
 
 log = structlog.get_logger("hloserve.grpc")
 
@@ -51,14 +51,25 @@ STATUS_BY_ERROR: dict[type[Exception], Status] = {
 }
 
 
+def status_of(error: Exception) -> Status | None:
+    """The status `error` stands for (a GRPCError's own, or by `STATUS_BY_ERROR`); None when it
+    is unexpected (INTERNAL to the client)."""
+    if isinstance(error, GRPCError):
+        return error.status
+    for cls in type(error).__mro__:
+        status = STATUS_BY_ERROR.get(cls)
+        if status is not None:
+            return status
+    return None
+
+
 def to_grpc_error(error: Exception, rpc: str) -> GRPCError:
     """The GRPCError a client should see for `error` raised while serving `rpc`."""
     if isinstance(error, GRPCError):
         return GRPCError(error.status, error.message and _bounded(error.message), error.details)
-    for cls in type(error).__mro__:
-        status = STATUS_BY_ERROR.get(cls)
-        if status is not None:
-            return GRPCError(status, _bounded(str(error)))
+    status = status_of(error)
+    if status is not None:
+        return GRPCError(status, _bounded(str(error)))
     cause = _bounded(f"{type(error).__name__}: {error}")
     # The frames without the exception's own text, which may quote a client's megabyte.
     frames = "".join(traceback.format_tb(error.__traceback__))

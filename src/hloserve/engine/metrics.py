@@ -319,7 +319,7 @@ class Metrics:
         )
         self.request_seconds = prometheus_client.Histogram(
             "hloserve_request_duration_seconds",
-            "ModelInfer duration in the server, decode to encode",
+            "ModelInfer duration in the server, from its request read to its reply sent",
             ["model"],
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,

@@ -1,14 +1,16 @@
 """The model table: which models a worker serves, in which state, and the one way that changes.
 
-Each model is a `ModelEntry` in one of three states: `Loaded` (compiled, its queue running, the
-dispatcher executing it), `Meta` (a meta model's `run`, nothing for the dispatcher) or `Failed`
-(why it could not be loaded). Start-up and `load_model` take the same path: a bundle is read,
-its model.py run and it is compiled and warmed up outside the dispatch loop (`prepare`), then
-`ModelTable._put` adds it, or replaces the version served (which keeps serving if the new one
-fails before). `_remove` is the one way out. Loads, unloads, reloads and control calls naming
-one model apply one after another (`ModelTable._turn`).
+Each model is a `ModelEntry` in one of four states: `Loaded` (compiled, its queue running, the
+dispatcher executing it), `Remote` (a frontend's view of a model the engine serves: checked and
+admitted there, executed by the engine), `Meta` (a meta model's `run`, nothing for the
+dispatcher) or `Failed` (why it could not be loaded). Start-up and `load_model` take the same
+path: a bundle is read, its model.py run and it is compiled and warmed up outside the dispatch
+loop (`prepare`), then `ModelTable._put` adds it, or replaces the version served (which keeps
+serving if the new one fails before). `_remove` is the one way out. Loads, unloads, reloads
+and control calls naming one model apply one after another (`ModelTable._turn`).
 
-The front ends (gRPC services, health, the repository watcher) see a worker as a `ModelHost`.
+The planes (`hloserve.api`), the control service and the repository watcher see a worker as a
+`ModelHost`; the protocol adapters see only the planes.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ class Loaded:
 
 @dataclass(frozen=True, slots=True)
 class Remote:
-    """A model the engine serves, seen from a frontend: what the front end reads of it (its
+    """A model the engine serves, seen from a frontend: what its planes read of it (its
     requests' checks, admission, ModelConfig); executing it is the engine's."""
 
     bundle: Bundle
@@ -193,8 +195,8 @@ class ModelEntry:
 
 
 class ModelHost(Protocol):
-    """What the front ends need of a worker: its configuration, statistics and model table, and
-    the calls that change them (each applied between executions)."""
+    """What the planes and the control service need of a worker: its configuration, statistics
+    and model table, and the calls that change them (each applied between executions)."""
 
     @property
     def config(self) -> Config: ...
@@ -318,7 +320,7 @@ class ModelTable:
 
     @property
     def models(self) -> Mapping[str, ModelEntry]:
-        """Every model by name (one mapping for the worker's life: the front ends keep it)."""
+        """Every model by name (one mapping for the worker's life: the planes keep it)."""
         return self._entries
 
     async def start(self, prepared: Mapping[str, Prepared | Failed]) -> None:

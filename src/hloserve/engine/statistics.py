@@ -1,6 +1,6 @@
 """Per-model counters in Triton's shape, read by ModelStatistics and the Prometheus collector.
 
-Written only from the worker's event-loop thread (the front end and the dispatcher share it),
+Written only from the worker's event-loop thread (the planes and the dispatcher share it),
 so the counters need no lock; readers in other threads take `snapshot()` copies.
 """
 

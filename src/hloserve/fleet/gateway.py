@@ -25,7 +25,15 @@ from hloserve.engine import tracing
 from hloserve.fleet import envoy
 from hloserve.fleet.controller import Controller, WorkerLink
 from hloserve.fleet.http import NodeHttp
-from hloserve.fleet.services import ControlFront, GatewayFront, InferenceFront, NodeDataPlane, node_readiness
+from hloserve.fleet.services import (
+    ControlFront,
+    GatewayFront,
+    InferenceFront,
+    NodeDataPlane,
+    NodeModelPlane,
+    NodeRepositoryPlane,
+    node_readiness,
+)
 from hloserve.fleet.supervisor import Child, Supervisor
 from hloserve.fleet.workers import WorkerSpec, free_port
 from hloserve.restricted import Restrictions, restrict_grpc
@@ -132,7 +140,7 @@ async def run_front(
             controller.on_ready = inference.restore_regions
             rest_server = None
             if serves_http:  # the controller's REST: what Envoy's REST routes give no worker
-                # The REST routes call the same methods on InferenceFront as on a worker's service.
+                # The REST routes over the node's planes, as over a worker's.
                 # Behind Envoy, which terminates TLS; its restrictions are the node's.
                 settings = dataclasses.replace(
                     server_config,
@@ -141,7 +149,12 @@ async def run_front(
                     http_use_ssl=False,
                     http_use_ssl_mutual=False,
                 )
-                app = build_app(NodeDataPlane(controller), inference, {}, settings)
+                app = build_app(
+                    data=NodeDataPlane(controller),
+                    models=NodeModelPlane(inference),
+                    repository=NodeRepositoryPlane(inference),
+                    config=settings,
+                )
                 rest_server = RestServer(app, settings)
                 publish.controller_http = f"127.0.0.1:{await nursery.start(rest_server.run)}"
             publish({})

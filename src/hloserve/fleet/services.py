@@ -2,7 +2,8 @@
 
 Envoy sends here every request its routes do not give to a model's workers: the server-wide
 RPCs, the fan-outs, the control services, and requests for a model no worker serves; over REST
-too, where `rest.build_app` serves `NodeDataPlane` and `InferenceFront` as it serves a worker's. A worker's
+too, where `rest.build_app` serves the node's planes (`NodeDataPlane`, `NodeModelPlane`,
+`NodeRepositoryPlane`, over `InferenceFront`) as it serves a worker's. A worker's
 error reaches the client with the worker's status and message (prefixed with the worker's name
 where several answered).
 """
@@ -22,7 +23,8 @@ from hloserve._proto import hloserve_gateway as gateway
 from hloserve._proto import inference as kserve
 from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve._version import __version__
-from hloserve.api.codec import InferRequest
+from hloserve.api.data_plane import Call, uncounted_call
+from hloserve.api.tensor_codec import InferRequest
 from hloserve.fleet import placement as lpt
 from hloserve.fleet.controller import Controller, WorkerLink
 
@@ -31,6 +33,8 @@ __all__ = [
     "GatewayFront",
     "InferenceFront",
     "NodeDataPlane",
+    "NodeModelPlane",
+    "NodeRepositoryPlane",
     "merge_control_status",
     "node_readiness",
 ]
@@ -133,25 +137,17 @@ class NodeDataPlane:
     def __init__(self, controller: Controller) -> None:
         self._controller = controller
 
-    @property
-    def tracing(self) -> None:
-        """None: the node's front makes no spans; its workers (and Envoy) do."""
-        return None
+    def call(self, rpc: str, model: str, traceparent: object = None, received_ns: int | None = None) -> Call:
+        """Neither counted nor traced: its workers (and Envoy) count and trace."""
+        return uncounted_call(rpc, model)
 
-    @property
-    def platform(self) -> str:
-        return ""  # no model is served here
-
-    def trace_request(self, model: str, traceparent: object, started_ns: int) -> None:
-        return None
+    def serves(self, name: str) -> bool:
+        return False
 
     async def infer(
         self, request: InferRequest, deadline: Deadline | None, spans: object = None
     ) -> hot.ModelInferResponse:
         raise _not_served(request.model_name)
-
-    def count(self, model: str, status: str, elapsed_s: float) -> None:
-        """Nothing: the workers count the requests they serve."""
 
     async def ready(self) -> bool:
         return node_readiness(self._controller)[0]
@@ -344,6 +340,64 @@ class InferenceFront(kserve.GrpcInferenceServiceBase):
             except grpclib.GRPCError as e:
                 if e.status != Status.ALREADY_EXISTS:
                     raise
+
+
+class NodeModelPlane:
+    """The node's model plane (REST's): its workers' answers, through `InferenceFront`."""
+
+    def __init__(self, front: InferenceFront) -> None:
+        self._front = front
+
+    async def server_metadata(self) -> kserve.ServerMetadataResponse:
+        return await self._front.server_metadata(kserve.ServerMetadataRequest())
+
+    async def metadata(self, message: kserve.ModelMetadataRequest) -> kserve.ModelMetadataResponse:
+        return await self._front.model_metadata(message)
+
+    async def config(self, message: kserve.ModelConfigRequest) -> kserve.ModelConfigResponse:
+        return await self._front.model_config(message)
+
+    async def statistics(self, message: kserve.ModelStatisticsRequest) -> kserve.ModelStatisticsResponse:
+        return await self._front.model_statistics(message)
+
+    async def trace_settings(self, message: kserve.TraceSettingRequest) -> kserve.TraceSettingResponse:
+        return await self._front.trace_setting(message)
+
+
+class NodeRepositoryPlane:
+    """The node's repository plane (REST's): its workers', through `InferenceFront`."""
+
+    def __init__(self, front: InferenceFront) -> None:
+        self._front = front
+
+    def close(self) -> None:
+        """Nothing: the regions are the workers'."""
+
+    async def index(self, message: kserve.RepositoryIndexRequest) -> kserve.RepositoryIndexResponse:
+        return await self._front.repository_index(message)
+
+    async def load(self, message: kserve.RepositoryModelLoadRequest) -> kserve.RepositoryModelLoadResponse:
+        return await self._front.repository_model_load(message)
+
+    async def unload(
+        self, message: kserve.RepositoryModelUnloadRequest
+    ) -> kserve.RepositoryModelUnloadResponse:
+        return await self._front.repository_model_unload(message)
+
+    async def register_region(
+        self, message: kserve.SystemSharedMemoryRegisterRequest
+    ) -> kserve.SystemSharedMemoryRegisterResponse:
+        return await self._front.system_shared_memory_register(message)
+
+    async def region_status(
+        self, message: kserve.SystemSharedMemoryStatusRequest
+    ) -> kserve.SystemSharedMemoryStatusResponse:
+        return await self._front.system_shared_memory_status(message)
+
+    async def unregister_region(
+        self, message: kserve.SystemSharedMemoryUnregisterRequest
+    ) -> kserve.SystemSharedMemoryUnregisterResponse:
+        return await self._front.system_shared_memory_unregister(message)
 
 
 def merge_control_status(

@@ -2,7 +2,7 @@
 
 `Frontends.run` reserves the public gRPC and REST ports (bound, never listening, SO_REUSEPORT
 sockets: they keep the ports and take no connection), starts `server.frontends` processes of
-`hloserve.frontends.process`, each with its link (an `EngineLink` actor), and reports started once every
+`hloserve.frontends.frontend`, each with its link (an `EngineLink` actor), and reports started once every
 one listens. A frontend that dies is restarted with backoff, its arena unlinked and its in-flight
 requests forgotten. `publish` pushes a change of the model table to every frontend and waits
 for each to apply it; a frontend started later gets the table as it is. `drain` sends SIGTERM
@@ -21,7 +21,7 @@ import time
 from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import structlog
 import trio
@@ -32,16 +32,17 @@ from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve.api.control import ControlService
 from hloserve.engine.admission import Ticket
 from hloserve.errors import ConfigError, Overloaded
-from hloserve.frontends.engine_end import EngineLink, EngineServices
-from hloserve.frontends.protocol import ARENA_PREFIX, FORWARD, ModelSummary, Setup, TableChanged
+from hloserve.frontends.engine_link import EngineLink, EngineServices
+from hloserve.frontends.protocol import ARENA_PREFIX, FORWARD, EngineCalls, ModelSummary, Setup, TableChanged
 from hloserve.models import _xla
 
 if TYPE_CHECKING:
     from hloserve.api.data_plane import LocalDataPlane
-    from hloserve.api.grpc_service import InferenceService
+    from hloserve.api.model_plane import ModelPlane
+    from hloserve.api.repository_plane import RepositoryPlane
     from hloserve.engine.model_table import ModelEntry, ModelHost
 
-__all__ = ["Frontends"]
+__all__ = ["EnginePlanes", "Frontends", "engine_calls"]
 
 log = structlog.get_logger("hloserve.frontends")
 
@@ -62,50 +63,63 @@ def _summary(host: ModelHost, entry: ModelEntry) -> ModelSummary:
     )
 
 
-def engine_calls(
-    host: ModelHost, plane: LocalDataPlane, service: InferenceService
-) -> dict[str, Callable[[Any], Awaitable[Any]]]:
-    """The engine's service methods a frontend's `EngineCall` may name: the inference service's that
-    only the engine can answer, a whole ModelInfer (`FORWARD`), and the control service's."""
+class EnginePlanes(NamedTuple):
+    """The engine's planes, which its frontends' links reach: its data plane also admits and
+    counts every frontend's requests."""
+
+    data: LocalDataPlane
+    models: ModelPlane
+    repository: RepositoryPlane
+
+
+def engine_calls(host: ModelHost, planes: EnginePlanes) -> dict[str, Callable[[Any], Awaitable[Any]]]:
+    """What a frontend's `EngineCall` may name, each the engine's plane method that answers it: a
+    whole ModelInfer (`FORWARD`), and each of `EngineCalls`."""
+
+    data, models, repository = planes
 
     async def forwarded(argument: tuple[bytes, float | None]) -> bytes:
-        data, remaining = argument
+        request, remaining = argument
         deadline = None if remaining is None else Deadline.from_timeout(remaining)
-        response = await plane.infer(hot.ModelInferRequest.FromString(data), deadline)
+        response = await data.infer(hot.ModelInferRequest.FromString(request), deadline)
         return bytes(response.SerializeToString())
 
-    methods = (
-        "model_statistics",
-        "model_ready",
-        "repository_index",
-        "repository_model_load",
-        "repository_model_unload",
-        "system_shared_memory_register",
-        "system_shared_memory_status",
-        "system_shared_memory_unregister",
-    )
+    async def model_ready(argument: tuple[str, str]) -> bool:
+        return await data.model_ready(*argument)
+
     control = ControlService(host)
-    controls = ("model_control_status", "set_model_residency", "set_model_policy", "compact_memory")
-    return (
-        {FORWARD: forwarded}
-        | {name: getattr(service, name) for name in methods}
-        | {f"control.{name}": getattr(control, name) for name in controls}
-    )
+    calls: dict[str, Callable[[Any], Awaitable[Any]]] = {
+        FORWARD: forwarded,
+        EngineCalls.MODEL_READY: model_ready,
+        EngineCalls.STATISTICS: models.statistics,
+        EngineCalls.INDEX: repository.index,
+        EngineCalls.LOAD: repository.load,
+        EngineCalls.UNLOAD: repository.unload,
+        EngineCalls.REGISTER_REGION: repository.register_region,
+        EngineCalls.REGION_STATUS: repository.region_status,
+        EngineCalls.UNREGISTER_REGION: repository.unregister_region,
+        EngineCalls.CONTROL_STATUS: control.model_control_status,
+        EngineCalls.SET_RESIDENCY: control.set_model_residency,
+        EngineCalls.SET_POLICY: control.set_model_policy,
+        EngineCalls.COMPACT_MEMORY: control.compact_memory,
+    }
+    assert calls.keys() == {FORWARD, *EngineCalls}, "every call a frontend may name is answered"
+    return calls
 
 
 class Frontends:
     """The K frontend processes of one engine; see the module docstring."""
 
-    def __init__(self, host: ModelHost, plane: LocalDataPlane, service: InferenceService) -> None:
+    def __init__(self, host: ModelHost, planes: EnginePlanes) -> None:
         self._host = host
         self._config = host.config
-        self._plane = plane
+        self._plane = planes.data
         self._services = EngineServices(
-            plane.count,
-            engine_calls(host, plane, service),
-            self._admit,
-            self._release,
-            tracing=plane.tracing,
+            count=planes.data.record,
+            calls=engine_calls(host, planes),
+            admit=self._admit,
+            release=self._release,
+            tracing=planes.data.tracing,
         )
         self._processes: dict[int, Process] = {}
         self._links: set[EngineLink] = set()
@@ -199,9 +213,9 @@ class Frontends:
         try:
             # A frontend imports jax (bundles name its types) but never initialises a device: the
             # engine is the only process that touches it (on a GPU, XLA would take most of its
-            # memory). It sets its own parent-death signal (`hloserve.frontends.process.main`).
+            # memory). It sets its own parent-death signal (`hloserve.frontends.frontend.main`).
             process = Process(
-                [sys.executable, "-m", "hloserve.frontends.process", *argv],
+                [sys.executable, "-m", "hloserve.frontends.frontend", *argv],
                 env={**os.environ, "JAX_PLATFORMS": "cpu"},
                 stdin=subprocess.PIPE,
                 pass_fds=(frontend_end.fileno(),),

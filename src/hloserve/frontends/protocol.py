@@ -10,8 +10,8 @@ memory), copies a request's inputs into a slot once and names them by `TensorRef
 maps the arena, queues views of it and writes the outputs back into the region of the slot the
 frontend reserved.
 
-The ends: `hloserve.frontends.engine_end.EngineLink` (the engine's actor for one frontend) and
-`hloserve.frontends.frontend_end.FrontendLink` (the frontend's).
+The ends: `hloserve.frontends.engine_link.EngineLink` (the engine's actor for one frontend) and
+`hloserve.frontends.frontend_link.FrontendLink` (the frontend's).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import os
 import pickle
 import struct
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, NamedTuple, final
 
 import numpy as np
@@ -41,6 +42,7 @@ __all__ = [
     "ClientLeft",
     "Counted",
     "EngineCall",
+    "EngineCalls",
     "Errored",
     "FrameReader",
     "Hello",
@@ -62,11 +64,32 @@ MAX_FRAME_BYTES = 3 << 30
 bounded by `server.max_message_bytes`) or an output that did not fit comes near it."""
 FORWARD = "model_infer"
 """The `EngineCall` that forwards a whole ModelInfer to the engine (meta models, client regions)."""
+
+
+class EngineCalls(StrEnum):
+    """What else an `EngineCall` may name: what only the engine answers, each one method of one of
+    its planes or of its control service (`hloserve.frontends.pool.engine_calls` maps each)."""
+
+    MODEL_READY = "data.model_ready"
+    """`DataPlane.model_ready` for `(name, version)` (residency managed outside: the engine knows)."""
+    STATISTICS = "model.statistics"
+    INDEX = "repository.index"
+    LOAD = "repository.load"
+    UNLOAD = "repository.unload"
+    REGISTER_REGION = "repository.register_region"
+    REGION_STATUS = "repository.region_status"
+    UNREGISTER_REGION = "repository.unregister_region"
+    CONTROL_STATUS = "control.model_control_status"
+    SET_RESIDENCY = "control.set_model_residency"
+    SET_POLICY = "control.set_model_policy"
+    COMPACT_MEMORY = "control.compact_memory"
+
+
 ALIGNMENT = 64
 """Where tensors start in the arena (and outputs in a slot's reserved region)."""
 ARENA_PREFIX = "hloserve-f"
 """An arena's /dev/shm name: this, the frontend's index, its pid and a random token. The engine
-unlinks it once mapped (`hloserve.frontends.engine_end`)."""
+unlinks it once mapped (`hloserve.frontends.engine_link`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,8 +177,8 @@ class Counted:
 
 @dataclass(frozen=True, slots=True)
 class EngineCall:
-    """frontend → engine: answer the engine's own `method` of the service for `message` (an
-    RPC whose answer is the engine's, such as ModelStatistics)."""
+    """frontend → engine: answer `method` (`FORWARD` or one of `EngineCalls`) of the engine's for
+    `message` (an RPC whose answer is the engine's, such as ModelStatistics)."""
 
     method: str
     message: object

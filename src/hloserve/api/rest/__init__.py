@@ -1,2 +1,2 @@
-"""The KServe V2 REST front end: the routes and hypercorn server, the JSON/binary codec,
-the strict HTTP/1.1 parser and the zero-copy request view."""
+"""The KServe V2 REST adapter: the routes and hypercorn server, `json_codec` (REST bodies to
+ModelInfer messages) and the bounded bodies."""

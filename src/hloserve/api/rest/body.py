@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 from grpclib.const import Status
+from grpclib.exceptions import GRPCError
 
 from hloserve._transport.compression import WBITS
 from hloserve.api.rest.inflight import InFlight
@@ -34,9 +35,10 @@ _INLINE_INFLATE = 1 << 20
 a worker thread (a hop costs more than inflating a small body)."""
 
 
-class HttpRefusal(Exception):
+class HttpRefusal(GRPCError):
     """A request refused at the HTTP layer (its body or headers), before the service sees it;
-    `http` overrides the HTTP status that `status` maps to."""
+    `http` overrides the HTTP status that `status` maps to. A GRPCError, so that a call's
+    accounting (`hloserve.api.data_plane.Call`) reads its status as any other's."""
 
     def __init__(
         self,
@@ -45,12 +47,19 @@ class HttpRefusal(Exception):
         headers: Mapping[str, str] | None = None,
         http: int | None = None,
     ) -> None:
-        self.status, self.headers, self.http = status, dict(headers or {}), http
-        super().__init__(message)
+        super().__init__(status, message)
+        self.headers, self.http = dict(headers or {}), http
+
+    def __str__(self) -> str:
+        return self.message or ""
 
 
-class Disconnected(Exception):
-    """The client closed its connection while its request was being served."""
+class Disconnected(GRPCError):
+    """The client closed its connection while its request was being served: CANCELLED, as a
+    gRPC client's cancellation (traced, not counted)."""
+
+    def __init__(self) -> None:
+        super().__init__(Status.CANCELLED, "the client closed its connection")
 
 
 def response_encoding(accept: str | None) -> str | None:

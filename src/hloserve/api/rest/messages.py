@@ -15,7 +15,7 @@ import betterproto2
 
 from hloserve._proto import inference as kserve
 from hloserve.api.rest.body import HttpRefusal
-from hloserve.api.rest.codec import (
+from hloserve.api.rest.json_codec import (
     dismantle,
     no_collections,
     parse_json,

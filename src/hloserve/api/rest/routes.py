@@ -1,13 +1,15 @@
-"""The KServe V2 REST routes: an adapter over the data plane and the gRPC service.
+"""The KServe V2 REST routes: an adapter over the planes, as the gRPC service is.
 
-Inference is a bare ASGI handler; the other routes go through Starlette. Inference, readiness
-and the counts go through the data plane (`hloserve.api.data_plane`); every other route calls the
-gRPC service's method (with the betterproto2 messages), so checks, statistics, metrics and error
-classes are the gRPC ones. A gRPC status becomes an HTTP status as Triton maps its error codes
-(`HTTP_STATUS`), with a JSON `{"error": "..."}` body. Request bodies are read within the
-server's bounds (`hloserve.api.rest.body`). A client that disconnects while its inference is
-awaited cancels it, which withdraws it from its model's queue. Binary outputs are sent after the
-JSON header without joining them.
+Inference is a bare ASGI handler; the other routes go through Starlette. Inference and readiness
+go through the data plane (`hloserve.api.data_plane`), metadata, configuration, statistics and
+trace settings through the model plane (`hloserve.api.model_plane`), the repository and regions
+through the repository plane (`hloserve.api.repository_plane`), in the betterproto2 messages that
+gRPC carries, so checks, statistics and errors are the gRPC ones. A status becomes an HTTP status
+as Triton maps its error codes (`HTTP_STATUS`), with a JSON `{"error": "..."}` body. Request
+bodies are read within the server's bounds (`hloserve.api.rest.body`). A client that disconnects
+while its inference is awaited cancels it, which withdraws it from its model's queue. Binary
+outputs are sent after the JSON header without joining them. Each inference is one call of the
+data plane (`DataPlane.call`), which counts and traces it.
 """
 
 from __future__ import annotations
@@ -16,8 +18,7 @@ import asyncio
 import functools
 import json
 import re
-import time
-from collections.abc import Awaitable, Callable, Hashable, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, Hashable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from grpclib.const import Status
@@ -29,8 +30,10 @@ from starlette.routing import Route
 
 from hloserve._proto import inference as kserve
 from hloserve._proto.hot import hot_infer_pb2 as hot
+from hloserve.api.repository_plane import cuda_region_status, no_cuda_regions
 from hloserve.api.rest.body import BodyReader, Disconnected, HttpRefusal, Receive, compress, response_encoding
-from hloserve.api.rest.codec import (
+from hloserve.api.rest.inflight import InFlight
+from hloserve.api.rest.json_codec import (
     INLINE_JSON,
     decode_infer,
     encode_infer,
@@ -38,17 +41,16 @@ from hloserve.api.rest.codec import (
     json_output_bytes,
     parse_json,
 )
-from hloserve.api.rest.inflight import InFlight
 from hloserve.api.rest.messages import load_parameters, parse_fairly, stats_json, to_json
 from hloserve.api.status import to_grpc_error
 from hloserve.config import ServerConfig
 from hloserve.restricted import Restrictions, http_group, http_message
 
 if TYPE_CHECKING:
-    from hloserve.api.codec import InferRequest
-    from hloserve.api.data_plane import DataPlane
-    from hloserve.engine.model_table import ModelEntry
-    from hloserve.engine.tracing import RequestSpans
+    from hloserve.api.data_plane import Call, DataPlane
+    from hloserve.api.model_plane import ModelPlane
+    from hloserve.api.repository_plane import RepositoryPlane
+    from hloserve.api.tensor_codec import InferRequest
 
 __all__ = ["HTTP_STATUS", "App", "Routes", "build_app"]
 
@@ -100,18 +102,14 @@ _BINARY = [(b"content-type", b"application/octet-stream")]
 
 
 class Routes:
-    """The endpoints, bound to one data plane and one service."""
+    """The endpoints, bound to one process's planes."""
 
     def __init__(
-        self,
-        plane: DataPlane,
-        service: kserve.GrpcInferenceServiceBase,
-        models: Mapping[str, ModelEntry],
-        config: ServerConfig,
+        self, *, data: DataPlane, models: ModelPlane, repository: RepositoryPlane, config: ServerConfig
     ) -> None:
-        self._plane = plane
-        self._service = service
+        self._data = data
         self._models = models
+        self._repository = repository
         self.inflight = InFlight(config.http_body_timeout_s, config.http_idle_timeout_s)
         self.bodies = BodyReader(config, self.inflight)
 
@@ -145,52 +143,64 @@ class Routes:
     ) -> None:
         """POST .../infer as a bare ASGI handler: the hot path skips Starlette's routing,
         middleware and request objects."""
-        started = time.perf_counter()
-        label = model if model in self._models else "<unknown>"
         headers = {
             name.decode("latin-1"): value.decode("latin-1")
             for name, value in scope["headers"]
             if name in _INFER_HEADERS
         }
-        spans = None
-        if self._plane.tracing is not None:
-            spans = self._plane.trace_request(label, headers.get("traceparent"), time.monotonic_ns())
+        replying = False
         try:
-            length = header_length(headers.get(_HEADER_LENGTH), model)
-            if length is not None and length > self.bodies.json_limit:
-                raise self.bodies.too_large(
-                    f"the JSON header of {length} bytes", self.bodies.json_limit, "server.http_max_json_bytes"
+            with self._data.call("ModelInfer", model, headers.get("traceparent")) as call:
+                pieces, response_headers = await self._answer(model, version, headers, scope, receive, call)
+                replying = True
+                sending, task = self.inflight.sending, asyncio.current_task()
+                assert task is not None
+                sending[task] = (
+                    asyncio.get_running_loop().time() + self.inflight.body_timeout_s,
+                    scope["client"],
                 )
-            received = await self.bodies.read(
-                headers, receive, self.bodies.json_limit if length is None else None
-            )
-            if (len(received) if length is None else length) <= INLINE_JSON:
-                decoded = decode_infer(received, length, model, version)
-            else:  # the worker thread gives the loop the interpreter back (`parse_json(fair=True)`)
-                loop = asyncio.get_running_loop()
-                decoded = await loop.run_in_executor(None, decode_infer, received, length, model, version)
-            response = await self._unless_disconnected(decoded.request, scope["client"], spans)
-            if json_output_bytes(response, decoded) <= INLINE_JSON:
-                pieces, binary_length = encode_infer(response, decoded)
-            else:  # written a slice at a time in a worker thread, which gives the loop the interpreter
-                loop = asyncio.get_running_loop()
-                pieces, binary_length = await loop.run_in_executor(
-                    None, encode_infer, response, decoded, True
-                )
+                try:
+                    await _respond(send, 200, pieces, response_headers)
+                finally:
+                    sending.pop(task, None)
         except Disconnected:
-            if spans is not None:
-                spans.end("CANCELLED")
             return  # nobody to answer; as a cancelled gRPC call, it is not counted
         except Exception as e:
-            status, http, message, extra = _error(e, "ModelInfer")
-            self._plane.count(label, status.name, time.perf_counter() - started)
-            if spans is not None:
-                spans.end(status.name)
+            if replying:
+                raise
+            _, http, message, extra = _error(e, "ModelInfer")
             body = json.dumps({"error": message}).encode()
             extra_headers = [(k.lower().encode(), v.encode()) for k, v in extra.items()]
             await _respond(send, http, [body], _JSON + extra_headers)
-            return
-        self._plane.count(label, "OK", time.perf_counter() - started)
+
+    async def _answer(
+        self,
+        model: str,
+        version: str,
+        headers: dict[str, str],
+        scope: MutableMapping[str, Any],
+        receive: Receive,
+        call: Call,
+    ) -> tuple[list[bytes], list[tuple[bytes, bytes]]]:
+        """The answer to an inference request: its body's pieces and its headers."""
+        length = header_length(headers.get(_HEADER_LENGTH), model)
+        if length is not None and length > self.bodies.json_limit:
+            raise self.bodies.too_large(
+                f"the JSON header of {length} bytes", self.bodies.json_limit, "server.http_max_json_bytes"
+            )
+        received = await self.bodies.read(
+            headers, receive, self.bodies.json_limit if length is None else None
+        )
+        loop = asyncio.get_running_loop()
+        if (len(received) if length is None else length) <= INLINE_JSON:
+            decoded = decode_infer(received, length, model, version)
+        else:  # the worker thread gives the loop the interpreter back (`parse_json(fair=True)`)
+            decoded = await loop.run_in_executor(None, decode_infer, received, length, model, version)
+        response = await self._unless_disconnected(decoded.request, scope["client"], call)
+        if json_output_bytes(response, decoded) <= INLINE_JSON:
+            pieces, binary_length = encode_infer(response, decoded)
+        else:  # written a slice at a time in a worker thread, which gives the loop the interpreter
+            pieces, binary_length = await loop.run_in_executor(None, encode_infer, response, decoded, True)
         response_headers = _JSON if binary_length is None else _BINARY
         if binary_length is not None:
             response_headers = [*response_headers, (_HEADER_LENGTH_OUT, str(binary_length).encode())]
@@ -198,19 +208,10 @@ class Routes:
         if encoding is not None:
             pieces = [await compress(pieces, encoding)]
             response_headers = [*response_headers, (b"content-encoding", encoding.encode())]
-        sending, task = self.inflight.sending, asyncio.current_task()
-        assert task is not None
-        sending[task] = (asyncio.get_running_loop().time() + self.inflight.body_timeout_s, scope["client"])
-        try:
-            await _respond(send, 200, pieces, response_headers)
-        finally:
-            sending.pop(task, None)
-        if spans is not None:
-            spans.mark("reply")
-            spans.end()
+        return pieces, response_headers
 
     async def _unless_disconnected(
-        self, request: InferRequest, client: Hashable, spans: RequestSpans | None = None
+        self, request: InferRequest, client: Hashable, call: Call
     ) -> hot.ModelInferResponse:
         """The service's answer; a client that disconnects meanwhile cancels it, so that a
         request still in its model's queue is withdrawn (as a gRPC cancellation withdraws one)."""
@@ -218,7 +219,7 @@ class Routes:
         assert task is not None
         serving[client] = task
         try:
-            return await self._plane.infer(request, None, spans)
+            return await self._data.infer(request, None, call.spans)
         except asyncio.CancelledError:
             if not self.inflight.ours(task):
                 raise
@@ -231,15 +232,13 @@ class Routes:
     # -- health and metadata -------------------------------------------------------------------
 
     async def live(self, request: Request) -> Response:
-        reply = await self._service.server_live(kserve.ServerLiveRequest())
-        return Response(status_code=200 if reply.live else 400)
+        return Response(status_code=200)  # it answers: it lives
 
     async def ready(self, request: Request) -> Response:
-        return Response(status_code=200 if await self._plane.ready() else 400)
+        return Response(status_code=200 if await self._data.ready() else 400)
 
     async def server_metadata(self, request: Request) -> Response:
-        reply = await self._service.server_metadata(kserve.ServerMetadataRequest())
-        return JSONResponse(to_json(reply))
+        return JSONResponse(to_json(await self._models.server_metadata()))
 
     @staticmethod
     def _model(request: Request) -> tuple[str, str]:
@@ -247,21 +246,21 @@ class Routes:
 
     async def model_ready(self, request: Request) -> Response:
         name, version = self._model(request)
-        return Response(status_code=200 if await self._plane.model_ready(name, version) else 400)
+        return Response(status_code=200 if await self._data.model_ready(name, version) else 400)
 
     async def model_metadata(self, request: Request) -> Response:
         name, version = self._model(request)
-        reply = await self._service.model_metadata(kserve.ModelMetadataRequest(name, version))
+        reply = await self._models.metadata(kserve.ModelMetadataRequest(name, version))
         return JSONResponse(to_json(reply))
 
     async def model_config(self, request: Request) -> Response:
         name, version = self._model(request)
-        reply = await self._service.model_config(kserve.ModelConfigRequest(name, version))
+        reply = await self._models.config(kserve.ModelConfigRequest(name, version))
         return JSONResponse(to_json(reply)["config"])  # Triton answers the config itself
 
     async def model_stats(self, request: Request) -> Response:
         name, version = request.path_params.get("model", ""), request.path_params.get("version", "")
-        reply = await self._service.model_statistics(kserve.ModelStatisticsRequest(name, version))
+        reply = await self._models.statistics(kserve.ModelStatisticsRequest(name, version))
         return JSONResponse(stats_json(reply))
 
     async def trace_setting(self, request: Request) -> Response:
@@ -277,7 +276,7 @@ class Routes:
             },
             request.path_params.get("model", ""),
         )
-        reply = await self._service.trace_setting(message)
+        reply = await self._models.trace_settings(message)
         return JSONResponse(
             {k: v.value if k == "trace_level" else "".join(v.value) for k, v in reply.settings.items()}
         )
@@ -288,7 +287,7 @@ class Routes:
         ready = (await self._json(request)).get("ready", False)
         if not isinstance(ready, bool):
             raise HttpRefusal("Invalid value for 'ready': expected a boolean")
-        reply = await self._service.repository_index(kserve.RepositoryIndexRequest(ready=ready))
+        reply = await self._repository.index(kserve.RepositoryIndexRequest(ready=ready))
         return JSONResponse(to_json(reply)["models"])
 
     async def load(self, request: Request) -> Response:
@@ -305,20 +304,20 @@ class Routes:
         message = kserve.RepositoryModelLoadRequest(
             model_name=request.path_params["model"], parameters=decoded
         )
-        await self._service.repository_model_load(message)
+        await self._repository.load(message)
         return Response()
 
     async def unload(self, request: Request) -> Response:
         await self._json(request)
         name = request.path_params["model"]
-        await self._service.repository_model_unload(kserve.RepositoryModelUnloadRequest(model_name=name))
+        await self._repository.unload(kserve.RepositoryModelUnloadRequest(model_name=name))
         return Response()
 
     # -- system shared memory ------------------------------------------------------------------
 
     async def shm_status(self, request: Request) -> Response:
         name = request.path_params.get("region", "")
-        reply = await self._service.system_shared_memory_status(kserve.SystemSharedMemoryStatusRequest(name))
+        reply = await self._repository.region_status(kserve.SystemSharedMemoryStatusRequest(name))
         return JSONResponse([to_json(r) for r in reply.regions.values()])
 
     async def shm_register(self, request: Request) -> Response:
@@ -331,27 +330,23 @@ class Routes:
                 raise HttpRefusal(f"Shared memory register request needs '{field}', an integer >= 0")
         assert isinstance(size, int)
         message = kserve.SystemSharedMemoryRegisterRequest(request.path_params["region"], key, offset, size)
-        await self._service.system_shared_memory_register(message)
+        await self._repository.register_region(message)
         return Response()
 
     async def shm_unregister(self, request: Request) -> Response:
         name = request.path_params.get("region", "")
-        await self._service.system_shared_memory_unregister(kserve.SystemSharedMemoryUnregisterRequest(name))
+        await self._repository.unregister_region(kserve.SystemSharedMemoryUnregisterRequest(name))
         return Response()
 
     async def cuda_shm_status(self, request: Request) -> Response:
-        name = request.path_params.get("region", "")
-        await self._service.cuda_shared_memory_status(kserve.CudaSharedMemoryStatusRequest(name))
+        cuda_region_status(request.path_params.get("region", ""))
         return JSONResponse([])
 
     async def cuda_shm_unregister(self, request: Request) -> Response:
-        name = request.path_params.get("region", "")
-        await self._service.cuda_shared_memory_unregister(kserve.CudaSharedMemoryUnregisterRequest(name))
-        return Response()
+        return Response()  # nothing is registered: done
 
     async def cuda_shm(self, request: Request) -> Response:
-        await self._service.cuda_shared_memory_register(kserve.CudaSharedMemoryRegisterRequest())
-        raise AssertionError("unreachable")  # it answers UNIMPLEMENTED
+        raise no_cuda_regions("CudaSharedMemoryRegister")
 
 
 _JOIN_BYTES = 1 << 16
@@ -390,13 +385,10 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 def build_app(
-    plane: DataPlane,
-    service: kserve.GrpcInferenceServiceBase,
-    models: Mapping[str, ModelEntry],
-    config: ServerConfig,
+    *, data: DataPlane, models: ModelPlane, repository: RepositoryPlane, config: ServerConfig
 ) -> App:
-    """The Starlette application of the V2 REST protocol over `plane` and `service`."""
-    r = Routes(plane, service, models, config)
+    """The Starlette application of the V2 REST protocol over a process's planes."""
+    r = Routes(data=data, models=models, repository=repository, config=config)
 
     def get(path: str, handler: Handler, rpc: str) -> Route:
         return Route(path, _endpoint(handler, rpc), methods=["GET"])

@@ -28,10 +28,10 @@ from hypercorn.asyncio.worker_context import WorkerContext
 from hypercorn.events import Closed
 from hypercorn.protocol.h2 import H2Protocol
 
+from hloserve._transport import h11_strict as _h11_strict
 from hloserve._transport.h2_limits import CONNECTIONS, default_max_connections
+from hloserve._transport.h11_strict import Refused, StrictH11
 from hloserve._transport.requirements import Requires, check
-from hloserve.api.rest import http1 as _rest_http1
-from hloserve.api.rest.http1 import Refused, StrictH11
 from hloserve.api.rest.inflight import InFlight
 from hloserve.api.rest.routes import App
 from hloserve.config import ServerConfig
@@ -205,7 +205,7 @@ class RestServer:
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         """Bind, report the bound port, serve until stopped; an address in use raises OSError."""
-        check(REQUIRES, _rest_http1.REQUIRES)
+        check(REQUIRES, _h11_strict.REQUIRES)
         settings = hypercorn.config.Config()
         settings.graceful_timeout = self._config.shutdown_grace_s
         settings.h11_max_incomplete_size = self._config.http_max_header_bytes

@@ -1,4 +1,4 @@
-"""A frontend process (docs/frontends.md): `python -m hloserve.frontends.process LINK_FD PORT HTTP_PORT`.
+"""A frontend process (docs/frontends.md): `python -m hloserve.frontends.frontend LINK_FD PORT HTTP_PORT`.
 
 Started by the engine (`hloserve.frontends.pool`), which writes the configuration and a summary of its
 model table to the process's stdin and hands it one end of a socketpair. The frontend dies with
@@ -18,7 +18,7 @@ import signal
 import socket
 import sys
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import TypeVar, cast
 
 import trio
 import trio_asyncio
@@ -32,13 +32,15 @@ from hloserve._transport import grpclib_patches as _grpclib_patches
 from hloserve._transport import trio_asyncio_patches as _trio_asyncio_patches
 from hloserve.allocator import keep_freed_memory, settle_heap
 from hloserve.api import grpc_server
-from hloserve.api.codec import SHM_REGION, InferRequest
-from hloserve.api.data_plane import LocalDataPlane
+from hloserve.api.data_plane import Call, LocalDataPlane
 from hloserve.api.grpc_server import build_grpc_server
 from hloserve.api.grpc_service import InferenceService
 from hloserve.api.health import worker_health
+from hloserve.api.model_plane import LocalModelPlane
+from hloserve.api.repository_plane import index_of
 from hloserve.api.rest.routes import build_app
 from hloserve.api.rest.server import RestServer
+from hloserve.api.tensor_codec import SHM_REGION, InferRequest
 from hloserve.config import Config
 from hloserve.engine.buffer_pool import BufferPool
 from hloserve.engine.meta import MetaModels
@@ -46,9 +48,9 @@ from hloserve.engine.metrics import Metrics
 from hloserve.engine.model_table import Failed, Meta, ModelEntry, Remote, _registration
 from hloserve.engine.policy import PolicyParams
 from hloserve.engine.statistics import Statistics
-from hloserve.engine.tracing import RequestSpans, Tracing, open_tracing
-from hloserve.frontends.frontend_end import FrontendLink, execute_over
-from hloserve.frontends.protocol import ARENA_PREFIX, FORWARD, Listening, ModelSummary, Setup
+from hloserve.engine.tracing import RequestSpans, open_tracing
+from hloserve.frontends.frontend_link import FrontendLink, execute_over
+from hloserve.frontends.protocol import ARENA_PREFIX, FORWARD, EngineCalls, Listening, ModelSummary, Setup
 from hloserve.tls import server_context
 
 __all__: list[str] = []
@@ -56,6 +58,8 @@ __all__: list[str] = []
 ARENA_BYTES = 256 << 20
 """Each frontend's shared-memory arena (sparse: pages are used only as requests need them)."""
 ARENA_SLOTS = 256
+
+R = TypeVar("R")
 
 
 def _entry(summary: ModelSummary) -> ModelEntry:
@@ -80,34 +84,36 @@ def _names_a_region(request: InferRequest) -> bool:
     )
 
 
+class _OverLink:
+    """The engine's answers to the calls only it can answer (`EngineCalls`), over the link."""
+
+    def __init__(self, link: FrontendLink) -> None:
+        self._call = trio_asyncio.trio_as_aio(link.call)
+
+    async def __call__(self, method: str, message: object, reply: type[R]) -> R:
+        return cast(R, await self._call(method, message))
+
+
 class LinkedDataPlane:
     """A frontend's data plane: ModelInfer decoded, checked and run through `model.py` here, its
     executable inputs sent to the engine over the link (`execute_over`) and its calls counted
-    by the engine; a request only the engine can serve (a meta model's, one naming a client's
-    shared-memory region) forwarded whole; readiness the engine's when it manages residency."""
+    by the engine (`local` records them over the link); a request only the engine can serve (a
+    meta model's, one naming a client's shared-memory region) forwarded whole; readiness the
+    engine's when it manages residency."""
 
     def __init__(
         self, link: FrontendLink, local: LocalDataPlane, config: Config, models: Mapping[str, ModelEntry]
     ) -> None:
-        self._link = link
         self._local = local
         self._config = config
         self._models = models
-        self._call = trio_asyncio.trio_as_aio(link.call)
+        self._engine = _OverLink(link)
 
-    @property
-    def tracing(self) -> Tracing | None:
-        return self._local.tracing
+    def call(self, rpc: str, model: str, traceparent: object = None, received_ns: int | None = None) -> Call:
+        return self._local.call(rpc, model, traceparent, received_ns)
 
-    @property
-    def platform(self) -> str:
-        return self._local.platform  # the engine's device, never one of ours
-
-    def trace_request(self, model: str, traceparent: object, started_ns: int) -> RequestSpans | None:
-        return self._local.trace_request(model, traceparent, started_ns)
-
-    def count(self, model: str, status: str, elapsed_s: float) -> None:
-        self._link.count(model, status, elapsed_s)
+    def serves(self, name: str) -> bool:
+        return self._local.serves(name)
 
     async def infer(
         self, request: InferRequest, deadline: Deadline | None, spans: RequestSpans | None = None
@@ -117,8 +123,8 @@ class LinkedDataPlane:
         regions = self._config.server.allow_client_shm and _names_a_region(request)
         if (entry is not None and entry.meta_run is not None) or regions:
             remaining = None if deadline is None else deadline.time_remaining()
-            reply = await self._call(FORWARD, (request.SerializeToString(), remaining))
-            return hot.ModelInferResponse.FromString(cast(bytes, reply))
+            reply = await self._engine(FORWARD, (request.SerializeToString(), remaining), bytes)
+            return hot.ModelInferResponse.FromString(reply)
         return await self._local.infer(request, deadline, spans)
 
     async def ready(self) -> bool:
@@ -126,88 +132,106 @@ class LinkedDataPlane:
 
     async def model_ready(self, name: str, version: str = "") -> bool:
         if self._config.weights.externally_managed:  # ready means resident: the engine knows
-            reply = await self._call("model_ready", kserve.ModelReadyRequest(name, version))
-            return bool(cast(kserve.ModelReadyResponse, reply).ready)
+            return await self._engine(EngineCalls.MODEL_READY, (name, version), bool)
         return await self._local.model_ready(name, version)
 
 
-class EngineOverLink:
-    """A frontend's `EngineRpcs`: what only the engine holds (statistics, loads, shared-memory
-    regions, and readiness where it manages residency) answered by the engine over the link,
-    with the statuses it would give."""
+class LinkedModelPlane:
+    """A frontend's model plane: metadata, configuration and trace settings from its own table
+    (`local`), statistics the engine's (which counts every frontend's calls)."""
 
-    def __init__(self, link: FrontendLink, config: Config) -> None:
-        self._call = trio_asyncio.trio_as_aio(link.call)
-        self._externally_managed = config.weights.externally_managed
+    def __init__(self, link: FrontendLink, local: LocalModelPlane) -> None:
+        self._local = local
+        self._engine = _OverLink(link)
+
+    async def server_metadata(self) -> kserve.ServerMetadataResponse:
+        return await self._local.server_metadata()
+
+    async def metadata(self, message: kserve.ModelMetadataRequest) -> kserve.ModelMetadataResponse:
+        return await self._local.metadata(message)
+
+    async def config(self, message: kserve.ModelConfigRequest) -> kserve.ModelConfigResponse:
+        return await self._local.config(message)
+
+    async def trace_settings(self, message: kserve.TraceSettingRequest) -> kserve.TraceSettingResponse:
+        return await self._local.trace_settings(message)
+
+    async def statistics(self, message: kserve.ModelStatisticsRequest) -> kserve.ModelStatisticsResponse:
+        return await self._engine(EngineCalls.STATISTICS, message, kserve.ModelStatisticsResponse)
+
+
+class LinkedRepositoryPlane:
+    """A frontend's repository plane: loads, unloads and the client's regions are the engine's,
+    answered over the link with the statuses it would give; the index is this frontend's table
+    (the engine's, as pushed), unless the engine manages residency (readiness is residency)."""
+
+    def __init__(
+        self, link: FrontendLink, config: Config, models: Mapping[str, ModelEntry], statistics: Statistics
+    ) -> None:
+        self._engine = _OverLink(link)
+        self._config = config
+        self._models = models
+        self._statistics = statistics
 
     def close(self) -> None:
         """Nothing: the regions are the engine's."""
 
-    async def model_statistics(
-        self, message: kserve.ModelStatisticsRequest
-    ) -> kserve.ModelStatisticsResponse:
-        return cast(kserve.ModelStatisticsResponse, await self._call("model_statistics", message))
+    async def index(self, message: kserve.RepositoryIndexRequest) -> kserve.RepositoryIndexResponse:
+        if self._config.weights.externally_managed:
+            return await self._engine(EngineCalls.INDEX, message, kserve.RepositoryIndexResponse)
+        return await index_of(self._models, self._config, self._statistics, message.ready)
 
-    async def repository_index(
-        self, message: kserve.RepositoryIndexRequest
-    ) -> kserve.RepositoryIndexResponse | None:
-        if not self._externally_managed:
-            return None  # this frontend's table knows what is ready
-        return cast(kserve.RepositoryIndexResponse, await self._call("repository_index", message))
+    async def load(self, message: kserve.RepositoryModelLoadRequest) -> kserve.RepositoryModelLoadResponse:
+        return await self._engine(EngineCalls.LOAD, message, kserve.RepositoryModelLoadResponse)
 
-    async def repository_model_load(
-        self, message: kserve.RepositoryModelLoadRequest
-    ) -> kserve.RepositoryModelLoadResponse:
-        return cast(kserve.RepositoryModelLoadResponse, await self._call("repository_model_load", message))
-
-    async def repository_model_unload(
+    async def unload(
         self, message: kserve.RepositoryModelUnloadRequest
     ) -> kserve.RepositoryModelUnloadResponse:
-        return cast(
-            kserve.RepositoryModelUnloadResponse, await self._call("repository_model_unload", message)
-        )
+        return await self._engine(EngineCalls.UNLOAD, message, kserve.RepositoryModelUnloadResponse)
 
-    async def system_shared_memory_register(
+    async def register_region(
         self, message: kserve.SystemSharedMemoryRegisterRequest
     ) -> kserve.SystemSharedMemoryRegisterResponse:
-        reply = await self._call("system_shared_memory_register", message)
-        return cast(kserve.SystemSharedMemoryRegisterResponse, reply)
+        reply = kserve.SystemSharedMemoryRegisterResponse
+        return await self._engine(EngineCalls.REGISTER_REGION, message, reply)
 
-    async def system_shared_memory_status(
+    async def region_status(
         self, message: kserve.SystemSharedMemoryStatusRequest
     ) -> kserve.SystemSharedMemoryStatusResponse:
-        reply = await self._call("system_shared_memory_status", message)
-        return cast(kserve.SystemSharedMemoryStatusResponse, reply)
+        reply = kserve.SystemSharedMemoryStatusResponse
+        return await self._engine(EngineCalls.REGION_STATUS, message, reply)
 
-    async def system_shared_memory_unregister(
+    async def unregister_region(
         self, message: kserve.SystemSharedMemoryUnregisterRequest
     ) -> kserve.SystemSharedMemoryUnregisterResponse:
-        reply = await self._call("system_shared_memory_unregister", message)
-        return cast(kserve.SystemSharedMemoryUnregisterResponse, reply)
+        reply = kserve.SystemSharedMemoryUnregisterResponse
+        return await self._engine(EngineCalls.UNREGISTER_REGION, message, reply)
 
 
 class ControlOverLink(hc.ControlServiceBase):
     """`hloserve_control.ControlService` on a frontend: every call is the engine's, answered by
-    its own control service over the link (`control.` and the method's name)."""
+    its own control service over the link."""
 
     def __init__(self, link: FrontendLink) -> None:
-        self._call = trio_asyncio.trio_as_aio(link.call)
+        self._engine = _OverLink(link)
 
-    async def model_control_status(self, message: hc.ModelControlStatusRequest) -> Any:
-        return await self._call("control.model_control_status", message)
+    async def model_control_status(
+        self, message: hc.ModelControlStatusRequest
+    ) -> hc.ModelControlStatusResponse:
+        return await self._engine(EngineCalls.CONTROL_STATUS, message, hc.ModelControlStatusResponse)
 
-    async def set_model_residency(self, message: hc.SetModelResidencyRequest) -> Any:
-        return await self._call("control.set_model_residency", message)
+    async def set_model_residency(self, message: hc.SetModelResidencyRequest) -> hc.SetModelResidencyResponse:
+        return await self._engine(EngineCalls.SET_RESIDENCY, message, hc.SetModelResidencyResponse)
 
-    async def set_model_policy(self, message: hc.SetModelPolicyRequest) -> Any:
-        return await self._call("control.set_model_policy", message)
+    async def set_model_policy(self, message: hc.SetModelPolicyRequest) -> hc.SetModelPolicyResponse:
+        return await self._engine(EngineCalls.SET_POLICY, message, hc.SetModelPolicyResponse)
 
-    async def compact_memory(self, message: hc.CompactMemoryRequest) -> Any:
-        return await self._call("control.compact_memory", message)
+    async def compact_memory(self, message: hc.CompactMemoryRequest) -> hc.CompactMemoryResponse:
+        return await self._engine(EngineCalls.COMPACT_MEMORY, message, hc.CompactMemoryResponse)
 
 
 class _Host:
-    """The host a frontend's service reads (`ServiceHost`): the configuration as loads changed it."""
+    """The host a frontend's model plane reads (`ConfigHost`): the configuration as loads changed it."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -251,22 +275,28 @@ async def _serve(link_fd: int, port: int, http_port: int, setup: Setup) -> None:
             tracing = open_tracing(config.tracing)
             metas = MetaModels(models, 1, 1, None, statistics, PolicyParams())
             local = LocalDataPlane(
-                config,
-                models,
-                statistics,
-                Metrics(statistics),
-                metas,
-                execute_over(link),
+                config=config,
+                models=models,
+                statistics=statistics,
+                metrics=Metrics(statistics),
+                metas=metas,
+                execute=execute_over(link),
                 tracing=tracing,
-                platform=setup.platform,
+                record=link.count,  # the engine counts every frontend's calls
             )
-            plane = LinkedDataPlane(link, local, config, models)
-            engine = EngineOverLink(link, config)
-            service = InferenceService(plane, config, models, statistics, host, engine)
+            data = LinkedDataPlane(link, local, config, models)
+            model_plane = LinkedModelPlane(
+                link,
+                LocalModelPlane(
+                    config=config, models=models, statistics=statistics, host=host, platform=setup.platform
+                ),
+            )
+            repository = LinkedRepositoryPlane(link, config, models, statistics)
+            service = InferenceService(data=data, models=model_plane, repository=repository)
             server = build_grpc_server(  # as the single process's
                 config.server,
                 [service, ControlOverLink(link)],
-                lambda draining: worker_health(models, plane, config.server.max_health_watches, draining),
+                lambda draining: worker_health(data, config.server.max_health_watches, draining),
             )
             await grpc_server.start(
                 server, config.server, port, server_context(config.server, "grpc"), reuse_port=True
@@ -274,9 +304,8 @@ async def _serve(link_fd: int, port: int, http_port: int, setup: Setup) -> None:
             rest = None
             if http_port >= 0:
                 rest_config = dataclasses.replace(config.server, http_port=http_port)
-                rest = RestServer(
-                    build_app(plane, service, models, rest_config), rest_config, reuse_port=True
-                )
+                app = build_app(data=data, models=model_plane, repository=repository, config=rest_config)
+                rest = RestServer(app, rest_config, reuse_port=True)
                 await nursery.start(rest.run)
             settle_heap()  # as the engine does: startup's objects out of the collector's walks
             await link.announce(Listening())

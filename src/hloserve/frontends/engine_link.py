@@ -1,7 +1,8 @@
-"""The engine's end of a frontend's link (`hloserve.frontends.protocol`): `EngineLink`, an actor like the
-queues and the dispatcher, turns each `Run` into the `Infer` the in-process front end sends and
-answers each request once; `EngineCall`s reach the engine's own services, and `push` sends a frontend
-the changes of the model table."""
+"""The engine's end of a frontend's link (`hloserve.frontends.protocol`): `EngineLink`, an actor
+like the queues and the dispatcher, turns each `Run` into the `Infer` the engine's data plane
+queues (`execute_on_queue`) and answers each request once; `EngineCall`s reach the engine's
+planes (`hloserve.frontends.pool.engine_calls`), and `push` sends a frontend the changes of the
+model table."""
 
 from __future__ import annotations
 
@@ -111,7 +112,7 @@ class _LinkReply:
 @final
 class EngineLink:
     """The engine's actor for one frontend: a trio task reading its frames, turning `Run` into
-    the `Infer` the in-process front end sends, and sending each request's one final frame.
+    the `Infer` the engine's data plane queues, and sending each request's one final frame.
 
     A withdrawn request is marked and withdrawn from its queue, as at K=0. The queue drops it at
     once if it still waits (the reply's `cancel()`); one already taken for a batch is dropped

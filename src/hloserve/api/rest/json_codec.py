@@ -27,8 +27,8 @@ import numpy as np
 
 from hloserve import dtypes
 from hloserve._proto.hot import hot_infer_pb2 as hot
-from hloserve.api.codec import SHM_REGION, bytes_contents
-from hloserve.api.rest.viewed_request import ViewedRequest
+from hloserve.api.tensor_codec import SHM_REGION, bytes_contents
+from hloserve.api.viewed_request import ViewedRequest
 from hloserve.errors import InvalidInput
 
 __all__ = [

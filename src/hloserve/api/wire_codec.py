@@ -8,7 +8,7 @@ own field table; a request is parsed by the mirror, its unknown fields are disca
 known ones re-serialized for betterproto2. Malformed wire data raises ValueError, which the
 server's receive path answers INVALID_ARGUMENT naming the RPC. The hot path's google.protobuf
 messages go straight through, a large ModelInferRequest with its tensors left in the bytes
-received (`hloserve.api.rest.viewed_request`).
+received (`hloserve.api.viewed_request`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError, Message
 from grpclib.encoding.proto import ProtoCodec
 
 from hloserve._proto.hot import hot_infer_pb2 as hot
-from hloserve.api.rest.viewed_request import VIEW_FROM_BYTES, parse_viewed
+from hloserve.api.viewed_request import VIEW_FROM_BYTES, parse_viewed
 
 __all__ = ["KnownFieldsCodec"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hloserve._proto.hot import hot_infer_pb2 as hot
-from hloserve.api.codec import InputTensor, Parameters, RequestedOutput
+from hloserve.api.tensor_codec import InputTensor, Parameters, RequestedOutput
 
 __all__ = ["VIEW_FROM_BYTES", "ViewedRequest", "parse_viewed"]
 
@@ -28,7 +28,7 @@ _FIXED_BYTES = {1: 8, 5: 4}
 
 
 class ViewedRequest:
-    """A hot-path ModelInferRequest (`hloserve.api.codec.InferRequest`) whose `raw_input_contents`
+    """A hot-path ModelInferRequest (`hloserve.api.tensor_codec.InferRequest`) whose `raw_input_contents`
     are views of the bytes received; every other field is the upb message's."""
 
     __slots__ = ("_message", "raw_input_contents")

@@ -52,7 +52,7 @@ Parameters = Mapping[str, pb.InferParameter]
 
 class InferRequest(Protocol):
     """A ModelInferRequest as the data plane reads it: the upb message gRPC parses, or a view of
-    one whose tensor bytes stay where they arrived (`hloserve.api.rest.viewed_request`, which
+    one whose tensor bytes stay where they arrived (`hloserve.api.viewed_request`, which
     both gRPC's large requests and REST's requests are)."""
 
     @property

@@ -38,9 +38,8 @@ from hloserve.frontends.protocol import (
 )
 
 if TYPE_CHECKING:
-    from hloserve.api.data_plane import Execute
+    from hloserve.api.data_plane import Execute, Job
     from hloserve.engine.model_table import ModelEntry
-    from hloserve.engine.tracing import RequestSpans
     from hloserve.models.manifest import TensorSpec
 
 __all__ = ["FrontendLink", "execute_over"]
@@ -311,37 +310,24 @@ def execute_over(link: FrontendLink) -> Execute:
     reserved for the outputs."""
     infer = trio_asyncio.trio_as_aio(link.infer)
 
-    async def execute(
-        entry: ModelEntry,
-        inputs: list[np.ndarray],
-        rows: int,
-        outputs: list[int],
-        deadline: float | None,
-        now: float,
-        spans: RequestSpans | None = None,
-    ) -> list[np.ndarray]:
+    async def execute(entry: ModelEntry, job: Job) -> list[np.ndarray]:
+        spans = job.spans
         if spans is not None:
             span, traceparent = spans.link_span()
             try:
-                return await over_link(entry, inputs, rows, outputs, deadline, traceparent)
+                return await over_link(entry, job, traceparent)
             finally:
                 span.end()
                 spans.skip()
-        return await over_link(entry, inputs, rows, outputs, deadline, "")
+        return await over_link(entry, job, "")
 
-    async def over_link(
-        entry: ModelEntry,
-        inputs: list[np.ndarray],
-        rows: int,
-        outputs: list[int],
-        deadline: float | None,
-        traceparent: str,
-    ) -> list[np.ndarray]:
+    async def over_link(entry: ModelEntry, job: Job, traceparent: str) -> list[np.ndarray]:
+        rows, outputs, deadline = job.rows, job.outputs, job.deadline
         assert entry.bundle is not None
         specs = entry.bundle.manifest.executable_outputs
         out_nbytes = sum(_nbytes_bound(specs[i], rows) for i in outputs)
         timeout_s = None if deadline is None else deadline - time.monotonic()
-        arrays = [np.asarray(a) for a in inputs]
+        arrays = [np.asarray(a) for a in job.inputs]
         future: asyncio.Future[list[np.ndarray]] = asyncio.get_running_loop().create_future()
         ident = link.submit(entry.name, arrays, rows, outputs, timeout_s, out_nbytes, future, traceparent)
         if ident is None:
