@@ -110,8 +110,8 @@ LAYERS = (
     ("protocols", ("api",)),
     ("processes", ("frontends",)),
     ("fleet", ("fleet",)),
-    ("tools", ("export", "importers")),
-    ("face", ("worker", "cli", "client")),
+    ("tools", ("export", "importers", "export_torch", "verification")),  # the last two: old paths
+    ("face", ("worker", "cli", "client", "buffer_pool")),  # buffer_pool: the pool's old path
 )
 """hloserve's layers, lowest first (docs/development.md draws them); the package root is the face."""
 
