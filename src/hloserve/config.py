@@ -394,7 +394,10 @@ class ModelSettings:
     """This model's discipline (None: the global one); `edf` drops its requests that cannot
     finish within their deadline."""
     max_batch_size: int | None = None
-    """At most this many rows joined into one execution (None: the largest compiled size)."""
+    """The most rows one request may carry, as Triton's `max_batch_size` (ModelConfig reports it):
+    a larger request is INVALID_ARGUMENT, one above the largest compiled size is split into
+    compiled sizes; also the most rows joined into one execution. None: no limit of its own
+    (`server.max_request_rows`), a large request split."""
     preferred_batch_sizes: tuple[int, ...] | None = None
     """The compiled batch sizes this model runs, padding a batch up to one of them (Triton's
     `dynamic_batching.preferred_batch_size`); None: every compiled size. Each must be compiled."""
