@@ -93,7 +93,7 @@ class ServerConfig:
     (60 s carries a 1 GiB body at 20 MB/s)."""
     http_max_json_bytes: int = 16 << 20
     """JSON in a REST request (a JSON body, or the JSON header of a binary one), after
-    decompression; past it 400 naming the key (as Triton's `--http-max-input-size`), refused from
+    decompression; past it 413 naming the key (as Triton's `--http-max-input-size`), refused from
     the Content-Length before the body is read when it can be. A load's body, whose `file:`
     contents are base64 strings, is bounded by `max_message_bytes` instead. JSON becomes Python
     objects of 10 to 30 times its size, so this bounds the memory one request claims. JSON up to
@@ -105,8 +105,9 @@ class ServerConfig:
     those bytes are never parsed."""
     http_max_inflation_ratio: int = 100
     """A gzip or deflate REST body may inflate to this many times its compressed size (or 1 MiB,
-    whichever is more), and to at most `max_message_bytes`; inflation stops at the first byte past
-    the bound and the request is refused (400). Bodies are inflated in a worker thread (zlib
+    whichever is more), and to at most `max_message_bytes`, counted over all the members of a gzip
+    body; inflation stops at the first byte past the bound and the request is refused (400, or 413
+    past the size bound). Bodies are inflated in a worker thread (zlib
     frees the interpreter), so inflation never stalls the event loop; the ratio bounds the memory
     and CPU one small body can claim (a 1 MB gzip bomb of 1 GiB of zeros inflates 100 MB at most
     before it is refused, where real tensors and JSON compress 2 to 10 times)."""
