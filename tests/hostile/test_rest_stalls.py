@@ -185,7 +185,7 @@ def test_a_64_mb_chunked_json_body_is_refused_once_past_the_bound(worker: Server
         head = f"POST {INFER} HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
         chunks = b"".join(b"%x\r\n%s\r\n" % (MiB, body[i : i + MiB]) for i in range(0, 64 * MiB, MiB))
         status, error = _send(worker, head, chunks + b"0\r\n\r\n")
-    assert status == 400
+    assert status == 413
     assert f"request body of more than {JSON_LIMIT} bytes exceeds" in error
     assert "server.http_max_json_bytes" in error
     assert probe.worst < BOUND_S, probe.worst
