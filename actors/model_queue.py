@@ -30,7 +30,7 @@ from hloserve.actors.messages import (
 )
 from hloserve.engine.policy import BatchPlan, Pending, drop_reason, plan_batch, queue_delay
 from hloserve.engine.statistics import Statistics
-from hloserve.errors import DeadlineExceeded, QueueFull, ShuttingDown
+from hloserve.errors import BatchTooLarge, DeadlineExceeded, QueueFull, ShuttingDown
 
 __all__ = ["ModelQueue", "ModelQueueHandle", "QueueSettings"]
 
@@ -206,6 +206,10 @@ class ModelQueue:
 
     def _on_infer(self, request: Infer) -> None:
         state = self._state
+        limit = self._settings.max_batch_size
+        if limit is not None and request.rows > limit:  # as Triton; below it a large one is split
+            request.fail(BatchTooLarge(self.model, request.rows, limit))
+            return
         if len(state.pending) >= self._settings.max_depth:
             self._statistics[self.model].drops["queue_full"] += 1
             request.fail(QueueFull(self.model, len(state.pending)))

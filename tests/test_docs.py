@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import configparser
 import dataclasses
+import os
+import re
 import subprocess
 import sys
 import typing
@@ -59,3 +61,36 @@ def test_ci_runs_exactly_the_readme_s_test_command_and_its_envs_exist() -> None:
     defined |= {f"py3{minor}" for minor in ("12", "13") if "testenv:py3{12,13}" in tox.sections()}
     assert set(envs) <= defined, set(envs) - defined
     assert "tests" in envs and "long" in envs
+
+
+def _tox_on_a_missing_python(tmp_path: Path, tox_env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Runs tox under the project's [tox] section on a throwaway tox.ini: one env on this Python
+    and one (`py39x`) naming a Python no machine has, with `tox_env` the only TOX_ variables."""
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini")
+    settings = "\n".join(f"{key} = {value}" for key, value in tox["tox"].items() if key != "envlist")
+    (tmp_path / "tox.ini").write_text(
+        f"[tox]\n{settings}\n\n[testenv]\nskip_install = true\ncommands = python -c \"print('ran')\"\n\n"
+        "[testenv:here]\n\n[testenv:py39x]\nbase_python = python3.99\n"
+    )
+    env = {key: value for key, value in os.environ.items() if not key.startswith("TOX_")} | tox_env
+    return subprocess.run(
+        [sys.executable, "-m", "tox", "-e", "here,py39x", "--workdir", str(tmp_path / ".tox")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_the_readme_s_command_skips_a_missing_interpreter_and_ci_fails_on_it(tmp_path: Path) -> None:
+    """On a machine with one Python the README's command passes and its summary names the envs
+    it skipped; `.ci/run` exports the setting that makes the same missing Python fail the run."""
+    skipped = _tox_on_a_missing_python(tmp_path, {})
+    assert skipped.returncode == 0, skipped.stdout + skipped.stderr
+    assert re.search(r"^\s*py39x: SKIP\b", skipped.stdout, re.M), skipped.stdout
+    assert re.search(r"^\s*here: OK\b", skipped.stdout, re.M), skipped.stdout
+
+    ci = (ROOT / ".ci" / "run").read_text()
+    exports = dict(re.findall(r"^export (TOX_\w+)=(\S+)$", ci, re.M))
+    assert exports.get("TOX_SKIP_MISSING_INTERPRETERS") == "false", exports
+    mandatory = _tox_on_a_missing_python(tmp_path, exports)
+    assert mandatory.returncode != 0, mandatory.stdout
+    assert re.search(r"^\s*py39x: FAIL\b", mandatory.stdout, re.M), mandatory.stdout

@@ -546,8 +546,8 @@ BAD_REQUESTS = [
         400,
         "truncated",
     ),
-    ("gzip bomb", INFER, gzip.compress(b" " * (LIMIT + 1)), {"Content-Encoding": "gzip"}, 400, "inflates"),
-    ("body over the limit", INFER, b" " * (LIMIT + 1), {}, 400, "server.max_message_bytes"),
+    ("gzip bomb", INFER, gzip.compress(b" " * (LIMIT + 1)), {"Content-Encoding": "gzip"}, 413, "inflates"),
+    ("body over the limit", INFER, b" " * (LIMIT + 1), {}, 413, "server.max_message_bytes"),
     ("index ready not a bool", "/v2/repository/index", b'{"ready": "yes"}', {}, 400, "expected a boolean"),
     ("register without key", SHM, b'{"byte_size": 8}', {}, 400, "'key'"),
     ("register negative size", SHM, b'{"key": "/k", "byte_size": -1}', {}, 400, "'byte_size', an integer"),
@@ -576,7 +576,7 @@ def test_bad_request_answers_its_status_and_message(
 
 
 def test_oversized_body_is_refused_before_it_is_sent(rest: ServerThread) -> None:
-    """The Content-Length alone earns the 400: the body is never read (nor sent here)."""
+    """The Content-Length alone earns the 413 Content Too Large: the body is never read (nor sent here)."""
     with socket.create_connection(("127.0.0.1", rest.worker.http_port), timeout=10) as sock:
         sock.sendall(
             b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\n"
@@ -588,7 +588,7 @@ def test_oversized_body_is_refused_before_it_is_sent(rest: ServerThread) -> None
             if not chunk:
                 break
             reply += chunk
-    assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
     assert b"request body of 2000000000 bytes exceeds" in reply
     _assert_serves(rest)
 
@@ -605,7 +605,7 @@ def test_chunked_body_over_the_limit_is_cut_off(rest: ServerThread) -> None:
         except (BrokenPipeError, ConnectionResetError):
             pass  # the server answered and closed before the client finished sending
         response = connection.getresponse()
-        assert response.status == 400
+        assert response.status == 413
         assert "request body of more than 1048576 bytes" in json.loads(response.read())["error"]
     finally:
         connection.close()

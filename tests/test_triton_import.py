@@ -25,7 +25,6 @@ import yaml
 from onnx import TensorProto, helper
 from support.servers import start_worker
 
-from hloserve import cli
 from hloserve.cli import main
 from hloserve.config import load_config
 from hloserve.export import verification
@@ -473,14 +472,3 @@ def test_plan_lists_every_field_it_ignores_by_its_path(tmp_path: Path) -> None:
         "model_warmup[0].name",
         "model_warmup[0].batch_size",
     )
-
-
-def test_import_without_the_onnx_extra_says_how_to_install_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setattr(cli, "_installed", lambda module: module != "onnx2torch")
-    assert main(["import", "triton", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
-    assert capsys.readouterr().err == (
-        "hloserve import: needs the `onnx` extra (pip install 'hloserve[onnx]'); missing: ['onnx2torch']\n"
-    )
-    assert not (tmp_path / "out").exists()

@@ -23,6 +23,7 @@ from hloserve.allocator import keep_freed_memory, settle_heap
 from hloserve.config import Config, LoggingConfig, load_config
 from hloserve.errors import ConfigError
 from hloserve.export._torchvision import prepare_torchvision_import
+from hloserve.extras import EXTRAS, require_extra
 from hloserve.logs import configure_logging
 
 if TYPE_CHECKING:
@@ -360,6 +361,11 @@ def _load_spec(spec: str) -> dict[str, Any]:
         options = function()
     except _BadSpec:
         raise
+    except ImportError as e:
+        extra = next((x for x, modules in EXTRAS.items() if e.name and e.name.split(".")[0] in modules), None)
+        if extra is None:
+            raise _BadSpec(f"{spec} failed: {traceback.format_exception_only(e)[-1].strip()}") from e
+        raise _BadSpec(f"{spec} needs the `{extra}` extra ({e}): pip install 'hloserve[{extra}]'") from e
     except Exception as e:
         raise _BadSpec(f"{spec} failed: {traceback.format_exception_only(e)[-1].strip()}") from e
     if not isinstance(options, Mapping):
@@ -388,6 +394,12 @@ def _export(args: argparse.Namespace) -> int:
             options[option] = value
     if args.allow_large_scratch:
         options["max_scratch_ratio"] = None
+    if "module" in options:
+        try:
+            require_extra("torch", "module", f"{args.spec} returned a PyTorch module, which")
+        except ConfigError as e:
+            print(f"hloserve export: {e.problem}", file=sys.stderr)
+            return 2
     from hloserve.export.jax import VerificationError, export_bundle  # imports JAX: not for --help
 
     exporter: Callable[..., Path] = export_bundle
@@ -464,20 +476,14 @@ def _add_import_command(commands: Any) -> None:
         command.add_argument("--no-verify", action="store_true", help="skip the comparison with ONNX Runtime")
 
 
-def _installed(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
-
-
 def _import(args: argparse.Namespace) -> int:
     from hloserve.importers import import_onnx_file, import_triton_repository
     from hloserve.importers.triton_config import NotConvertible
 
-    missing = [m for m in ("onnx", "onnxruntime", "onnx2torch", "torch", "torchax") if not _installed(m)]
-    if missing:
-        print(
-            f"hloserve import: needs the `onnx` extra (pip install 'hloserve[onnx]'); missing: {missing}",
-            file=sys.stderr,
-        )
+    try:
+        require_extra("onnx", "import", "hloserve import")
+    except ConfigError as e:
+        print(f"hloserve import: {e.problem}", file=sys.stderr)
         return 2
     configure_logging(LoggingConfig())  # a progress line per batch size, on stderr
     if args.source == "triton":
@@ -525,20 +531,25 @@ def main(argv: list[str] | None = None) -> int:
         return _export(args)
     if args.command == "import":
         return _import(args)
-    try:
+    try:  # every setting, and the extras they need, before anything starts: one line, exit 2
         config = _apply_flags(load_config(args.config), args)
+        from hloserve.engine.tracing import check_tracing  # imports JAX: after the file's checks
+
+        check_tracing(config.tracing)
+        plan = None
         if args.command == "node":
+            from hloserve.fleet.node import plan_node
+
             changes = {"cpu_workers": args.cpu_workers, "gpus": args.gpus, "scheduling": args.scheduling}
             config = config.replace("node", **{k: v for k, v in changes.items() if v is not None})
+            plan = plan_node(config)
     except ConfigError as e:
         print(f"hloserve: {e}", file=sys.stderr)
         return 2
     configure_logging(config.logging)
     try:
-        if args.command == "node":
-            from hloserve.fleet.node import plan_node
-
-            return trio.run(_node_until_signalled, config, plan_node(config), args.config)
+        if plan is not None:
+            return trio.run(_node_until_signalled, config, plan, args.config)
         trio.run(_serve_until_signalled, config)
     except ConfigError as e:
         structlog.get_logger("hloserve").error("cannot start", error=str(e))

@@ -26,9 +26,16 @@ from hloserve._transport.grpclib_patches import BigFrameChannel
 from hloserve.api.tensor_codec import SHM_BYTE_SIZE, SHM_OFFSET, SHM_REGION, TIMEOUT_NS_PARAM
 from hloserve.api.tensor_codec import InputTensor as _InputTensor
 from hloserve.api.tensor_codec import RequestedOutput as _RequestedOutput
-from hloserve.engine.buffer_pool import BufferPool
+from hloserve.engine.buffer_pool import BufferPool as BufferPool  # register_pool's and encode_request_shm's
 
-__all__ = ["Client", "deadline_params", "decode_response", "encode_request", "encode_request_shm"]
+__all__ = [
+    "BufferPool",
+    "Client",
+    "deadline_params",
+    "decode_response",
+    "encode_request",
+    "encode_request_shm",
+]
 
 _INFER = "/inference.GRPCInferenceService/ModelInfer"
 

@@ -97,7 +97,7 @@ class ServerConfig:
     (60 s carries a 1 GiB body at 20 MB/s)."""
     http_max_json_bytes: int = 16 << 20
     """JSON in a REST request (a JSON body, or the JSON header of a binary one), after
-    decompression; past it 400 naming the key (as Triton's `--http-max-input-size`), refused from
+    decompression; past it 413 naming the key (as Triton's `--http-max-input-size`), refused from
     the Content-Length before the body is read when it can be. A load's body, whose `file:`
     contents are base64 strings, is bounded by `max_message_bytes` instead. JSON becomes Python
     objects of 10 to 30 times its size, so this bounds the memory one request claims. JSON up to
@@ -109,8 +109,9 @@ class ServerConfig:
     those bytes are never parsed."""
     http_max_inflation_ratio: int = 100
     """A gzip or deflate REST body may inflate to this many times its compressed size (or 1 MiB,
-    whichever is more), and to at most `max_message_bytes`; inflation stops at the first byte past
-    the bound and the request is refused (400). Bodies are inflated in a worker thread (zlib
+    whichever is more), and to at most `max_message_bytes`, counted over all the members of a gzip
+    body; inflation stops at the first byte past the bound and the request is refused (400, or 413
+    past the size bound). Bodies are inflated in a worker thread (zlib
     frees the interpreter), so inflation never stalls the event loop; the ratio bounds the memory
     and CPU one small body can claim (a 1 MB gzip bomb of 1 GiB of zeros inflates 100 MB at most
     before it is refused, where real tensors and JSON compress 2 to 10 times)."""
@@ -399,7 +400,10 @@ class ModelSettings:
     """This model's discipline (None: the global one); `edf` drops its requests that cannot
     finish within their deadline."""
     max_batch_size: int | None = None
-    """At most this many rows joined into one execution (None: the largest compiled size)."""
+    """The most rows one request may carry, as Triton's `max_batch_size` (ModelConfig reports it):
+    a larger request is INVALID_ARGUMENT, one above the largest compiled size is split into
+    compiled sizes; also the most rows joined into one execution. None: no limit of its own
+    (`server.max_request_rows`), a large request split."""
     preferred_batch_sizes: tuple[int, ...] | None = None
     """The compiled batch sizes this model runs, padding a batch up to one of them (Triton's
     `dynamic_batching.preferred_batch_size`); None: every compiled size. Each must be compiled."""

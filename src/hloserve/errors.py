@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "CLIP_CHARS",
+    "BatchTooLarge",
     "BundleError",
     "CannotMeetDeadline",
     "ConfigError",
@@ -109,6 +110,17 @@ class InvalidInput(HloserveError):
         self.model, self.tensor, self.problem = model, tensor, problem
         where = f"model {clip(model)}" + (f", tensor {clip(tensor)}" if tensor else "")
         super().__init__(f"{where}: {problem}")
+
+
+class BatchTooLarge(InvalidInput):
+    """A request of more rows than the model's `max_batch_size` setting (a load's config override
+    or `scheduler.models`); the message is Triton's, which clients match on. Without the setting
+    nothing is too large: a request above the largest compiled size is split into executions."""
+
+    def __init__(self, model: str, rows: int, limit: int) -> None:
+        self.model, self.tensor = model, None
+        self.problem = f"batch of {rows} rows exceeds max_batch_size {limit}"
+        HloserveError.__init__(self, f"inference request batch-size must be <= {limit} for {clip(model)}")
 
 
 class UnknownTensor(InvalidInput):

@@ -46,7 +46,7 @@ from hloserve.engine.model_table import ModelTable, Prepared, prepare_repository
 from hloserve.engine.policy import PolicyParams
 from hloserve.engine.reloader import RepositoryWatcher
 from hloserve.engine.statistics import Statistics
-from hloserve.engine.tracing import open_tracing
+from hloserve.engine.tracing import check_tracing, open_tracing
 from hloserve.errors import ConfigError
 from hloserve.frontends.pool import EnginePlanes, Frontends
 from hloserve.models import _xla
@@ -103,6 +103,11 @@ class Worker(ModelTable):
 async def serve(config: Config) -> AsyncIterator[Worker]:
     """Run a whole worker for the duration of the block; see the module docstring."""
     server_config = config.server
+    # every setting that can be wrong is read before a model loads: a bad one stops the worker at once
+    check_tracing(config.tracing)
+    grpc_tls = server_context(server_config, "grpc")
+    server_context(server_config, "http")
+    metrics_tls = server_context(server_config, "metrics")
     _grpclib_patches.install()  # checks grpclib, h2, hyperframe and hpack; replaces nothing
     _trio_asyncio_patches.install()
     await trio.to_thread.run_sync(_xla.warm_up)
@@ -173,7 +178,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
                     server_config.metrics_port,
                     server_config.metrics_max_connections,
                     server_config.metrics_timeout_s,
-                    server_context(server_config, "metrics"),
+                    metrics_tls,
                 )
             tracing = open_tracing(config.tracing)
             shm = (
@@ -206,9 +211,6 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
                 [service, ControlService(worker)],
                 lambda draining: worker_health(data, server_config.max_health_watches, draining),
             )
-            # both read here, so a bad file stops the engine before any frontend starts
-            grpc_tls = server_context(server_config, "grpc")
-            server_context(server_config, "http")
             rest = None
             if server_config.http_port >= 0 and not server_config.frontends:  # else each frontend serves REST
                 # before gRPC: a failed bind cancels it with the nursery

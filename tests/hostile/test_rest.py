@@ -317,7 +317,7 @@ MISTAKES = [
     ("Infinity", INFER, _raw_mlp(b"[Infinity" + b", 0.5" * 15 + b"]"), {}, "Infinity is not a JSON number"),
     ("-Infinity", INFER, _raw_mlp(b"[-Infinity" + b", 0.5" * 15 + b"]"), {}, "Infinity is not a JSON number"),
     ("1e400", INFER, _raw_mlp(b"[1e400" + b", 0.5" * 15 + b"]"), {}, "too large for a double"),
-    ("1e39 for FP32", INFER, _raw_mlp(b"[1e39" + b", 0.5" * 15 + b"]"), {}, "out of range for FP32"),
+    ("1e39 for FP32", INFER, _raw_mlp(b"[1e39" + b", 0.5" * 15 + b"]"), {}, "out of range: FP32 holds"),
     ("1e400 parameter", INFER, b'{"parameters": {"p": 1e400}, "inputs": []}', {}, "not a finite number"),
     ("data and binary_data_size", INFER, _BOTH + b"\0" * 64, {_LENGTH: str(len(_BOTH))}, "both 'data' and"),
     (

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import h11
@@ -57,6 +57,10 @@ def _answer(status: int, message: str) -> list[h11.Response | h11.Data | h11.End
         (b"connection", b"close"),
     ]
     return [h11.Response(status_code=status, headers=headers), h11.Data(data=body), h11.EndOfMessage()]
+
+
+def _lowered(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    return [(name.lower(), value.strip().lower()) for name, value in headers]
 
 
 def framing_problem(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
@@ -113,6 +117,9 @@ class StrictH11(H11Protocol):
     whether a connection may switch to HTTP/2 (h2c)."""
 
     http2 = False
+    refuse_body: Callable[[h11.Request], str | None] | None = None
+    """Why the body of a request would be refused, known from its head (the routes' bounds); a
+    request that waits for `100 Continue` is answered 413 instead, and never told to send it."""
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -129,6 +136,10 @@ class StrictH11(H11Protocol):
         problem = framing_problem(event.headers)
         if problem is not None:
             await self._refuse(400, problem)
+        if self.refuse_body is not None and (b"expect", b"100-continue") in _lowered(event.headers):
+            problem = self.refuse_body(event)
+            if problem is not None:  # before hypercorn's loop sends the 100 (its next turn)
+                await self._refuse(413, problem)
         if self.http2:
             return await super()._check_protocol(event)
         if event.method == b"PRI" and event.target == b"*" and event.http_version == b"2.0":

@@ -135,8 +135,8 @@ class LocalModelPlane:
             return shape[1:] if max_batch and spec.batch_axis == 0 else shape
 
         policy = self._host.config.scheduler.models.get(entry.name)  # with load overrides
-        if policy is not None and policy.max_batch_size and max_batch:
-            max_batch = min(max_batch, policy.max_batch_size)
+        if policy is not None and policy.max_batch_size and max_batch:  # above the largest: split
+            max_batch = policy.max_batch_size
             sizes = [b for b in sizes if b <= max_batch]
         if policy is not None and policy.preferred_batch_sizes:  # the sizes it runs
             sizes = [b for b in sizes if b in policy.preferred_batch_sizes]

@@ -33,6 +33,7 @@ STATUS_BY_ERROR: dict[type[Exception], Status] = {
     errors.ModelNotReady: Status.UNAVAILABLE,
     errors.InvalidInput: Status.INVALID_ARGUMENT,
     errors.UnknownTensor: Status.INVALID_ARGUMENT,
+    errors.BatchTooLarge: Status.INVALID_ARGUMENT,
     errors.ShmRegionError: Status.INVALID_ARGUMENT,
     errors.ShmRegionExists: Status.ALREADY_EXISTS,
     errors.ShmRegionNotFound: Status.NOT_FOUND,

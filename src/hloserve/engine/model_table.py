@@ -386,7 +386,8 @@ class ModelTable:
             try:
                 if not (directory / "manifest.yaml").is_file():
                     where = "the files sent have" if private else "the repository has"
-                    raise ModelNotFound(name, f"{where} no bundle {name!r} (no manifest.yaml)")
+                    missing = f"{where} no bundle {name!r} (no manifest.yaml)"
+                    raise ModelNotFound(name, f"failed to load: {missing}")  # Triton's words, matched on
                 bundle = await trio.to_thread.run_sync(load_bundle, directory)
                 prepared = await trio.to_thread.run_sync(prepare, bundle, self.programs)
                 if bundle.manifest.is_meta:
@@ -583,6 +584,12 @@ def _check_settings(name: str, settings: ModelSettings, compiled: CompiledModel 
     limit = settings.max_batch_size
     if limit is not None and (not sizes or limit < sizes[0]):
         raise InvalidInput(name, f"{_MAX_BATCH}: {limit} fits no compiled batch size ({compiled_sizes})")
+    if limit is not None and limit > sizes[-1] and compiled is not None and not compiled.coalescable:
+        raise InvalidInput(
+            name,
+            f"{_MAX_BATCH}: {limit} exceeds the largest compiled batch size {sizes[-1]}, and a request to "
+            "it cannot be split (an output has no batch axis)",
+        )
     preferred = settings.preferred_batch_sizes or ()
     wrong = [s for s in preferred if s not in sizes]
     if wrong:

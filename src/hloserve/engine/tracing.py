@@ -29,13 +29,15 @@ from typing import TYPE_CHECKING
 
 from hloserve.actors.messages import EngineTrace
 from hloserve.config import TracingConfig
+from hloserve.errors import ConfigError
+from hloserve.extras import require_extra
 
 if TYPE_CHECKING:  # OpenTelemetry is imported only when tracing is on
     from opentelemetry.sdk.trace.sampling import Sampler
     from opentelemetry.trace import Span, SpanKind
     from opentelemetry.util.types import AttributeValue
 
-__all__ = ["RequestSpans", "Tracing", "open_tracing", "settings", "triton_trace_settings"]
+__all__ = ["RequestSpans", "Tracing", "check_tracing", "open_tracing", "settings", "triton_trace_settings"]
 
 _SAMPLER_DEFAULT = "parentbased_always_on"
 
@@ -81,15 +83,25 @@ def triton_trace_settings(chosen: Mapping[str, str]) -> dict[str, list[str]]:
     }
 
 
+def check_tracing(config: TracingConfig, environ: Mapping[str, str] | None = None) -> None:
+    """Raise a `ConfigError` when traces are asked for but the `otel` extra is not installed:
+    what a worker checks before it loads a model."""
+    env = os.environ if environ is None else environ
+    if settings(config, env)["exporter"] == "otlp":
+        where = "tracing.exporter" if config.exporter else "OTEL_TRACES_EXPORTER"
+        require_extra("otel", where, "otlp (OpenTelemetry traces)")
+
+
 def open_tracing(config: TracingConfig, environ: Mapping[str, str] | None = None) -> Tracing | None:
     """A `Tracing` when traces are exported, else None (and the SDK stays unimported).
 
     Raises:
-        RuntimeError: traces are asked for but the `otel` extra is not installed.
+        ConfigError: traces are asked for but the `otel` extra is not installed.
     """
     chosen = settings(config, environ)
     if chosen["exporter"] == "none":
         return None
+    check_tracing(config, environ)
     return Tracing(chosen)
 
 
@@ -120,8 +132,8 @@ class Tracing:
             from opentelemetry.trace import SpanKind
             from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
         except ImportError as e:
-            raise RuntimeError(
-                f"tracing.exporter is otlp but OpenTelemetry is not installed ({e}); install hloserve[otel]"
+            raise ConfigError(
+                "tracing.exporter", f"otlp needs the `otel` extra ({e}): pip install 'hloserve[otel]'"
             ) from None
         self.settings = chosen
         endpoint = chosen["endpoint"]

@@ -36,7 +36,10 @@ def prepare_torchvision_import() -> bool:
     global _library
     if _library is not None or "torchvision" in sys.modules:
         return False
-    found = importlib.util.find_spec("torchvision")
+    try:
+        found = importlib.util.find_spec("torchvision")
+    except ImportError:  # torch itself missing, or a finder refusing it: nothing to prepare
+        return False
     if found is None or not found.submodule_search_locations:
         return False
     import torch

@@ -98,7 +98,10 @@ def find_envoy(setting: str = "") -> str:
         if not os.access(setting, os.X_OK):
             raise ConfigError("node.envoy", f"{setting!r} is not an executable file")
         return setting
-    spec = importlib.util.find_spec("envoy")
+    try:
+        spec = importlib.util.find_spec("envoy")
+    except ImportError:  # a finder that refuses it: as if it were not installed
+        spec = None
     if spec is not None and spec.origin is not None:
         packaged = Path(spec.origin).parent / "_bin" / "envoy"
         if os.access(packaged, os.X_OK):

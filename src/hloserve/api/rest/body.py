@@ -154,6 +154,54 @@ def _inflate(
     return view
 
 
+_INLINE_MEMBERS_BYTES = 4096
+"""A compressed body inflated on the loop is at most this long, so that the members it may hold
+(20 bytes at least each, `_inflate_members`) are a few hundred turns at most."""
+
+
+def _inflate_members(
+    encoding: str, data: bytes | memoryview, cap: int, book: Callable[[int], None]
+) -> memoryview | None:
+    """A gzip body of one or more members (RFC 1952 section 2.2: `cat a.gz b.gz` is one gzip
+    file), or a deflate body (one zlib stream), inflated into one buffer of at most `cap` bytes
+    in all; None past it. HttpRefusal when a member is truncated or bytes follow a deflate stream;
+    zlib.error when a member is not valid."""
+    members: list[memoryview] = []
+    size = 0
+    while True:
+        inflater = zlib.decompressobj(WBITS[encoding])
+        try:
+            member = _inflate(inflater, data, cap - size, book)
+        except zlib.error:
+            if not members:
+                raise
+            raise HttpRefusal(
+                f"{len(data)} bytes follow the end of the gzip data and are not a gzip member"
+            ) from None
+        if member is None:
+            return None
+        if not inflater.eof:
+            raise HttpRefusal(f"the {encoding} body is truncated")
+        members.append(member)
+        size += len(member)
+        data = inflater.unused_data
+        if not data:
+            break
+        if encoding != "gzip":
+            raise HttpRefusal(
+                f"{len(data)} bytes follow the end of the {encoding} data; send one compressed stream"
+            )
+    if len(members) == 1:
+        return members[0]
+    joined = np.empty(size, np.uint8).data  # booked already, member by member
+    offset = 0
+    while members:  # each member dropped once copied
+        member = members.pop(0)
+        joined[offset : offset + len(member)] = member
+        offset += len(member)
+    return joined
+
+
 _LIBC = ctypes.CDLL(None)
 
 _TRIM_BYTES = 16 << 20
@@ -186,9 +234,7 @@ class BodyReader:
         """The request body, decompressed, in one buffer; refused once it, or its inflated bytes,
         pass `limit` (`server.http_max_json_bytes`, or `server.max_message_bytes` when None or
         less: at once when its Content-Length does) or take longer than `server.http_body_timeout_s`."""
-        key = "server.http_max_json_bytes"
-        if limit is None or limit >= self._limit:
-            key, limit = "server.max_message_bytes", self._limit
+        limit, key = self._bound(limit)
         encoding = headers.get("content-encoding", "identity").strip().lower()
         if encoding not in (*WBITS, "identity", ""):
             raise HttpRefusal(
@@ -224,7 +270,6 @@ class BodyReader:
         the interpreter meanwhile), so a bomb never stalls the loop. The inflated bytes count
         against `server.max_receiving_bytes` while it inflates, as received ones do."""
         cap = min(limit, max(self._ratio * len(body), _RATIO_FLOOR))
-        inflater = zlib.decompressobj(WBITS[encoding])
         booked = [0]
 
         def book(size: int) -> None:
@@ -232,11 +277,11 @@ class BodyReader:
             booked[0] += size
 
         try:
-            if cap <= _INLINE_INFLATE:
-                inflated = _inflate(inflater, body, cap, book)
+            if cap <= _INLINE_INFLATE and len(body) <= _INLINE_MEMBERS_BYTES:
+                inflated = _inflate_members(encoding, body, cap, book)
             else:
                 loop = asyncio.get_running_loop()
-                inflated = await loop.run_in_executor(None, _inflate, inflater, body, cap, book)
+                inflated = await loop.run_in_executor(None, _inflate_members, encoding, body, cap, book)
         except zlib.error as e:
             raise HttpRefusal(f"the body is not valid {encoding} data: {e}") from None
         finally:
@@ -248,14 +293,7 @@ class BodyReader:
                 f"the {len(body)}-byte {encoding} body inflates past {cap} bytes, more than "
                 f"server.http_max_inflation_ratio ({self._ratio}) times its size"
             )
-        if not inflater.eof:
-            raise HttpRefusal(f"the {encoding} body is truncated")
-        if inflater.unused_data:
-            raise HttpRefusal(
-                f"{len(inflater.unused_data)} bytes follow the end of the {encoding} data; "
-                "send one compressed stream"
-            )
-        return memoryview(inflated)
+        return inflated
 
     async def _receive(
         self, declared: str | None, receive: Receive, limit: int, key: str
@@ -308,10 +346,36 @@ class BodyReader:
         with self._receiving_lock:
             self.receiving -= size
 
+    def _bound(self, limit: int | None) -> tuple[int, str]:
+        """The bound `read` applies for `limit`, and its config key."""
+        if limit is None or limit >= self._limit:
+            return self._limit, "server.max_message_bytes"
+        return limit, "server.http_max_json_bytes"
+
+    def refusal_from_head(self, path: str, headers: Mapping[str, str]) -> HttpRefusal | None:
+        """The refusal a request's body will meet from its declared Content-Length alone, as the
+        routes bound it: a load's body (file contents) and an inference body with the binary
+        extension's header up to `server.max_message_bytes`, any other JSON body up to
+        `server.http_max_json_bytes`. The HTTP/1.1 protocol answers it instead of `100 Continue`
+        to a client that waits for one before sending its body (`Expect: 100-continue`)."""
+        declared = headers.get("content-length", "")
+        if not declared.isdigit():
+            return None  # chunked, or a framing error h11 answers itself
+        binary = path.endswith("/infer") and "inference-header-content-length" in headers
+        limit, key = self._bound(None if binary or path.endswith("/load") else self.json_limit)
+        if int(declared) <= limit:
+            return None
+        return self.too_large(f"request body of {int(declared)} bytes", limit, key)
+
     @staticmethod
     def too_large(what: str, limit: int, key: str) -> HttpRefusal:
-        """400 for a body past `limit`, naming its config `key` (Triton answers 400 too)."""
+        """413 Content Too Large for a body past `limit` (RFC 9110 section 15.5.14), naming its
+        config `key`."""
         advice = ""
         if key == "server.http_max_json_bytes":
             advice = "; send large tensors in binary (the binary tensor extension) or through shared memory"
-        return HttpRefusal(f"{what} exceeds the server's limit of {limit} bytes ({key}){advice}")
+        return HttpRefusal(
+            f"{what} exceeds the server's limit of {limit} bytes ({key}){advice}",
+            Status.RESOURCE_EXHAUSTED,
+            http=413,
+        )

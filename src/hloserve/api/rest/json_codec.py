@@ -23,6 +23,7 @@ from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from hloserve import dtypes
@@ -276,6 +277,21 @@ def _fail(model: str, problem: str, tensor: str | None = None) -> InvalidInput:
     return InvalidInput(model, problem, tensor)
 
 
+def _out_of_range(model: str, name: str, value: object, wire: str, numpy: np.dtype[Any]) -> InvalidInput:
+    """A JSON number the datatype cannot hold, named with the range it holds ("INT8 holds
+    -128..127"); a value of many digits is shown by its head and length."""
+    if numpy.kind in "iu":
+        info = np.iinfo(numpy)
+        holds = f"{info.min}..{info.max}"
+    else:
+        largest = float(ml_dtypes.finfo(numpy).max)  # type: ignore[no-untyped-call]  # bf16 too
+        holds = f"{-largest:g}..{largest:g}"
+    shown = str(value)
+    if len(shown) > 32:
+        shown = f"{shown[:16]}... ({len(shown)} digits)"
+    return _fail(model, f"'data' value {shown} is out of range: {wire} holds {holds}", name)
+
+
 _TYPE_NAMES: dict[type, str] = {str: "a string", list: "an array", dict: "an object"}
 
 
@@ -386,7 +402,7 @@ def _wide_integers(
         return np.asarray(objects, dtype=numpy)
     except OverflowError:
         bad = next(v for v in objects.flat if not np.iinfo(numpy).min <= v <= np.iinfo(numpy).max)
-        raise _fail(model, f"'data' value {bad} is out of range for {wire}", name) from None
+        raise _out_of_range(model, name, bad, wire, numpy) from None
 
 
 def _json_tensor(model: str, name: str, data: object, wire: str, shape: list[int]) -> bytes:
@@ -416,7 +432,10 @@ def _json_tensor(model: str, name: str, data: object, wire: str, shape: list[int
     if values.dtype.kind == "O" and "f" in accepted:  # an integer past 64 bits is a float here
         try:
             values = np.asarray(data, dtype=np.float64)
-        except (TypeError, ValueError, OverflowError):
+        except OverflowError:  # an integer past a double's range
+            bad = max((v for v in np.asarray(data, dtype=object).flat if type(v) is int), key=abs)
+            raise _out_of_range(model, name, bad, wire, dtype.numpy) from None
+        except (TypeError, ValueError):
             raise not_numbers from None
         if np.isnan(values).any():  # a null (a NaN token was refused by the parser)
             raise not_numbers
@@ -432,7 +451,7 @@ def _json_tensor(model: str, name: str, data: object, wire: str, shape: list[int
         low, high = int(values.min()), int(values.max())
         if low < info.min or high > info.max:
             bad = low if low < info.min else high
-            raise _fail(model, f"'data' value {bad} is out of range for {wire}", name)
+            raise _out_of_range(model, name, bad, wire, dtype.numpy)
     if values.dtype.kind == "f" and not np.isfinite(values).all():
         raise _fail(model, "'data' holds a number too large for a double (such as 1e400)", name)
     with np.errstate(over="ignore"):
@@ -440,7 +459,7 @@ def _json_tensor(model: str, name: str, data: object, wire: str, shape: list[int
     if values.dtype.kind in "iuf" and "f" in accepted and dtype.numpy != np.float64 and values.size:
         if not np.isfinite(cast.astype(np.float64)).all():
             largest = float(np.abs(values).max())
-            raise _fail(model, f"'data' value {largest:g} is out of range for {wire}", name)
+            raise _out_of_range(model, name, f"{largest:g}", wire, dtype.numpy)
     return cast.tobytes()
 
 

@@ -17,6 +17,7 @@ import ssl
 from collections.abc import Awaitable, Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
+import h11
 import hypercorn.asyncio.tcp_server
 import hypercorn.config
 import hypercorn.utils
@@ -32,6 +33,7 @@ from hloserve._transport import h11_strict as _h11_strict
 from hloserve._transport.h2_limits import CONNECTIONS, default_max_connections
 from hloserve._transport.h11_strict import Refused, StrictH11
 from hloserve._transport.requirements import Requires, check
+from hloserve.api.rest.body import BodyReader
 from hloserve.api.rest.inflight import InFlight
 from hloserve.api.rest.routes import App
 from hloserve.config import ServerConfig
@@ -106,9 +108,11 @@ class _Connection(TCPServer):
     `StrictH11` (h2c only with `server.http2`). What its protocol raises leaves `run` (whose
     task group cancels the connection's streams) and is contained by `RestServer`."""
 
-    def __init__(self, inflight: InFlight, client: Hashable, http2: bool, *args: Any) -> None:
+    def __init__(
+        self, inflight: InFlight, client: Hashable, http2: bool, bodies: BodyReader, *args: Any
+    ) -> None:
         super().__init__(*args)
-        self._inflight, self._client, self._http2 = inflight, client, http2
+        self._inflight, self._client, self._http2, self._bodies = inflight, client, http2, bodies
         self.idle_task = _IdleDeadline(inflight, self)  # type: ignore[assignment]  # duck-typed
 
     async def _read_data(self) -> None:
@@ -118,6 +122,7 @@ class _Connection(TCPServer):
             wrapper.ssl, wrapper.client, wrapper.server, wrapper.send,
         )  # fmt: skip
         h11.http2 = self._http2
+        h11.refuse_body = self._refuse_body
         wrapper.protocol = h11
         try:
             await super()._read_data()  # until the client closes (or the connection fails)
@@ -125,6 +130,13 @@ class _Connection(TCPServer):
             await self.protocol.handle(Closed())  # answered, and the connection closes
         finally:
             self._inflight.disconnected(self._client)
+
+    def _refuse_body(self, event: h11.Request) -> str | None:
+        """Why the routes would refuse this request's body, from its head (`StrictH11`)."""
+        headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in event.headers}
+        path = event.target.decode("latin-1").partition("?")[0]
+        refusal = self._bodies.refusal_from_head(path, headers)
+        return None if refusal is None else str(refusal)
 
     async def close_idle(self) -> None:
         await self._initiate_server_close()
@@ -254,8 +266,9 @@ class RestServer:
             family = writer.get_extra_info("socket").family
             client = None if peer is None else hypercorn.utils.parse_socket_addr(family, peer)
             connection = inflight.connections[client] = _Connection(
-                inflight, client, self._config.http2, app, loop, settings, context, state, reader, writer
-            )
+                inflight, client, self._config.http2, self._app.routes.bodies,
+                app, loop, settings, context, state, reader, writer,
+            )  # fmt: skip
             try:
                 await connection
             except Exception:
