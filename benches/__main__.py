@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from benches import (
+    anchors,
     breakdown,
     compare,
     frontends,
@@ -47,6 +48,7 @@ SUITES = {
     "rest": rest,
     "tracing": tracing,
     "zoo": zoo,
+    "anchors": anchors,
 }
 _BEGIN, _END = "<!-- latest compare run: begin -->", "<!-- latest compare run: end -->"
 
@@ -81,9 +83,12 @@ def main() -> None:
     )
     parser.add_argument("--window-ms", type=int, default=3000, help="perf_analyzer measurement window")
     parser.add_argument("--quick", action="store_true", help="zoo: one small model at batch 1, few repeats")
-    parser.add_argument("--models", help="zoo: comma-separated zoo models (default: the whole zoo)")
+    parser.add_argument("--models", help="zoo, anchors: comma-separated zoo models (default: the whole zoo)")
     parser.add_argument(
-        "--threads", type=int, help="zoo: hloserve and torch both on this many cores (default: all)"
+        "--threads",
+        type=int,
+        help="zoo: hloserve and torch both on this many cores (default: all); anchors: this count only "
+        "(default: 1 and 2)",
     )
     args = parser.parse_args()
     unknown = [name for name in args.suites if name not in SUITES]
@@ -93,7 +98,11 @@ def main() -> None:
     for name in args.suites or ["compare"]:
         load_before = os.getloadavg()
         models = args.models.split(",") if args.models else None
-        extra = {"quick": args.quick, "models": models, "threads": args.threads} if name == "zoo" else {}
+        extra = (
+            {"quick": args.quick, "models": models, "threads": args.threads}
+            if name in ("zoo", "anchors")
+            else {}
+        )
         rows = SUITES[name].run(window_ms=args.window_ms, **extra)
         table = SUITES[name].table(rows)
         print(f"== {name} ({platform.node()}, {_machine()}, load {load_before[0]:.2f} before)")

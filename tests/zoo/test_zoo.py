@@ -53,6 +53,17 @@ ZOO = (
     specs.SEGMENTER,
     specs.DETECTOR,
     specs.ENCODER,
+    # issue 35's families: plain, grouped, depthwise, shuffled and fire convolutions, atrous
+    # convolutions, windowed attention, an MLP-Mixer, a normalization-free net
+    "resnet18",
+    "resnext50_32x4d",
+    "mobilenet_v2",
+    "shufflenet_v2_x1_0",
+    "squeezenet1_1",
+    specs.ATROUS,
+    "maxvit_t",
+    "timm_mixer_s16_224",
+    "timm_nf_resnet26",
 )
 BATCH_SIZES = "1,4"
 REQUESTS = {"batch 1": 1, "padded (3 on 4)": 3, "split (6 over 4 and smaller)": 6}
@@ -155,6 +166,7 @@ def _requests(name: str, rows: int, seed: int) -> dict[str, np.ndarray]:
 def _builder(name: str) -> Callable[[], torch.nn.Module]:
     builders = {
         specs.SEGMENTER: specs.build_segmenter,
+        specs.ATROUS: lambda: specs.build_segmenter(specs.ATROUS),
         specs.DETECTOR: specs.build_detector,
         specs.ENCODER: specs.build_encoder,
     }
