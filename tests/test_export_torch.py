@@ -179,6 +179,45 @@ def test_torch_export_folds_batch_norm_and_stores_weights_as_xla_reads_them(tmp_
         assert_close(result, model(image).numpy())
 
 
+class Standardized(torch.nn.Module):
+    """A convolution whose weight is standardized per filter in the forward pass (timm's
+    ScaledStdConv2d, the NF-ResNets'), then scaled by a gain; a class token expanded to the batch
+    (weights alone, but multiplied out by the batch size: never folded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.gain = torch.nn.Parameter(torch.linspace(0.5, 2.0, 8).reshape(8, 1, 1, 1))
+        self.token = torch.nn.Parameter(torch.randn(1, 8))
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        weight = self.conv.weight
+        mean = weight.mean((1, 2, 3), keepdim=True)
+        std = weight.var((1, 2, 3), keepdim=True, unbiased=False).add(1e-5).rsqrt()
+        y = torch.nn.functional.conv2d(image, (weight - mean) * std * self.gain, self.conv.bias, padding=1)
+        return y.mean((2, 3)) + self.token.expand(image.shape[0], -1)
+
+
+def test_torch_export_computes_weight_standardization_once_at_export(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Standardized().eval()
+    directory = export_torch_bundle(model, (torch.randn(2, 3, 8, 8),), tmp_path / "std", batch_sizes=(1, 2))
+    bundle = load_bundle(directory)
+    shapes = {w.name: w.shape for w in bundle.weights}
+    # the standardized weight stored once, HWIO; the raw weight and the gain no longer stored
+    assert shapes == {"conv.weight.folded": (3, 3, 3, 8), "conv.bias": (8,), "token": (1, 8)}
+    provenance = yaml.safe_load((directory / "manifest.yaml").read_text())["provenance"]
+    assert provenance["weights_computed_at_export"] == ["conv.weight.folded"]
+    for module in bundle.modules:  # nothing left of the standardization in the program
+        hlo = _xla.compile_module(module.source).hlo_modules()[0].to_string()
+        assert "rsqrt" not in hlo, module.batch_size
+        image = torch.randn(module.batch_size, 3, 8, 8)
+        arguments = _xla.put_all([image.numpy(), *read_weights(bundle)])
+        (result,) = _xla.to_numpy(_xla.run(_xla.compile_module(module.source), arguments))
+        with torch.no_grad():
+            assert_close(result, model(image).numpy())
+
+
 class ChannelsLastShapes(torch.nn.Module):
     """What the channels-last lowering computes on NHWC arrays, beside what it hands back to torch's
     layout: strided and grouped convolutions, a dilated strided depthwise one, a batch norm it

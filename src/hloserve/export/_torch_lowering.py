@@ -31,7 +31,7 @@ import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind
 
 from hloserve.export import _channels_last as channels_last
-from hloserve.export import _torch_weights
+from hloserve.export import _torch_constants, _torch_weights
 from hloserve.models import _xla
 
 __all__ = ["LoweringError", "Lowerings", "import_torchax", "lower_program", "quiet"]
@@ -336,11 +336,13 @@ def lower_program(
     }
     mutated = len(program.graph_signature.buffers_to_mutate)
     module = program.graph_module
-    prepared = (
-        _torch_weights.prepare(module, names, weights, order)
-        if prepare
-        else _torch_weights.Prepared(names, weights, order)
-    )
+    if prepare:
+        names, weights, order, computed = _torch_constants.fold(module, names, weights, order)
+        prepared = _torch_weights.prepare(module, names, weights, order)
+        if computed:
+            prepared.provenance["weights_computed_at_export"] = computed
+    else:
+        prepared = _torch_weights.Prepared(names, weights, order)
 
     def function(states: Sequence[Any], inputs: Sequence[Any]) -> list[Any]:
         given = iter(inputs)
