@@ -277,6 +277,45 @@ def test_torch_export_keeps_activations_channels_last(tmp_path: Path) -> None:
         assert_close(result, reference.numpy())
 
 
+class Pools(torch.nn.Module):
+    """Max pools as ResNets, SqueezeNet (ceil mode) and a padded, dilated one use them; with
+    `indices`, one whose indices the model reads (computed as torchax does, on the NCHW tensor)."""
+
+    def __init__(self, indices: bool) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.indices = indices
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.conv(image))
+        x = torch.nn.functional.max_pool2d(x, 3, stride=2, ceil_mode=True)
+        x = torch.nn.functional.max_pool2d(x, 3, stride=1, padding=1) - x
+        y = torch.nn.functional.max_pool2d(x, 2, stride=2, padding=1, dilation=2, ceil_mode=True)
+        if self.indices:
+            values, indices = torch.nn.functional.max_pool2d(-x, 2, return_indices=True)
+            y = y[:, :, :3, :3] + values * 2 + indices.float()
+        return y
+
+
+@pytest.mark.parametrize("indices", [False, True])
+def test_torch_export_pools_channels_last_in_the_activations_dtype(tmp_path: Path, indices: bool) -> None:
+    """torchax's max pool ran NCHW in float64 (x64 widens its -inf), two transposes and two
+    conversions per pool; channels-last it is one reduce-window in f32."""
+    torch.manual_seed(0)
+    model = Pools(indices).eval()
+    directory = export_torch_bundle(model, (torch.randn(2, 3, 15, 15),), tmp_path / "pools", batch_sizes=(2,))
+    bundle = load_bundle(directory)
+    (module,) = bundle.modules
+    executable = _xla.compile_module(module.source)
+    hlo = executable.hlo_modules()[0].to_string()
+    if not indices:
+        assert "f64" not in hlo and hlo.count("transpose(") <= 2, hlo  # in and out of NHWC
+    image = torch.randn(2, 3, 15, 15)
+    (result,) = _xla.to_numpy(_xla.run(executable, _xla.put_all([image.numpy(), *read_weights(bundle)])))
+    with torch.no_grad():
+        assert_close(result, model(image).numpy())
+
+
 class OnePerSize(torch.nn.Module):
     """An ONNX import's shape of module: one model per batch size, each reading its own weights."""
 

@@ -43,6 +43,7 @@ Lowerings = Mapping[Any, Callable[..., Any]]
 function of the same arguments (JAX arrays where the op takes tensors)."""
 
 _BATCH_NORM = torch.ops.aten._native_batch_norm_legit_no_training.default
+_MAX_POOL = torch.ops.aten.max_pool2d_with_indices.default
 _REMOVED_OVERLOAD = re.compile(r"(?:^|_)(?:dimname|Dimname|names)(?:_|$)")
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>\S+)$')
 _ISSUES = "https://github.com/google/torchax/issues"
@@ -248,6 +249,11 @@ class _Interpreter(torch.fx.Interpreter):
             return channels_last.mean(lowering, *args, **kwargs)
         if target is torch.ops.aten.permute.default and (kept or getattr(first, "ndim", 0) == 4):
             return channels_last.permute(first, args[1])
+        if target is _MAX_POOL and kept:
+            # the indices as torchax computes them, on the NCHW tensor: XLA drops them unless read
+            nchw_args, nchw_kwargs = pytree.tree_map(channels_last.logical, (args, kwargs))
+            indices = lowering(*nchw_args, **nchw_kwargs)[1]
+            return channels_last.max_pool(first, *args[1:], **kwargs), indices
         if target is _BATCH_NORM and kept and not kwargs:
             weight, bias, mean, var = args[1:5]
             y = channels_last.batch_norm(first, weight, bias, mean, var, args[6])
