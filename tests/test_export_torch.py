@@ -316,6 +316,23 @@ def test_torch_export_pools_channels_last_in_the_activations_dtype(tmp_path: Pat
         assert_close(result, model(image).numpy())
 
 
+@pytest.mark.parametrize(("per_group", "fused"), [(4, True), (8, True), (16, False)])
+def test_grouped_convolutions_fuse_only_few_inputs_per_group(per_group: int, fused: bool) -> None:
+    """A 3x3 grouped convolution with up to 8 inputs per group runs as one element-wise fusion;
+    with 16 (ResNeXt-50's third stage) it took 17x XLA's convolution: XLA's."""
+    from hloserve.export import _channels_last
+
+    groups = 4
+    x = np.zeros((1, 6, 6, groups * per_group), np.float32)
+    weight = np.zeros((groups * per_group, per_group, 3, 3), np.float32)
+    lowered = _xla.jax.jit(
+        lambda x, w: (
+            _channels_last.convolution(_channels_last.ChannelsLast(x), w, None, [1], [1], [1], groups).array
+        )
+    ).lower(x, weight)
+    assert ("convolution" not in lowered.as_text()) == fused
+
+
 class OnePerSize(torch.nn.Module):
     """An ONNX import's shape of module: one model per batch size, each reading its own weights."""
 
