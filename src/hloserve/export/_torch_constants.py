@@ -103,8 +103,9 @@ def fold(
     taken = set(names)
     added = []
     last = placeholders[-1]
+    bound = {p: names[k] for p, k in zip(placeholders, order, strict=True) if k is not None}
     for node in frontier:
-        name = f"{_source_weight(node, placeholders, names, order)}.folded"
+        name = f"{_source_weight(node, bound)}.folded"
         name = name if name not in taken else f"{name}.{node.name}"
         taken.add(name)
         with graph.inserting_after(last):
@@ -120,14 +121,9 @@ def fold(
     return names, weights, order, added
 
 
-def _source_weight(
-    node: torch.fx.Node,
-    placeholders: Sequence[torch.fx.Node],
-    names: Sequence[str],
-    order: Sequence[int | None],
-) -> str:
-    """The name of the largest weight that `node` is computed from (what its new weight is named after)."""
-    bound = {p: names[k] for p, k in zip(placeholders, order, strict=True) if k is not None}
+def _source_weight(node: torch.fx.Node, bound: dict[torch.fx.Node, str]) -> str:
+    """The name of the largest weight (of `bound`, placeholder → name) that `node` is computed
+    from: what its new weight is named after."""
     seen, stack, found = set(), [node], []
     while stack:
         current = stack.pop()
