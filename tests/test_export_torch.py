@@ -333,6 +333,40 @@ def test_grouped_convolutions_fuse_only_few_inputs_per_group(per_group: int, fus
     assert ("convolution" not in lowered.as_text()) == fused
 
 
+class Atrous(torch.nn.Module):
+    """DeepLabV3's atrous pyramid on a map smaller than its rates: rate 9 over 6x6 reads padding
+    alone outside its centre tap; rate 2 reads the input with every tap; a depthwise one of rate
+    9 and a strided one of rate 4 (whose first and last taps miss the input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.far = torch.nn.Conv2d(4, 5, 3, padding=9, dilation=9)
+        self.near = torch.nn.Conv2d(4, 5, 3, padding=2, dilation=2)
+        self.depthwise = torch.nn.Conv2d(4, 4, 3, padding=9, dilation=9, groups=4)
+        self.strided = torch.nn.Conv2d(4, 5, 3, stride=2, padding=4, dilation=4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.far(x) + self.near(x) + self.depthwise(x).sum(1, keepdim=True)
+        return y + torch.nn.functional.interpolate(self.strided(x), size=(6, 6))
+
+
+def test_torch_export_drops_atrous_taps_that_read_padding_only(tmp_path: Path) -> None:
+    """YNNPACK computed DeepLabV3's rate-36 convolution over its 14x14 map in full: 1 s of 2.2 at
+    batch 4, for a centre tap's 1x1 convolution; every other tap multiplies padding."""
+    torch.manual_seed(0)
+    model = Atrous().eval()
+    directory = export_torch_bundle(model, (torch.randn(2, 4, 6, 6),), tmp_path / "atrous", batch_sizes=(2,))
+    bundle = load_bundle(directory)
+    (module,) = bundle.modules
+    executable = _xla.compile_module(module.source)
+    # `near` and `strided` convolve; `far` is one dot, `depthwise` one product per channel
+    assert executable.hlo_modules()[0].to_string().count("convolution(") <= 2
+    image = torch.randn(2, 4, 6, 6)
+    (result,) = _xla.to_numpy(_xla.run(executable, _xla.put_all([image.numpy(), *read_weights(bundle)])))
+    with torch.no_grad():
+        assert_close(result, model(image).numpy())
+
+
 class OnePerSize(torch.nn.Module):
     """An ONNX import's shape of module: one model per batch size, each reading its own weights."""
 

@@ -180,8 +180,8 @@ def _depthwise(
 def _taps(
     x: Any, kernel: Sequence[int], stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int]
 ) -> Iterator[tuple[int, int, Any]]:
-    """Each kernel tap (i, j) of a convolution of NHWC `x`: the strided slice of the padded input
-    (computed once) that the tap multiplies."""
+    """Each kernel tap (i, j) of a convolution of NHWC `x` that reads more than padding: the
+    strided slice of the padded input (computed once) that the tap multiplies."""
     kh, kw = kernel
     (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
     padded = _materialized(jnp.pad(x, ((0, 0), (ph, ph), (pw, pw), (0, 0))))
@@ -189,9 +189,39 @@ def _taps(
     columns = (padded.shape[2] - dw * (kw - 1) - 1) // sw + 1
     for i in range(kh):
         for j in range(kw):
+            if not (_live(i, x.shape[1], rows, sh, ph, dh) and _live(j, x.shape[2], columns, sw, pw, dw)):
+                continue  # it reads padding only: adds zeros
             last = (i * dh + (rows - 1) * sh + 1, j * dw + (columns - 1) * sw + 1)
             end = (padded.shape[0], *last, padded.shape[3])
             yield i, j, jax.lax.slice(padded, (0, i * dh, j * dw, 0), end, (1, sh, sw, 1))
+
+
+def _live(tap: int, size: int, rows: int, stride: int, padding: int, dilation: int) -> bool:
+    """Whether a convolution's kernel tap `tap` (along one axis) reads any of the `size` input
+    elements, not only the `padding` on either side: with the large dilations of atrous heads
+    (DeepLabV3's rates 24 and 36 over a 14x14 map at 224 pixels) most taps read padding alone."""
+    first = tap * dilation
+    return first + (rows - 1) * stride >= padding and first <= padding + size - 1
+
+
+def _cropped(
+    weight: Any, shape: Sequence[int], stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int]
+) -> tuple[Any, list[int]]:
+    """OIHW `weight` without the rows and columns of taps that read padding only, and the
+    padding that keeps the output's size; the same where cropping would need uneven padding."""
+    kept, pads = [], []
+    for axis, (size, s, p, d) in enumerate(zip(shape, stride, padding, dilation, strict=True)):
+        k = weight.shape[2 + axis]
+        rows = (size + 2 * p - d * (k - 1) - 1) // s + 1
+        live = [i for i in range(k) if _live(i, size, rows, s, p, d)]
+        low = p - live[0] * d
+        high = (rows - 1) * s + d * (len(live) - 1) + 1 - size - low
+        if low != high or low < 0:
+            return weight, list(padding)
+        kept.append((live[0], live[-1] + 1))
+        pads.append(low)
+    (i0, i1), (j0, j1) = kept
+    return weight[:, :, i0:i1, j0:j1], pads
 
 
 def _grouped(
@@ -231,6 +261,8 @@ def convolution(
     array = x.array if isinstance(x, ChannelsLast) else jnp.transpose(jnp.asarray(x), TO_NHWC)
     weight = jnp.asarray(weight).astype(array.dtype)
     stride, padding, dilation = (list(v) * (2 // len(v)) for v in (stride, padding, dilation))
+    if groups == 1:
+        weight, padding = _cropped(weight, array.shape[1:3], stride, padding, dilation)
     out_channels, per_group, kh, kw = weight.shape
     if groups > 1 and per_group == 1 and groups == out_channels:
         y = _depthwise(array, weight, stride, padding, dilation)
