@@ -335,18 +335,20 @@ def test_grouped_convolutions_fuse_only_few_inputs_per_group(per_group: int, fus
 
 class Atrous(torch.nn.Module):
     """DeepLabV3's atrous pyramid on a map smaller than its rates: rate 9 over 6x6 reads padding
-    alone outside its centre tap; rate 2 reads the input with every tap; a depthwise one of rate
-    9 and a strided one of rate 4 (whose first and last taps miss the input)."""
+    alone outside its centre tap; rate 4 reads the input for 31% of a full convolution's work;
+    rate 2 with every tap, mostly; a depthwise one of rate 9 and a strided one of rate 4 (whose
+    first and last taps miss the input)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.far = torch.nn.Conv2d(4, 5, 3, padding=9, dilation=9)
         self.near = torch.nn.Conv2d(4, 5, 3, padding=2, dilation=2)
+        self.mid = torch.nn.Conv2d(4, 5, 3, padding=4, dilation=4)
         self.depthwise = torch.nn.Conv2d(4, 4, 3, padding=9, dilation=9, groups=4)
         self.strided = torch.nn.Conv2d(4, 5, 3, stride=2, padding=4, dilation=4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.far(x) + self.near(x) + self.depthwise(x).sum(1, keepdim=True)
+        y = self.far(x) + self.near(x) + self.mid(x) + self.depthwise(x).sum(1, keepdim=True)
         return y + torch.nn.functional.interpolate(self.strided(x), size=(6, 6))
 
 
@@ -359,7 +361,8 @@ def test_torch_export_drops_atrous_taps_that_read_padding_only(tmp_path: Path) -
     bundle = load_bundle(directory)
     (module,) = bundle.modules
     executable = _xla.compile_module(module.source)
-    # `near` and `strided` convolve; `far` is one dot, `depthwise` one product per channel
+    # `near` and `strided` convolve; `far` is one dot, `mid` a dot per tap over what it reads,
+    # `depthwise` one product per channel
     assert executable.hlo_modules()[0].to_string().count("convolution(") <= 2
     image = torch.randn(2, 4, 6, 6)
     (result,) = _xla.to_numpy(_xla.run(executable, _xla.put_all([image.numpy(), *read_weights(bundle)])))
