@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from benches import (
+    anchors,
     breakdown,
     compare,
     frontends,
@@ -49,6 +50,7 @@ SUITES = {
     "tracing": tracing,
     "zoo": zoo,
     "scale": scale,
+    "anchors": anchors,
 }
 _BEGIN, _END = "<!-- latest compare run: begin -->", "<!-- latest compare run: end -->"
 
@@ -83,9 +85,12 @@ def main() -> None:
     )
     parser.add_argument("--window-ms", type=int, default=3000, help="perf_analyzer measurement window")
     parser.add_argument("--quick", action="store_true", help="zoo: one small model at batch 1, few repeats")
-    parser.add_argument("--models", help="zoo: comma-separated zoo models (default: the whole zoo)")
+    parser.add_argument("--models", help="zoo, anchors: comma-separated zoo models (default: the whole zoo)")
     parser.add_argument(
-        "--threads", type=int, help="zoo: hloserve and torch both on this many cores (default: all)"
+        "--threads",
+        type=int,
+        help="zoo: hloserve and torch both on this many cores (default: all); anchors: this count only "
+        "(default: 1 and 2)",
     )
     parser.add_argument("--sizes", help="scale: comma-separated catalogue sizes (default: 10,100,1000,10000)")
     args = parser.parse_args()
@@ -97,7 +102,9 @@ def main() -> None:
         load_before = os.getloadavg()
         models = args.models.split(",") if args.models else None
         extra: dict[str, object] = (
-            {"quick": args.quick, "models": models, "threads": args.threads} if name == "zoo" else {}
+            {"quick": args.quick, "models": models, "threads": args.threads}
+            if name in ("zoo", "anchors")
+            else {}
         )
         if name == "scale" and args.sizes:
             extra = {"sizes": [int(n) for n in args.sizes.split(",")]}

@@ -17,7 +17,8 @@ which the test suite does so that it cannot rot).
   fails there and succeeds once everything is freed, as compaction frees it.
 - ResNet-50 and ViT-B/16 (benches/gpu_models.py) exported on this machine in float32 and bf16
   and served at batch 1 and 8: compute per execution and the gRPC request (`--quick`: a small
-  CNN in their place).
+  CNN in their place), beside the same model in torch on the same device, eager and
+  `torch.compile` (target: hloserve's compute within 1.2x of torch.compile in bf16).
 
 Results go to one JSON file (`--output`, by default `benches/results/gpu-<UTC>.json`) and are
 printed as they come.
@@ -283,6 +284,48 @@ REAL_BATCH_SIZES = (1, 8)
 MODEL_SPECS = Path(__file__).resolve().parent / "gpu_models.py"
 
 
+def torch_anchors(name: str, precision: str, batch: int, repeats: int) -> dict[str, Any]:
+    """The same model in torch on the same device (the GPU where there is one): eager and
+    `torch.compile` (Inductor, default mode, `dynamic=False`: one static graph per batch size, as
+    hloserve compiles), in `precision` (bf16: the module and its input cast), medians in ms of
+    `repeats` after two warm-ups, each call synchronized; and torch.compile's first call in s."""
+    import torch
+
+    from benches import gpu_models
+
+    spec = getattr(gpu_models, name)()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    model = spec["module"].to(device=device, dtype=dtype).eval()
+    (example,) = spec["example_inputs"]
+    image = torch.randn(batch, *example.shape[1:], generator=torch.Generator().manual_seed(batch))
+    image = image.to(device=device, dtype=dtype)
+
+    def synchronized(call: Callable[[], Any]) -> float:
+        started = time.perf_counter()
+        call()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    def median_ms(call: Callable[[], Any]) -> float:
+        times = [synchronized(call) for _ in range(repeats + 2)][2:]
+        return round(statistics.median(times) * 1e3, 3)
+
+    with torch.no_grad():
+        eager_ms = median_ms(lambda: model(image))
+        compiled: Any = torch.compile(model, dynamic=False)
+        compile_s = synchronized(lambda: compiled(image))
+        compiled_ms = median_ms(lambda: compiled(image))
+    torch._dynamo.reset()
+    return {
+        "torch_device": device,
+        "torch_eager_ms": eager_ms,
+        "torch_compile_ms": compiled_ms,
+        "torch_compile_s": round(compile_s, 1),
+    }
+
+
 def real_models(names: tuple[str, ...], repeats: int) -> list[dict[str, Any]]:
     """Export each model with `hloserve export --precision P --batch-sizes 1,8` on this machine
     (verified on its device against torch in float32), serve them all from one `hloserve serve`
@@ -328,10 +371,13 @@ def real_models(names: tuple[str, ...], repeats: int) -> list[dict[str, Any]]:
                     image = np.random.default_rng(batch).standard_normal(shape, np.float32)
                     request = zoo.tensors({"IMAGE": image})
                     timed = [zoo.served(client, served, request) for _ in range(repeats + 2)][2:]
+                    compute_ms = round(statistics.median(t[0] for t in timed), 3)
+                    anchors = torch_anchors(row["model"], row["precision"], batch, repeats)
                     rows.append({
-                        **row, "batch": batch,
-                        "compute_ms": round(statistics.median(t[0] for t in timed), 3),
+                        **row, "batch": batch, "compute_ms": compute_ms,
                         "grpc_ms": round(statistics.median(t[1] for t in timed), 3),
+                        **anchors,
+                        "compute_over_torch_compile": round(compute_ms / anchors["torch_compile_ms"], 3),
                     })  # fmt: skip
                     print("real model:", rows[-1], flush=True)
         finally:

@@ -116,6 +116,11 @@ def test_the_gpu_suite_dry_runs_on_a_cpu(tmp_path: Path) -> None:
         ("small_cnn", precision, batch) for precision in ("fp32", "bf16") for batch in (1, 8)
     ], results["real_models"]
     assert all(r["compute_ms"] > 0 and r["grpc_ms"] >= r["compute_ms"] for r in results["real_models"])
+    assert all(  # torch beside it on the same device (a CPU here)
+        r["torch_device"] == "cpu" and r["torch_eager_ms"] > 0 and r["torch_compile_ms"] > 0
+        and r["compute_over_torch_compile"] > 0
+        for r in results["real_models"]
+    )  # fmt: skip
     bf16, fp32 = (next(r for r in results["real_models"] if r["precision"] == p) for p in ("bf16", "fp32"))
     assert 0 < bf16["weight_bytes"] < 0.6 * fp32["weight_bytes"]
 

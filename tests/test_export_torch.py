@@ -179,6 +179,45 @@ def test_torch_export_folds_batch_norm_and_stores_weights_as_xla_reads_them(tmp_
         assert_close(result, model(image).numpy())
 
 
+class Standardized(torch.nn.Module):
+    """A convolution whose weight is standardized per filter in the forward pass (timm's
+    ScaledStdConv2d, the NF-ResNets'), then scaled by a gain; a class token expanded to the batch
+    (weights alone, but multiplied out by the batch size: never folded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.gain = torch.nn.Parameter(torch.linspace(0.5, 2.0, 8).reshape(8, 1, 1, 1))
+        self.token = torch.nn.Parameter(torch.randn(1, 8))
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        weight = self.conv.weight
+        mean = weight.mean((1, 2, 3), keepdim=True)
+        std = weight.var((1, 2, 3), keepdim=True, unbiased=False).add(1e-5).rsqrt()
+        y = torch.nn.functional.conv2d(image, (weight - mean) * std * self.gain, self.conv.bias, padding=1)
+        return y.mean((2, 3)) + self.token.expand(image.shape[0], -1)
+
+
+def test_torch_export_computes_weight_standardization_once_at_export(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Standardized().eval()
+    directory = export_torch_bundle(model, (torch.randn(2, 3, 8, 8),), tmp_path / "std", batch_sizes=(1, 2))
+    bundle = load_bundle(directory)
+    shapes = {w.name: w.shape for w in bundle.weights}
+    # the standardized weight stored once, HWIO; the raw weight and the gain no longer stored
+    assert shapes == {"conv.weight.folded": (3, 3, 3, 8), "conv.bias": (8,), "token": (1, 8)}
+    provenance = yaml.safe_load((directory / "manifest.yaml").read_text())["provenance"]
+    assert provenance["weights_computed_at_export"] == ["conv.weight.folded"]
+    for module in bundle.modules:  # nothing left of the standardization in the program
+        hlo = _xla.compile_module(module.source).hlo_modules()[0].to_string()
+        assert "rsqrt" not in hlo, module.batch_size
+        image = torch.randn(module.batch_size, 3, 8, 8)
+        arguments = _xla.put_all([image.numpy(), *read_weights(bundle)])
+        (result,) = _xla.to_numpy(_xla.run(_xla.compile_module(module.source), arguments))
+        with torch.no_grad():
+            assert_close(result, model(image).numpy())
+
+
 class ChannelsLastShapes(torch.nn.Module):
     """What the channels-last lowering computes on NHWC arrays, beside what it hands back to torch's
     layout: strided and grouped convolutions, a dilated strided depthwise one, a batch norm it
@@ -236,6 +275,99 @@ def test_torch_export_keeps_activations_channels_last(tmp_path: Path) -> None:
     assert [r.shape for r in results] == [(2, 12, 8, 8), (2, 5)]
     for result, reference in zip(results, expected, strict=True):
         assert_close(result, reference.numpy())
+
+
+class Pools(torch.nn.Module):
+    """Max pools as ResNets, SqueezeNet (ceil mode) and a padded, dilated one use them; with
+    `indices`, one whose indices the model reads (computed as torchax does, on the NCHW tensor)."""
+
+    def __init__(self, indices: bool) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.indices = indices
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.conv(image))
+        x = torch.nn.functional.max_pool2d(x, 3, stride=2, ceil_mode=True)
+        x = torch.nn.functional.max_pool2d(x, 3, stride=1, padding=1) - x
+        y = torch.nn.functional.max_pool2d(x, 2, stride=2, padding=1, dilation=2, ceil_mode=True)
+        if self.indices:
+            values, indices = torch.nn.functional.max_pool2d(-x, 2, return_indices=True)
+            y = y[:, :, :3, :3] + values * 2 + indices.float()
+        return y
+
+
+@pytest.mark.parametrize("indices", [False, True])
+def test_torch_export_pools_channels_last_in_the_activations_dtype(tmp_path: Path, indices: bool) -> None:
+    """torchax's max pool ran NCHW in float64 (x64 widens its -inf), two transposes and two
+    conversions per pool; channels-last it is one reduce-window in f32."""
+    torch.manual_seed(0)
+    model = Pools(indices).eval()
+    directory = export_torch_bundle(model, (torch.randn(2, 3, 15, 15),), tmp_path / "pools", batch_sizes=(2,))
+    bundle = load_bundle(directory)
+    (module,) = bundle.modules
+    executable = _xla.compile_module(module.source)
+    hlo = executable.hlo_modules()[0].to_string()
+    if not indices:
+        assert "f64" not in hlo and hlo.count("transpose(") <= 2, hlo  # in and out of NHWC
+    image = torch.randn(2, 3, 15, 15)
+    (result,) = _xla.to_numpy(_xla.run(executable, _xla.put_all([image.numpy(), *read_weights(bundle)])))
+    with torch.no_grad():
+        assert_close(result, model(image).numpy())
+
+
+@pytest.mark.parametrize(("per_group", "fused"), [(4, True), (8, True), (16, False)])
+def test_grouped_convolutions_fuse_only_few_inputs_per_group(per_group: int, fused: bool) -> None:
+    """A 3x3 grouped convolution with up to 8 inputs per group runs as one element-wise fusion;
+    with 16 (ResNeXt-50's third stage) it took 17x XLA's convolution: XLA's."""
+    from hloserve.export import _channels_last
+
+    groups = 4
+    x = np.zeros((1, 6, 6, groups * per_group), np.float32)
+    weight = np.zeros((groups * per_group, per_group, 3, 3), np.float32)
+    lowered = _xla.jax.jit(
+        lambda x, w: (
+            _channels_last.convolution(_channels_last.ChannelsLast(x), w, None, [1], [1], [1], groups).array
+        )
+    ).lower(x, weight)
+    assert ("convolution" not in lowered.as_text()) == fused
+
+
+class Atrous(torch.nn.Module):
+    """DeepLabV3's atrous pyramid on a map smaller than its rates: rate 9 over 6x6 reads padding
+    alone outside its centre tap; rate 4 reads the input for 31% of a full convolution's work;
+    rate 2 with every tap, mostly; a depthwise one of rate 9 and a strided one of rate 4 (whose
+    first and last taps miss the input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.far = torch.nn.Conv2d(4, 5, 3, padding=9, dilation=9)
+        self.near = torch.nn.Conv2d(4, 5, 3, padding=2, dilation=2)
+        self.mid = torch.nn.Conv2d(4, 5, 3, padding=4, dilation=4)
+        self.depthwise = torch.nn.Conv2d(4, 4, 3, padding=9, dilation=9, groups=4)
+        self.strided = torch.nn.Conv2d(4, 5, 3, stride=2, padding=4, dilation=4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.far(x) + self.near(x) + self.mid(x) + self.depthwise(x).sum(1, keepdim=True)
+        return y + torch.nn.functional.interpolate(self.strided(x), size=(6, 6))
+
+
+def test_torch_export_drops_atrous_taps_that_read_padding_only(tmp_path: Path) -> None:
+    """YNNPACK computed DeepLabV3's rate-36 convolution over its 14x14 map in full: 1 s of 2.2 at
+    batch 4, for a centre tap's 1x1 convolution; every other tap multiplies padding."""
+    torch.manual_seed(0)
+    model = Atrous().eval()
+    directory = export_torch_bundle(model, (torch.randn(2, 4, 6, 6),), tmp_path / "atrous", batch_sizes=(2,))
+    bundle = load_bundle(directory)
+    (module,) = bundle.modules
+    executable = _xla.compile_module(module.source)
+    # `near` and `strided` convolve; `far` is one dot, `mid` a dot per tap over what it reads,
+    # `depthwise` one product per channel
+    assert executable.hlo_modules()[0].to_string().count("convolution(") <= 2
+    image = torch.randn(2, 4, 6, 6)
+    (result,) = _xla.to_numpy(_xla.run(executable, _xla.put_all([image.numpy(), *read_weights(bundle)])))
+    with torch.no_grad():
+        assert_close(result, model(image).numpy())
 
 
 class OnePerSize(torch.nn.Module):

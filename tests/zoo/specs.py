@@ -89,9 +89,53 @@ def timm_deit_tiny_patch16_224() -> dict[str, Any]:
     return _classifier("timm_deit_tiny_patch16_224")
 
 
+# --- the families issue 35 added: each an operator pattern the ones above do not cover -----------
+
+
+def resnet18() -> dict[str, Any]:
+    """Plain 3x3 residual blocks, no bottleneck."""
+    return _classifier("resnet18")
+
+
+def resnext50_32x4d() -> dict[str, Any]:
+    """Grouped 3x3 convolutions of 32 groups of 4+ channels."""
+    return _classifier("resnext50_32x4d")
+
+
+def mobilenet_v2() -> dict[str, Any]:
+    """Depthwise-separable inverted residuals without squeeze-excitation, ReLU6."""
+    return _classifier("mobilenet_v2")
+
+
+def shufflenet_v2_x1_0() -> dict[str, Any]:
+    """Channel split, concatenation and shuffle (reshape-transpose) between depthwise blocks."""
+    return _classifier("shufflenet_v2_x1_0")
+
+
+def squeezenet1_1() -> dict[str, Any]:
+    """Fire modules: 1x1 squeeze, then 1x1 and 3x3 expansions concatenated; max pooling."""
+    return _classifier("squeezenet1_1")
+
+
+def maxvit_t() -> dict[str, Any]:
+    """Block and grid attention over MBConv stages (an attention variant)."""
+    return _classifier("maxvit_t")
+
+
+def timm_mixer_s16_224() -> dict[str, Any]:
+    """An MLP-Mixer: token- and channel-mixing MLPs, no attention, no convolution but the stem."""
+    return _classifier("timm_mixer_s16_224")
+
+
+def timm_nf_resnet26() -> dict[str, Any]:
+    """Normalization-free: convolutions whose weights are standardized in the forward pass."""
+    return _classifier("timm_nf_resnet26")
+
+
 # --- beyond classifiers: a dict result, a model.py's postprocess, a text encoder ----------------
 
 SEGMENTER = "lraspp_mobilenet_v3_large"
+ATROUS = "deeplabv3_mobilenet_v3_large"
 DETECTOR = "ssdlite320_mobilenet_v3_large"
 ENCODER = "bert_base"
 DETECTOR_MODEL_PY = Path(__file__).resolve().parent / "ssdlite" / "model.py"
@@ -109,10 +153,22 @@ def lraspp_mobilenet_v3_large() -> dict[str, Any]:
     }
 
 
-def build_segmenter() -> torch.nn.Module:
+def build_segmenter(name: str = SEGMENTER) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = torchvision.models.segmentation.lraspp_mobilenet_v3_large(weights=None, weights_backbone=None)
+    options = {"aux_loss": False} if name == ATROUS else {}  # an auxiliary head would be a second output
+    model = getattr(torchvision.models.segmentation, name)(weights=None, weights_backbone=None, **options)
     return model.eval()
+
+
+def deeplabv3_mobilenet_v3_large() -> dict[str, Any]:
+    """Atrous (dilated) convolutions: a dilated MobileNetV3 backbone and an ASPP head (rates 12, 24,
+    36); a dict result."""
+    return {
+        "module": build_segmenter(ATROUS),
+        "example_inputs": (images(2),),
+        "inputs": [IMAGE],
+        "description": f"{ATROUS}, random weights (the hloserve zoo)",
+    }
 
 
 class DecodedSSD(torch.nn.Module):

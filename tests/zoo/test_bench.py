@@ -18,3 +18,18 @@ def test_the_zoo_bench_quick_path_measures_one_model() -> None:
         assert row.hloserve_ms > 0 and row.torch_ms > 0 and row.grpc_ms >= row.hloserve_ms
         assert row.ratio == pytest.approx(row.hloserve_ms / row.torch_ms, abs=0.02)
     assert "median ratio" in zoo.table(rows)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # exports the model (and to ONNX) unless cached; torch.compile's first compile
+def test_the_anchors_quick_path_measures_one_model_beside_three_runtimes() -> None:
+    from benches import anchors
+
+    rows = anchors.run(quick=True, threads=1)
+    assert [(r.model, r.batch, r.threads) for r in rows] == [(name, 1, 1) for name in anchors.QUICK_MODELS]
+    for row in rows:
+        assert set(row.ms) == set(anchors.RUNTIMES) and all(ms > 0 for ms in row.ms.values())
+        for anchor in ("eager", "compile", "ort"):
+            assert row.ratios[anchor] == pytest.approx(row.ms["hloserve"] / row.ms[anchor], rel=0.01)
+        assert row.export_s > 0 and row.onnx_export_s > 0 and row.compile_s > 0 and row.torch_compile_s > 0
+    assert "1 thread(s), hloserve / ort: median" in anchors.table(rows)

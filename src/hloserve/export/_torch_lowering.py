@@ -31,7 +31,7 @@ import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind
 
 from hloserve.export import _channels_last as channels_last
-from hloserve.export import _torch_weights
+from hloserve.export import _torch_constants, _torch_weights
 from hloserve.models import _xla
 
 __all__ = ["LoweringError", "Lowerings", "import_torchax", "lower_program", "quiet"]
@@ -43,6 +43,7 @@ Lowerings = Mapping[Any, Callable[..., Any]]
 function of the same arguments (JAX arrays where the op takes tensors)."""
 
 _BATCH_NORM = torch.ops.aten._native_batch_norm_legit_no_training.default
+_MAX_POOL = torch.ops.aten.max_pool2d_with_indices.default
 _REMOVED_OVERLOAD = re.compile(r"(?:^|_)(?:dimname|Dimname|names)(?:_|$)")
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>\S+)$')
 _ISSUES = "https://github.com/google/torchax/issues"
@@ -248,6 +249,11 @@ class _Interpreter(torch.fx.Interpreter):
             return channels_last.mean(lowering, *args, **kwargs)
         if target is torch.ops.aten.permute.default and (kept or getattr(first, "ndim", 0) == 4):
             return channels_last.permute(first, args[1])
+        if target is _MAX_POOL and kept:
+            # the indices as torchax computes them, on the NCHW tensor: XLA drops them unless read
+            nchw_args, nchw_kwargs = pytree.tree_map(channels_last.logical, (args, kwargs))
+            indices = lowering(*nchw_args, **nchw_kwargs)[1]
+            return channels_last.max_pool(first, *args[1:], **kwargs), indices
         if target is _BATCH_NORM and kept and not kwargs:
             weight, bias, mean, var = args[1:5]
             y = channels_last.batch_norm(first, weight, bias, mean, var, args[6])
@@ -336,11 +342,13 @@ def lower_program(
     }
     mutated = len(program.graph_signature.buffers_to_mutate)
     module = program.graph_module
-    prepared = (
-        _torch_weights.prepare(module, names, weights, order)
-        if prepare
-        else _torch_weights.Prepared(names, weights, order)
-    )
+    if prepare:
+        names, weights, order, computed = _torch_constants.fold(module, names, weights, order)
+        prepared = _torch_weights.prepare(module, names, weights, order)
+        if computed:
+            prepared.provenance["weights_computed_at_export"] = computed
+    else:
+        prepared = _torch_weights.Prepared(names, weights, order)
 
     def function(states: Sequence[Any], inputs: Sequence[Any]) -> list[Any]:
         given = iter(inputs)

@@ -1,0 +1,271 @@
+"""The zoo's models in hloserve beside the runtimes a CPU user would otherwise pick (issue 35).
+
+For each zoo model (tests/zoo, exported as `tox -e zoo` exports it, sharing its cache), at 1
+and 2 threads (`--threads N`: N only), one fresh process confined to that many cores times, at
+batch 1 and 4, each of:
+
+- `hloserve`: its compute per execution, `CompiledModel.execute` (inputs placed, the executable
+  run, outputs read back: what the server's `compute_infer` statistic times), the bundle compiled
+  without the executable cache, so the compile is timed as a first load;
+- `eager`: torch eager, `torch.set_num_threads(N)`;
+- `compile`: `torch.compile` (Inductor, default mode; `dynamic=False`, one static graph per batch
+  size as hloserve has), its first call timed as its compile;
+- `ort`: ONNX Runtime's CPU provider, `intra_op_num_threads=N`, on the model exported by
+  `torch.onnx.export(opset_version=17, dynamo=False)` with a dynamic batch axis.
+
+The four take turns call by call (`WARMUP` untimed rounds, then at least `REPEATS`; medians), so load
+from elsewhere on the machine weighs on all alike. XLA:CPU sizes its thread pool by the cores a
+process may use, which is why each thread count is its own process. The ratios are hloserve's
+time over each anchor's: above 1, hloserve is slower. Export and first-load compile seconds are
+reported per model (export: when the bench made it; a cached export reports the seconds
+recorded when it was made).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+REPEATS = 5
+WARMUP = 2
+BUDGET_S = 1.0
+MAX_ROUNDS = 25
+"""Rounds go on past `WARMUP + REPEATS` while hloserve's timed calls add up to under `BUDGET_S`
+(at most `MAX_ROUNDS`): small models get more samples for little time."""
+THREADS = (1, 2)
+BATCHES = (1, 4)
+RUNTIMES = ("hloserve", "eager", "compile", "ort")
+QUICK_MODELS = ("squeezenet1_1",)
+
+
+@dataclass(frozen=True)
+class Row:
+    model: str
+    batch: int
+    threads: int
+    ms: dict[str, float]
+    """Median ms per execution, by runtime (`RUNTIMES`)."""
+    ratios: dict[str, float]
+    """hloserve's time over each anchor's."""
+    export_s: float
+    onnx_export_s: float
+    compile_s: float
+    """hloserve's first-load compile of every batch size (no executable cache)."""
+    torch_compile_s: float
+    """torch.compile's first call at this batch size (its compile; Inductor's caches may help)."""
+    xla_flags: str = field(default="")
+
+
+def _zoo() -> Any:
+    from benches.zoo import _zoo
+
+    return _zoo()
+
+
+def _seconds_file(root: Path, name: str, what: str) -> Path:
+    return root / "seconds" / f"{name}.{what}"
+
+
+def _exported(zoo: Any, root: Path, name: str) -> tuple[float, float]:
+    """Export `name` to the zoo's cache and to ONNX unless cached; the seconds each took."""
+    for what in ("export", "onnx"):
+        record = _seconds_file(root, name, what)
+        if record.exists():
+            continue
+        started = time.perf_counter()
+        if what == "export":
+            failed = zoo._export(name, root)
+            if failed is not None:
+                raise RuntimeError(f"export of {name} failed:\n{failed}")
+        else:
+            _onnx_export(zoo, name, root / "onnx" / f"{name}.onnx")
+        record.parent.mkdir(parents=True, exist_ok=True)
+        record.write_text(f"{time.perf_counter() - started:.2f}")
+    return tuple(float(_seconds_file(root, name, w).read_text()) for w in ("export", "onnx"))  # type: ignore[return-value]
+
+
+def _onnx_export(zoo: Any, name: str, path: Path) -> None:
+    import torch
+
+    model = zoo._builder(name)()
+    inputs = zoo._requests(name, 2, seed=0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_suffix(".tmp")
+    with torch.no_grad():
+        torch.onnx.export(
+            model,
+            tuple(torch.from_numpy(a) for a in inputs.values()),
+            str(staging),
+            input_names=list(inputs),
+            dynamic_axes={key: {0: "batch"} for key in inputs},
+            opset_version=17,
+            dynamo=False,
+        )
+    staging.rename(path)
+
+
+def run(
+    window_ms: int = 0, quick: bool = False, models: list[str] | None = None, threads: int | None = None
+) -> list[Row]:
+    del window_ms  # a fixed number of calls, not a window
+    zoo = _zoo()
+    names = tuple(models or (QUICK_MODELS if quick else zoo.ZOO))
+    unknown = [n for n in names if n not in zoo.ZOO]
+    if unknown:
+        raise ValueError(f"not zoo models: {unknown}; the zoo: {list(zoo.ZOO)}")
+    counts = (threads,) if threads else THREADS
+    cores = sorted(os.sched_getaffinity(0))
+    if max(counts) > len(cores):
+        raise ValueError(f"{max(counts)} threads asked for, {len(cores)} cores available")
+    root = zoo._cache_root()
+    rows = []
+    for name in names:
+        export_s, onnx_s = _exported(zoo, root, name)
+        for count in counts:
+            for found in _measure_in_child(name, count, set(cores[:count]), quick):
+                rows.append(Row(**found, export_s=export_s, onnx_export_s=onnx_s))
+                print(f"  {_line(rows[-1])}", flush=True)
+    return rows
+
+
+def _measure_in_child(name: str, threads: int, cores: set[int], quick: bool) -> list[dict[str, Any]]:
+    """One process confined to `cores` measures `name` at every batch size: its rows."""
+    command = [sys.executable, "-m", "benches.anchors", name, str(threads), *(["--quick"] if quick else [])]
+    done = subprocess.run(
+        command,
+        cwd=ROOT,
+        env={**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"},  # no pool of compile workers left behind
+        capture_output=True,
+        text=True,
+        preexec_fn=lambda: os.sched_setaffinity(0, cores),
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"measuring {name} at {threads} threads failed:\n{done.stderr[-3000:]}")
+    found: list[dict[str, Any]] = json.loads(done.stdout.strip().splitlines()[-1])
+    return found
+
+
+def _median_ms(times: list[float]) -> float:
+    return round(statistics.median(times) * 1e3, 3)
+
+
+def measure(name: str, threads: int, quick: bool = False) -> list[dict[str, Any]]:
+    """In this process (already confined to `threads` cores): `name` at each batch size, the
+    four runtimes in turn. Returns `Row` fields but the export seconds."""
+    import numpy as np
+    import onnxruntime
+    import torch
+
+    from hloserve.models import _xla
+    from hloserve.models.bundle import load_bundle, read_weights
+    from hloserve.models.compiled import compile_bundle
+
+    torch.set_num_threads(threads)
+    zoo = _zoo()
+    root = zoo._cache_root()
+    bundle = load_bundle(root / "repository" / name)
+    compiled = compile_bundle(bundle)  # no executable cache: a first load's compile
+    weights = _xla.put_all(read_weights(bundle))
+    model = zoo._builder(name)()
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    session = onnxruntime.InferenceSession(
+        str(root / "onnx" / f"{name}.onnx"), options, providers=["CPUExecutionProvider"]
+    )
+    batches, repeats = ((1,), 2) if quick else (BATCHES, REPEATS)
+    rows = []
+    for batch in batches:
+        inputs = {k: np.ascontiguousarray(a) for k, a in zoo._requests(name, batch, seed=1).items()}
+        ms, torch_compile_s = _time_batch(compiled, weights, model, session, batch, inputs, repeats)
+        rows.append(
+            {
+                "model": name,
+                "batch": batch,
+                "threads": threads,
+                "ms": ms,
+                "ratios": {r: round(ms["hloserve"] / ms[r], 3) for r in RUNTIMES[1:]},
+                "compile_s": round(compiled.compile_s, 2),
+                "torch_compile_s": round(torch_compile_s, 2),
+                "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            }
+        )
+    return rows
+
+
+def _time_batch(
+    compiled: Any, weights: Any, model: Any, session: Any, batch: int, inputs: dict[str, Any], repeats: int
+) -> tuple[dict[str, float], float]:
+    """Median ms per call of each runtime on `inputs`, taking turns; torch.compile's compile s."""
+    import torch
+
+    arrays = list(inputs.values())
+    tensors = [torch.from_numpy(a) for a in arrays]
+    torch._dynamo.reset()
+    compiled_model: Any = torch.compile(model, dynamic=False)
+    calls = {
+        "hloserve": lambda: compiled.execute(batch, arrays, weights),
+        "eager": lambda: model(*tensors),
+        "compile": lambda: compiled_model(*tensors),
+        "ort": lambda: session.run(None, inputs),
+    }
+    times: dict[str, list[float]] = {runtime: [] for runtime in RUNTIMES}
+    with torch.no_grad():
+        started = time.perf_counter()
+        compiled_model(*tensors)
+        torch_compile_s = time.perf_counter() - started
+        k = 0
+        while k < WARMUP + repeats or (k < MAX_ROUNDS and sum(times["hloserve"]) < BUDGET_S):
+            for runtime in RUNTIMES:
+                started = time.perf_counter()
+                calls[runtime]()
+                if k >= WARMUP:
+                    times[runtime].append(time.perf_counter() - started)
+            k += 1
+    return {runtime: _median_ms(t) for runtime, t in times.items()}, torch_compile_s
+
+
+def _line(r: Row) -> str:
+    times = " ".join(f"{r.ms[k]:>9.2f}" for k in RUNTIMES)
+    ratios = " ".join(f"{r.ratios[k]:>6.2f}" for k in RUNTIMES[1:])
+    seconds = f"{r.export_s:>7.1f} {r.compile_s:>7.1f} {r.torch_compile_s:>7.1f} {r.onnx_export_s:>6.1f}"
+    return f"{r.model:<30} {r.batch:>2} {r.threads:>2} {times} {ratios} {seconds}"
+
+
+def table(rows: list[Row]) -> str:
+    head = " ".join(f"{k + ' ms':>9}" for k in RUNTIMES)
+    ratios = " ".join(f"{'/' + k:>6}" for k in RUNTIMES[1:])
+    lines = [
+        f"{'model':<30} {'b':>2} {'th':>2} {head} {ratios} {'export':>7} {'compile':>7} "
+        f"{'t.comp':>7} {'onnx':>6}"
+    ]
+    lines += [_line(r) for r in rows]
+    for count in sorted({r.threads for r in rows}):
+        some = [r for r in rows if r.threads == count]
+        for anchor in RUNTIMES[1:]:
+            ratios_ = sorted(r.ratios[anchor] for r in some)
+            worst = max(some, key=lambda r: r.ratios[anchor])
+            lines.append(
+                f"{count} thread(s), hloserve / {anchor}: median {statistics.median(ratios_):.2f}x, "
+                f"worst {ratios_[-1]:.2f}x ({worst.model} b{worst.batch}), "
+                f"above 1.5x: {sum(x > 1.5 for x in ratios_)} of {len(ratios_)}"
+            )
+    return "\n".join(lines)
+
+
+def as_json(rows: list[Row]) -> list[dict[str, Any]]:
+    return [asdict(r) for r in rows]
+
+
+if __name__ == "__main__":  # the child `_measure_in_child` starts
+    model_name, count = sys.argv[1], int(sys.argv[2])
+    print(json.dumps(measure(model_name, count, quick="--quick" in sys.argv[3:])), flush=True)
