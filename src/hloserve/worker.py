@@ -66,6 +66,8 @@ class Worker(ModelTable):
     """The bound KServe V2 REST port; None when REST is off (`server.http_port` -1)."""
     frontends: Frontends | None = None
     """With `server.frontends` >= 1: they see every change of the table before its call returns."""
+    plane: LocalDataPlane | None = None
+    """The data plane, which forgets what it counted for a model at its unload."""
     inference: InferenceService | None = None
     """The KServe V2 inference service: its counters and admission (what a frontend's link reaches)."""
 
@@ -86,6 +88,8 @@ class Worker(ModelTable):
 
     async def unload_model(self, name: str) -> None:
         await self._changing(name, super().unload_model(name))
+        if self.plane is not None and name not in self.models:
+            self.plane.forget(name)
 
     async def reload_model_py(self, name: str) -> None:
         await self._changing(name, super().reload_model_py(name))
@@ -180,7 +184,9 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
             if server_config.allow_client_shm
             else None
         )
-        plane = LocalDataPlane(config, entries, statistics, metrics, metas, shm=shm, tracing=tracing)
+        plane = worker.plane = LocalDataPlane(
+            config, entries, statistics, metrics, metas, shm=shm, tracing=tracing
+        )
         engine = LocalEngineRpcs(worker, config, entries, statistics, shm)
         service = worker.inference = InferenceService(plane, config, entries, statistics, worker, engine)
         # grpclib looks up the event loop when constructed: build it inside trio-asyncio's loop.

@@ -143,6 +143,12 @@ class Statistics:
             stats = self._models[model] = ModelStatistics()
         return stats
 
+    def forget(self, model: str) -> None:
+        """Drop what was counted for `model` (at its unload: a worker that loads and unloads
+        ever new names must not keep a record, and a `/metrics` series, for each; as Triton, a
+        model loaded again counts from zero)."""
+        self._models.pop(model, None)
+
     def snapshot(self) -> dict[str, ModelStatistics]:
         """A deep copy, safe to read from another thread."""
         return copy.deepcopy(self._models)
