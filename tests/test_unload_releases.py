@@ -31,6 +31,7 @@ _SERIES = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?) ", re.MULTILINE
 @pytest.fixture(name="worker")
 def _worker() -> Iterator[ServerThread]:
     with start_worker(make_config()) as server:
+        assert isinstance(server, ServerThread)
         yield server
 
 
