@@ -26,6 +26,7 @@ from benches import (
     scheduler,
     serving,
     shared_memory,
+    soak,
     tracing,
     weight_cache,
     zoo,
@@ -47,6 +48,7 @@ SUITES = {
     "rest": rest,
     "tracing": tracing,
     "zoo": zoo,
+    "soak": soak,
 }
 _BEGIN, _END = "<!-- latest compare run: begin -->", "<!-- latest compare run: end -->"
 
@@ -85,6 +87,9 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, help="zoo: hloserve and torch both on this many cores (default: all)"
     )
+    parser.add_argument("--duration", type=float, default=600, help="soak: seconds of load")
+    parser.add_argument("--frontends", type=int, default=0, help="soak: serve with this many frontends")
+    parser.add_argument("--node", action="store_true", help="soak: through `hloserve node --cpu-workers 2`")
     args = parser.parse_args()
     unknown = [name for name in args.suites if name not in SUITES]
     if unknown:
@@ -94,6 +99,8 @@ def main() -> None:
         load_before = os.getloadavg()
         models = args.models.split(",") if args.models else None
         extra = {"quick": args.quick, "models": models, "threads": args.threads} if name == "zoo" else {}
+        if name == "soak":
+            extra = {"duration_s": args.duration, "frontends": args.frontends, "node": args.node}
         rows = SUITES[name].run(window_ms=args.window_ms, **extra)
         table = SUITES[name].table(rows)
         print(f"== {name} ({platform.node()}, {_machine()}, load {load_before[0]:.2f} before)")
