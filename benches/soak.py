@@ -480,7 +480,7 @@ def soak(duration_s: float = 600, frontends: int = 0, node: bool = False) -> Res
         repository, probes = Path(scratch) / "repository", Path(scratch) / "probes"
         repository.mkdir()
         budget = _catalogue(repository) // 5
-        os.environ["HLOSERVE_LOGGING_MEMORY_PROBE_S"] = str(interval)
+        os.environ["HLOSERVE_LOGGING_MEMORY_PROBE_S"] = str(interval / 2)  # fresh at each sample
         try:
             server = _start(repository, budget, frontends, node, probes)
         finally:
