@@ -97,5 +97,5 @@ def test_load_unload_cycles_return_the_heap_and_the_counters_to_their_start(work
 def test_ten_thousand_load_unload_cycles_return_the_heap_and_the_counters_to_their_start(
     worker: ServerThread,
 ) -> None:
-    """The issue's count (`HLOSERVE_TEST_UNLOAD_CYCLES` sets another): ~10 minutes on two cores."""
-    _assert_cycles_release(worker, int(os.environ.get("HLOSERVE_TEST_UNLOAD_CYCLES", "10000")))
+    """The issue's count (`TEST_UNLOAD_CYCLES` sets another): ~10 minutes on two cores."""
+    _assert_cycles_release(worker, int(os.environ.get("TEST_UNLOAD_CYCLES", "10000")))
