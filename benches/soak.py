@@ -301,7 +301,15 @@ class _Load:
         text = str(e)
         churned = model in self.unpopular and any(
             s in text.lower()
-            for s in ("not_found", "not found", "unavailable", "unloaded", "unknown model", "not ready")
+            for s in (
+                "not_found",
+                "not found",
+                "not served",
+                "unavailable",
+                "unloaded",
+                "unknown model",
+                "not ready",
+            )
         )
         with self.lock:
             if churned:
