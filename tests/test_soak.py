@@ -28,6 +28,7 @@ docs/benchmarks.md), so it only catches a gross leak until that is known to leve
 
 
 @pytest.mark.serial
+@pytest.mark.timeout(600)  # five minutes of load, the server's start and stop
 @pytest.mark.parametrize("frontends", [0, 2], ids=["frontends0", "frontends2"])
 def test_five_minutes_of_mixed_load_answer_right_and_keep_each_process_flat(frontends: int) -> None:
     """`TEST_SOAK_S` runs it for another number of seconds (the bounds hold from 300)."""

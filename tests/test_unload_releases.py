@@ -94,6 +94,7 @@ def test_load_unload_cycles_return_the_heap_and_the_counters_to_their_start(work
     _assert_cycles_release(worker, 300)
 
 
+@pytest.mark.timeout(1800)
 def test_ten_thousand_load_unload_cycles_return_the_heap_and_the_counters_to_their_start(
     worker: ServerThread,
 ) -> None:
