@@ -28,6 +28,7 @@ from benches import (
     scheduler,
     serving,
     shared_memory,
+    soak,
     tracing,
     weight_cache,
     zoo,
@@ -51,6 +52,7 @@ SUITES = {
     "zoo": zoo,
     "scale": scale,
     "anchors": anchors,
+    "soak": soak,
 }
 _BEGIN, _END = "<!-- latest compare run: begin -->", "<!-- latest compare run: end -->"
 
@@ -93,6 +95,9 @@ def main() -> None:
         "(default: 1 and 2)",
     )
     parser.add_argument("--sizes", help="scale: comma-separated catalogue sizes (default: 10,100,1000,10000)")
+    parser.add_argument("--duration", type=float, default=600, help="soak: seconds of load")
+    parser.add_argument("--frontends", type=int, default=0, help="soak: serve with this many frontends")
+    parser.add_argument("--node", action="store_true", help="soak: through `hloserve node --cpu-workers 2`")
     args = parser.parse_args()
     unknown = [name for name in args.suites if name not in SUITES]
     if unknown:
@@ -108,6 +113,8 @@ def main() -> None:
         )
         if name == "scale" and args.sizes:
             extra = {"sizes": [int(n) for n in args.sizes.split(",")]}
+        if name == "soak":
+            extra = {"duration_s": args.duration, "frontends": args.frontends, "node": args.node}
         rows = SUITES[name].run(window_ms=args.window_ms, **extra)
         table = SUITES[name].table(rows)
         print(f"== {name} ({platform.node()}, {_machine()}, load {load_before[0]:.2f} before)")

@@ -101,7 +101,7 @@ def test_no_import_cycle() -> None:
     assert cycles == []
 
 
-_LEAVES = ("_process", "_version", "extras")
+_LEAVES = ("_process", "_version", "extras", "memory_probe")
 LAYERS = (
     ("leaves", ("config", "types", "errors", "dtypes", "restricted", "tls", "logs", "allocator", *_LEAVES)),
     ("transport", ("_transport",)),

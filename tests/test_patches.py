@@ -576,3 +576,22 @@ class _AsyncClient:
             self._changed.clear()
             await self._changed.wait()
         return _answer(self.events, stream_id)
+
+
+def test_a_connection_remembers_a_bounded_number_of_closed_streams() -> None:
+    """h2 remembers the last 65,536 closed streams of a connection (~6 MB, issue 38's soak);
+    hloserve's remember four times the streams a client may have open."""
+    server = LimitedH2Connection(
+        H2Configuration(client_side=False), TransportLimits(max_concurrent_streams=3)
+    )
+    server.initiate_connection()
+    client = h2.connection.H2Connection(H2Configuration(client_side=True))
+    client.initiate_connection()
+    client.receive_data(server.data_to_send())
+    for stream in range(1, 101, 2):  # 50 requests, each answered
+        client.send_headers(stream, [(":path", "/test.Test/say"), *_HEADERS], end_stream=True)
+        server.receive_data(client.data_to_send())
+        server.send_headers(stream, [(":status", "200")], end_stream=True)
+        client.receive_data(server.data_to_send())
+    server.receive_data(client.data_to_send())  # closes the last
+    assert len(server._closed_streams) == 12

@@ -25,6 +25,7 @@ from hloserve.errors import ConfigError
 from hloserve.export._torchvision import prepare_torchvision_import
 from hloserve.extras import EXTRAS, require_extra
 from hloserve.logs import configure_logging
+from hloserve.memory_probe import start_memory_probe
 
 if TYPE_CHECKING:
     from hloserve.fleet.node import NodePlan
@@ -209,6 +210,7 @@ async def _serve_until_signalled(config: Config) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with serve(config):
             settle_heap()
+            start_memory_probe(config.logging.memory_probe_dir, config.logging.memory_probe_s, "engine")
             async for signum in signals:
                 log.info("signal received", signal=signal.Signals(signum).name)
                 break

@@ -515,6 +515,15 @@ class LoggingConfig:
     """The least severe log lines written."""
     format: Literal["auto", "console", "json"] = "auto"
     """`auto`: console when stderr is a terminal, JSON lines otherwise."""
+    memory_probe_dir: Path | None = None
+    """Where each server process (engine, frontend) writes a line of its memory figures every
+    `memory_probe_s` (`hloserve.memory_probe`, for soaks: tracemalloc slows the server); None:
+    off."""
+    memory_probe_s: float = 60.0
+    """How often the memory probe writes."""
+
+    def __post_init__(self) -> None:
+        _check(self.memory_probe_s > 0, "logging.memory_probe_s", "must be > 0")
 
 
 @dataclass(frozen=True, slots=True)

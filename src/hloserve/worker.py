@@ -88,6 +88,8 @@ class Worker(ModelTable):
 
     async def unload_model(self, name: str) -> None:
         await self._changing(name, super().unload_model(name))
+        if self.planes is not None and name not in self.models:
+            self.planes.data.forget(name)  # its statistics and metric series
 
     async def reload_model_py(self, name: str) -> None:
         await self._changing(name, super().reload_model_py(name))

@@ -62,12 +62,15 @@ _HARD_HEADER_FACTOR = 4
 """Header lists up to this multiple of the limit are decoded and refused per stream (HPACK's
 state must stay in step); beyond it the connection is closed (an HPACK bomb)."""
 _DESCRIPTOR_RESERVE = 128
+_CLOSED_STREAMS_FACTOR = 4
+"""Closed streams a connection remembers, per stream it allows open (`LimitedH2Connection`)."""
 REQUIRES = (
     Requires(
         __name__,
         "h2",
         "4.4.1",
         members=(
+            "h2.connection.H2Connection.MAX_CLOSED_STREAMS",
             "h2.connection.H2Connection._frame_dispatch_table",
             "h2.connection.H2Connection._receive_data_frame",
             "h2.connection.H2Connection._receive_headers_frame",
@@ -273,6 +276,12 @@ class LimitedH2Connection(h2.connection.H2Connection):
     """A server-side h2 connection within `limits`; see the module docstring."""
 
     def __init__(self, config: Any, limits: TransportLimits) -> None:
+        # h2 remembers how each closed stream closed, to tell a late frame on a reset stream
+        # from a protocol error, and keeps the last 65,536: ~90 bytes each, so every long-lived
+        # connection grows to hold ~6 MB over its first 65,536 requests (issue 38's soak). A
+        # late frame can only name a stream the client still thought open, at most
+        # `max_concurrent_streams` of them, so a few times that is plenty.
+        self.MAX_CLOSED_STREAMS = _CLOSED_STREAMS_FACTOR * limits.max_concurrent_streams
         super().__init__(config)
         self.stream_limit = limits.max_concurrent_streams
         self.local_settings = _AdvertisedSettings(

@@ -41,8 +41,7 @@ class LinearHuffmanEncoder(HuffmanEncoder):
 
     def __init__(self, huffman_code_list: list[int], huffman_code_list_lengths: list[int]) -> None:
         super().__init__(huffman_code_list, huffman_code_list_lengths)
-        pairs = zip(huffman_code_list, huffman_code_list_lengths, strict=True)
-        self.bit_strings = [format(code, f"0{length}b") for code, length in pairs]
+        self.bit_strings = _bit_strings(tuple(huffman_code_list), tuple(huffman_code_list_lengths))
 
     def encode(self, bytes_to_encode: bytes | None) -> bytes:
         if not bytes_to_encode:
@@ -50,6 +49,13 @@ class LinearHuffmanEncoder(HuffmanEncoder):
         bits = "".join(map(self.bit_strings.__getitem__, bytes_to_encode))
         bits += "1" * (-len(bits) % 8)  # pad to an octet with the EOS prefix, as RFC 7541 5.2 asks
         return int(bits, 2).to_bytes(len(bits) // 8, "big")
+
+
+@functools.cache
+def _bit_strings(codes: tuple[int, ...], lengths: tuple[int, ...]) -> list[str]:
+    """Each byte's code as a string of bits: one table for every connection (a table of its own
+    was 257 strings, ~18 KB, per connection: 1 MB on a node's worker behind Envoy)."""
+    return [format(code, f"0{length}b") for code, length in zip(codes, lengths, strict=True)]
 
 
 @functools.cache

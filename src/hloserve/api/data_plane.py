@@ -315,6 +315,13 @@ class LocalDataPlane:
             stats = self._statistics[model]
             (stats.success if status == "OK" else stats.fail).add(elapsed_s)
 
+    def forget(self, model: str) -> None:
+        """Drop what is counted for `model`, unloaded: its statistics and metric series."""
+        for key in [key for key in self._counters if key[0] == model]:
+            del self._counters[key]
+        self._metrics.forget(model)
+        self._statistics.forget(model)
+
     async def infer(
         self, request: InferRequest, deadline: Deadline | None, spans: RequestSpans | None = None
     ) -> hot.ModelInferResponse:

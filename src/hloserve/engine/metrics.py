@@ -348,6 +348,11 @@ class Metrics:
             self.registry.register(_ProgramsCollector(programs))
         self._endpoint: MetricsEndpoint | None = None
 
+    def forget(self, model: str) -> None:
+        """Drop `model`'s request series (at its unload; its statistics' series go with them)."""
+        self.requests.remove_by_labels({"model": model})
+        self.request_seconds.remove(model)
+
     async def serve(
         self, host: str, port: int, max_connections: int, timeout_s: float, tls: ssl.SSLContext | None = None
     ) -> int:

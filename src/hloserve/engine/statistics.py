@@ -156,3 +156,9 @@ class Statistics:
             limit, self._models.items(), key=lambda item: (item[1].resident, item[1].execution_count)
         )
         return copy.deepcopy(dict(sorted(busiest)))
+
+    def forget(self, model: str) -> None:
+        """Drop what was counted for `model` (at its unload: a worker that loads and unloads
+        ever new names must not keep a record, and a `/metrics` series, for each; as Triton, a
+        model loaded again counts from zero)."""
+        self._models.pop(model, None)

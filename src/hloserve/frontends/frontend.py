@@ -51,6 +51,7 @@ from hloserve.engine.statistics import Statistics
 from hloserve.engine.tracing import RequestSpans, open_tracing
 from hloserve.frontends.frontend_link import FrontendLink, execute_over
 from hloserve.frontends.protocol import ARENA_PREFIX, FORWARD, EngineCalls, Listening, ModelSummary, Setup
+from hloserve.memory_probe import start_memory_probe
 from hloserve.tls import server_context
 
 __all__: list[str] = []
@@ -308,6 +309,7 @@ async def _serve(link_fd: int, port: int, http_port: int, setup: Setup) -> None:
                 rest = RestServer(app, rest_config, reuse_port=True)
                 await nursery.start(rest.run)
             settle_heap()  # as the engine does: startup's objects out of the collector's walks
+            start_memory_probe(config.logging.memory_probe_dir, config.logging.memory_probe_s, "frontend")
             await link.announce(Listening())
             await _until_stopped(link)
             with trio.CancelScope(shield=True):

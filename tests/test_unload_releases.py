@@ -1,0 +1,102 @@
+"""What a worker keeps for a model is released when the model is unloaded (issue 38): a worker
+whose models are loaded and unloaded for hours holds the same heap, statistics and metric series
+as after its first cycles."""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import tracemalloc
+import urllib.request
+from collections.abc import Iterator
+from contextlib import closing
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from support.clients import infer
+from support.servers import ServerThread, make_config, start_worker
+
+HEAP_BOUND_BYTES = 256 << 10
+"""Python heap a worker may gain over any number of load/unload cycles once warm. What fills up
+and then stays (measured: ~80 KB after 300 cycles, flat from there): trio's deadline heap, pruned
+only past 1,000 stale entries (~100 KB with their cancel scopes), a model's last 1,024 queue waits
+(~35 KB), each gRPC connection's last 400 closed streams (~36 KB), parser and MLIR caches. A leak
+of 100 bytes a cycle crosses the bound within 10,000 cycles, one of 1 KB within 300."""
+
+_SERIES = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?) ", re.MULTILINE)
+
+
+@pytest.fixture(name="worker")
+def _worker() -> Iterator[ServerThread]:
+    with start_worker(make_config()) as server:
+        assert isinstance(server, ServerThread)
+        yield server
+
+
+def _series(worker: ServerThread) -> set[str]:
+    """The names and label sets of the worker's metric series (values left out)."""
+    url = f"http://127.0.0.1:{worker.worker.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=30) as answer:
+        return set(_SERIES.findall(answer.read().decode()))
+
+
+def _cycle(client: grpcclient.InferenceServerClient) -> None:
+    """Unload `mlp`, load it again and serve it one request, as a churning operator does."""
+    client.unload_model("mlp")
+    client.load_model("mlp")
+    result = infer(client, "mlp", {"INPUT0": np.ones((2, 16), np.float32)})
+    assert result.as_numpy("OUTPUT0").shape == (2, 4)
+
+
+def _heap() -> int:
+    gc.collect()
+    return tracemalloc.get_traced_memory()[0]
+
+
+def _assert_cycles_release(worker: ServerThread, cycles: int) -> None:
+    with closing(grpcclient.InferenceServerClient(worker.url)) as client:
+        for _ in range(50):  # fill what is bounded (caches, the deadline heap) before measuring
+            _cycle(client)
+        tracemalloc.start(1)
+        try:
+            series, statistics = _series(worker), set(worker.call(worker.worker.statistics.snapshot))
+            before, snapshot = _heap(), tracemalloc.take_snapshot()
+            for _ in range(cycles):
+                _cycle(client)
+            grown = _heap() - before
+            top = tracemalloc.take_snapshot().compare_to(snapshot, "lineno")[:8]
+        finally:
+            tracemalloc.stop()
+        assert grown < HEAP_BOUND_BYTES, f"heap grew {grown} B in {cycles} cycles:\n" + "\n".join(
+            map(str, top)
+        )
+        assert set(worker.call(worker.worker.statistics.snapshot)) == statistics
+        assert _series(worker) == series
+
+
+def test_an_unloaded_model_leaves_no_statistics_and_no_metric_series(worker: ServerThread) -> None:
+    with closing(grpcclient.InferenceServerClient(worker.url)) as client:
+        infer(client, "mlp", {"INPUT0": np.ones((2, 16), np.float32)})
+        assert any('model="mlp"' in s for s in _series(worker))
+        client.unload_model("mlp")
+        assert "mlp" not in worker.call(worker.worker.statistics.snapshot)
+        assert not [s for s in _series(worker) if 'model="mlp"' in s]
+        client.load_model("mlp")  # as Triton: a model loaded again counts from zero
+        stats = client.get_inference_statistics("mlp", as_json=True)["model_stats"][0]
+        assert stats["inference_stats"]["success"].get("count", 0) == 0
+        _cycle(client)
+        assert any('model="mlp",status="OK"' in s for s in _series(worker))
+
+
+def test_load_unload_cycles_return_the_heap_and_the_counters_to_their_start(worker: ServerThread) -> None:
+    _assert_cycles_release(worker, 300)
+
+
+@pytest.mark.timeout(1800)
+def test_ten_thousand_load_unload_cycles_return_the_heap_and_the_counters_to_their_start(
+    worker: ServerThread,
+) -> None:
+    """The issue's count (`TEST_UNLOAD_CYCLES` sets another): ~10 minutes on two cores."""
+    _assert_cycles_release(worker, int(os.environ.get("TEST_UNLOAD_CYCLES", "10000")))
