@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,7 +100,9 @@ def _onnx_export(zoo: Any, name: str, path: Path) -> None:
     inputs = zoo._requests(name, 2, seed=0)
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_suffix(".tmp")
-    with torch.no_grad():
+    # the TorchScript exporter on purpose: what Triton users' `.onnx` files come from (opset 17)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "You are using the legacy TorchScript", DeprecationWarning)
         torch.onnx.export(
             model,
             tuple(torch.from_numpy(a) for a in inputs.values()),
