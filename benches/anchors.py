@@ -100,9 +100,10 @@ def _onnx_export(zoo: Any, name: str, path: Path) -> None:
     inputs = zoo._requests(name, 2, seed=0)
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_suffix(".tmp")
-    # the TorchScript exporter on purpose: what Triton users' `.onnx` files come from (opset 17)
+    # the TorchScript exporter on purpose: what Triton users' `.onnx` files come from (opset 17);
+    # torch deprecates it, in warnings about torch itself (as tests/zoo/test_zoo_onnx.py's export)
     with torch.no_grad(), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "You are using the legacy TorchScript", DeprecationWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
         torch.onnx.export(
             model,
             tuple(torch.from_numpy(a) for a in inputs.values()),
