@@ -34,6 +34,7 @@ import torch
 import tritonclient.grpc as grpcclient
 from support.numerics import assert_close
 from support.servers import ROOT, ServerThread, residency, start_worker
+from tritonclient.utils import InferenceServerException
 
 from hloserve.config import load_config
 from hloserve.export._torchvision import prepare_torchvision_import
@@ -91,7 +92,10 @@ BATCH_SIZES = {
     "swin_t": (4,),
     "timm_deit_tiny_patch16_224": (2, 4),
 }
-REQUESTS = {"batch 1": 1, "padded (3 on 4)": 3, "split (6 over 4 and the rest)": 6}
+REQUESTS = {"batch 1": 1, "padded (3 on 4)": 3}
+OVER_MAX_ROWS = 6
+"""Rows past config.pbtxt's max_batch_size 4: refused, as Triton refuses them (the exported zoo,
+which sets no max_batch_size, checks a split request)."""
 _SOURCES = (
     Path(specs.__file__),
     *sorted(
@@ -239,6 +243,12 @@ def test_imported_model_serves_what_onnx_runtime_computes(
             assert_close(served, expected)
             difference, scale = float(abs(served - expected).max()), float(abs(expected).max())
             print(f"{name} {request}: max |served - ONNX Runtime| {difference:.2g}, largest {scale:.3g}")
+        over = grpcclient.InferInput("IMAGE", [OVER_MAX_ROWS, 3, 224, 224], "FP32")
+        over.set_data_from_numpy(specs.images(OVER_MAX_ROWS, seed=0).numpy())
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer(name, [over], client_timeout=600)
+        assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert f"batch-size must be <= 4 for '{name}'" in str(refused.value.message())
         if name == "resnet50":
             top = client.infer(
                 name, [tensor], outputs=[grpcclient.InferRequestedOutput("LOGITS", class_count=1)]
