@@ -27,6 +27,7 @@ the engine (+4.7 MB/min in the 5-minute `--frontends 2` run, its bytes in use fl
 docs/benchmarks.md), so it only catches a gross leak until that is known to level off."""
 
 
+@pytest.mark.soak  # alone, in its own pytest run (tox.ini's long env)
 @pytest.mark.serial
 @pytest.mark.timeout(600)  # five minutes of load, the server's start and stop
 @pytest.mark.parametrize("frontends", [0, 2], ids=["frontends0", "frontends2"])
