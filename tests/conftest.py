@@ -43,6 +43,21 @@ LONG = (
     # hours of a worker's life in minutes: 3,000 load/unload cycles, five minutes of mixed load
     "tests/test_soak.py",
     "tests/test_unload_releases.py::test_thousands_of_load_unload_cycles_return_the_heap_and_the_counters_to_their_start",
+    "tests/test_programs.py::test_two_thousand_variants_start_on_one_program",
+    # seconds of flooding or of timing, each alone on the machine (`serial`): every one stops the
+    # other worker, and together they took the main suite past ten minutes on two cores
+    "tests/test_scheduler.py::test_weights_one_to_three_give_compute_shares_one_to_three",
+    "tests/test_meta.py::test_a_meta_request_given_up_answers_at_once_and_its_run_finishes_in_a_held_thread",
+    "tests/test_compression.py::test_a_large_compressed_request_costs_others_under_the_bound",
+    "tests/hostile/test_transport.py::test_a_control_frame_flood_from_a_peer_that_never_reads_is_cut_off",
+    "tests/hostile/test_transport.py::test_running_out_of_descriptors_refuses_connections_and_keeps_serving",
+    "tests/hostile/test_rest_descriptors.py",
+    "tests/hostile/test_fairness.py::test_an_overloaded_model_answers_what_it_admits_within_the_deadline",
+    "tests/hostile/test_fairness.py::test_a_split_request_yields_to_other_models_between_chunks",
+    "tests/hostile/test_rest_stalls.py::test_a_large_json_answer_costs_others_under_the_bound",
+    # processes of their own: two workers sharing one region, an engine left idle for seconds
+    "tests/test_shared_weights.py::test_two_worker_processes_share_one_region",
+    "tests/frontends/test_engine_calls.py::test_an_idle_engine_keeps_its_frontends",
 )
 """Tests marked `long`, run by `tox -e long` (and by the README's test command after `tests`):
 on two cores they would take the main suite past ten minutes, most of them alone (`serial`)."""
@@ -71,21 +86,21 @@ def _cli_keeps_the_suite_s_logging(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("hloserve.cli.configure_logging", lambda config: None)
 
 
-@pytest.fixture(autouse=True)
-def _alone_when_serial(request: pytest.FixtureRequest) -> Iterator[None]:
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[object]:
     """Under pytest-xdist, a test marked `serial` (it asserts on timing, or floods the machine)
     runs while no other worker is in a test: it holds a lock exclusively that every other test
-    holds shared. Run without workers, there is nothing to wait for."""
-    workerinput = getattr(request.config, "workerinput", None)
+    holds shared, from its setup to its teardown, so that no other worker is starting or stopping
+    a fixture's server meanwhile either. Run without workers, there is nothing to wait for."""
+    workerinput = getattr(item.config, "workerinput", None)
     if workerinput is None:
-        yield
-        return
+        return (yield)
     lock = Path(tempfile.gettempdir()) / f"hloserve-tests-{workerinput['testrunuid']}.lock"
     with lock.open("a") as file:
-        serial = request.node.get_closest_marker("serial") is not None
+        serial = item.get_closest_marker("serial") is not None
         fcntl.flock(file, fcntl.LOCK_EX if serial else fcntl.LOCK_SH)
         try:
-            yield
+            return (yield)
         finally:
             fcntl.flock(file, fcntl.LOCK_UN)
 

@@ -90,26 +90,45 @@ def _saturate(url: str, models: dict[str, int], seconds: float) -> dict[str, int
     return dict(counted)
 
 
+def _compute_s(client: Any, model: str) -> float:
+    """The model's compute seconds so far, as the scheduler counts them (input placement and
+    execution, the `compute_input` and `compute_infer` of its statistics)."""
+    stats = _stats(client, model).inference_stats
+    return (stats.compute_input.ns + stats.compute_infer.ns) / 1e9
+
+
+def _shares(url: str, client: Any, seconds: float) -> tuple[float, dict[str, int]]:
+    """Both models saturated for `seconds`: b's share of the compute, and the dispatches of each."""
+    before = {m: (_stats(client, m).execution_count, _compute_s(client, m)) for m in ("a", "b")}
+    _saturate(url, {"a": 6, "b": 6}, seconds)
+    counts = {m: _stats(client, m).execution_count - before[m][0] for m in ("a", "b")}
+    compute = {m: _compute_s(client, m) - before[m][1] for m in ("a", "b")}
+    return compute["b"] / (compute["a"] + compute["b"]), counts
+
+
 @pytest.mark.slow
-def test_weights_one_to_three_give_dispatch_shares_one_to_three(twins: Path) -> None:
-    """Both models saturated, one row per dispatch (equal costs): dispatches split 1:3 within 5%."""
+def test_weights_one_to_three_give_compute_shares_one_to_three(twins: Path) -> None:
+    """Both models saturated: their compute seconds split 1:3 within 5%, as fair share promises.
+
+    The shares are of measured compute, not of dispatches: the server runs in this process, beside
+    12 client threads, and an execution's measured seconds include its wait for the GIL, so two
+    identical models' learned costs can differ by half on a busy machine (CI once saw dispatches
+    split 16:84 while compute split by the weights).
+    """
     settings = {"a": ModelSettings(weight=1), "b": ModelSettings(weight=3)}
     with start_worker(make_config(twins, scheduler={"models": settings, "ema_halflife_s": 2.0})) as server:
         client = grpcclient.InferenceServerClient(server.url)
         _saturate(server.url, {"a": 6, "b": 6}, 2.0)  # reach the steady state first
-        before = {m: _stats(client, m).execution_count for m in ("a", "b")}
-        _saturate(server.url, {"a": 6, "b": 6}, 6.0)
-        counts = {m: _stats(client, m).execution_count - before[m] for m in ("a", "b")}
-        share_b = counts["b"] / (counts["a"] + counts["b"])
+        share_b, counts = _shares(server.url, client, 6.0)
         assert share_b == pytest.approx(0.75, abs=0.05), counts
+        assert min(counts.values()) > 20, counts  # both ran throughout
 
         # Live policy: equal weights now give equal shares.
         server.call(server.worker.set_policy, "b", weight=1.0)
         _saturate(server.url, {"a": 6, "b": 6}, 2.0)
-        before = {m: _stats(client, m).execution_count for m in ("a", "b")}
-        _saturate(server.url, {"a": 6, "b": 6}, 5.0)
-        counts = {m: _stats(client, m).execution_count - before[m] for m in ("a", "b")}
-        assert counts["b"] / (counts["a"] + counts["b"]) == pytest.approx(0.5, abs=0.05), counts
+        share_b, counts = _shares(server.url, client, 5.0)
+        assert share_b == pytest.approx(0.5, abs=0.05), counts
+        assert min(counts.values()) > 20, counts
         client.close()
 
 

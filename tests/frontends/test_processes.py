@@ -80,10 +80,10 @@ def mapped_unnamed_arena(pid: int) -> bool:
     return any("/dev/shm/hloserve-f" in line and line.endswith("(deleted)") for line in maps.splitlines())
 
 
-def wait_for(condition: Callable[[], bool], timeout: float = 30) -> None:
+def wait_for(condition: Callable[[], bool], timeout: float = 30, what: str = "the condition") -> None:
     deadline = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < deadline, "timed out"
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
         time.sleep(0.05)
 
 
@@ -129,8 +129,9 @@ def test_the_engine_killed_takes_its_frontends_and_frees_the_port() -> None:
         assert len(frontends) == 2
         assert_serves(worker.url)
         os.kill(worker.pid, signal.SIGKILL)
-        wait_for(lambda: all(gone(p) for p in frontends))
-        wait_for(lambda: can_listen(worker.grpc_port), timeout=5)  # nothing holds the port
+        worker.process.wait(60)  # a busy machine can take seconds to tear a large process down
+        wait_for(lambda: all(gone(p) for p in frontends), what=f"the frontends {frontends} exit")
+        wait_for(lambda: can_listen(worker.grpc_port), timeout=10, what=f"port {worker.grpc_port} to be free")
         assert not arenas(frontends), "the frontends' arenas were left in /dev/shm"
 
 
