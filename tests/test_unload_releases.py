@@ -18,12 +18,14 @@ import tritonclient.grpc as grpcclient
 from support.clients import infer
 from support.servers import ServerThread, make_config, start_worker
 
-HEAP_BOUND_BYTES = 256 << 10
+HEAP_BOUND_BYTES = 384 << 10
 """Python heap a worker may gain over any number of load/unload cycles once warm. What fills up
-and then stays (measured: ~80 KB after 300 cycles, flat from there): trio's deadline heap, pruned
-only past 1,000 stale entries (~100 KB with their cancel scopes), a model's last 1,024 queue waits
-(~35 KB), each gRPC connection's last 400 closed streams (~36 KB), parser and MLIR caches. A leak
-of 100 bytes a cycle crosses the bound within 3,000 cycles, one of 1 KB within 300."""
+and then stays (measured: ~220 KB over 300 cycles after 140, and 3,000 cycles stay under the
+bound): each gRPC connection's last 400 closed streams (~75 KB), trio's deadline heap, pruned
+only past 1,000 stale entries (~100 KB with their cancel scopes), a model's last 1,024 queue
+waits (~35 KB), parser and MLIR caches. A leak of 130 bytes a cycle crosses the bound within
+3,000 cycles (the long test), one of 1.3 KB within 300."""
+
 
 _SERIES = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?) ", re.MULTILINE)
 
@@ -50,27 +52,33 @@ def _cycle(client: grpcclient.InferenceServerClient) -> None:
     assert result.as_numpy("OUTPUT0").shape == (2, 4)
 
 
-def _heap() -> int:
+IN_FLIGHT = tracemalloc.Filter(False, "*/asyncio/selector_events.py")
+"""Bytes just read from a socket (asyncio's `recv`) and not yet parsed: data in flight on one of
+the process's connections (the suite's other servers share it), not something a cycle kept."""
+
+
+def _held() -> tracemalloc.Snapshot:
+    """What the process's Python heap holds now, less the bytes in flight."""
     gc.collect()
-    return tracemalloc.get_traced_memory()[0]
+    return tracemalloc.take_snapshot().filter_traces([IN_FLIGHT])
 
 
 def _assert_cycles_release(worker: ServerThread, cycles: int) -> None:
     with closing(grpcclient.InferenceServerClient(worker.url)) as client:
-        for _ in range(50):  # fill what is bounded (caches, the deadline heap) before measuring
+        for _ in range(140):  # fill what is bounded (caches, the deadline heap, 400 closed streams)
             _cycle(client)
         tracemalloc.start(1)
         try:
             series, statistics = _series(worker), set(worker.call(worker.worker.statistics.snapshot))
-            before, snapshot = _heap(), tracemalloc.take_snapshot()
+            before = _held()
             for _ in range(cycles):
                 _cycle(client)
-            grown = _heap() - before
-            top = tracemalloc.take_snapshot().compare_to(snapshot, "lineno")[:8]
+            changes = _held().compare_to(before, "lineno")
         finally:
             tracemalloc.stop()
+        grown = sum(change.size_diff for change in changes)
         assert grown < HEAP_BOUND_BYTES, f"heap grew {grown} B in {cycles} cycles:\n" + "\n".join(
-            map(str, top)
+            map(str, changes[:8])
         )
         assert set(worker.call(worker.worker.statistics.snapshot)) == statistics
         assert _series(worker) == series
@@ -98,6 +106,6 @@ def test_load_unload_cycles_return_the_heap_and_the_counters_to_their_start(work
 def test_thousands_of_load_unload_cycles_return_the_heap_and_the_counters_to_their_start(
     worker: ServerThread,
 ) -> None:
-    """3,000 cycles, where a leak of 100 bytes a cycle crosses HEAP_BOUND_BYTES, in a few minutes
+    """3,000 cycles, where a leak of 130 bytes a cycle crosses HEAP_BOUND_BYTES, in a few minutes
     of the long suite; `TEST_UNLOAD_CYCLES=10000` runs the issue's count (about 20 minutes)."""
     _assert_cycles_release(worker, int(os.environ.get("TEST_UNLOAD_CYCLES", "3000")))
