@@ -58,6 +58,10 @@ LONG = (
     # processes of their own: two workers sharing one region, an engine left idle for seconds
     "tests/test_shared_weights.py::test_two_worker_processes_share_one_region",
     "tests/frontends/test_engine_calls.py::test_an_idle_engine_keeps_its_frontends",
+    "tests/node/test_residency.py",
+    # exports of several models, each compiled and verified in a process of its own
+    "tests/test_export.py::test_flax_models_exported_and_served_match_flax",
+    "tests/test_export.py::test_the_fresh_process_loads_the_executables_the_exporter_compiled",
 )
 """Tests marked `long`, run by `tox -e long` (and by the README's test command after `tests`):
 on two cores they would take the main suite past ten minutes, most of them alone (`serial`)."""
