@@ -43,7 +43,7 @@ LONG = (
     # hours of a worker's life in minutes: 3,000 load/unload cycles, five minutes of mixed load
     "tests/test_soak.py",
     "tests/test_unload_releases.py::test_thousands_of_load_unload_cycles_return_the_heap_and_the_counters_to_their_start",
-    "tests/test_programs.py::test_two_thousand_variants_start_on_one_program",
+    "tests/test_programs.py::test_ten_thousand_variants_start_on_one_program_and_are_indexed",
     # seconds of flooding or of timing, each alone on the machine (`serial`): every one stops the
     # other worker, and together they took the main suite past ten minutes on two cores
     "tests/test_scheduler.py::test_weights_one_to_three_give_compute_shares_one_to_three",

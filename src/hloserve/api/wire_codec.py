@@ -9,10 +9,17 @@ known ones re-serialized for betterproto2. Malformed wire data raises ValueError
 server's receive path answers INVALID_ARGUMENT naming the RPC. The hot path's google.protobuf
 messages go straight through, a large ModelInferRequest with its tensors left in the bytes
 received (`hloserve.api.viewed_request`).
+
+Answers go out the same way where their shape allows: a betterproto2 message whose fields are all
+plain (scalars, strings, enums, repeated ones, repeated plain messages; no map, oneof, optional,
+wrapper or singular message field) is copied into its mirror and serialized by upb, the same
+bytes at a tenth of the cost or less. RepositoryIndex at 10,000 models took half a second of the
+serving loop in betterproto2.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import betterproto2
@@ -38,14 +45,27 @@ class KnownFieldsCodec(ProtoCodec):
     def __init__(self) -> None:
         self._mirrors: dict[type[betterproto2.Message], type[Message]] = {}
 
+    def encode(self, message: Any, message_type: Any) -> bytes:  # as grpclib's codecs: any message class
+        if isinstance(message, message_type) and isinstance(message, betterproto2.Message):
+            mirror = self._mirror_of(type(message))
+            if _plain(type(message)):
+                out = mirror()
+                _copy_plain(message, out)
+                return out.SerializeToString()
+        return super().encode(message, message_type)
+
+    def _mirror_of(self, message_type: type[betterproto2.Message]) -> type[Message]:
+        mirror = self._mirrors.get(message_type)
+        if mirror is None:
+            mirror = self._mirrors[message_type] = _mirror(message_type)
+        return mirror
+
     def decode(self, data: bytes, message_type: Any) -> Any:  # as grpclib's codecs: any message class
         if message_type is hot.ModelInferRequest and len(data) >= VIEW_FROM_BYTES:
             return parse_viewed(data)
         if not issubclass(message_type, betterproto2.Message):
             return super().decode(data, message_type)
-        mirror = self._mirrors.get(message_type)
-        if mirror is None:
-            mirror = self._mirrors[message_type] = _mirror(message_type)
+        mirror = self._mirror_of(message_type)
         try:
             known = mirror.FromString(data)
         except DecodeError:
@@ -104,3 +124,44 @@ def _mirror(root: type[betterproto2.Message]) -> type[Message]:
     pool = descriptor_pool.DescriptorPool()
     pool.Add(file)
     return message_factory.GetMessageClass(pool.FindMessageTypeByName("mirror.M0"))
+
+
+@functools.cache
+def _plain(cls: type[betterproto2.Message]) -> bool:
+    """Whether every field of `cls` (and of its messages) copies field by field (module docstring)."""
+    table: betterproto2.ProtoClassMetadata = cls._betterproto  # type: ignore[arg-type]
+    for name, meta in table.meta_by_field_name.items():
+        if meta.map_meta is not None or meta.group or meta.optional or meta.unwrap:
+            return False
+        if meta.proto_type == betterproto2.TYPE_MESSAGE and not (
+            meta.repeated and _plain(table.cls_by_field[name])
+        ):
+            return False
+    return True
+
+
+@functools.cache
+def _fields(cls: type[betterproto2.Message]) -> tuple[tuple[str, str, bool], ...]:
+    """(name, proto type, repeated) of each field of a plain message class."""
+    table: betterproto2.ProtoClassMetadata = cls._betterproto  # type: ignore[arg-type]
+    return tuple(
+        (name, meta.proto_type, bool(meta.repeated)) for name, meta in table.meta_by_field_name.items()
+    )
+
+
+def _copy_plain(message: betterproto2.Message, out: Any) -> None:
+    """Set on the mirror `out` what betterproto2 would write of `message` (proto3: a field at its
+    default value is not written); strings go as UTF-8 bytes, as the mirror declares them."""
+    for name, proto_type, repeated in _fields(type(message)):
+        value = getattr(message, name)
+        if repeated:
+            if proto_type == betterproto2.TYPE_MESSAGE:
+                target = getattr(out, name)
+                for item in value:
+                    _copy_plain(item, target.add())
+            elif proto_type == betterproto2.TYPE_STRING:
+                getattr(out, name).extend(v.encode() for v in value)
+            else:
+                getattr(out, name).extend(value)
+        elif value:
+            setattr(out, name, value.encode() if proto_type == betterproto2.TYPE_STRING else value)
