@@ -46,12 +46,14 @@ class KnownFieldsCodec(ProtoCodec):
         self._mirrors: dict[type[betterproto2.Message], type[Message]] = {}
 
     def encode(self, message: Any, message_type: Any) -> bytes:  # as grpclib's codecs: any message class
-        if isinstance(message, message_type) and isinstance(message, betterproto2.Message):
-            mirror = self._mirror_of(type(message))
-            if _plain(type(message)):
-                out = mirror()
-                _copy_plain(message, out)
-                return out.SerializeToString()
+        if (
+            isinstance(message, message_type)
+            and isinstance(message, betterproto2.Message)
+            and _plain(type(message))
+        ):
+            out = self._mirror_of(type(message))()
+            _copy_plain(message, out)
+            return out.SerializeToString()
         return super().encode(message, message_type)
 
     def _mirror_of(self, message_type: type[betterproto2.Message]) -> type[Message]:
