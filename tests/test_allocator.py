@@ -1,5 +1,9 @@
 """The allocator policy: a freed large buffer is reused, not faulted in afresh (counted in page
-faults, in a fresh process each, with glibc's defaults beside it)."""
+faults, in a fresh process each, with glibc's defaults beside it).
+
+The median over 20 reallocations is compared: one reallocation can still fault a whole buffer
+in when something else lands on the heap between two of them (CI once averaged 115 faults over
+nine, about one whole buffer), which says nothing about the steady state the policy is for."""
 
 from __future__ import annotations
 
@@ -11,17 +15,19 @@ import pytest
 from hloserve.allocator import keep_freed_memory
 
 _FAULTS_PER_REALLOCATION = """
-import resource, sys
+import resource, statistics, sys
 from hloserve.allocator import keep_freed_memory
 applied = keep_freed_memory(int(sys.argv[1]))
-sizes = [(4 << 20) + k * 4096 for k in range(10)]  # 4 MiB and up: above glibc's first mmap threshold
+sizes = [(4 << 20) + k * 4096 for k in range(21)]  # 4 MiB and up: above glibc's first mmap threshold
 held = b"\\x01" * sizes[0]
 del held
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+faults = []
 for size in sizes[1:]:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     held = b"\\x01" * size  # written whole: every page it gets fresh faults in
     del held
-print(applied, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / (len(sizes) - 1))
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(applied, statistics.median(faults))
 """
 
 
@@ -43,8 +49,8 @@ def test_a_freed_large_buffer_is_reused_where_glibc_would_fault_it_in_again() ->
         pytest.fail("mallopt was not applied: this test runs where the server runs, on glibc")
     _, default = _faults_per_reallocation(0)
     pages = (4 << 20) // 4096
-    assert kept < pages / 10, f"{kept} faults per 4 MiB buffer with the policy"
-    assert default > pages / 2, f"{default} faults per 4 MiB buffer with glibc's defaults"
+    assert kept < pages / 10, f"median {kept} faults per 4 MiB buffer with the policy"
+    assert default > pages / 2, f"median {default} faults per 4 MiB buffer with glibc's defaults"
 
 
 def test_zero_leaves_the_defaults() -> None:
