@@ -13,7 +13,7 @@
 * `grpc.health.v1` (health.proto) → betterproto2 as above, in `src/hloserve/_proto/grpc/health/v1/`:
   outside protobuf's global descriptor pool, where grpclib's and grpcio's health modules collide.
 
-The output is committed; tests/test_proto.py regenerates into a temporary folder and fails
+The output is committed; tests/api/test_proto.py regenerates into a temporary folder and fails
 when the committed files differ.
 """
 

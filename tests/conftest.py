@@ -32,23 +32,23 @@ LONG = (
     "tests/node/test_dns.py",
     "tests/node/test_supervisor.py",
     "tests/frontends/test_processes.py",
-    "tests/test_tracing.py::test_envoy_and_the_worker_join_the_clients_trace_through_the_node",
+    "tests/engine/test_tracing.py::test_envoy_and_the_worker_join_the_clients_trace_through_the_node",
     # installs and exports of real architectures: a wheel in a fresh venv, torch and ONNX
     "tests/test_packaging.py",
-    "tests/test_triton_import.py",
-    "tests/test_export_torch.py",
-    "tests/test_precision.py",
-    "tests/test_export.py::test_shipped_example_repository_is_what_the_script_exports",
+    "tests/importers/test_triton_import.py",
+    "tests/export/test_export_torch.py",
+    "tests/export/test_precision.py",
+    "tests/export/test_export.py::test_shipped_example_repository_is_what_the_script_exports",
     "tests/test_benches.py::test_the_gpu_suite_dry_runs_on_a_cpu",
     # hours of a worker's life in minutes: 3,000 load/unload cycles, five minutes of mixed load
     "tests/test_soak.py",
-    "tests/test_unload_releases.py::test_thousands_of_load_unload_cycles_return_the_heap_and_the_counters_to_their_start",
-    "tests/test_programs.py::test_ten_thousand_variants_start_on_one_program_and_are_indexed",
+    "tests/engine/test_unload_releases.py::test_thousands_of_load_unload_cycles_return_the_heap_and_the_counters_to_their_start",
+    "tests/models/test_programs.py::test_ten_thousand_variants_start_on_one_program_and_are_indexed",
     # seconds of flooding or of timing, each alone on the machine (`serial`): every one stops the
     # other worker, and together they took the main suite past ten minutes on two cores
-    "tests/test_scheduler.py::test_weights_one_to_three_give_compute_shares_one_to_three",
-    "tests/test_meta.py::test_a_meta_request_given_up_answers_at_once_and_its_run_finishes_in_a_held_thread",
-    "tests/test_compression.py::test_a_large_compressed_request_costs_others_under_the_bound",
+    "tests/engine/test_scheduler.py::test_weights_one_to_three_give_compute_shares_one_to_three",
+    "tests/engine/test_meta.py::test_a_meta_request_given_up_answers_at_once_and_its_run_finishes_in_a_held_thread",
+    "tests/api/test_compression.py::test_a_large_compressed_request_costs_others_under_the_bound",
     "tests/hostile/test_transport.py::test_a_control_frame_flood_from_a_peer_that_never_reads_is_cut_off",
     "tests/hostile/test_transport.py::test_running_out_of_descriptors_refuses_connections_and_keeps_serving",
     "tests/hostile/test_rest_descriptors.py",
@@ -56,12 +56,12 @@ LONG = (
     "tests/hostile/test_fairness.py::test_a_split_request_yields_to_other_models_between_chunks",
     "tests/hostile/test_rest_stalls.py::test_a_large_json_answer_costs_others_under_the_bound",
     # processes of their own: two workers sharing one region, an engine left idle for seconds
-    "tests/test_shared_weights.py::test_two_worker_processes_share_one_region",
+    "tests/models/test_shared_weights.py::test_two_worker_processes_share_one_region",
     "tests/frontends/test_engine_calls.py::test_an_idle_engine_keeps_its_frontends",
     "tests/node/test_residency.py",
     # exports of several models, each compiled and verified in a process of its own
-    "tests/test_export.py::test_flax_models_exported_and_served_match_flax",
-    "tests/test_export.py::test_the_fresh_process_loads_the_executables_the_exporter_compiled",
+    "tests/export/test_export.py::test_flax_models_exported_and_served_match_flax",
+    "tests/export/test_export.py::test_the_fresh_process_loads_the_executables_the_exporter_compiled",
 )
 """Tests marked `long`, run by `tox -e long` (and by the README's test command after `tests`):
 on two cores they would take the main suite past ten minutes, most of them alone (`serial`)."""

@@ -336,7 +336,7 @@ class TestBadInput:
     @pytest.mark.parametrize(
         ("call", "request_"),
         [
-            (  # the settings are answered (tests/test_tracing.py); changing them is not built
+            (  # the settings are answered (tests/engine/test_tracing.py); changing them is not built
                 "TraceSetting",
                 service_pb2.TraceSettingRequest(
                     settings={"trace_rate": service_pb2.TraceSettingRequest.SettingValue(value=["10"])}

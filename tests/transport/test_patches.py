@@ -7,7 +7,7 @@ then sending GOAWAY, a unary reply in one socket write, DATA frames traced witho
 
 The other behaviours are tested where their subject is: large first requests from grpcio and
 the receive budgets in `tests/hostile/test_transport.py`, the trio-asyncio batch in
-`tests/test_trio_asyncio_patches.py`, the linear Huffman encoder in
+`tests/transport/test_trio_asyncio_patches.py`, the linear Huffman encoder in
 `tests/hostile/test_strings.py`.
 """
 

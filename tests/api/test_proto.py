@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from google.protobuf import descriptor_pb2
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROTO = ROOT / "proto"
 GENERATED = ROOT / "src" / "hloserve" / "_proto"
 

@@ -1,0 +1,1 @@
+"""hloserve.engine: the dispatcher, the weight cache, admission, statistics, alone and live."""

@@ -1,0 +1,1 @@
+"""hloserve.export: the JAX, Flax and PyTorch exporters and their verification."""

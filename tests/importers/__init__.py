@@ -1,0 +1,1 @@
+"""hloserve.importers: Triton repositories and ONNX models imported as bundles."""

@@ -1,0 +1,1 @@
+"""hloserve.models: bundles, manifests, programs, executables and model.py hooks."""
