@@ -42,11 +42,11 @@ from tritonclient.grpc import service_pb2
 from hloserve._transport import grpclib_patches as _grpclib_patches
 from hloserve._transport import h11_strict as _h11_strict
 from hloserve._transport import hpack_patches as _hpack_patches
+from hloserve._transport import hypercorn_connection as _hypercorn_connection
 from hloserve._transport import trio_asyncio_patches as _trio_asyncio_patches
 from hloserve._transport.grpclib_patches import GracefulServer, GuardedStream, send_reply
 from hloserve._transport.h2_limits import LimitedH2Connection, TransportLimits
 from hloserve._transport.requirements import PatchMismatch, check
-from hloserve.api.rest import server as rest
 
 MiB = 1 << 20
 Request, Reply = service_pb2.ServerLiveRequest, service_pb2.ServerLiveResponse
@@ -63,7 +63,7 @@ def test_the_installed_libraries_pass_every_check() -> None:
         *_grpclib_patches.REQUIRES,
         _hpack_patches.REQUIRES,
         _trio_asyncio_patches.REQUIRES,
-        rest.REQUIRES,
+        _hypercorn_connection.REQUIRES,
         _h11_strict.REQUIRES,
     )
     check(*every)

@@ -10,7 +10,7 @@ __all__ = ["Connection", "InFlight"]
 
 
 class Connection(Protocol):
-    """What the sweep needs of a connection (`hloserve.api.rest.server`'s)."""
+    """What the sweep needs of a connection (`hloserve._transport.hypercorn_connection`'s)."""
 
     async def close_idle(self) -> None: ...
     def h2_idle(self) -> bool: ...

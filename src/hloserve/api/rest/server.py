@@ -14,156 +14,32 @@ import asyncio
 import json
 import socket
 import ssl
-from collections.abc import Awaitable, Callable, Hashable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import h11
 import hypercorn.asyncio.tcp_server
 import hypercorn.config
 import hypercorn.utils
 import structlog
 import trio
 import trio_asyncio
-from hypercorn.asyncio.tcp_server import TCPServer
 from hypercorn.asyncio.worker_context import WorkerContext
-from hypercorn.events import Closed
-from hypercorn.protocol.h2 import H2Protocol
 
 from hloserve._transport import h11_strict as _h11_strict
+from hloserve._transport import hypercorn_connection as _hypercorn
 from hloserve._transport.h2_limits import CONNECTIONS, default_max_connections
-from hloserve._transport.h11_strict import Refused, StrictH11
-from hloserve._transport.requirements import Requires, check
-from hloserve.api.rest.body import BodyReader
-from hloserve.api.rest.inflight import InFlight
+from hloserve._transport.hypercorn_connection import HypercornConnection, listen
+from hloserve._transport.requirements import check
 from hloserve.api.rest.routes import App
 from hloserve.config import ServerConfig
 from hloserve.tls import server_context
 
-if TYPE_CHECKING:
-    from hypercorn.asyncio.task_group import TaskGroup
-
 log = structlog.get_logger("hloserve.rest")
 
-__all__ = ["REQUIRES", "RestServer"]
+__all__ = ["RestServer"]
 
-
-REQUIRES = Requires(
-    __name__,
-    "hypercorn",
-    "0.18.0",
-    members=(
-        "hypercorn.asyncio.tcp_server.MAX_RECV",
-        "hypercorn.asyncio.tcp_server.TCPServer._read_data",
-        "hypercorn.protocol.h11.H11Protocol._check_protocol",
-        "hypercorn.protocol.h11.H11Protocol._send_error_response",
-        "hypercorn.protocol.h11.H11Protocol._send_h11_event",
-        "hypercorn.protocol.ProtocolWrapper.handle",
-        "hypercorn.asyncio.tcp_server.TCPServer._initiate_server_close",
-        "hypercorn.asyncio.tcp_server.TCPServer.idle_task",
-        "hypercorn.asyncio.tcp_server.TCPServer.writer",
-        "hypercorn.asyncio.worker_context.WorkerContext.terminated",
-        "hypercorn.utils.wrap_app",
-        "hypercorn.utils.parse_socket_addr",
-    ),
-    parameters={
-        "hypercorn.asyncio.tcp_server.TCPServer.__init__": (
-            "self", "app", "loop", "config", "context", "state", "reader", "writer"
-        ),
-        "hypercorn.asyncio.worker_context.WorkerContext.__init__": ("self", "max_requests"),
-        "hypercorn.protocol.h11.H11Protocol.__init__": (
-            "self", "app", "config", "context", "task_group", "connection_state", "ssl", "client",
-            "server", "send",
-        ),
-    },
-)  # fmt: skip
-"""What `RestServer` reaches into: it runs hypercorn's connection handler under its own accept
-loop (the connection cap), replaces its idle-timeout task and its HTTP/1.1 protocol
-(`_Connection`, `StrictH11`)."""
 
 _READ_BYTES = 1 << 20
 """Bytes hypercorn takes from a connection's buffer per read (its default is 64 KiB)."""
-
-
-def _listen(host: str, port: int, backlog: int, reuse_port: bool = False) -> socket.socket:
-    """A listening TCP socket, as hypercorn makes one, closed again when it cannot bind
-    (hypercorn's own leaks it); `reuse_port` shares the port with sibling processes."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
-        sock.listen(backlog)
-        sock.setblocking(False)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-class _Connection(TCPServer):
-    """hypercorn's connection handler, which tells the routes when its client has gone, keeps
-    its idle deadline in `InFlight` instead of an idle-timeout task, speaks HTTP/1.1 through
-    `StrictH11` (h2c only with `server.http2`). What its protocol raises leaves `run` (whose
-    task group cancels the connection's streams) and is contained by `RestServer`."""
-
-    def __init__(
-        self, inflight: InFlight, client: Hashable, http2: bool, bodies: BodyReader, *args: Any
-    ) -> None:
-        super().__init__(*args)
-        self._inflight, self._client, self._http2, self._bodies = inflight, client, http2, bodies
-        self.idle_task = _IdleDeadline(inflight, self)  # type: ignore[assignment]  # duck-typed
-
-    async def _read_data(self) -> None:
-        wrapper = self.protocol  # made by `run` before it reads, with nothing read yet
-        h11 = StrictH11(
-            wrapper.app, wrapper.config, wrapper.context, wrapper.task_group, wrapper.state,
-            wrapper.ssl, wrapper.client, wrapper.server, wrapper.send,
-        )  # fmt: skip
-        h11.http2 = self._http2
-        h11.refuse_body = self._refuse_body
-        wrapper.protocol = h11
-        try:
-            await super()._read_data()  # until the client closes (or the connection fails)
-        except Refused:
-            await self.protocol.handle(Closed())  # answered, and the connection closes
-        finally:
-            self._inflight.disconnected(self._client)
-
-    def _refuse_body(self, event: h11.Request) -> str | None:
-        """Why the routes would refuse this request's body, from its head (`StrictH11`)."""
-        headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in event.headers}
-        path = event.target.decode("latin-1").partition("?")[0]
-        refusal = self._bodies.refusal_from_head(path, headers)
-        return None if refusal is None else str(refusal)
-
-    async def close_idle(self) -> None:
-        await self._initiate_server_close()
-
-    def h2_idle(self) -> bool:
-        """Whether this connection speaks h2c and has no stream open."""
-        protocol = getattr(getattr(self, "protocol", None), "protocol", None)
-        return isinstance(protocol, H2Protocol) and not protocol.streams
-
-    def abort(self) -> None:
-        """Drop the connection now, with whatever it has not sent (a close would wait for it)."""
-        self.writer.transport.abort()
-
-
-class _IdleDeadline:
-    """Stands in for hypercorn's idle-timeout task (`AsyncioSingleTask`): `restart` when the
-    connection goes idle sets its deadline, `stop` when a request head arrives clears it."""
-
-    def __init__(self, inflight: InFlight, connection: _Connection) -> None:
-        self._inflight, self._connection = inflight, connection
-
-    async def restart(self, task_group: TaskGroup, action: Callable[[], Awaitable[None]]) -> None:
-        deadline = asyncio.get_running_loop().time() + self._inflight.idle_timeout_s
-        self._inflight.idle[self._connection] = deadline
-
-    async def stop(self) -> None:
-        self._inflight.idle.pop(self._connection, None)
 
 
 def _refusal(key: str, cap: int) -> bytes:
@@ -217,7 +93,7 @@ class RestServer:
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         """Bind, report the bound port, serve until stopped; an address in use raises OSError."""
-        check(REQUIRES, _h11_strict.REQUIRES)
+        check(_hypercorn.REQUIRES, _h11_strict.REQUIRES)
         settings = hypercorn.config.Config()
         settings.graceful_timeout = self._config.shutdown_grace_s
         settings.h11_max_incomplete_size = self._config.http_max_header_bytes
@@ -228,7 +104,7 @@ class RestServer:
         hypercorn.asyncio.tcp_server.MAX_RECV = _READ_BYTES
         tls = server_context(self._config, "http")  # a bad file: ConfigError before binding
         try:
-            sock = _listen(self._config.host, self._config.http_port, settings.backlog, self._reuse_port)
+            sock = listen(self._config.host, self._config.http_port, settings.backlog, self._reuse_port)
             task_status.started(sock.getsockname()[1])
             await trio_asyncio.aio_as_trio(self._serve)(sock, settings, tls)
         finally:
@@ -265,8 +141,8 @@ class RestServer:
             peer = writer.get_extra_info("peername")  # as hypercorn names the client in the scope
             family = writer.get_extra_info("socket").family
             client = None if peer is None else hypercorn.utils.parse_socket_addr(family, peer)
-            connection = inflight.connections[client] = _Connection(
-                inflight, client, self._config.http2, self._app.routes.bodies,
+            connection = inflight.connections[client] = HypercornConnection(
+                inflight, client, self._config.http2, self._app.routes.bodies.refusal_from_head,
                 app, loop, settings, context, state, reader, writer,
             )  # fmt: skip
             try:
