@@ -138,10 +138,15 @@ def test_imports_go_down_the_layers() -> None:
     assert upward == []
 
 
-ADAPTERS = ("hloserve.api.grpc_service", "hloserve.api.health", "hloserve.api.rest")
+ADAPTERS = ("hloserve.api.grpc_service", "hloserve.api.health", "hloserve.api.rest", "hloserve.api.control")
 """The protocol adapters: they translate the protocol and serve through the planes alone."""
 
-PLANES = ("hloserve.api.data_plane", "hloserve.api.model_plane", "hloserve.api.repository_plane")
+PLANES = (
+    "hloserve.api.data_plane",
+    "hloserve.api.model_plane",
+    "hloserve.api.repository_plane",
+    "hloserve.api.control_plane",
+)
 
 ADAPTERS_MAY_IMPORT = (
     *PLANES,
@@ -160,7 +165,7 @@ def _is(module: str, prefixes: tuple[str, ...]) -> bool:
 
 
 def test_adapters_reach_no_further_than_the_planes() -> None:
-    """An adapter (gRPC, REST, health) imports the planes and the protocol's codecs and statuses,
+    """An adapter (gRPC, REST, health, control) imports the planes and the protocol's codecs and statuses,
     never the model table, the engine, the actors or the models behind the planes."""
     graph = _graph()
     leaves = tuple(f"hloserve.{name}" for name in LAYERS[0][1])

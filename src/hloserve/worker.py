@@ -28,6 +28,7 @@ from hloserve.actors.dispatcher import Dispatcher
 from hloserve.actors.weight_cache import WeightCache
 from hloserve.api import grpc_server
 from hloserve.api.control import ControlService
+from hloserve.api.control_plane import LocalControlPlane
 from hloserve.api.data_plane import LocalDataPlane
 from hloserve.api.grpc_server import build_grpc_server
 from hloserve.api.grpc_service import InferenceService
@@ -205,12 +206,13 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
                 LocalRepositoryPlane(
                     host=worker, config=config, models=entries, statistics=statistics, shm=shm
                 ),
+                LocalControlPlane(worker),
             )
             service = InferenceService(data=data, models=planes.models, repository=planes.repository)
             # grpclib looks up the event loop when constructed: build it inside trio-asyncio's loop.
             server = build_grpc_server(
                 server_config,
-                [service, ControlService(worker)],
+                [service, ControlService(planes.control)],
                 lambda draining: worker_health(data, server_config.max_health_watches, draining),
             )
             rest = None

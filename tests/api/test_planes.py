@@ -1,13 +1,14 @@
 """The planes' local implementations on their own, over a model table of real bundles (the
 example repository's, as a frontend holds them: `Remote` entries, no engine): what the
-adapters read through them, and the one place a call is counted (`Call`)."""
+adapters read through them, the one place a call is counted (`Call`), and the control plane's
+checks before a change reaches the dispatch loop."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import numpy as np
 import pytest
@@ -19,8 +20,10 @@ from grpclib.exceptions import GRPCError
 from support.numerics import assert_close
 from support.servers import EXAMPLES, make_config
 
+from hloserve._proto import hloserve_control as hc
 from hloserve._proto import inference as kserve
 from hloserve._proto.hot import hot_infer_pb2 as hot
+from hloserve.api.control_plane import LocalControlPlane
 from hloserve.api.data_plane import UNKNOWN, Job, LocalDataPlane, Record
 from hloserve.api.model_plane import EXTENSIONS, LocalModelPlane
 from hloserve.api.repository_plane import LocalRepositoryPlane
@@ -309,3 +312,79 @@ class TestRepositoryPlane:
         plane = self._plane(config, models, statistics, None)
         with pytest.raises(ShmDisabled):
             asyncio.run(plane.register_region(kserve.SystemSharedMemoryRegisterRequest("r", "/k", 0, 8)))
+
+
+class _ControlHost:
+    """The host the control plane changes: what reached its dispatch loop, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[object, ...]] = []
+
+    async def set_policy(self, model: str | None, *, weight: float | None, discipline: str | None) -> None:
+        self.calls.append(("policy", model, weight, discipline))
+
+    async def set_residency(self, model: str, floor: str) -> tuple[str, bool]:
+        self.calls.append(("residency", model, floor))
+        return floor, floor == "device"
+
+
+def _control(body: Callable[[LocalControlPlane], Awaitable[T]]) -> tuple[T, _ControlHost]:
+    """`body(plane)` on asyncio inside trio, as the control service runs it (the host is trio's)."""
+    host = _ControlHost()
+
+    async def main() -> T:
+        async with trio_asyncio.open_loop():
+            return await trio_asyncio.aio_as_trio(body)(LocalControlPlane(cast(ModelHost, host)))
+
+    return trio.run(main), host
+
+
+class TestControlPlane:
+    @pytest.mark.parametrize(
+        ("message", "said"),
+        [
+            (
+                hc.SetModelPolicyRequest("m", has_weight=True, weight=0.0),
+                "weight must be > 0 and finite, got 0.0",
+            ),
+            (hc.SetModelPolicyRequest("m", has_weight=True, weight=float("nan")), "got nan"),
+            (hc.SetModelPolicyRequest("m", has_weight=True, weight=float("inf")), "got inf"),
+            (
+                hc.SetModelPolicyRequest("m", discipline="lifo"),
+                "discipline 'lifo'; expected fair, fifo or edf",
+            ),
+            (
+                hc.SetModelResidencyRequest("m", hc.Residency.RESIDENCY_UNSPECIFIED),
+                "unspecified; expected UNPINNED, SYSTEM or DEVICE",
+            ),
+        ],
+        ids=["weight-0", "weight-nan", "weight-inf", "discipline", "residency"],
+    )
+    def test_a_bad_change_is_refused_before_the_dispatch_loop_hears_of_it(
+        self, message: object, said: str
+    ) -> None:
+        async def change(plane: LocalControlPlane) -> InvalidInput:
+            call = plane.set_policy if isinstance(message, hc.SetModelPolicyRequest) else plane.set_residency
+            with pytest.raises(InvalidInput) as refused:
+                await call(message)  # type: ignore[arg-type]
+            return refused.value
+
+        refusal, host = _control(change)
+        assert host.calls == []
+        assert str(refusal).startswith("model 'm': ") and said in str(refusal), str(refusal)
+
+    def test_changes_reach_the_dispatch_loop_as_parsed(self) -> None:
+        async def change(plane: LocalControlPlane) -> hc.SetModelResidencyResponse:
+            await plane.set_policy(
+                hc.SetModelPolicyRequest("m", has_weight=True, weight=2.5, discipline="edf")
+            )
+            await plane.set_policy(hc.SetModelPolicyRequest("n"))  # nothing set: both left as they are
+            return await plane.set_residency(hc.SetModelResidencyRequest("m", hc.Residency.DEVICE))
+
+        pinned, host = _control(change)
+        assert host.calls == [
+            ("policy", "m", 2.5, "edf"),
+            ("policy", "n", None, None),
+            ("residency", "m", "device"),
+        ]
+        assert pinned.residency == hc.Residency.DEVICE and pinned.device_resident

@@ -32,6 +32,7 @@ from hloserve._transport import grpclib_patches as _grpclib_patches
 from hloserve._transport import trio_asyncio_patches as _trio_asyncio_patches
 from hloserve.allocator import keep_freed_memory, settle_heap
 from hloserve.api import grpc_server
+from hloserve.api.control import ControlService
 from hloserve.api.data_plane import Call, LocalDataPlane
 from hloserve.api.grpc_server import build_grpc_server
 from hloserve.api.grpc_service import InferenceService
@@ -209,25 +210,23 @@ class LinkedRepositoryPlane:
         return await self._engine(EngineCalls.UNREGISTER_REGION, message, reply)
 
 
-class ControlOverLink(hc.ControlServiceBase):
-    """`hloserve_control.ControlService` on a frontend: every call is the engine's, answered by
-    its own control service over the link."""
+class LinkedControlPlane:
+    """A frontend's control plane: every call is the engine's, answered by its control plane
+    over the link."""
 
     def __init__(self, link: FrontendLink) -> None:
         self._engine = _OverLink(link)
 
-    async def model_control_status(
-        self, message: hc.ModelControlStatusRequest
-    ) -> hc.ModelControlStatusResponse:
+    async def status(self, message: hc.ModelControlStatusRequest) -> hc.ModelControlStatusResponse:
         return await self._engine(EngineCalls.CONTROL_STATUS, message, hc.ModelControlStatusResponse)
 
-    async def set_model_residency(self, message: hc.SetModelResidencyRequest) -> hc.SetModelResidencyResponse:
+    async def set_residency(self, message: hc.SetModelResidencyRequest) -> hc.SetModelResidencyResponse:
         return await self._engine(EngineCalls.SET_RESIDENCY, message, hc.SetModelResidencyResponse)
 
-    async def set_model_policy(self, message: hc.SetModelPolicyRequest) -> hc.SetModelPolicyResponse:
+    async def set_policy(self, message: hc.SetModelPolicyRequest) -> hc.SetModelPolicyResponse:
         return await self._engine(EngineCalls.SET_POLICY, message, hc.SetModelPolicyResponse)
 
-    async def compact_memory(self, message: hc.CompactMemoryRequest) -> hc.CompactMemoryResponse:
+    async def compact(self, message: hc.CompactMemoryRequest) -> hc.CompactMemoryResponse:
         return await self._engine(EngineCalls.COMPACT_MEMORY, message, hc.CompactMemoryResponse)
 
 
@@ -296,7 +295,7 @@ async def _serve(link_fd: int, port: int, http_port: int, setup: Setup) -> None:
             service = InferenceService(data=data, models=model_plane, repository=repository)
             server = build_grpc_server(  # as the single process's
                 config.server,
-                [service, ControlOverLink(link)],
+                [service, ControlService(LinkedControlPlane(link))],
                 lambda draining: worker_health(data, config.server.max_health_watches, draining),
             )
             await grpc_server.start(

@@ -29,7 +29,7 @@ from grpclib.metadata import Deadline
 
 from hloserve._process import Process
 from hloserve._proto.hot import hot_infer_pb2 as hot
-from hloserve.api.control import ControlService
+from hloserve.api.control_plane import ControlPlane
 from hloserve.engine.admission import Ticket
 from hloserve.errors import ConfigError, Overloaded
 from hloserve.frontends.engine_link import EngineLink, EngineServices
@@ -70,13 +70,14 @@ class EnginePlanes(NamedTuple):
     data: LocalDataPlane
     models: ModelPlane
     repository: RepositoryPlane
+    control: ControlPlane
 
 
-def engine_calls(host: ModelHost, planes: EnginePlanes) -> dict[str, Callable[[Any], Awaitable[Any]]]:
+def engine_calls(planes: EnginePlanes) -> dict[str, Callable[[Any], Awaitable[Any]]]:
     """What a frontend's `EngineCall` may name, each the engine's plane method that answers it: a
     whole ModelInfer (`FORWARD`), and each of `EngineCalls`."""
 
-    data, models, repository = planes
+    data, models, repository, control = planes
 
     async def forwarded(argument: tuple[bytes, float | None]) -> bytes:
         request, remaining = argument
@@ -87,7 +88,6 @@ def engine_calls(host: ModelHost, planes: EnginePlanes) -> dict[str, Callable[[A
     async def model_ready(argument: tuple[str, str]) -> bool:
         return await data.model_ready(*argument)
 
-    control = ControlService(host)
     calls: dict[str, Callable[[Any], Awaitable[Any]]] = {
         FORWARD: forwarded,
         EngineCalls.MODEL_READY: model_ready,
@@ -98,10 +98,10 @@ def engine_calls(host: ModelHost, planes: EnginePlanes) -> dict[str, Callable[[A
         EngineCalls.REGISTER_REGION: repository.register_region,
         EngineCalls.REGION_STATUS: repository.region_status,
         EngineCalls.UNREGISTER_REGION: repository.unregister_region,
-        EngineCalls.CONTROL_STATUS: control.model_control_status,
-        EngineCalls.SET_RESIDENCY: control.set_model_residency,
-        EngineCalls.SET_POLICY: control.set_model_policy,
-        EngineCalls.COMPACT_MEMORY: control.compact_memory,
+        EngineCalls.CONTROL_STATUS: control.status,
+        EngineCalls.SET_RESIDENCY: control.set_residency,
+        EngineCalls.SET_POLICY: control.set_policy,
+        EngineCalls.COMPACT_MEMORY: control.compact,
     }
     assert calls.keys() == {FORWARD, *EngineCalls}, "every call a frontend may name is answered"
     return calls
@@ -116,7 +116,7 @@ class Frontends:
         self._plane = planes.data
         self._services = EngineServices(
             count=planes.data.record,
-            calls=engine_calls(host, planes),
+            calls=engine_calls(planes),
             admit=self._admit,
             release=self._release,
             tracing=planes.data.tracing,

@@ -68,7 +68,7 @@ FORWARD = "model_infer"
 
 class EngineCalls(StrEnum):
     """What else an `EngineCall` may name: what only the engine answers, each one method of one of
-    its planes or of its control service (`hloserve.frontends.pool.engine_calls` maps each)."""
+    its planes (`hloserve.frontends.pool.engine_calls` maps each)."""
 
     MODEL_READY = "data.model_ready"
     """`DataPlane.model_ready` for `(name, version)` (residency managed outside: the engine knows)."""
@@ -79,10 +79,10 @@ class EngineCalls(StrEnum):
     REGISTER_REGION = "repository.register_region"
     REGION_STATUS = "repository.region_status"
     UNREGISTER_REGION = "repository.unregister_region"
-    CONTROL_STATUS = "control.model_control_status"
-    SET_RESIDENCY = "control.set_model_residency"
-    SET_POLICY = "control.set_model_policy"
-    COMPACT_MEMORY = "control.compact_memory"
+    CONTROL_STATUS = "control.status"
+    SET_RESIDENCY = "control.set_residency"
+    SET_POLICY = "control.set_policy"
+    COMPACT_MEMORY = "control.compact"
 
 
 ALIGNMENT = 64
