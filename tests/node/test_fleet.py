@@ -25,7 +25,7 @@ from hloserve.fleet.controller import Controller, WorkerLink, with_parts
 from hloserve.fleet.http import merge_expositions
 from hloserve.fleet.services import (
     GatewayFront,
-    InferenceFront,
+    NodeRepositoryPlane,
     merge_control_status,
     merge_statistics,
     node_readiness,
@@ -355,7 +355,7 @@ def test_a_meta_is_routed_only_to_workers_that_serve_its_parts_and_its_parts_go_
     w1.models["part"] = "UNAVAILABLE"  # unloaded there: the meta cannot run on worker1
     controller._route()
     assert controller.routes["meta"] == ("127.0.0.1:1",) and controller.routes["part"] == ("127.0.0.1:1",)
-    index_answer = asyncio.run(InferenceFront(controller).repository_index(kserve.RepositoryIndexRequest()))
+    index_answer = asyncio.run(NodeRepositoryPlane(controller).index(kserve.RepositoryIndexRequest()))
     assert [m.name for m in index_answer.models] == ["meta", "mlp"]  # a part is listed through its meta
 
 

@@ -17,6 +17,8 @@ import trio_asyncio
 from grpclib.config import Configuration
 from grpclib.server import Server
 
+from hloserve.api.control import ControlService
+from hloserve.api.grpc_service import InferenceService
 from hloserve.api.health import Health
 from hloserve.api.rest.routes import build_app
 from hloserve.api.rest.server import RestServer
@@ -26,9 +28,8 @@ from hloserve.fleet import envoy
 from hloserve.fleet.controller import Controller, WorkerLink
 from hloserve.fleet.http import NodeHttp
 from hloserve.fleet.services import (
-    ControlFront,
     GatewayFront,
-    InferenceFront,
+    NodeControlPlane,
     NodeDataPlane,
     NodeModelPlane,
     NodeRepositoryPlane,
@@ -136,8 +137,9 @@ async def run_front(
             # The controller passes every restriction of the workers it calls.
             headers = [*grpc_restrictions.headers()]
             controller = Controller(config.node, workers, publish, headers)
-            inference = InferenceFront(controller)
-            controller.on_ready = inference.restore_regions
+            data, models = NodeDataPlane(controller), NodeModelPlane(controller)
+            repository = NodeRepositoryPlane(controller)
+            controller.on_ready = repository.restore_regions
             rest_server = None
             if serves_http:  # the controller's REST: what Envoy's REST routes give no worker
                 # The REST routes over the node's planes, as over a worker's.
@@ -149,12 +151,7 @@ async def run_front(
                     http_use_ssl=False,
                     http_use_ssl_mutual=False,
                 )
-                app = build_app(
-                    data=NodeDataPlane(controller),
-                    models=NodeModelPlane(inference),
-                    repository=NodeRepositoryPlane(inference),
-                    config=settings,
-                )
+                app = build_app(data=data, models=models, repository=repository, config=settings)
                 rest_server = RestServer(app, settings)
                 publish.controller_http = f"127.0.0.1:{await nursery.start(rest_server.run)}"
             publish({})
@@ -181,7 +178,12 @@ async def run_front(
 
             health = Health(serving, draining=lambda: False, max_watches=config.server.max_health_watches)
             server = Server(
-                [inference, ControlFront(controller), GatewayFront(controller), health],
+                [
+                    InferenceService(data=data, models=models, repository=repository),
+                    ControlService(NodeControlPlane(controller)),
+                    GatewayFront(controller),
+                    health,
+                ],
                 config=Configuration(http2_connection_window_size=window, http2_stream_window_size=window),
             )
             restrict_grpc(server, grpc_restrictions)  # Envoy passes the client's headers through

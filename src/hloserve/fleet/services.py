@@ -1,9 +1,10 @@
 """The RPCs no single worker can answer, served by the controller behind the node's public port.
 
 Envoy sends here every request its routes do not give to a model's workers: the server-wide
-RPCs, the fan-outs, the control services, and requests for a model no worker serves; over REST
-too, where `rest.build_app` serves the node's planes (`NodeDataPlane`, `NodeModelPlane`,
-`NodeRepositoryPlane`, over `InferenceFront`) as it serves a worker's. A worker's
+RPCs, the fan-outs, the control services, and requests for a model no worker serves. They are
+the node's planes (`NodeDataPlane`, `NodeModelPlane`, `NodeRepositoryPlane`, `NodeControlPlane`),
+served by the same adapters as a worker's: `InferenceService` and `ControlService` over gRPC,
+`rest.build_app` over REST; only the gateway's own service (`GatewayFront`) is the node's. A worker's
 error reaches the client with the worker's status and message (prefixed with the worker's name
 where several answered).
 """
@@ -29,9 +30,8 @@ from hloserve.fleet import placement as lpt
 from hloserve.fleet.controller import Controller, WorkerLink
 
 __all__ = [
-    "ControlFront",
     "GatewayFront",
-    "InferenceFront",
+    "NodeControlPlane",
     "NodeDataPlane",
     "NodeModelPlane",
     "NodeRepositoryPlane",
@@ -156,32 +156,61 @@ class NodeDataPlane:
         return False
 
 
-class InferenceFront(kserve.GrpcInferenceServiceBase):
-    """KServe V2 RPCs that span the node's workers."""
+class NodeModelPlane:
+    """The node's model plane: a ready worker's server metadata and trace settings (every worker
+    has the node's), every worker's statistics summed; a model's metadata and configuration are
+    asked here only for a model no worker serves (Envoy routes the others to its workers)."""
+
+    def __init__(self, controller: Controller) -> None:
+        self._controller = controller
+
+    async def server_metadata(self) -> kserve.ServerMetadataResponse:
+        worker = _ready(self._controller)[0]
+        answer = await worker.inference.server_metadata(
+            kserve.ServerMetadataRequest(), timeout=self._controller.node.probe_timeout_s
+        )
+        return kserve.ServerMetadataResponse(
+            name="hloserve", version=__version__, extensions=answer.extensions
+        )
+
+    async def metadata(self, message: kserve.ModelMetadataRequest) -> kserve.ModelMetadataResponse:
+        raise _not_served(message.name)
+
+    async def config(self, message: kserve.ModelConfigRequest) -> kserve.ModelConfigResponse:
+        raise _not_served(message.name)
+
+    async def statistics(self, message: kserve.ModelStatisticsRequest) -> kserve.ModelStatisticsResponse:
+        """Every worker's counters for the model (or for all), summed: a node's statistics."""
+        targets = [w for w in _ready(self._controller) if not message.name or message.name in w.models]
+        if not targets:
+            raise _not_served(message.name)
+        timeout = self._controller.node.probe_timeout_s
+        results = await _fan_out(targets, lambda w: w.inference.model_statistics(message, timeout=timeout))
+        answers = [r for _, r in results if isinstance(r, kserve.ModelStatisticsResponse)]
+        if not answers:
+            raise _failure(results) or _not_served(message.name)
+        return merge_statistics(answers)
+
+    async def trace_settings(self, message: kserve.TraceSettingRequest) -> kserve.TraceSettingResponse:
+        return await _ready(self._controller)[0].inference.trace_setting(
+            message, timeout=self._controller.node.probe_timeout_s
+        )
+
+
+class NodeRepositoryPlane:
+    """The node's repository plane: the union of its workers' indexes, loads and unloads on the
+    workers a model is placed on, and shared-memory regions held by every worker (registered
+    again on a worker that restarts: `restore_regions`)."""
 
     def __init__(self, controller: Controller) -> None:
         self._controller = controller
         self.regions: dict[str, kserve.SystemSharedMemoryRegisterRequest] = {}
         """Regions registered through the node, registered again on a worker that restarts."""
 
-    async def server_live(self, message: kserve.ServerLiveRequest) -> kserve.ServerLiveResponse:
-        return kserve.ServerLiveResponse(live=True)
+    def close(self) -> None:
+        """Nothing: the regions are the workers'."""
 
-    async def server_ready(self, message: kserve.ServerReadyRequest) -> kserve.ServerReadyResponse:
-        return kserve.ServerReadyResponse(ready=node_readiness(self._controller)[0])
-
-    async def server_metadata(self, message: kserve.ServerMetadataRequest) -> kserve.ServerMetadataResponse:
-        worker = _ready(self._controller)[0]
-        answer = await worker.inference.server_metadata(
-            message, timeout=self._controller.node.probe_timeout_s
-        )
-        return kserve.ServerMetadataResponse(
-            name="hloserve", version=__version__, extensions=answer.extensions
-        )
-
-    async def repository_index(
-        self, message: kserve.RepositoryIndexRequest
-    ) -> kserve.RepositoryIndexResponse:
+    async def index(self, message: kserve.RepositoryIndexRequest) -> kserve.RepositoryIndexResponse:
         """The union; as on a worker, a meta's parts are listed through the meta alone."""
         serving = self._controller.serving()
         parts = {p for w in self._controller.workers for ps in w.parts.values() for p in ps}
@@ -202,67 +231,7 @@ class InferenceFront(kserve.GrpcInferenceServiceBase):
                 )
         return kserve.RepositoryIndexResponse(models=index)
 
-    # Requests for a model that no route claims: no worker serves it.
-
-    async def model_ready(self, message: kserve.ModelReadyRequest) -> kserve.ModelReadyResponse:
-        return kserve.ModelReadyResponse(ready=False)
-
-    async def model_metadata(self, message: kserve.ModelMetadataRequest) -> kserve.ModelMetadataResponse:
-        raise _not_served(message.name)
-
-    async def model_config(self, message: kserve.ModelConfigRequest) -> kserve.ModelConfigResponse:
-        raise _not_served(message.name)
-
-    async def model_infer(self, message: kserve.ModelInferRequest) -> kserve.ModelInferResponse:
-        raise _not_served(message.model_name)
-
-    async def trace_setting(self, message: kserve.TraceSettingRequest) -> kserve.TraceSettingResponse:
-        """A worker's answer: every worker of a node has the node's trace settings."""
-        return await _ready(self._controller)[0].inference.trace_setting(
-            message, timeout=self._controller.node.probe_timeout_s
-        )
-
-    async def cuda_shared_memory_register(
-        self, message: kserve.CudaSharedMemoryRegisterRequest
-    ) -> kserve.CudaSharedMemoryRegisterResponse:
-        """Answered as a worker answers it (hloserve has no CUDA shared memory)."""
-        return await _ready(self._controller)[0].inference.cuda_shared_memory_register(
-            message, timeout=self._controller.node.probe_timeout_s
-        )
-
-    async def cuda_shared_memory_status(
-        self, message: kserve.CudaSharedMemoryStatusRequest
-    ) -> kserve.CudaSharedMemoryStatusResponse:
-        return await _ready(self._controller)[0].inference.cuda_shared_memory_status(
-            message, timeout=self._controller.node.probe_timeout_s
-        )
-
-    async def cuda_shared_memory_unregister(
-        self, message: kserve.CudaSharedMemoryUnregisterRequest
-    ) -> kserve.CudaSharedMemoryUnregisterResponse:
-        return await _ready(self._controller)[0].inference.cuda_shared_memory_unregister(
-            message, timeout=self._controller.node.probe_timeout_s
-        )
-
-    async def model_statistics(
-        self, message: kserve.ModelStatisticsRequest
-    ) -> kserve.ModelStatisticsResponse:
-        """Every worker's counters for the model (or for all), summed: a node's statistics."""
-        targets = [w for w in _ready(self._controller) if not message.name or message.name in w.models]
-        if not targets:
-            raise _not_served(message.name)
-        timeout = self._controller.node.probe_timeout_s
-        results = await _fan_out(targets, lambda w: w.inference.model_statistics(message, timeout=timeout))
-        answers = [r for _, r in results if isinstance(r, kserve.ModelStatisticsResponse)]
-        if not answers:
-            raise _failure(results) or _not_served(message.name)
-        return merge_statistics(answers)
-
-    # -- repository ------------------------------------------------------------------------
-
-    async def repository_model_load(
-        self, message: kserve.RepositoryModelLoadRequest
-    ) -> kserve.RepositoryModelLoadResponse:
+    async def load(self, message: kserve.RepositoryModelLoadRequest) -> kserve.RepositoryModelLoadResponse:
         """Loads on the workers the model is placed on, else on every ready worker."""
         controller = self._controller
         placed = set(controller.placed.get(message.model_name, ()))
@@ -273,7 +242,7 @@ class InferenceFront(kserve.GrpcInferenceServiceBase):
             raise error
         return kserve.RepositoryModelLoadResponse()
 
-    async def repository_model_unload(
+    async def unload(
         self, message: kserve.RepositoryModelUnloadRequest
     ) -> kserve.RepositoryModelUnloadResponse:
         controller = self._controller
@@ -286,9 +255,7 @@ class InferenceFront(kserve.GrpcInferenceServiceBase):
             raise error
         return kserve.RepositoryModelUnloadResponse()
 
-    # -- system shared memory: every worker holds every region --------------------------------
-
-    async def system_shared_memory_register(
+    async def register_region(
         self, message: kserve.SystemSharedMemoryRegisterRequest
     ) -> kserve.SystemSharedMemoryRegisterResponse:
         """All workers or none: a worker that refuses (or is down) undoes the others'."""
@@ -306,7 +273,15 @@ class InferenceFront(kserve.GrpcInferenceServiceBase):
         await _fan_out(done, lambda w: w.inference.system_shared_memory_unregister(undo, timeout=timeout))
         raise error
 
-    async def system_shared_memory_unregister(
+    async def region_status(
+        self, message: kserve.SystemSharedMemoryStatusRequest
+    ) -> kserve.SystemSharedMemoryStatusResponse:
+        worker = _ready(self._controller)[0]
+        return await worker.inference.system_shared_memory_status(
+            message, timeout=self._controller.node.probe_timeout_s
+        )
+
+    async def unregister_region(
         self, message: kserve.SystemSharedMemoryUnregisterRequest
     ) -> kserve.SystemSharedMemoryUnregisterResponse:
         timeout = self._controller.node.probe_timeout_s
@@ -322,14 +297,6 @@ class InferenceFront(kserve.GrpcInferenceServiceBase):
             raise error
         return kserve.SystemSharedMemoryUnregisterResponse()
 
-    async def system_shared_memory_status(
-        self, message: kserve.SystemSharedMemoryStatusRequest
-    ) -> kserve.SystemSharedMemoryStatusResponse:
-        worker = _ready(self._controller)[0]
-        return await worker.inference.system_shared_memory_status(
-            message, timeout=self._controller.node.probe_timeout_s
-        )
-
     async def restore_regions(self, worker: WorkerLink) -> None:
         """Register again on a worker that came back what it held before it went."""
         for region in list(self.regions.values()):
@@ -340,64 +307,6 @@ class InferenceFront(kserve.GrpcInferenceServiceBase):
             except grpclib.GRPCError as e:
                 if e.status != Status.ALREADY_EXISTS:
                     raise
-
-
-class NodeModelPlane:
-    """The node's model plane (REST's): its workers' answers, through `InferenceFront`."""
-
-    def __init__(self, front: InferenceFront) -> None:
-        self._front = front
-
-    async def server_metadata(self) -> kserve.ServerMetadataResponse:
-        return await self._front.server_metadata(kserve.ServerMetadataRequest())
-
-    async def metadata(self, message: kserve.ModelMetadataRequest) -> kserve.ModelMetadataResponse:
-        return await self._front.model_metadata(message)
-
-    async def config(self, message: kserve.ModelConfigRequest) -> kserve.ModelConfigResponse:
-        return await self._front.model_config(message)
-
-    async def statistics(self, message: kserve.ModelStatisticsRequest) -> kserve.ModelStatisticsResponse:
-        return await self._front.model_statistics(message)
-
-    async def trace_settings(self, message: kserve.TraceSettingRequest) -> kserve.TraceSettingResponse:
-        return await self._front.trace_setting(message)
-
-
-class NodeRepositoryPlane:
-    """The node's repository plane (REST's): its workers', through `InferenceFront`."""
-
-    def __init__(self, front: InferenceFront) -> None:
-        self._front = front
-
-    def close(self) -> None:
-        """Nothing: the regions are the workers'."""
-
-    async def index(self, message: kserve.RepositoryIndexRequest) -> kserve.RepositoryIndexResponse:
-        return await self._front.repository_index(message)
-
-    async def load(self, message: kserve.RepositoryModelLoadRequest) -> kserve.RepositoryModelLoadResponse:
-        return await self._front.repository_model_load(message)
-
-    async def unload(
-        self, message: kserve.RepositoryModelUnloadRequest
-    ) -> kserve.RepositoryModelUnloadResponse:
-        return await self._front.repository_model_unload(message)
-
-    async def register_region(
-        self, message: kserve.SystemSharedMemoryRegisterRequest
-    ) -> kserve.SystemSharedMemoryRegisterResponse:
-        return await self._front.system_shared_memory_register(message)
-
-    async def region_status(
-        self, message: kserve.SystemSharedMemoryStatusRequest
-    ) -> kserve.SystemSharedMemoryStatusResponse:
-        return await self._front.system_shared_memory_status(message)
-
-    async def unregister_region(
-        self, message: kserve.SystemSharedMemoryUnregisterRequest
-    ) -> kserve.SystemSharedMemoryUnregisterResponse:
-        return await self._front.system_shared_memory_unregister(message)
 
 
 def merge_control_status(
@@ -432,8 +341,8 @@ def merge_control_status(
     return total
 
 
-class ControlFront(control.ControlServiceBase):
-    """hloserve's control service for the whole node: the calls that name a model go to the
+class NodeControlPlane:
+    """hloserve's control plane for the whole node: the calls that name a model go to the
     workers that serve it, the others to every ready worker."""
 
     def __init__(self, controller: Controller) -> None:
@@ -452,25 +361,21 @@ class ControlFront(control.ControlServiceBase):
             raise error
         return [r for _, r in results if not isinstance(r, grpclib.GRPCError)]
 
-    async def model_control_status(
-        self, message: control.ModelControlStatusRequest
-    ) -> control.ModelControlStatusResponse:
+    async def status(self, message: control.ModelControlStatusRequest) -> control.ModelControlStatusResponse:
         timeout = self._controller.node.probe_timeout_s
         answers = await self._all(
             _ready(self._controller), lambda w: w.control.model_control_status(message, timeout=timeout)
         )
         return merge_control_status(answers)
 
-    async def set_model_policy(
-        self, message: control.SetModelPolicyRequest
-    ) -> control.SetModelPolicyResponse:
+    async def set_policy(self, message: control.SetModelPolicyRequest) -> control.SetModelPolicyResponse:
         """A model's policy on the workers that serve it; the global discipline (no name) on all."""
         targets = self._serving(message.name) if message.name else _ready(self._controller)
         timeout = self._controller.node.probe_timeout_s
         await self._all(targets, lambda w: w.control.set_model_policy(message, timeout=timeout))
         return control.SetModelPolicyResponse()
 
-    async def set_model_residency(
+    async def set_residency(
         self, message: control.SetModelResidencyRequest
     ) -> control.SetModelResidencyResponse:
         """On every worker that serves the model; on the device if it is on any of them."""
@@ -482,7 +387,7 @@ class ControlFront(control.ControlServiceBase):
             residency=answers[0].residency, device_resident=any(a.device_resident for a in answers)
         )
 
-    async def compact_memory(self, message: control.CompactMemoryRequest) -> control.CompactMemoryResponse:
+    async def compact(self, message: control.CompactMemoryRequest) -> control.CompactMemoryResponse:
         timeout = 60 * self._controller.node.probe_timeout_s
         results = await _fan_out(
             _ready(self._controller), lambda w: w.control.compact_memory(message, timeout=timeout)
