@@ -55,3 +55,32 @@ def test_a_freed_large_buffer_is_reused_where_glibc_would_fault_it_in_again() ->
 
 def test_zero_leaves_the_defaults() -> None:
     assert keep_freed_memory(0) is False
+
+
+_RESIDENT_AFTER_RETURN = """
+import os, sys
+from hloserve.allocator import keep_freed_memory, return_freed_memory
+keep_freed_memory(512 << 20)
+def resident():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+held = [b"\\x01" * (16 << 20) for _ in range(4)]  # 64 MiB from the heap, written whole
+pin = b"\\x02" * 4096 * 64  # above them: the trim threshold only ever looks at the heap's top
+before = resident()
+del held
+kept = resident()
+returned = return_freed_memory()
+print(returned, before - kept, kept - resident())
+"""
+
+
+def test_freed_memory_kept_for_reuse_is_returned_when_asked() -> None:
+    """What the policy keeps (64 MiB freed below a live block) stays resident until
+    `return_freed_memory` hands it back, as after a model's unload."""
+    done = subprocess.run(
+        [sys.executable, "-c", _RESIDENT_AFTER_RETURN], capture_output=True, text=True, timeout=60, check=True
+    )
+    returned, dropped_by_free, dropped_by_return = done.stdout.split()
+    assert returned == "True", done.stdout
+    assert int(dropped_by_free) < 8 << 20, f"free alone gave back {int(dropped_by_free) >> 20} MiB"
+    assert int(dropped_by_return) > 56 << 20, f"return gave back {int(dropped_by_return) >> 20} MiB of 64"

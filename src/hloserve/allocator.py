@@ -10,15 +10,21 @@ page faults and 4.3 ms of CPU per 4.8 MB request afterwards, against 2.4-2.6 ms 
 
 `keep_freed_memory` makes buffers up to 32 MiB (glibc's largest mmap threshold) come from the
 heap and keeps up to `nbytes` of freed heap for reuse before trimming. Off glibc, it does nothing.
-`settle_heap` takes what startup made out of the cyclic collector's walks.
+`return_freed_memory` hands every free page back at once, where what was freed will not come
+back soon: a model's unload (a load leaves its arenas 5 to 7 KB bigger, never returned by the
+trim threshold, which only looks at the top of the heap) and an abandoned message's frames. The
+next large request faults its buffer in again, once. `settle_heap` takes what startup made out
+of the cyclic collector's walks.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
+from collections.abc import Callable
 
-__all__ = ["MMAP_THRESHOLD_BYTES", "keep_freed_memory", "settle_heap"]
+__all__ = ["MMAP_THRESHOLD_BYTES", "keep_freed_memory", "return_freed_memory", "settle_heap"]
 
 MMAP_THRESHOLD_BYTES = 32 << 20
 """Blocks this large or smaller come from the heap (glibc's maximum for the threshold)."""
@@ -37,6 +43,22 @@ def keep_freed_memory(nbytes: int) -> bool:
     return bool(
         mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1 and mallopt(_M_TRIM_THRESHOLD, nbytes) == 1
     )
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+def return_freed_memory() -> bool:
+    """Hand the heap's free pages back to the system (glibc's `malloc_trim(0)`: every arena, not
+    only the top of the heap); True if any was. Off glibc, nothing. It walks the arenas without
+    the GIL: call it from a worker thread where the heap is large."""
+    trim = _malloc_trim()
+    return trim is not None and trim(0) == 1
 
 
 def settle_heap() -> None:

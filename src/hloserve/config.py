@@ -263,8 +263,10 @@ class ServerConfig:
     """Freed heap the C allocator keeps for reuse in the server's processes instead of returning
     it to the kernel (glibc's trim threshold; blocks up to 32 MiB then come from the heap): a
     large request's buffers are reused, not faulted in afresh each time (4.3 → 2.4-2.6 ms of a
-    frontend's CPU per 4.8 MB request after small ones had shaped its heap). 0 leaves glibc's
-    defaults; a program embedding `serve` keeps its own allocator settings."""
+    frontend's CPU per 4.8 MB request after small ones had shaped its heap). A model's unload
+    returns every free page at once (what loads leave in the arenas is never at the heap's top),
+    so the next large request faults its buffer in once. 0 leaves glibc's defaults; a program
+    embedding `serve` keeps its own allocator settings."""
     max_load_files: int = 64
     """Files one RepositoryModelLoad may send as a bundle (Triton's `file:` parameters, written
     into a private directory the server owns); 0 turns loading from sent files off."""

@@ -26,6 +26,7 @@ from hloserve._transport import trio_asyncio_patches as _trio_asyncio_patches
 from hloserve.actors import supervised
 from hloserve.actors.dispatcher import Dispatcher
 from hloserve.actors.weight_cache import WeightCache
+from hloserve.allocator import return_freed_memory
 from hloserve.api import grpc_server
 from hloserve.api.control import ControlService
 from hloserve.api.control_plane import LocalControlPlane
@@ -91,6 +92,7 @@ class Worker(ModelTable):
         await self._changing(name, super().unload_model(name))
         if self.planes is not None and name not in self.models:
             self.planes.data.forget(name)  # its statistics and metric series
+        await trio.to_thread.run_sync(return_freed_memory)  # what its load left in the arenas
 
     async def reload_model_py(self, name: str) -> None:
         await self._changing(name, super().reload_model_py(name))

@@ -14,8 +14,6 @@ module reaches into in grpclib and h2 is listed in `hloserve._transport.grpclib_
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -33,6 +31,7 @@ from h2.stream import StreamState
 
 from hloserve._transport import compression as _compression
 from hloserve._transport.h2_limits import CONNECTIONS, LimitedH2Connection, ServerGuard
+from hloserve.allocator import return_freed_memory
 
 __all__ = ["GuardedProtocol"]
 
@@ -64,22 +63,8 @@ def _drop(stream: grpclib.protocol.Stream) -> int:
     buffer._acked.clear()
     buffer._acked_size = 0
     if held >= _TRIM_BYTES:
-        _return_freed_memory()
+        return_freed_memory()  # the megabyte frames of an abandoned message
     return unacked
-
-
-@functools.cache
-def _malloc_trim() -> Any:
-    libc = ctypes.CDLL(None)
-    return getattr(libc, "malloc_trim", None)
-
-
-def _return_freed_memory() -> None:
-    """Hand the heap's free pages back to the system (glibc): the megabyte frames of an abandoned
-    message are freed into the heap, whose dynamic mmap threshold keeps them otherwise."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 class _Processor(grpclib.protocol.EventsProcessor):
