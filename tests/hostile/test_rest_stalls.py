@@ -420,10 +420,24 @@ def _best_of(fn: Any, runs: int = 5, calls: int = 20) -> float:
 def test_statistics_as_json_cost_no_more_than_their_grpc_encoding() -> None:
     """`GET /v2/models/stats` cost 4.7 ms (betterproto2's to_dict) against 1.7 ms for gRPC's."""
     reply = _populated_statistics()
-    assert rest_messages.stats_json(reply) == rest_messages.to_json(reply)
-    as_json = _best_of(lambda: json.dumps(rest_messages.stats_json(reply), separators=(",", ":")))
+    assert rest_messages.fields_json(reply) == rest_messages.to_json(reply)
+    as_json = _best_of(lambda: json.dumps(rest_messages.fields_json(reply), separators=(",", ":")))
     as_grpc = _best_of(lambda: bytes(reply))
     assert as_json <= as_grpc, (as_json, as_grpc)
+
+
+def test_the_index_as_json_is_betterproto2_s_json() -> None:
+    """The index is written by walking its fields too (betterproto2's to_dict held the loop 1.7 s
+    for 10,000 models): the same JSON, empty reasons included."""
+    states = [("READY", ""), ("UNAVAILABLE", "unloaded"), ("UNAVAILABLE", "failed: its weights did not load")]
+    reply = kserve.RepositoryIndexResponse(
+        models=[
+            kserve.RepositoryIndexResponseModelIndex(name=f"m{i}", version="1", state=state, reason=reason)
+            for i, (state, reason) in enumerate(states * 4)
+        ]
+    )
+    assert rest_messages.fields_json(reply) == rest_messages.to_json(reply)
+    assert rest_messages.fields_json(kserve.RepositoryIndexResponse()) == {"models": []}
 
 
 def test_statistics_over_rest_are_those_of_grpc(worker: ServerProcess) -> None:

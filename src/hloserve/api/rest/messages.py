@@ -21,7 +21,7 @@ from hloserve.api.rest.json_codec import (
     parse_json,
 )
 
-__all__ = ["load_parameters", "parse_fairly", "stats_json", "to_json"]
+__all__ = ["fields_json", "load_parameters", "parse_fairly", "to_json"]
 
 
 def _plain(value: object) -> Any:
@@ -48,21 +48,22 @@ def _field_names(cls: type) -> tuple[str, ...]:
     return tuple(field.name for field in dataclasses.fields(cls))
 
 
-def stats_json(value: object) -> Any:
-    """`to_json` of a statistics message, walking its fields directly: the same JSON at a third
-    of the cost (betterproto2's `to_dict` made `GET /v2/models/stats` cost 4.7 ms against 1.7 ms for
-    gRPC's ModelStatistics). Statistics hold only integers, strings, messages, lists and maps."""
+def fields_json(value: object) -> Any:
+    """`to_json` of a message of integers, strings, messages, lists and maps only (statistics, the
+    index), walking its fields directly: the same JSON, for a fraction of the cost. betterproto2's
+    `to_dict` made `GET /v2/models/stats` cost 4.7 ms against 1.7 ms for gRPC's ModelStatistics,
+    and held the loop 1.7 s for an index of 10,000 models (27 ms this way)."""
     if isinstance(value, betterproto2.Message):
         out = {}
         for name in _field_names(type(value)):
             field = getattr(value, name)
             if field is not None:
-                out[name] = stats_json(field)
+                out[name] = fields_json(field)
         return out
     if isinstance(value, list):
-        return [stats_json(v) for v in value]
+        return [fields_json(v) for v in value]
     if isinstance(value, dict):
-        return {k: stats_json(v) for k, v in value.items()}
+        return {k: fields_json(v) for k, v in value.items()}
     return value
 
 

@@ -41,7 +41,7 @@ from hloserve.api.rest.json_codec import (
     json_output_bytes,
     parse_json,
 )
-from hloserve.api.rest.messages import load_parameters, parse_fairly, stats_json, to_json
+from hloserve.api.rest.messages import fields_json, load_parameters, parse_fairly, to_json
 from hloserve.api.status import to_grpc_error
 from hloserve.config import ServerConfig
 from hloserve.restricted import Restrictions, http_group, http_message
@@ -261,7 +261,7 @@ class Routes:
     async def model_stats(self, request: Request) -> Response:
         name, version = request.path_params.get("model", ""), request.path_params.get("version", "")
         reply = await self._models.statistics(kserve.ModelStatisticsRequest(name, version))
-        return JSONResponse(stats_json(reply))
+        return JSONResponse(fields_json(reply))
 
     async def trace_setting(self, request: Request) -> Response:
         """GET or POST /v2[/models/{model}]/trace/setting: the settings as Triton writes them
@@ -288,7 +288,7 @@ class Routes:
         if not isinstance(ready, bool):
             raise HttpRefusal("Invalid value for 'ready': expected a boolean")
         reply = await self._repository.index(kserve.RepositoryIndexRequest(ready=ready))
-        return JSONResponse(to_json(reply)["models"])
+        return JSONResponse(fields_json(reply)["models"])
 
     async def load(self, request: Request) -> Response:
         parameters = (await self._json(request, files=True)).get("parameters", {})
