@@ -235,6 +235,7 @@ def test_a_traced_request_s_weight_load_says_whether_it_overlapped_another_execu
         assert load.start_time_unix_nano >= queue.end_time_unix_nano
 
 
+@pytest.mark.serial  # a must queue while h executes: another test's compile can outlast h
 def test_a_prefetch_never_evicts_a_model_in_use_and_the_budget_counts_it_in_flight(
     repository: Path, copies: tuple[list[Copy], list[ServerThread]]
 ) -> None:

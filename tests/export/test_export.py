@@ -544,7 +544,9 @@ def test_cli_export_takes_the_scratch_limit_and_its_override(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (tmp_path / "spec.py").write_text(
-        "import numpy as np\nfrom test_export import per_token\nfrom hloserve.export.jax import InputSpec\n\n"
+        "import jax.numpy as jnp\nimport numpy as np\nfrom hloserve.export.jax import InputSpec\n\n"
+        "def per_token(params, x):\n"
+        "    return jnp.einsum('bti,tio->bto', x, jnp.broadcast_to(params['w'], (64, 32, 32)))\n\n"
         "def make():\n"
         "    return {'fn': per_token, 'params': {'w': np.eye(32, dtype=np.float32)},\n"
         "            'inputs': [InputSpec('X', (64, 32))]}\n"
