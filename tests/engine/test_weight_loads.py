@@ -248,13 +248,18 @@ def test_a_prefetch_never_evicts_a_model_in_use_and_the_budget_counts_it_in_flig
         servers[:] = [server]
         clients = [grpcclient.InferenceServerClient(server.url) for _ in range(3)]
         _load_heavy(clients[0])
+        for client in clients[1:]:  # connected now: a connection made inside h's run could outlast it
+            assert client.is_model_ready("a") and client.is_model_ready("b")
         recorded.clear()
         with ThreadPoolExecutor(3) as pool:
             heavy = _heavy_executing(server, pool)
             a = pool.submit(_ask, clients[1], "a", A_COLUMNS)
             deadline = time.monotonic() + 10
-            while not server.call(lambda: server.worker.statistics["a"].queue_depth):
-                assert time.monotonic() < deadline
+            # a queued, or already past its queue (its copy done, or answered): b comes after it
+            while not (
+                server.call(lambda: server.worker.statistics["a"].queue_depth) or recorded or a.done()
+            ):
+                assert time.monotonic() < deadline, "a's request neither queued nor answered in 10 s"
                 time.sleep(0.002)
             b = pool.submit(_ask, clients[2], "b", B_COLUMNS)
             heavy_done = heavy.result()
