@@ -28,6 +28,9 @@ class Duration:
         self.count += count
         self.ns += int(seconds * 1e9)
 
+    def copy(self) -> Duration:
+        return Duration(self.count, self.ns)
+
 
 @dataclass(slots=True)
 class ExecutionTimes:
@@ -39,8 +42,7 @@ class ExecutionTimes:
 
 
 def _times(times: ExecutionTimes) -> ExecutionTimes:
-    i, f, o = times.compute_input, times.compute_infer, times.compute_output
-    return ExecutionTimes(Duration(i.count, i.ns), Duration(f.count, f.ns), Duration(o.count, o.ns))
+    return ExecutionTimes(times.compute_input.copy(), times.compute_infer.copy(), times.compute_output.copy())
 
 
 @dataclass(slots=True)
@@ -106,9 +108,7 @@ class ModelStatistics:
         copied = ModelStatistics.__new__(ModelStatistics)
         for name in ModelStatistics.__slots__:
             setattr(copied, name, getattr(self, name))
-        copied.success = Duration(self.success.count, self.success.ns)
-        copied.fail = Duration(self.fail.count, self.fail.ns)
-        copied.queue = Duration(self.queue.count, self.queue.ns)
+        copied.success, copied.fail, copied.queue = self.success.copy(), self.fail.copy(), self.queue.copy()
         copied.compute = _times(self.compute)
         copied.by_batch_size = defaultdict(
             ExecutionTimes, {b: _times(t) for b, t in self.by_batch_size.items()}
