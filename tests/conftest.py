@@ -29,6 +29,7 @@ LONG = (
     # deployments of several processes: Envoy and workers, frontend processes
     "tests/node/test_node.py",
     "tests/node/test_node_access.py",
+    "tests/node/test_node_scale.py",
     "tests/node/test_dns.py",
     "tests/node/test_supervisor.py",
     "tests/frontends/test_processes.py",

@@ -570,8 +570,9 @@ class NodeConfig:
     default_replicas: int = 1
     """Workers each model is placed on by `lpt_packing` (-1: all)."""
     max_requests_per_worker: int = 0
-    """Requests Envoy lets be in flight to each worker of a model's cluster (its circuit breaker);
-    past it, a request is refused UNAVAILABLE at once, before any worker parses it: under an
+    """Requests Envoy lets be in flight to each worker of a pool (the models on the same workers),
+    over all its models (its circuit breaker); past it, a request is refused UNAVAILABLE at
+    once, before any worker parses it: under an
     overload, the workers serve what they can within clients' deadlines instead of queueing what
     they cannot (docs/node.md#overload). Set, it also turns on Envoy's admission control, which
     sheds at a request's headers, before its body is read, as refusals grow. 0: no bound but the

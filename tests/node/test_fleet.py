@@ -14,6 +14,8 @@ import grpclib
 import pytest
 from google.protobuf import descriptor_pb2
 from grpclib.const import Status
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from hloserve._proto import hloserve_control as control
 from hloserve._proto import hloserve_gateway as gateway
@@ -48,39 +50,107 @@ def test_the_descriptor_set_names_each_routed_rpc_and_its_model_field() -> None:
     }
 
 
-def test_routes_match_the_model_header_and_fall_back_to_the_controller() -> None:
+def _routes_for(config: dict[str, Any], key: str, prefix: bool = False) -> list[dict[str, Any]]:
+    """The routes Envoy's matcher gives the value `key` of its input: the exact entry, or the
+    longest prefix of `key` in the map (`prefix`), or the routes for no entry."""
+    host = config["virtual_hosts"][0]
+    if "matcher" not in host:  # no model routed: the routes of no entry alone
+        return list(host["routes"])
+    tree = host["matcher"]
+    entries = tree["matcher_tree"]["prefix_match_map" if prefix else "exact_match_map"]["map"]
+    found = max((k for k in entries if key.startswith(k)), key=len, default=None) if prefix else key
+    chosen = entries.get(found) if found is not None else None
+    routes: list[dict[str, Any]] = (chosen or tree["on_no_match"])["action"]["typed_config"]["routes"]
+    return routes
+
+
+def _route(routes: list[dict[str, Any]], path: str) -> dict[str, Any]:
+    """The first of `routes` that matches `path` (their regular expressions read by Python's
+    `re`, which agrees with RE2 on these)."""
+    for route in routes:
+        match = route["match"]
+        if (
+            match.get("path") == path
+            or ("safe_regex" in match and re.fullmatch(match["safe_regex"]["regex"], path))
+            or path.startswith(match.get("prefix", "\0"))
+        ):
+            return route
+    raise AssertionError(f"no route for {path}")
+
+
+INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+
+def test_routes_look_the_model_header_up_and_fall_back_to_the_controller() -> None:
     mlp = [envoy.Endpoint("127.0.0.1:1"), envoy.Endpoint("127.0.0.1:2")]
-    (config,) = envoy.routes({"mlp": mlp, "gone": []})["resources"]
-    routes = config["virtual_hosts"][0]["routes"]
-    assert len(routes) == 2  # mlp, then everything else
-    assert routes[0]["match"]["headers"] == [{"name": "x-model-name", "string_match": {"exact": "mlp"}}]
-    assert routes[0]["route"]["cluster"] == "model_mlp"
-    assert "unavailable" in routes[0]["route"]["retry_policy"]["retry_on"]
-    assert routes[1] == {"match": {"prefix": "/"}, "route": routes[1]["route"]}
-    assert routes[1]["route"]["cluster"] == "controller"
-    clusters = envoy.clusters({"mlp": mlp}, "127.0.0.1:9", "LEAST_REQUEST", 1 << 30)
-    model = next(c for c in clusters["resources"] if c["name"] == "model_mlp")
-    assert model["lb_policy"] == "LEAST_REQUEST"
-    assert len(model["load_assignment"]["endpoints"][0]["lb_endpoints"]) == 2
-    window = model["typed_extension_protocol_options"][
+    (config,) = envoy.routes({"mlp": mlp, "cnn": mlp, "gone": []})["resources"]
+    entries = config["virtual_hosts"][0]["matcher"]["matcher_tree"]["exact_match_map"]["map"]
+    assert set(entries) == {"mlp", "cnn"}  # a model no worker serves has no entry
+    route = _route(_routes_for(config, "mlp"), INFER)
+    assert (
+        route["route"]["cluster"]
+        == envoy.pool_name(mlp)
+        == _route(_routes_for(config, "cnn"), INFER)["route"]["cluster"]
+    )
+    assert "unavailable" in route["route"]["retry_policy"]["retry_on"]
+    for model, path in (
+        ("mlp", "/inference.GRPCInferenceService/ModelStatistics"),  # summed over the workers
+        ("gone", INFER),
+        ("", "/inference.GRPCInferenceService/RepositoryIndex"),
+    ):
+        assert _route(_routes_for(config, model), path)["route"]["cluster"] == "controller", (model, path)
+    (empty,) = envoy.routes({"gone": []})["resources"]  # Envoy refuses an empty map
+    assert "matcher" not in empty["virtual_hosts"][0]
+    assert _route(_routes_for(empty, "gone"), INFER)["route"]["cluster"] == "controller"
+    clusters = envoy.clusters([mlp, mlp], "127.0.0.1:9", "LEAST_REQUEST", 1 << 30)
+    assert [c["name"] for c in clusters["resources"]] == ["controller", envoy.pool_name(mlp)]
+    pool = clusters["resources"][1]
+    assert pool["lb_policy"] == "LEAST_REQUEST"
+    assert len(pool["load_assignment"]["endpoints"][0]["lb_endpoints"]) == 2
+    window = pool["typed_extension_protocol_options"][
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
     ]
     assert window["explicit_http_config"]["http2_protocol_options"]["initial_stream_window_size"] > 1 << 30
 
 
-def test_max_requests_per_worker_bounds_each_model_cluster_not_the_controller() -> None:
-    """`node.max_requests_per_worker` is the circuit breaker of a model's clusters (gRPC and
-    REST), times its workers; 0 (the default) leaves them unbounded, and the controller always."""
+def test_models_on_the_same_workers_share_a_pool_and_other_workers_or_weights_make_another() -> None:
+    """Envoy holds a cluster per set of workers (and weights), not per model: 10,000 models on
+    the same workers are two clusters (gRPC and REST), and their routes are one map lookup."""
+    a, b = envoy.Endpoint("127.0.0.1:1", "127.0.0.1:5"), envoy.Endpoint("127.0.0.1:2", "127.0.0.1:6")
+    lighter = envoy.Endpoint("127.0.0.1:1", "127.0.0.1:5", weight=40)
+    placement = {f"v{i}": [a, b] for i in range(10_000)} | {"alone": [b], "busy": [lighter, b]}
+    made = envoy.clusters(placement.values(), "127.0.0.1:9", "LEAST_REQUEST", 1 << 30, "127.0.0.1:10")
+    names = {c["name"] for c in made["resources"]}
+    pools = {envoy.pool_name(e) for e in ([a, b], [b], [lighter, b])}
+    assert names == {
+        "controller",
+        "controller_http",
+        *pools,
+        *(envoy.pool_name(e, http=True) for e in ([a, b], [b], [lighter, b])),
+    }
+    assert len(pools) == 3
+    (grpc,) = envoy.routes(placement)["resources"]
+    (http,) = envoy.http_routes(placement)["resources"]
+    for model, endpoints in (("v9999", [a, b]), ("alone", [b]), ("busy", [lighter, b])):
+        assert _route(_routes_for(grpc, model), INFER)["route"]["cluster"] == envoy.pool_name(endpoints)
+        path = f"/v2/models/{model}/infer"
+        assert _route(_routes_for(http, path, prefix=True), path)["route"]["cluster"] == envoy.pool_name(
+            endpoints, http=True
+        )
+
+
+def test_max_requests_per_worker_bounds_each_pool_not_the_controller() -> None:
+    """`node.max_requests_per_worker` is the circuit breaker of a pool's clusters (gRPC and
+    REST), times its workers, over every model the pool serves; 0 (the default) leaves them
+    unbounded, and the controller always."""
     mlp = [envoy.Endpoint("127.0.0.1:1", "127.0.0.1:5"), envoy.Endpoint("127.0.0.1:2", "127.0.0.1:6")]
 
     def thresholds(per_worker: int) -> dict[str, dict[str, int]]:
-        made = envoy.clusters(
-            {"mlp": mlp}, "127.0.0.1:9", "LEAST_REQUEST", 1 << 30, "127.0.0.1:10", per_worker
-        )
+        made = envoy.clusters([mlp], "127.0.0.1:9", "LEAST_REQUEST", 1 << 30, "127.0.0.1:10", per_worker)
         return {c["name"]: c["circuit_breakers"]["thresholds"][0] for c in made["resources"]}
 
     bounded = thresholds(8)
-    for name in ("model_mlp", "http_mlp"):
+    for name in (envoy.pool_name(mlp), envoy.pool_name(mlp, http=True)):
         assert bounded[name]["max_requests"] == bounded[name]["max_pending_requests"] == 16
     assert bounded["controller"]["max_requests"] == 1 << 20
     assert {t["max_requests"] for t in thresholds(0).values()} == {1 << 20}
@@ -91,7 +161,7 @@ def test_a_worker_that_refuses_is_not_ejected() -> None:
     overloaded worker answers them, and ejecting it left "no healthy upstream" (issue 25); nor,
     while its streams reset or time out, is a model left with no worker (panic below half)."""
     mlp = [envoy.Endpoint("127.0.0.1:1", "127.0.0.1:5")]
-    for cluster in envoy.clusters({"mlp": mlp}, "127.0.0.1:9", "LEAST_REQUEST", 1 << 30)["resources"]:
+    for cluster in envoy.clusters([mlp], "127.0.0.1:9", "LEAST_REQUEST", 1 << 30)["resources"]:
         outliers = cluster["outlier_detection"]
         assert outliers["enforcing_consecutive_gateway_failure"] == outliers["enforcing_consecutive_5xx"] == 0
         assert outliers["split_external_local_origin_errors"]  # resets and refused connections still eject
@@ -117,7 +187,7 @@ def test_envoy_accepts_the_bootstrap_routes_and_clusters(tmp_path: Path) -> None
         ]
     }
     clusters = envoy.clusters(
-        mlp,
+        mlp.values(),
         "127.0.0.1:9",
         "LEAST_REQUEST",
         1 << 30,
@@ -136,12 +206,17 @@ def test_envoy_accepts_the_bootstrap_routes_and_clusters(tmp_path: Path) -> None
     bootstrap["static_resources"]["clusters"] = [
         {k: v for k, v in c.items() if k != "@type"} for c in clusters["resources"]
     ]
-    for listener in bootstrap["static_resources"]["listeners"]:
-        manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
-        name = manager.pop("rds")["route_config_name"]
-        (config,) = json.loads((tmp_path / f"{name}.json").read_text())["resources"]
-        manager["route_config"] = {k: v for k, v in config.items() if k != "@type"}
-    _validate(bootstrap, tmp_path / "inline.json")
+    managers = [
+        listener["filter_chains"][0]["filters"][0]["typed_config"]
+        for listener in bootstrap["static_resources"]["listeners"]
+    ]
+    names = [manager.pop("rds")["route_config_name"] for manager in managers]
+    for routed in (mlp, {}):  # and with no model routed (Envoy refuses an empty map)
+        made = {"routes": envoy.routes(routed), "routes_http": envoy.http_routes(routed)}
+        for manager, name in zip(managers, names, strict=True):
+            (config,) = made[name]["resources"]
+            manager["route_config"] = {k: v for k, v in config.items() if k != "@type"}
+        _validate(bootstrap, tmp_path / "inline.json")
 
 
 def test_a_missing_envoy_says_how_to_install_it(tmp_path: Path) -> None:
@@ -170,11 +245,43 @@ def test_metrics_of_every_worker_merge_into_one_family_each() -> None:
         "# HELP hloserve_requests_served_total Requests\n# TYPE hloserve_requests_served_total counter\n"
         'hloserve_requests_served_total{model="mlp"} 3.0\n'
     )
-    (family,) = merge_expositions({"worker1": text, "worker0": text.replace("3.0", "5.0")})
+    merged = merge_expositions({"worker1": text, "worker0": text.replace("3.0", "5.0")})
+    (family,) = text_string_to_metric_families(merged)
+    assert merged.count("# TYPE hloserve_requests_served_total counter") == 1
     assert [(s.labels, s.value) for s in family.samples] == [
         ({"model": "mlp", "worker": "worker0"}, 5.0),
         ({"model": "mlp", "worker": "worker1"}, 3.0),
     ]
+
+
+def test_merged_expositions_read_back_as_each_workers_samples_with_its_label() -> None:
+    """The merge works on the text (a parse of 10,000 models' families held the loop past a
+    minute): read back, it is every worker's families, each once, with every sample labelled."""
+    registries = {}
+    for worker, scale in (("worker0", 1.0), ("worker1", 2.0), ('odd "one"', 3.0)):
+        registry = CollectorRegistry()
+        served = Counter("served", "Requests", ["model"], registry=registry)
+        latency = Histogram("latency_seconds", "Latency", buckets=(0.1, 1.0), registry=registry)
+        Gauge("up", "Up", registry=registry).set(scale)
+        for i in range(3):
+            served.labels(f"m{i}").inc(scale * i)
+        latency.observe(0.5 * scale)
+        if worker == "worker1":
+            Gauge("only_here", "On one worker", ["model"], registry=registry).labels("x").set(7)
+        registries[worker] = generate_latest(registry).decode()
+    merged = merge_expositions(registries)
+    read = {f.name: f for f in text_string_to_metric_families(merged)}
+    expected: dict[str, list[tuple[str, dict[str, str], float]]] = {}
+    for worker, text in sorted(registries.items()):
+        for family in text_string_to_metric_families(text):
+            expected.setdefault(family.name, []).extend(
+                (s.name, {**s.labels, "worker": worker}, s.value) for s in family.samples
+            )
+    assert set(read) == set(expected)
+    assert {"served", "served_created", "latency_seconds", "up", "only_here"} <= set(read)
+    for name, family in read.items():
+        assert [(s.name, s.labels, s.value) for s in family.samples] == expected[name], name
+    assert merged.count("# TYPE served_total counter") == 1
 
 
 def test_statistics_are_summed_over_workers() -> None:
@@ -267,43 +374,40 @@ def test_placement_knobs_need_lpt_packing() -> None:
     assert status.policy is not None and status.policy.mode == "round_robin"
 
 
-def test_a_removed_models_cluster_outlives_its_route_by_one_update(tmp_path: Path) -> None:
+def test_a_pools_cluster_outlives_the_last_route_to_it_by_one_update(tmp_path: Path) -> None:
     from hloserve.config import Config
     from hloserve.fleet.gateway import _Publisher
 
     publish = _Publisher(tmp_path, "127.0.0.1:9", Config())
     publish.controller_http = "127.0.0.1:10"
 
-    def names(file: str) -> set[str]:
-        resources = json.loads((tmp_path / file).read_text())["resources"]
-        if file == "clusters.json":
-            return {c["name"] for c in resources}
-        return {r["route"]["cluster"] for r in resources[0]["virtual_hosts"][0]["routes"]}
+    def clusters() -> set[str]:
+        return {c["name"] for c in json.loads((tmp_path / "clusters.json").read_text())["resources"]}
+
+    def routed(file: str, key: str, path: str) -> str:
+        (config,) = json.loads((tmp_path / file).read_text())["resources"]
+        return str(
+            _route(_routes_for(config, key, prefix=file == "routes_http.json"), path)["route"]["cluster"]
+        )
 
     a, b = envoy.Endpoint("127.0.0.1:1", "127.0.0.1:3"), envoy.Endpoint("127.0.0.1:2", "127.0.0.1:4")
     publish({"a": [a], "b": [b]})
     publish({"a": [a]})
-    assert names("routes.json") == {"model_a", "controller"}
-    assert names("routes_http.json") == {"http_a", "controller_http"}
-    assert names("clusters.json") == {  # b's routes may still be live
-        "model_a", "model_b", "http_a", "http_b", "controller", "controller_http",
-    }  # fmt: skip
+    assert routed("routes.json", "a", INFER) == envoy.pool_name([a])
+    assert routed("routes.json", "b", INFER) == "controller"
+    assert routed("routes_http.json", "/v2/models/a/infer", "/v2/models/a/infer") == envoy.pool_name(
+        [a], http=True
+    )
+    assert routed("routes_http.json", "/v2/models/b/infer", "/v2/models/b/infer") == "controller_http"
+    pools = {envoy.pool_name(e, http=h) for e in ([a], [b]) for h in (False, True)}
+    assert clusters() == {*pools, "controller", "controller_http"}  # b's routes may still be live
     publish({"a": [a]})
-    assert names("clusters.json") == {"model_a", "http_a", "controller", "controller_http"}
-
-
-def _http_route(routes: list[dict[str, Any]], path: str) -> str:
-    """The cluster Envoy's REST routes give `path` (its regular expressions read by Python's `re`,
-    which agrees with RE2 on these)."""
-    for route in routes:
-        match = route["match"]
-        if (
-            match.get("path") == path
-            or ("safe_regex" in match and re.fullmatch(match["safe_regex"]["regex"], path))
-            or path.startswith(match.get("prefix", "\0"))
-        ):
-            return str(route["route"]["cluster"])
-    raise AssertionError(f"no route for {path}")
+    assert clusters() == {
+        envoy.pool_name([a]),
+        envoy.pool_name([a], http=True),
+        "controller",
+        "controller_http",
+    }
 
 
 def test_rest_is_routed_by_path_to_the_models_workers_and_the_rest_to_the_controller() -> None:
@@ -311,20 +415,24 @@ def test_rest_is_routed_by_path_to_the_models_workers_and_the_rest_to_the_contro
     (config,) = envoy.http_routes(
         {"mlp": endpoints, "my model": endpoints, "grpc_only": [envoy.Endpoint("x:1")]}
     )["resources"]
-    routes = config["virtual_hosts"][0]["routes"]
+
+    def cluster(path: str) -> str:
+        return str(_route(_routes_for(config, path, prefix=True), path)["route"]["cluster"])
+
     for path in (
         "/v2/models/mlp", "/v2/models/mlp/ready", "/v2/models/mlp/config", "/v2/models/mlp/infer",
         "/v2/models/mlp/versions/1/infer", "/v2/models/my%20model/infer", "/v2/models/my model/ready",
     ):  # fmt: skip
-        assert _http_route(routes, path) in ("http_mlp", "http_my model"), path
+        assert cluster(path) == envoy.pool_name(endpoints, http=True), path
     for path in (
         "/v2/models/mlp/stats", "/v2/models/mlp/versions/1/stats", "/v2/models/stats",
         "/v2/models/mlpx/infer", "/v2/health/ready", "/v2", "/v2/repository/index",
         "/v2/repository/models/mlp/load", "/v2/systemsharedmemory/region/r/register",
         "/v2/models/grpc_only/infer",
     ):  # fmt: skip
-        assert _http_route(routes, path) == "controller_http", path
-    retry = next(r for r in routes if r["route"]["cluster"] == "http_mlp")["route"]["retry_policy"]
+        assert cluster(path) == "controller_http", path
+    route = _route(_routes_for(config, "/v2/models/mlp/infer", prefix=True), "/v2/models/mlp/infer")
+    retry = route["route"]["retry_policy"]
     assert retry["retriable_status_codes"] == [503] and "reset" in retry["retry_on"]
 
 

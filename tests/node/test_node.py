@@ -710,16 +710,21 @@ def test_a_worker_killed_under_load_costs_no_request_and_comes_back(node: Node) 
 
 
 def _refusals_that_eject(node: Node) -> dict[str, float]:
-    """Envoy's ejections of mlp's workers for consecutive 5xx or gateway failures (how it counts
-    gRPC UNAVAILABLE, 503, and DEADLINE_EXCEEDED, 504), from the node's metrics."""
+    """Envoy's ejections of the workers of every gRPC pool (mlp's among them) for consecutive
+    5xx or gateway failures (how it counts gRPC UNAVAILABLE, 503, and DEADLINE_EXCEEDED, 504),
+    summed, from the node's metrics."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics").read().decode()
     found = re.findall(
         r"^envoy_cluster_outlier_detection_ejections_enforced_(consecutive_5xx|consecutive_gateway_failure)"
-        r'\{[^}]*envoy_cluster_name="model_mlp"[^}]*\} (\S+)$',
+        r'\{[^}]*envoy_cluster_name="pool_[0-9a-f]+"[^}]*\} (\S+)$',
         text,
         re.MULTILINE,
     )
-    return {kind: float(value) for kind, value in found}
+    assert found, "no pool's outlier counters in the node's metrics"
+    ejections: dict[str, float] = {}
+    for kind, value in found:
+        ejections[kind] = ejections.get(kind, 0.0) + float(value)
+    return ejections
 
 
 def test_an_overloaded_worker_that_refuses_is_not_ejected(node: Node) -> None:
@@ -780,7 +785,7 @@ def test_metrics_merge_every_worker_with_a_worker_label(node: Node) -> None:
         assert f'hloserve_node_worker_ready{{worker="{worker}"}} 1.0' in text
     assert text.count("# TYPE hloserve_requests_served_total counter") == 1
     assert 'hloserve_node_worker_starts_total{worker="worker1"} 1.0' in text
-    assert "envoy_cluster_upstream_rq_retry" in text and 'envoy_cluster_name="model_mlp"' in text  # Envoy's
+    assert "envoy_cluster_upstream_rq_retry" in text and 'envoy_cluster_name="pool_' in text  # Envoy's
     assert urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/healthz").read() == b"ok\n"
 
 

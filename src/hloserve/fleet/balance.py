@@ -1,7 +1,8 @@
 """Least outstanding *compute* through Envoy's least-request balancing: pure functions.
 
-Envoy counts the requests a model's cluster has in flight on each worker, and so balances a
-model's own traffic; it cannot see what the worker's other models keep it busy with. Upstream
+Envoy counts the requests a model's cluster has in flight on each worker, and so balances the
+traffic of the models in that cluster (a pool: the models on the same workers with the same
+weights); it cannot see what the worker's other models keep it busy with. Upstream
 charges each request its compute cost and picks the worker with the least compute in flight
 over every model. The node gets there in two halves: Envoy's least-request within a model, and
 an endpoint weight per worker that says how much of that worker the *other* models leave free.
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 
 from hloserve.fleet.placement import ewma
 
-__all__ = ["Counters", "Traffic", "endpoint_weights", "learn", "worker_loads"]
+__all__ = ["Counters", "Traffic", "WorkerLoads", "endpoint_weights", "learn", "worker_loads"]
 
 MAX_WEIGHT = 100
 _STEP = 5
@@ -83,23 +84,37 @@ def learn(
     return learned
 
 
-def worker_loads(traffic: Mapping[str, Traffic]) -> dict[str, dict[str, float]]:
+@dataclass(frozen=True, slots=True)
+class WorkerLoads:
+    """Per worker, the busy fraction each model keeps it at, and their sum: a model's weight
+    needs what the *others* take, which is the sum less its own (not a walk over the worker's
+    models per model, which at 10,000 models was 10^8 additions a round)."""
+
+    by_model: Mapping[str, Mapping[str, float]]
+    total: dict[str, float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "total", {w: sum(loads.values()) for w, loads in self.by_model.items()})
+
+    def others(self, worker: str, model: str) -> float:
+        """What the models other than `model` keep `worker` busy at."""
+        return self.total.get(worker, 0.0) - self.by_model.get(worker, {}).get(model, 0.0)
+
+
+def worker_loads(traffic: Mapping[str, Traffic]) -> WorkerLoads:
     """Per worker, the busy fraction each model keeps it at (rate x cost; 0 before a cost is known)."""
     loads: dict[str, dict[str, float]] = {}
     for model, learned in traffic.items():
         for worker, rate in learned.rates.items():
             loads.setdefault(worker, {})[model] = rate * (learned.cost_s or 0.0)
-    return loads
+    return WorkerLoads(loads)
 
 
-def endpoint_weights(
-    model: str, workers: list[str], loads: Mapping[str, Mapping[str, float]]
-) -> dict[str, int]:
+def endpoint_weights(model: str, workers: list[str], loads: WorkerLoads) -> dict[str, int]:
     """Each of `workers`' weight in `model`'s cluster: what the other models leave of it, out of
     `MAX_WEIGHT`, at least 1."""
     weights = {}
     for worker in workers:
-        others = sum(load for m, load in loads.get(worker, {}).items() if m != model)
-        free = min(1.0, max(0.0, 1.0 - others))
+        free = min(1.0, max(0.0, 1.0 - loads.others(worker, model)))
         weights[worker] = max(1, _STEP * round(MAX_WEIGHT * free / _STEP))
     return weights

@@ -43,6 +43,9 @@ from hloserve.fleet.envoy import Endpoint
 __all__ = ["Controller", "RepackRecord", "WorkerLink"]
 
 log = structlog.get_logger("hloserve.fleet")
+_ROUTES_LOGGED = 20
+"""How many models a log line of the routes names (a worker's, or those whose workers changed);
+it counts the rest, so that a line stays short at any catalogue."""
 
 READY = "READY"
 _Status = control.ModelControlStatusResponse  # (WorkerLink.control hides the module in its class)
@@ -101,7 +104,11 @@ class WorkerLink:
 
     @property
     def serving(self) -> set[str]:
+        """The models it serves now (a walk of all of them: `serves` asks for one)."""
         return {m for m, state in self.models.items() if state == READY} if self.ready else set()
+
+    def serves(self, model: str) -> bool:
+        return self.ready and self.models.get(model) == READY
 
     def take(self, index: kserve.RepositoryIndexResponse, status: _Status) -> None:
         """What the worker serves: its index, and the parts of its metas (which it lists only
@@ -197,6 +204,9 @@ class Controller:
         self.on_ready: Callable[[WorkerLink], Awaitable[None]] | None = None
         """Called when a worker (re)joins, before it is in any route."""
         self._unresolved = False  # the last resolution of `node.workers_dns` failed
+        self.routes_applied = True
+        """Whether the router has applied routes that serve every model once (the node's front
+        holds it False from start-up until Envoy has: at 10,000 models that takes seconds)."""
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -307,26 +317,33 @@ class Controller:
                 log.warning("worker stopped answering; out of the routes", worker=worker.name, error=repr(e))
             return
         if worker.ready and not was_ready:
-            log.info("worker ready; in the routes", worker=worker.name, models=sorted(worker.serving))
+            serving = sorted(worker.serving)
+            log.info(
+                "worker ready; in the routes",
+                worker=worker.name,
+                models=len(serving),
+                first_models=serving[:_ROUTES_LOGGED],
+            )
 
     def serving(self) -> dict[str, list[str]]:
         """Each model of the union, with the ready workers that list it READY."""
         found: dict[str, list[str]] = {m: [] for m in self.known}
         for worker in self.workers:
-            for model in worker.serving:
-                found[model].append(worker.name)
+            for model in worker.serving:  # (a probe may have answered a model `known` lacks yet)
+                found.setdefault(model, []).append(worker.name)
         return found
 
     def _route(self) -> None:
         weighted = self.node.scheduling != "round_robin"
-        loads = balance.worker_loads(self.traffic) if weighted else {}
+        loads = balance.worker_loads(self.traffic) if weighted else None
         endpoints: dict[str, tuple[Endpoint, ...]] = {}
+        serving = {w.name: w.serving for w in self.workers}  # once a round: each is a walk of its models
         for model, names in self.serving().items():
             # a meta only where every part it calls is served too
-            names = [n for n in names if set(self.by_name[n].parts.get(model, ())) <= self.by_name[n].serving]
+            names = [n for n in names if set(self.by_name[n].parts.get(model, ())) <= serving[n]]
             placed = [n for n in self.placed.get(model, ()) if n in names]
             chosen = sorted(placed or names)  # no placement yet, or its workers are down: all that serve it
-            weights = balance.endpoint_weights(model, chosen, loads) if weighted else {}
+            weights = balance.endpoint_weights(model, chosen, loads) if loads is not None else {}
             endpoints[model] = tuple(
                 Endpoint(self.by_name[n].address, self.by_name[n].http, weights.get(n, balance.MAX_WEIGHT))
                 for n in chosen
@@ -336,8 +353,13 @@ class Controller:
             self._published = endpoints
             self._publish(endpoints)
         if routes != self.routes:
+            changed = sorted(
+                m for m in routes.keys() | self.routes.keys() if routes.get(m) != self.routes.get(m)
+            )
             self.routes = routes
-            log.info("routes", routes={m: len(a) for m, a in sorted(routes.items())})
+            # bounded at any catalogue: the count, and the first models whose workers changed
+            shown = {m: len(routes.get(m, ())) for m in changed[:_ROUTES_LOGGED]}
+            log.info("routes", models=len(routes), changed=len(changed), workers=shown)
 
     # -- lpt_packing ------------------------------------------------------------------------
 
@@ -461,7 +483,8 @@ class Controller:
 
     def given(self, worker: WorkerLink) -> list[str]:
         """The models with weights placed on `worker` (a meta's parts, not the meta)."""
-        return sorted(m for m, ws in self.placed.items() if worker.name in ws and m in worker.executables)
+        executables = worker.executables  # built per call: once, not once per model
+        return sorted(m for m, ws in self.placed.items() if worker.name in ws and m in executables)
 
     async def _hint(self) -> None:
         """Pin on each due worker whose residency is externally managed (it loads nothing by

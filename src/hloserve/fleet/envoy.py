@@ -11,19 +11,25 @@ REST (when the node serves it) has its own listener, routed by path: `/v2/models
 the model's REST cluster (the same workers, at their REST ports), except a model's statistics,
 which the controller sums, as it answers everything else.
 
+Built for catalogues of thousands: models served by the same workers share one cluster (a
+pool), and a request's model is found by one lookup in a map (Envoy's matcher tree), not by a
+walk over a route per model.
+
 Routes and clusters are files Envoy watches (file-based RDS and CDS); the controller replaces
 them atomically (write, then rename) and Envoy swaps them in without a restart.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
 import re
 import shutil
 import urllib.parse
-from collections.abc import Mapping, Sequence
+import urllib.request
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,11 +43,13 @@ __all__ = [
     "MODEL_HEADER",
     "Endpoint",
     "Tls",
+    "applied_version",
     "bootstrap",
     "clusters",
     "descriptor_set",
     "find_envoy",
     "http_routes",
+    "pool_name",
     "routes",
     "write_atomically",
 ]
@@ -66,7 +74,7 @@ _HTTP1_IDLE = "3s"
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:
-    """A worker in a model's clusters: where its gRPC and REST listen, and its share under
+    """A worker in a model's pool: where its gRPC and REST listen, and its share under
     least-request balancing (`weight`, 1 to 100: Envoy prefers a worker with a higher weight
     among those with as many requests in flight)."""
 
@@ -377,8 +385,13 @@ def _address(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
-def cluster_name(model: str, http: bool = False) -> str:
-    return f"{'http' if http else 'model'}_{model}"
+def pool_name(endpoints: Sequence[Endpoint], http: bool = False) -> str:
+    """The cluster of the models served by exactly `endpoints` (the same workers, the same
+    weights): `pool_<digest>`, and `pool_http_<digest>` for their REST ports. Models share a
+    cluster, so that Envoy holds one per set of workers, not one per model: at 10,000 models one
+    per model took Envoy 33 s to load and 1.4 GB."""
+    members = "\n".join(f"{e.grpc} {e.http} {e.weight}" for e in endpoints)
+    return f"pool_{'http_' if http else ''}{hashlib.sha256(members.encode()).hexdigest()[:12]}"
 
 
 _UNBOUNDED = 1 << 20
@@ -457,34 +470,35 @@ def _cluster(
 
 
 def clusters(
-    placement: Mapping[str, Sequence[Endpoint]],
+    pools: Iterable[Sequence[Endpoint]],
     controller: str,
     balance: str,
     max_message_bytes: int,
     controller_http: str | None = None,
     max_requests_per_worker: int = 0,
 ) -> dict[str, Any]:
-    """Per model, a cluster of the workers its requests go to (balanced by `balance`: Envoy's
-    ROUND_ROBIN or LEAST_REQUEST) and, with REST, one of the same workers' REST ports; and the
-    controller's. A model's clusters let `max_requests_per_worker` requests per worker be in
-    flight (0: no bound)."""
+    """A cluster per distinct pool of workers (`pool_name`), balanced by `balance` (Envoy's
+    ROUND_ROBIN or LEAST_REQUEST), and, with REST, one of the same workers' REST ports; and the
+    controller's. A pool's clusters let `max_requests_per_worker` requests per worker be in
+    flight, over every model they serve (0: no bound)."""
     window = _window(max_message_bytes)
     resources = [_cluster(CONTROLLER, [(controller, 1)], "ROUND_ROBIN", window, http2=True)]
     if controller_http is not None:
         resources.append(
             _cluster(CONTROLLER_HTTP, [(controller_http, 1)], "ROUND_ROBIN", window, http2=False)
         )
-    for model, endpoints in sorted(placement.items()):
-        if not endpoints:
-            continue
+    distinct = {tuple(endpoints): None for endpoints in pools if endpoints}
+    for endpoints in sorted(distinct, key=pool_name):
         grpc = [(e.grpc, e.weight) for e in endpoints]
         bound = max_requests_per_worker * len(endpoints) or _UNBOUNDED
-        resources.append(_cluster(cluster_name(model), grpc, balance, window, http2=True, max_requests=bound))
+        resources.append(
+            _cluster(pool_name(endpoints), grpc, balance, window, http2=True, max_requests=bound)
+        )
         http = [(e.http, e.weight) for e in endpoints if e.http is not None]
         if controller_http is not None and http:
             resources.append(
                 _cluster(
-                    cluster_name(model, http=True), http, balance, window, http2=False, max_requests=bound
+                    pool_name(endpoints, http=True), http, balance, window, http2=False, max_requests=bound
                 )
             )
     return {"resources": resources}
@@ -510,15 +524,57 @@ def _retry(on: str, **more: Any) -> dict[str, Any]:
     }
 
 
-def _route_config(name: str, routes: list[dict[str, Any]]) -> dict[str, Any]:
+def _route_config(name: str, host: dict[str, Any]) -> dict[str, Any]:
     return {
         "resources": [
             {
                 "@type": "type.googleapis.com/envoy.config.route.v3.RouteConfiguration",
                 "name": name,
-                "virtual_hosts": [{"name": name, "domains": ["*"], "routes": routes}],
+                "virtual_hosts": [{"name": name, "domains": ["*"], **host}],
             }
         ]
+    }
+
+
+def _route_list(name: str, routes: list[dict[str, Any]]) -> dict[str, Any]:
+    """A matcher's action: `routes` tried in order, as a virtual host's list would be."""
+    return {
+        "action": {
+            "name": name,
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.config.route.v3.RouteList",
+                "routes": routes,
+            },
+        }
+    }
+
+
+def _model_matcher(
+    header: str, kind: str, by_key: Mapping[str, list[dict[str, Any]]], otherwise: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A virtual host's routes found through one lookup of `header` in a map (`kind`: exact or
+    longest-prefix) instead of a walk over one route per model: at 10,000 models the walk cost a
+    REST request 17 ms and a gRPC one 6 ms. Each key's routes (and, for a key not in the map,
+    `otherwise`) are then tried in order. With no key, `otherwise` alone: Envoy refuses an
+    empty map, and kept no routes at all."""
+    if not by_key:
+        return {"routes": otherwise}
+    return {
+        "matcher": {
+            "matcher_tree": {
+                "input": {
+                    "name": header,
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput",
+                        "header_name": header,
+                    },
+                },
+                f"{kind}_match_map": {
+                    "map": {key: _route_list(key, routes) for key, routes in by_key.items()}
+                },
+            },
+            "on_no_match": _route_list("otherwise", otherwise),
+        }
     }
 
 
@@ -574,32 +630,29 @@ def _refusals(
 def routes(
     placement: Mapping[str, Sequence[Endpoint]], restrictions: Restrictions | None = None
 ) -> dict[str, Any]:
-    """Per-model RPCs to the model's cluster by the `x-model-name` header; the rest to the
-    controller; first, the refusals of `restrictions` (`server.grpc_restricted_protocol`). A
-    request that fails because its worker is gone or refused it as UNAVAILABLE is retried on
-    another worker of the cluster."""
+    """Per-model RPCs to the model's pool by the `x-model-name` header (one map lookup); the rest
+    to the controller; first, the refusals of `restrictions` (`server.grpc_restricted_protocol`).
+    A request that fails because its worker is gone or refused it as UNAVAILABLE is retried on
+    another worker of the pool."""
     paths = "|".join(ROUTED_RPCS)
     retry = _retry("connect-failure,refused-stream,reset,unavailable")
-    model_routes = [
-        {
-            "match": {
-                "safe_regex": {"regex": f"/{_SERVICE.replace('.', '[.]')}/({paths})"},
-                "headers": [{"name": MODEL_HEADER, "string_match": {"exact": model}}],
-                "grpc": {},
-            },
-            "route": {"cluster": cluster_name(model), **_UNTIMED, "retry_policy": retry},
-            # A request that arrives with the header matches here first: nothing reads its body,
-            # which streams through instead of being held whole by the field extraction.
+    refusals = _refusals(restrictions, grpc=True)
+    fallback = {"match": {"prefix": "/"}, "route": {"cluster": CONTROLLER, **_UNTIMED}}
+    by_pool: dict[tuple[Endpoint, ...], list[dict[str, Any]]] = {}
+    for endpoints in {tuple(e) for e in placement.values() if e}:
+        route = {
+            "match": {"safe_regex": {"regex": f"/{_SERVICE.replace('.', '[.]')}/({paths})"}, "grpc": {}},
+            "route": {"cluster": pool_name(endpoints), **_UNTIMED, "retry_policy": retry},
+            # A request that arrives with the header is routed here first: nothing reads its
+            # body, which streams through instead of being held whole by the field extraction.
             "typed_per_filter_config": {
                 name: {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "disabled": True}
                 for name in (_EXTRACTION, _LUA_FILTER)
             },
         }
-        for model, endpoints in sorted(placement.items())
-        if endpoints
-    ]
-    fallback = {"match": {"prefix": "/"}, "route": {"cluster": CONTROLLER, **_UNTIMED}}
-    return _route_config("routes", [*_refusals(restrictions, grpc=True), *model_routes, fallback])
+        by_pool[endpoints] = [*refusals, route, fallback]
+    by_model = {model: by_pool[tuple(e)] for model, e in sorted(placement.items()) if e}
+    return _route_config("routes", _model_matcher(MODEL_HEADER, "exact", by_model, [*refusals, fallback]))
 
 
 def _path_name(model: str) -> str:
@@ -611,9 +664,10 @@ def _path_name(model: str) -> str:
 def http_routes(
     placement: Mapping[str, Sequence[Endpoint]], restrictions: Restrictions | None = None
 ) -> dict[str, Any]:
-    """REST by path: `/v2/models/{m}[/versions/{v}]/...` to the model's REST cluster (statistics
-    excepted: the controller sums them over the workers), everything else to the controller;
-    first, the refusals of `restrictions` (`server.http_restricted_api`).
+    """REST by path: `/v2/models/{m}[/versions/{v}]/...` to the REST cluster of the model's pool
+    (statistics excepted: the controller sums them over the workers), everything else to the
+    controller; first, the refusals of `restrictions` (`server.http_restricted_api`). The model
+    is found by the longest path prefix `/v2/models/{m}` in a map, then its routes are tried.
     Retried on another worker as gRPC is: on a lost worker, and on 503 (which is also how REST
     says UNAVAILABLE)."""
     retry = _retry(
@@ -627,24 +681,38 @@ def http_routes(
             "route": {"cluster": CONTROLLER_HTTP, **_UNTIMED},
         },
     ]
-    model_routes = [
-        {
-            "match": {"safe_regex": {"regex": f"/v2/models/{_path_name(model)}{version}(?:/[^/]*)?"}},
-            "route": {"cluster": cluster_name(model, http=True), **_UNTIMED, "retry_policy": retry},
-        }
-        for model, endpoints in sorted(placement.items())
-        if any(e.http is not None for e in endpoints)
-    ]
     fallback = {"match": {"prefix": "/"}, "route": {"cluster": CONTROLLER_HTTP, **_UNTIMED}}
     # Statistics first: `/v2/models/stats` also has the form of a model's metadata path.
     first = _refusals(restrictions, grpc=False, groups=["statistics"])
     others = _refusals(restrictions, grpc=False, groups=[g for g in HTTP_PATHS if g != "statistics"])
-    return _route_config("routes_http", [*first, *statistics, *others, *model_routes, fallback])
+    by_prefix: dict[str, list[dict[str, Any]]] = {}
+    for model, endpoints in sorted(placement.items()):
+        if not any(e.http is not None for e in endpoints):
+            continue
+        route = {
+            "match": {"safe_regex": {"regex": f"/v2/models/{_path_name(model)}{version}(?:/[^/]*)?"}},
+            "route": {"cluster": pool_name(endpoints, http=True), **_UNTIMED, "retry_policy": retry},
+        }
+        for form in dict.fromkeys((model, urllib.parse.quote(model, safe=""))):
+            by_prefix[f"/v2/models/{form}"] = [*first, *statistics, *others, route, fallback]
+    otherwise = [*first, *statistics, *others, fallback]
+    return _route_config("routes_http", _model_matcher(":path", "prefix", by_prefix, otherwise))
+
+
+def applied_version(admin: str, timeout_s: float = 5.0) -> int | None:
+    """The oldest `version_info` Envoy has applied among its routes and clusters (its admin's
+    `version_text` readouts, at `admin`), or None before it has applied one of each."""
+    url = f"http://{admin}/stats?filter=version_text&format=json"
+    with urllib.request.urlopen(url, timeout=timeout_s) as answer:
+        readouts = [str(stat.get("value", "")) for stat in json.load(answer)["stats"]]
+    if not readouts or not all(v.isdigit() for v in readouts):
+        return None
+    return min(int(v) for v in readouts)
 
 
 def write_atomically(path: Path, data: bytes | dict[str, Any]) -> None:
     """Replace `path` in one rename, so Envoy never reads half a file."""
-    payload = data if isinstance(data, bytes) else json.dumps(data, indent=1).encode()
+    payload = data if isinstance(data, bytes) else json.dumps(data, separators=(",", ":")).encode()
     staging = path.with_name(f".{path.name}.new")
     staging.write_bytes(payload)
     os.replace(staging, path)

@@ -4,6 +4,7 @@ on the public metrics port. Started by `hloserve.fleet.node`."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 import tempfile
@@ -34,6 +35,7 @@ from hloserve.fleet.services import (
     NodeModelPlane,
     NodeRepositoryPlane,
     node_readiness,
+    replicas_ready,
 )
 from hloserve.fleet.supervisor import Child, Supervisor
 from hloserve.fleet.workers import WorkerSpec, free_port
@@ -72,28 +74,52 @@ class _Publisher:
         self._grpc_restrictions = Restrictions.grpc(config.server.grpc_restricted_protocol)
         self._http_restrictions = Restrictions.http(config.server.http_restricted_api)
         self._previous: Mapping[str, Sequence[envoy.Endpoint]] = {}
+        self.version = 0
+        """The `version_info` of the files last written."""
 
     def __call__(self, routes: Mapping[str, Sequence[envoy.Endpoint]]) -> None:
-        # Clusters first, and a model's cluster outlives its route by one update: Envoy applies
-        # each file on its own, and a route must never name a cluster it does not have.
-        kept = {m: a for m, a in self._previous.items() if a and not routes.get(m)}
-        envoy.write_atomically(
-            self._directory / "clusters.json",
-            envoy.clusters(
-                {**kept, **routes},
-                self._controller,
-                self._balance,
-                self._max_message_bytes,
-                self.controller_http,
-                self._max_requests_per_worker,
-            ),
+        self.version += 1
+        versioned = {"version_info": str(self.version)}  # Envoy's readouts say which it applied
+        # Clusters first, and a pool's cluster outlives the last route to it by one update: Envoy
+        # applies each file on its own, and a route must never name a cluster it does not have.
+        clusters = envoy.clusters(
+            [*self._previous.values(), *routes.values()],
+            self._controller,
+            self._balance,
+            self._max_message_bytes,
+            self.controller_http,
+            self._max_requests_per_worker,
         )
-        envoy.write_atomically(self._directory / "routes.json", envoy.routes(routes, self._grpc_restrictions))
+        envoy.write_atomically(self._directory / "clusters.json", versioned | clusters)
+        grpc = envoy.routes(routes, self._grpc_restrictions)
+        envoy.write_atomically(self._directory / "routes.json", versioned | grpc)
         if self.controller_http is not None:
-            envoy.write_atomically(
-                self._directory / "routes_http.json", envoy.http_routes(routes, self._http_restrictions)
-            )
+            http = envoy.http_routes(routes, self._http_restrictions)
+            envoy.write_atomically(self._directory / "routes_http.json", versioned | http)
         self._previous = routes
+
+
+async def _hold_unready_until_envoy_applies_the_routes(
+    controller: Controller, publish: _Publisher, admin: str
+) -> None:
+    """The node answers ready only once Envoy has applied routes to a replica of every model:
+    until then a client told "ready" would be answered 404 (at 10,000 models Envoy takes
+    seconds to load the routes). Once: afterwards a model's routes follow its load."""
+    controller.routes_applied = False
+    ready_in_round = wanted = None
+    while True:
+        if ready_in_round is None and replicas_ready(controller)[0]:
+            ready_in_round = controller.rounds  # a probe may have answered in a round not done yet
+        if wanted is None and ready_in_round is not None and controller.rounds > ready_in_round:
+            wanted = publish.version  # the round after published the routes of every replica
+        if wanted is not None:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                applied = await trio.to_thread.run_sync(envoy.applied_version, admin)
+                if applied is not None and applied >= wanted:
+                    controller.routes_applied = True
+                    log.info("envoy applied the routes", version=applied)
+                    return
+        await trio.sleep(0.1)
 
 
 def _envoy_tls(server: ServerConfig, protocol: Literal["grpc", "http"]) -> envoy.Tls | None:
@@ -202,6 +228,9 @@ async def run_front(
                 "--disable-hot-restart",
             ]
             nursery.start_soon(supervisor.keep_running, Child("envoy", argv, {}, _ENVOY_GRACE_S))
+            nursery.start_soon(
+                _hold_unready_until_envoy_applies_the_routes, controller, publish, f"127.0.0.1:{admin}"
+            )
             log.info(
                 "node front listening",
                 grpc=f"{server_config.host}:{server_config.grpc_port}",

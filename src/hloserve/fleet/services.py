@@ -37,19 +37,27 @@ __all__ = [
     "NodeRepositoryPlane",
     "merge_control_status",
     "node_readiness",
+    "replicas_ready",
 ]
 
 T = TypeVar("T")
 _MAX_REPACK_WAIT_S = 120.0
 
 
-def node_readiness(controller: Controller) -> tuple[bool, list[str]]:
-    """Ready when some worker is and every model that is or was READY on a worker has a ready
-    replica now; otherwise also the models that have none."""
+def replicas_ready(controller: Controller) -> tuple[bool, list[str]]:
+    """Whether some worker is ready and every model that is or was READY on a worker has a
+    ready replica now; the models that have none."""
     wanted = {m for w in controller.workers for m, state in w.models.items() if state == "READY"}
     serving = controller.serving()
     missing = sorted(m for m in wanted if not serving.get(m))
     return any(w.ready for w in controller.workers) and not missing, missing
+
+
+def node_readiness(controller: Controller) -> tuple[bool, list[str]]:
+    """Ready when the replicas are (`replicas_ready`) and the router has applied their routes
+    since start-up; otherwise also the models that have no ready replica."""
+    ready, missing = replicas_ready(controller)
+    return ready and controller.routes_applied, missing
 
 
 async def _fan_out(
@@ -349,7 +357,7 @@ class NodeControlPlane:
         self._controller = controller
 
     def _serving(self, name: str) -> list[WorkerLink]:
-        targets = [w for w in _ready(self._controller) if name in w.serving]
+        targets = [w for w in _ready(self._controller) if w.serves(name)]
         if not targets:
             raise _not_served(name)
         return targets

@@ -1,0 +1,143 @@
+"""`hloserve node --cpu-workers 2` over 10,000 models (issue 36): the controller discovers every
+worker's models, Envoy routes each through one pool of both workers (two clusters, not 20,000),
+and unmodified clients get each variant's own answer through Envoy, over gRPC (the model's name
+read from the body) and REST."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+import tritonclient.http as triton_http
+from support.bundles import PARAMS, X, affine, affine_output, edit_manifest, save_affine_weights, write_affine
+from support.clients import wait_until
+from support.numerics import assert_close
+
+from hloserve.fleet.workers import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
+
+COUNT = 10_000
+DIE_WITH_TEST = ["setpriv", "--pdeathsig", "KILL", "--"]
+
+
+def _named(name: str) -> Callable[[dict[str, Any]], None]:
+    def rename(manifest: dict[str, Any]) -> None:
+        manifest["name"] = name
+
+    return rename
+
+
+def _weights(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in PARAMS.items()}
+
+
+@pytest.fixture(scope="module")
+def catalogue(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[str, np.ndarray]]]:
+    """10,000 copies of one affine bundle; three of them with weights of their own."""
+    repository = tmp_path_factory.mktemp("catalogue")
+    first = write_affine(repository / "v0")
+    for i in range(1, COUNT):
+        shutil.copytree(first, repository / f"v{i}")
+        edit_manifest(repository / f"v{i}", _named(f"v{i}"))
+    chosen = {f"v{i}": _weights(i) for i in (7, 5000, COUNT - 1)}
+    for name, params in chosen.items():
+        save_affine_weights(repository / name, params)
+    return repository, chosen
+
+
+@pytest.fixture(scope="module")
+def node(catalogue: tuple[Path, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    repository, _ = catalogue
+    log = tmp_path_factory.mktemp("node") / "node.log"
+    ports = {name: free_port() for name in ("grpc", "http", "metrics")}
+    env = {**os.environ, "HLOSERVE_NODE_DISCOVERY_INTERVAL_S": "0.5"}
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [*DIE_WITH_TEST, sys.executable, "-m", "hloserve.cli", "node", "--cpu-workers", "2",
+             "--grpc-port", str(ports["grpc"]), "--http-port", str(ports["http"]),
+             "--metrics-port", str(ports["metrics"]), "--model-repository", str(repository)],
+            stdout=out, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+    client = triton.InferenceServerClient(f"127.0.0.1:{ports['grpc']}")
+    try:
+        try:
+            # ready: every model routed (the node's readiness needs a ready replica of each)
+            wait_until(lambda: process.poll() is not None or client.is_server_ready(), 300, "the node")
+            assert process.poll() is None, "the node exited"
+        except AssertionError as e:
+            raise AssertionError(f"{e}; the node said:\n{log.read_text()[-4000:]}") from None
+        yield {"process": process, "log": log, **ports}
+    finally:
+        client.close()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _envoy_directory(node: dict[str, Any]) -> Path:
+    """Where the node's Envoy reads its routes and clusters (from Envoy's command line)."""
+    pending = [node["process"].pid]
+    while pending:
+        pid = pending.pop()
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                pending.extend(int(c) for c in (task / "children").read_text().split())
+            except OSError:
+                continue
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if Path(argv[0]).name == "envoy" and "-c" in argv:
+            return Path(argv[argv.index("-c") + 1]).parent
+    raise AssertionError("no Envoy among the node's processes")
+
+
+def test_each_of_ten_thousand_variants_answers_through_envoy_with_its_own_weights(
+    node: dict[str, Any], catalogue: tuple[Path, dict[str, dict[str, np.ndarray]]]
+) -> None:
+    _, chosen = catalogue
+    grpc = triton.InferenceServerClient(f"127.0.0.1:{node['grpc']}")
+    rest = triton_http.InferenceServerClient(f"127.0.0.1:{node['http']}")
+    for name, params in {**chosen, "v3": PARAMS}.items():
+        assert_close(affine_output(grpc, name), affine(params, X))  # no header: Envoy reads the body
+        x = triton_http.InferInput("INPUT", list(X.shape), "FP32")
+        x.set_data_from_numpy(X)
+        assert_close(rest.infer(name, [x]).as_numpy("OUTPUT"), affine(params, X))
+    assert grpc.is_model_ready(f"v{COUNT - 2}") and rest.is_model_ready(f"v{COUNT - 2}")
+    assert not grpc.is_model_ready(f"v{COUNT}")  # no such model: the controller's NOT_FOUND
+    grpc.close()
+    rest.close()
+
+
+def test_envoy_holds_one_pool_for_the_models_on_the_same_workers_and_a_map_of_their_names(
+    node: dict[str, Any],
+) -> None:
+    directory = _envoy_directory(node)
+    (routes,) = json.loads((directory / "routes.json").read_text())["resources"]
+    entries = routes["virtual_hosts"][0]["matcher"]["matcher_tree"]["exact_match_map"]["map"]
+    assert len(entries) == COUNT
+    routed = {r["route"]["cluster"] for e in entries.values() for r in e["action"]["typed_config"]["routes"]}
+    assert len(routed - {"controller"}) == 1  # every model on both workers: one pool
+    # Envoy holds that pool (gRPC and REST) and the controller's, and at most the pool of the
+    # last update (worker1 alone, at start-up) for one more: its statistics, in the node's metrics
+    text = urllib.request.urlopen(f"http://127.0.0.1:{node['metrics']}/metrics", timeout=60).read().decode()
+    held = {
+        line.split('envoy_cluster_name="')[1].split('"')[0]
+        for line in text.splitlines()
+        if "envoy_cluster_name=" in line
+    }
+    assert {"controller", "controller_http", *routed} <= held
+    assert len(held) <= 6, held
