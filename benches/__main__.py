@@ -24,6 +24,7 @@ from benches import (
     node,
     overload,
     rest,
+    routes,
     scale,
     scheduler,
     serving,
@@ -53,6 +54,7 @@ SUITES = {
     "scale": scale,
     "anchors": anchors,
     "soak": soak,
+    "routes": routes,
 }
 _BEGIN, _END = "<!-- latest compare run: begin -->", "<!-- latest compare run: end -->"
 
@@ -94,7 +96,10 @@ def main() -> None:
         help="zoo: hloserve and torch both on this many cores (default: all); anchors: this count only "
         "(default: 1 and 2)",
     )
-    parser.add_argument("--sizes", help="scale: comma-separated catalogue sizes (default: 10,100,1000,10000)")
+    parser.add_argument(
+        "--sizes",
+        help="scale, routes: comma-separated catalogue sizes (default: 10,100,1000,10000; 10,1000,10000)",
+    )
     parser.add_argument("--duration", type=float, default=600, help="soak: seconds of load")
     parser.add_argument("--frontends", type=int, default=0, help="soak: serve with this many frontends")
     parser.add_argument("--node", action="store_true", help="soak: through `hloserve node --cpu-workers 2`")
@@ -111,7 +116,7 @@ def main() -> None:
             if name in ("zoo", "anchors")
             else {}
         )
-        if name == "scale" and args.sizes:
+        if name in ("scale", "routes") and args.sizes:
             extra = {"sizes": [int(n) for n in args.sizes.split(",")]}
         if name == "soak":
             extra = {"duration_s": args.duration, "frontends": args.frontends, "node": args.node}
