@@ -9,6 +9,7 @@ controller's route; a closed port answers 503 at once), over gRPC and REST.
 
 from __future__ import annotations
 
+import http.client
 import json
 import statistics
 import subprocess
@@ -18,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from tritonclient.utils import InferenceServerException
 
 from hloserve.fleet import envoy
 from hloserve.fleet.workers import free_port
@@ -54,21 +57,36 @@ def _write(directory: Path, models: int) -> float:
     return time.perf_counter() - started
 
 
-def _median_ms(call: Callable[[], object]) -> float:
+def _median_ms(call: Callable[[], str], expected: str) -> float:
+    """The median ms of `call`, which answers a status: every one must be `expected` (the closed
+    controller port's), or the route was not the one being timed."""
     times = []
     for _ in range(CALLS):
         started = time.perf_counter()
-        try:
-            call()
-        except Exception:  # the closed port's 503: the answer being timed
-            pass
+        status = call()
         times.append(time.perf_counter() - started)
+        if status != expected:
+            raise RuntimeError(f"a request no model claims answered {status}, not {expected}")
     return round(statistics.median(times[CALLS // 10 :]) * 1e3, 3)
+
+
+def _grpc_status(client: Any, model: str) -> str:
+    try:
+        client.is_model_ready(model, headers={envoy.MODEL_HEADER: model})
+    except InferenceServerException as e:  # the status being checked
+        return str(e.status())
+    return "OK"
+
+
+def _rest_status(connection: http.client.HTTPConnection, model: str) -> str:
+    connection.request("GET", f"/v2/models/{model}/ready")
+    answer = connection.getresponse()
+    answer.read()
+    return str(answer.status)
 
 
 def measure(models: int) -> Row:
     import tritonclient.grpc as grpc
-    import tritonclient.http as http
 
     with tempfile.TemporaryDirectory() as scratch:
         directory = Path(scratch)
@@ -102,10 +120,9 @@ def measure(models: int) -> Row:
             status = Path(f"/proc/{process.pid}/status").read_text()
             rss_mb = int(status.split("VmRSS:")[1].split()[0]) / 1024
             on_grpc = grpc.InferenceServerClient(f"127.0.0.1:{ports['grpc']}")
-            on_rest = http.InferenceServerClient(f"127.0.0.1:{ports['http']}")
-            header = {envoy.MODEL_HEADER: "unclaimed"}
-            grpc_ms = _median_ms(lambda: on_grpc.is_model_ready("unclaimed", headers=header))
-            rest_ms = _median_ms(lambda: on_rest.is_model_ready("unclaimed"))
+            on_rest = http.client.HTTPConnection("127.0.0.1", ports["http"], timeout=10)
+            grpc_ms = _median_ms(lambda: _grpc_status(on_grpc, "unclaimed"), "StatusCode.UNAVAILABLE")
+            rest_ms = _median_ms(lambda: _rest_status(on_rest, "unclaimed"), "503")
             on_grpc.close()
             on_rest.close()
         finally:

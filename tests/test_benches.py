@@ -1,6 +1,7 @@
 """The breakdown bench's patched servers serve what they claim (`python -m benches breakdown`);
 the overload bench's sink refuses as it claims; `benches/gpu` runs to the end on a CPU
-(`--quick`) and carries the wheels it needs."""
+(`--quick`) and carries the wheels it needs; the routes bench starts Envoy on the node's files
+and times requests through it."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from support.clients import wait_until
 from support.numerics import assert_close
 from support.servers import ROOT
 
-from benches import overload
+from benches import overload, routes
 from benches.openloop import generate
 from benches.serving import _free_port, start_server
 from hloserve.fleet.envoy import find_envoy
@@ -153,3 +154,14 @@ def test_the_gpu_wheels_are_the_versions_hloserve_pins() -> None:
     assert {name: wheels.get(name) for name in pinned} == pinned
     tritonclient = next(r for r in project["optional-dependencies"]["dev"] if r.startswith("tritonclient"))
     assert wheels["tritonclient"] == tritonclient.split("==")[1]
+
+
+def test_the_routes_bench_has_envoy_apply_the_nodes_files_and_answer() -> None:
+    """`python -m benches routes` at 10 models: Envoy applied the files (its admin reported their
+    version) and every timed request was answered by the route being timed (the controller's
+    closed port: gRPC UNAVAILABLE, REST 503; the bench raises on any other answer)."""
+    (row,) = routes.run(sizes=[10])
+    assert row.models == 10 and row.files_mb >= 0 and row.write_s >= 0
+    assert row.envoy_apply_s > 0 and row.envoy_rss_mb > 10
+    assert row.grpc_unclaimed_ms > 0 and row.rest_unclaimed_ms > 0  # each call checked: the 503 timed
+    assert "Envoy apply s" in routes.table([row])
