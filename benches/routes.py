@@ -109,7 +109,7 @@ def measure(models: int) -> Row:
         try:
             while True:
                 try:
-                    if envoy.applied_version(f"127.0.0.1:{ports['admin']}", 5.0) == 1:
+                    if envoy.applied(f"127.0.0.1:{ports['admin']}", 5.0).version == 1:
                         break
                 except OSError:
                     pass

@@ -374,42 +374,6 @@ def test_placement_knobs_need_lpt_packing() -> None:
     assert status.policy is not None and status.policy.mode == "round_robin"
 
 
-def test_a_pools_cluster_outlives_the_last_route_to_it_by_one_update(tmp_path: Path) -> None:
-    from hloserve.config import Config
-    from hloserve.fleet.gateway import _Publisher
-
-    publish = _Publisher(tmp_path, "127.0.0.1:9", Config())
-    publish.controller_http = "127.0.0.1:10"
-
-    def clusters() -> set[str]:
-        return {c["name"] for c in json.loads((tmp_path / "clusters.json").read_text())["resources"]}
-
-    def routed(file: str, key: str, path: str) -> str:
-        (config,) = json.loads((tmp_path / file).read_text())["resources"]
-        return str(
-            _route(_routes_for(config, key, prefix=file == "routes_http.json"), path)["route"]["cluster"]
-        )
-
-    a, b = envoy.Endpoint("127.0.0.1:1", "127.0.0.1:3"), envoy.Endpoint("127.0.0.1:2", "127.0.0.1:4")
-    publish({"a": [a], "b": [b]})
-    publish({"a": [a]})
-    assert routed("routes.json", "a", INFER) == envoy.pool_name([a])
-    assert routed("routes.json", "b", INFER) == "controller"
-    assert routed("routes_http.json", "/v2/models/a/infer", "/v2/models/a/infer") == envoy.pool_name(
-        [a], http=True
-    )
-    assert routed("routes_http.json", "/v2/models/b/infer", "/v2/models/b/infer") == "controller_http"
-    pools = {envoy.pool_name(e, http=h) for e in ([a], [b]) for h in (False, True)}
-    assert clusters() == {*pools, "controller", "controller_http"}  # b's routes may still be live
-    publish({"a": [a]})
-    assert clusters() == {
-        envoy.pool_name([a]),
-        envoy.pool_name([a], http=True),
-        "controller",
-        "controller_http",
-    }
-
-
 def test_rest_is_routed_by_path_to_the_models_workers_and_the_rest_to_the_controller() -> None:
     endpoints = [envoy.Endpoint("127.0.0.1:1", "127.0.0.1:2")]
     (config,) = envoy.http_routes(

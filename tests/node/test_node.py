@@ -346,13 +346,16 @@ def test_rest_load_and_unload_go_through_the_controller(node: Node) -> None:
         public.unload_model("pool")  # from every worker that lists it
         body = json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [0.0]}]})
         url = f"http://127.0.0.1:{node.http_port}/v2/models/pool/infer"
-        # While Envoy takes the route away its cluster is empty (503); then the controller answers.
-        wait_until(lambda: _http_status(url, "POST", body.encode())[0] == 404, 10, "pool's REST route to go")
+        # Until Envoy has the new routes, a worker answers (404: it unloaded pool); then the controller.
+        wait_until(
+            lambda: "not served by any worker" in _http_status(url, "POST", body.encode())[1],
+            10,
+            "pool's REST route to go to the controller",
+        )
         assert not public.is_model_ready("pool")
         index = {m["name"]: m for m in public.get_model_repository_index()}
         assert index["pool"]["state"] == "UNAVAILABLE" and "no ready replica" in index["pool"]["reason"]
-        code, said = _http_status(url, "POST", body.encode())
-        assert code == 404 and "not served by any worker" in said
+        assert _http_status(url, "POST", body.encode())[0] == 404
         public.load_model("pool")  # on the workers it is placed on
         wait_until(lambda: public.is_model_ready("pool"), 10, "pool routable again")
         assert _http_outputs(public, "pool", binary=True)

@@ -41,9 +41,10 @@ from hloserve.restricted import GRPC_PATHS, HTTP_PATHS, Restrictions, grpc_messa
 
 __all__ = [
     "MODEL_HEADER",
+    "Applied",
     "Endpoint",
     "Tls",
-    "applied_version",
+    "applied",
     "bootstrap",
     "clusters",
     "descriptor_set",
@@ -699,15 +700,38 @@ def http_routes(
     return _route_config("routes_http", _model_matcher(":path", "prefix", by_prefix, otherwise))
 
 
-def applied_version(admin: str, timeout_s: float = 5.0) -> int | None:
-    """The oldest `version_info` Envoy has applied among its routes and clusters (its admin's
-    `version_text` readouts, at `admin`), or None before it has applied one of each."""
-    url = f"http://{admin}/stats?filter=version_text&format=json"
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """What Envoy has applied of the watched files: the `version_info` of its clusters and the
+    oldest of its route tables' (None before one of each), and how many clusters still warm."""
+
+    clusters: int | None
+    routes: int | None
+    warming: int
+
+    @property
+    def version(self) -> int | None:
+        """The oldest `version_info` among its clusters and routes."""
+        if self.clusters is None or self.routes is None:
+            return None
+        return min(self.clusters, self.routes)
+
+
+def applied(admin: str, timeout_s: float = 5.0) -> Applied:
+    """Envoy's admin (at `admin`) readouts of what it has applied."""
+    url = f"http://{admin}/stats?filter=(version_text|warming_clusters)$&format=json"
     with urllib.request.urlopen(url, timeout=timeout_s) as answer:
-        readouts = [str(stat.get("value", "")) for stat in json.load(answer)["stats"]]
-    if not readouts or not all(v.isdigit() for v in readouts):
-        return None
-    return min(int(v) for v in readouts)
+        stats = {str(s["name"]): s.get("value") for s in json.load(answer)["stats"] if "name" in s}
+
+    def version(readout: object) -> int | None:
+        return int(readout) if isinstance(readout, str) and readout.isdigit() else None
+
+    routes = [version(v) for name, v in stats.items() if name.endswith(".version_text") and ".rds." in name]
+    return Applied(
+        version(stats.get("cluster_manager.cds.version_text")),
+        None if not routes or None in routes else min(r for r in routes if r is not None),
+        int(stats.get("cluster_manager.warming_clusters") or 0),
+    )
 
 
 def write_atomically(path: Path, data: bytes | dict[str, Any]) -> None:

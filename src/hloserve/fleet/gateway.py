@@ -8,7 +8,7 @@ import contextlib
 import dataclasses
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -60,12 +60,26 @@ log = structlog.get_logger("hloserve.fleet")
 _ENVOY_GRACE_S = 5.0
 
 
-class _Publisher:
-    """Writes the routes and clusters Envoy watches."""
+_APPLY_WAIT_S = 60.0
+"""How long a publication waits for Envoy to apply a file before it writes on regardless (an
+Envoy stopped, restarting, or refusing the file); Envoy takes about 5 s for 10,000 models."""
 
-    def __init__(self, directory: Path, controller_address: str, config: Config) -> None:
+_APPLY_POLL_S = 0.05
+
+
+class _Publisher:
+    """Writes the clusters and routes Envoy watches, make-before-break. Envoy applies each file
+    on its own, in its own time: written together, a busy Envoy applied routes naming a pool it
+    did not have yet (or no longer had) and answered their requests 503 with no body, gRPC
+    UNAVAILABLE with no message. So a publication writes its clusters (its routes' pools and
+    those of the routes before, which requests may still be on), then its routes once Envoy has
+    those clusters, and the next publication waits until Envoy has applied these routes.
+    The controller's calls only ask; `run` writes the newest routes asked for."""
+
+    def __init__(self, directory: Path, controller_address: str, config: Config, admin: str) -> None:
         self._directory = directory
         self._controller = controller_address
+        self._admin = admin
         self.controller_http: str | None = None
         """The controller's REST address, with REST (set before the first call)."""
         self._balance = "ROUND_ROBIN" if config.node.scheduling == "round_robin" else "LEAST_REQUEST"
@@ -74,14 +88,37 @@ class _Publisher:
         self._grpc_restrictions = Restrictions.grpc(config.server.grpc_restricted_protocol)
         self._http_restrictions = Restrictions.http(config.server.http_restricted_api)
         self._previous: Mapping[str, Sequence[envoy.Endpoint]] = {}
-        self.version = 0
-        """The `version_info` of the files last written."""
+        self._wanted: Mapping[str, Sequence[envoy.Endpoint]] = {}
+        self._asked = trio.Event()
+        self.requested = 0
+        """How many routes were asked for: each publication's `version_info` is the count when
+        it began, so Envoy's readouts say whether it has applied the routes of a given call."""
 
     def __call__(self, routes: Mapping[str, Sequence[envoy.Endpoint]]) -> None:
-        self.version += 1
-        versioned = {"version_info": str(self.version)}  # Envoy's readouts say which it applied
-        # Clusters first, and a pool's cluster outlives the last route to it by one update: Envoy
-        # applies each file on its own, and a route must never name a cluster it does not have.
+        """The controller's routes, to be written by `run` (the newest of those asked for)."""
+        self._wanted = routes
+        self.requested += 1
+        self._asked.set()
+
+    def write_before_envoy_starts(self) -> None:
+        """The files Envoy reads at start (no routes yet), all at once: it reads them in order."""
+        self._write_clusters(self._wanted, self.requested)
+        self._write_routes(self._wanted, self.requested)
+        self._previous = self._wanted
+
+    async def run(self) -> None:
+        """Publish what the controller asks for, until cancelled."""
+        while True:
+            await self._asked.wait()
+            self._asked = trio.Event()
+            version, routes = self.requested, self._wanted
+            self._write_clusters(routes, version)
+            await self._until_envoy_has(version, "clusters", lambda a: a.clusters, lambda a: a.warming == 0)
+            self._write_routes(routes, version)
+            await self._until_envoy_has(version, "routes", lambda a: a.routes)
+            self._previous = routes
+
+    def _write_clusters(self, routes: Mapping[str, Sequence[envoy.Endpoint]], version: int) -> None:
         clusters = envoy.clusters(
             [*self._previous.values(), *routes.values()],
             self._controller,
@@ -90,13 +127,33 @@ class _Publisher:
             self.controller_http,
             self._max_requests_per_worker,
         )
-        envoy.write_atomically(self._directory / "clusters.json", versioned | clusters)
+        envoy.write_atomically(self._directory / "clusters.json", {"version_info": str(version)} | clusters)
+
+    def _write_routes(self, routes: Mapping[str, Sequence[envoy.Endpoint]], version: int) -> None:
+        versioned = {"version_info": str(version)}
         grpc = envoy.routes(routes, self._grpc_restrictions)
         envoy.write_atomically(self._directory / "routes.json", versioned | grpc)
         if self.controller_http is not None:
             http = envoy.http_routes(routes, self._http_restrictions)
             envoy.write_atomically(self._directory / "routes_http.json", versioned | http)
-        self._previous = routes
+
+    async def _until_envoy_has(
+        self,
+        version: int,
+        what: str,
+        applied: Callable[[envoy.Applied], int | None],
+        settled: Callable[[envoy.Applied], bool] = lambda _: True,
+    ) -> None:
+        """Wait until Envoy has applied `version` of `what` (or a later one), or `_APPLY_WAIT_S`."""
+        with trio.move_on_after(_APPLY_WAIT_S):
+            while True:
+                with contextlib.suppress(OSError, ValueError, KeyError):
+                    readouts = await trio.to_thread.run_sync(envoy.applied, self._admin)
+                    done = applied(readouts)
+                    if done is not None and done >= version and settled(readouts):
+                        return
+                await trio.sleep(_APPLY_POLL_S)
+        log.warning("envoy has not applied the node's files; writing on", file=what, version=version)
 
 
 async def _hold_unready_until_envoy_applies_the_routes(
@@ -111,10 +168,10 @@ async def _hold_unready_until_envoy_applies_the_routes(
         if ready_in_round is None and replicas_ready(controller)[0]:
             ready_in_round = controller.rounds  # a probe may have answered in a round not done yet
         if wanted is None and ready_in_round is not None and controller.rounds > ready_in_round:
-            wanted = publish.version  # the round after published the routes of every replica
+            wanted = publish.requested  # the round after asked for the routes of every replica
         if wanted is not None:
             with contextlib.suppress(OSError, ValueError, KeyError):
-                applied = await trio.to_thread.run_sync(envoy.applied_version, admin)
+                applied = (await trio.to_thread.run_sync(envoy.applied, admin)).version
                 if applied is not None and applied >= wanted:
                     controller.routes_applied = True
                     log.info("envoy applied the routes", version=applied)
@@ -158,7 +215,8 @@ async def run_front(
             for s in specs
         ]
         async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
-            publish = _Publisher(directory, controller_address, config)
+            admin = free_port()
+            publish = _Publisher(directory, controller_address, config, f"127.0.0.1:{admin}")
             grpc_restrictions = Restrictions.grpc(server_config.grpc_restricted_protocol)
             # The controller passes every restriction of the workers it calls.
             headers = [*grpc_restrictions.headers()]
@@ -180,8 +238,7 @@ async def run_front(
                 app = build_app(data=data, models=models, repository=repository, config=settings)
                 rest_server = RestServer(app, settings)
                 publish.controller_http = f"127.0.0.1:{await nursery.start(rest_server.run)}"
-            publish({})
-            admin = free_port()
+            publish.write_before_envoy_starts()
             bootstrap = envoy.bootstrap(
                 directory,
                 server_config.host,
@@ -228,6 +285,7 @@ async def run_front(
                 "--disable-hot-restart",
             ]
             nursery.start_soon(supervisor.keep_running, Child("envoy", argv, {}, _ENVOY_GRACE_S))
+            nursery.start_soon(publish.run)
             nursery.start_soon(
                 _hold_unready_until_envoy_applies_the_routes, controller, publish, f"127.0.0.1:{admin}"
             )
