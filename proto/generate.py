@@ -3,8 +3,9 @@
 * `inference` (grpc_service.proto, model_config.proto), `hloserve_control`
   (hloserve_control.proto) and `hloserve_gateway` (hloserve_gateway.proto) → betterproto2
   dataclasses and the async grpclib service bases and stubs, in `src/hloserve/_proto/<package>/`;
-* `hloserve_hot` (hot_infer.proto) → google.protobuf classes in `src/hloserve/_proto/hot/`, with
-  protoc's type stubs (`--pyi_out`) so that mypy checks the hot path's request and response.
+* `hloserve_hot` (hot_infer.proto, hot_status.proto) → google.protobuf classes in
+  `src/hloserve/_proto/hot/`, with protoc's type stubs (`--pyi_out`) so that mypy checks the hot
+  path's request and response and the node controller's reading of each worker's answers.
 * `hloserve_triton` (model_config.proto, copied as `triton_model_config.proto` with its package
   renamed) → google.protobuf classes in `src/hloserve/_proto/triton/`, for reading Triton's
   `config.pbtxt` with protobuf's text format (`hloserve import triton`). The file and package
@@ -57,7 +58,7 @@ def generate(out: Path) -> list[Path]:
         )
         hot = staging / "hot"
         hot.mkdir()
-        _protoc(f"--python_out={hot}", f"--pyi_out={hot}", "hot_infer.proto")
+        _protoc(f"--python_out={hot}", f"--pyi_out={hot}", "hot_infer.proto", "hot_status.proto")
         (hot / "__init__.py").touch()
         triton = staging / "triton"
         triton.mkdir()
@@ -73,9 +74,10 @@ def generate(out: Path) -> list[Path]:
         written = []
         for path in sorted(p for p in staging.rglob("*") if p.suffix in (".py", ".pyi")):
             relative = path.relative_to(staging)
-            source = {"hot": "hot_infer.proto", "triton": "model_config.proto"}.get(
-                relative.parts[0], "grpc_service.proto, model_config.proto"
-            )
+            source = {
+                "hot": f"{path.name.partition('_pb2')[0]}.proto" if "_pb2" in path.name else "hot_*.proto",
+                "triton": "model_config.proto",
+            }.get(relative.parts[0], "grpc_service.proto, model_config.proto")
             target = out / relative
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(HEADER.format(source=source) + path.read_text())

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from hloserve._proto import hloserve_control as control
 from hloserve._proto import hloserve_gateway as gateway
 from hloserve._proto import inference as kserve
+from hloserve._proto.hot import hot_status_pb2 as hot
 from hloserve.config import NodeConfig
 from hloserve.errors import ConfigError
 from hloserve.fleet import envoy
@@ -401,14 +402,14 @@ def test_rest_is_routed_by_path_to_the_models_workers_and_the_rest_to_the_contro
 
 
 def test_a_meta_is_routed_only_to_workers_that_serve_its_parts_and_its_parts_go_where_it_is_placed() -> None:
-    status = control.ModelControlStatusResponse(
+    status = hot.ModelControlStatusResponse(
         models=[
-            control.ModelStatus(name="meta", meta=True, parts=["part"], ready_parts=["part"]),
-            control.ModelStatus(name="mlp"),
+            hot.ModelStatus(name="meta", meta=True, parts=["part"], ready_parts=["part"]),
+            hot.ModelStatus(name="mlp"),
         ]
     )
-    index = kserve.RepositoryIndexResponse(
-        models=[kserve.RepositoryIndexResponseModelIndex(name=m, state="READY") for m in ("meta", "mlp")]
+    index = hot.RepositoryIndexResponse(
+        models=[hot.RepositoryIndexResponse.ModelIndex(name=m, state="READY") for m in ("meta", "mlp")]
     )
     w0 = WorkerLink("worker0", "127.0.0.1:1", None, True)
     w1 = WorkerLink("worker1", "127.0.0.1:2", None, True)
