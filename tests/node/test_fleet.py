@@ -17,7 +17,6 @@ from grpclib.const import Status
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hloserve._proto import hloserve_control as control
 from hloserve._proto import hloserve_gateway as gateway
 from hloserve._proto import inference as kserve
 from hloserve._proto.hot import hot_status_pb2 as hot
@@ -433,21 +432,24 @@ def test_a_meta_is_routed_only_to_workers_that_serve_its_parts_and_its_parts_go_
 
 
 def test_control_status_is_merged_over_workers() -> None:
-    def answer(compute: float, resident: bool) -> control.ModelControlStatusResponse:
-        return control.ModelControlStatusResponse(
+    def answer(compute: float, resident: bool, parts: list[str]) -> hot.ModelControlStatusResponse:
+        return hot.ModelControlStatusResponse(
             residency_mode="self_managed", weight_cache_max_bytes=100, resident_bytes=10, compactions=1,
-            models=[control.ModelStatus(
+            models=[hot.ModelStatus(
                 name="mlp", total_compute_seconds=compute, requests_served=2, device_resident=resident,
-                weight_nbytes=10,
+                weight_nbytes=10, parts=parts,
             )],
         )  # fmt: skip
 
-    merged = merge_control_status([answer(1.5, False), answer(0.5, True)])
+    first = answer(1.5, False, ["b"])
+    merged = merge_control_status([first, answer(0.5, True, ["a", "b"])])
     assert (merged.weight_cache_max_bytes, merged.resident_bytes, merged.compactions) == (200, 20, 2)
     (mlp,) = merged.models
     assert (mlp.total_compute_seconds, mlp.requests_served, mlp.device_resident, mlp.weight_nbytes) == (
         2.0, 4, True, 10,
     )  # fmt: skip
+    assert list(mlp.parts) == ["a", "b"]
+    assert first.models[0].total_compute_seconds == 1.5 and list(first.models[0].parts) == ["b"]  # a copy
 
 
 def test_least_outstanding_weighs_each_worker_by_the_compute_other_models_keep_it_busy_with() -> None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 import trio_asyncio
 
 from hloserve._proto import hloserve_control as hc
+from hloserve._proto.hot import hot_status_pb2 as hot
 from hloserve.errors import InvalidInput, clip
 from hloserve.types import DISCIPLINES, Residency
 
@@ -36,8 +37,10 @@ _ORDER = {hc.Residency.UNPINNED: 0, hc.Residency.SYSTEM: 1, hc.Residency.DEVICE:
 class ControlPlane(Protocol):
     """What the control service serves (see the module docstring)."""
 
-    async def status(self, message: hc.ModelControlStatusRequest) -> hc.ModelControlStatusResponse:
-        """Every ready model's residency, policy and counters, and the worker's budget."""
+    async def status(self, message: hc.ModelControlStatusRequest) -> hot.ModelControlStatusResponse:
+        """Every ready model's residency, policy and counters, and the worker's budget. A protobuf
+        (upb) message: at 10,000 models betterproto2 took 1.5 s to encode it, and the node's
+        controller asks every worker for it each round."""
         ...
 
     async def set_residency(self, message: hc.SetModelResidencyRequest) -> hc.SetModelResidencyResponse:
@@ -59,7 +62,7 @@ class LocalControlPlane:
     def __init__(self, host: ModelHost) -> None:
         self._host = host
 
-    async def status(self, message: hc.ModelControlStatusRequest) -> hc.ModelControlStatusResponse:
+    async def status(self, message: hc.ModelControlStatusRequest) -> hot.ModelControlStatusResponse:
         host = self._host
         config = host.config
         ready = {name: e for name, e in host.models.items() if e.ready and e.bundle is not None}
@@ -73,7 +76,8 @@ class LocalControlPlane:
             s = host.statistics[name]
             policy = config.scheduler.models.get(name)
             compute = s.compute.compute_input.ns + s.compute.compute_infer.ns + s.compute.compute_output.ns
-            status = hc.ModelStatus(
+            ready_parts = [c for c in entry.calls if c in ready]
+            status = hot.ModelStatus(
                 name=name,
                 residency=_RESIDENCY.get(s.residency, hc.Residency.RESIDENCY_UNSPECIFIED),
                 device_resident=s.resident,
@@ -89,11 +93,11 @@ class LocalControlPlane:
                 loads=s.weight_loads,
                 evictions=s.weight_evictions,
                 discipline=(policy.discipline if policy else None) or "",
+                meta=entry.compiled is None,
+                parts=entry.calls,
+                ready_parts=ready_parts,
             )
-            status.meta = entry.compiled is None
-            status.parts = list(entry.calls)
-            status.ready_parts = [c for c in entry.calls if c in ready]
-            calls = [host.statistics[c] for c in status.ready_parts]
+            calls = [host.statistics[c] for c in ready_parts]
             if status.meta and calls:
                 status.weight_nbytes = sum(c.weight_bytes for c in calls)
                 status.residency = min(
@@ -103,7 +107,7 @@ class LocalControlPlane:
                 status.device_resident = all(c.resident for c in calls)
                 status.host_resident = all(c.host_resident for c in calls)
             models.append(status)
-        return hc.ModelControlStatusResponse(
+        return hot.ModelControlStatusResponse(
             residency_mode="externally_managed" if config.weights.externally_managed else "self_managed",
             discipline=config.scheduler.discipline,
             weight_cache_max_bytes=host.weight_budget or 0,

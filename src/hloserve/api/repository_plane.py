@@ -20,6 +20,7 @@ import betterproto2
 import trio_asyncio
 
 from hloserve._proto import inference as kserve
+from hloserve._proto.hot import hot_status_pb2 as hot
 from hloserve.api.data_plane import not_ready_because
 from hloserve.api.shm_registry import Region, ShmRegistry
 from hloserve.config import Config, ModelSettings
@@ -40,7 +41,7 @@ class RepositoryPlane(Protocol):
     """What the adapters serve of the repository and the client's regions (see the module
     docstring)."""
 
-    async def index(self, message: kserve.RepositoryIndexRequest) -> kserve.RepositoryIndexResponse:
+    async def index(self, message: kserve.RepositoryIndexRequest) -> hot.RepositoryIndexResponse:
         """The models served (and, unless `message.ready`, the bundles that are not)."""
         ...
 
@@ -91,16 +92,18 @@ def cuda_region_status(name: str) -> None:
 
 async def index_of(
     models: Mapping[str, ModelEntry], config: Config, statistics: Statistics, ready: bool
-) -> kserve.RepositoryIndexResponse:
+) -> hot.RepositoryIndexResponse:
     """RepositoryIndex over a model table: its models (only those ready, with `ready`) and,
     without `ready`, the repository's bundles not being served (as Triton). As upstream, the
-    models a meta model calls are its parts, listed through it alone (still addressable)."""
+    models a meta model calls are its parts, listed through it alone (still addressable). A
+    protobuf (upb) message: at 10,000 models betterproto2 took 0.4 s to encode it, and the
+    node's controller asks every worker for it each round."""
     parts = {callee for e in models.values() if e.ready for callee in e.calls}
-    index = []
+    index: list[hot.RepositoryIndexResponse.ModelIndex] = []
     if not ready:
         unserved = await asyncio.to_thread(_unserved_bundles, config.server.model_repository, set(models))
         index = [
-            kserve.RepositoryIndexResponseModelIndex(
+            hot.RepositoryIndexResponse.ModelIndex(
                 name=name, version="1", state="UNAVAILABLE", reason="unloaded"
             )
             for name in unserved
@@ -111,14 +114,15 @@ async def index_of(
         reason = not_ready_because(entry, config, statistics)
         if reason is None or not ready:
             index.append(
-                kserve.RepositoryIndexResponseModelIndex(
+                hot.RepositoryIndexResponse.ModelIndex(
                     name=entry.name,
                     version="1",
                     state="READY" if reason is None else "UNAVAILABLE",
                     reason=reason or "",
                 )
             )
-    return kserve.RepositoryIndexResponse(models=sorted(index, key=lambda m: m.name))
+    index.sort(key=lambda m: m.name)
+    return hot.RepositoryIndexResponse(models=index)
 
 
 def _unserved_bundles(repository: Path, served: AbstractSet[str]) -> list[str]:
@@ -157,7 +161,7 @@ class LocalRepositoryPlane:
         if self._shm is not None:
             self._shm.close()
 
-    async def index(self, message: kserve.RepositoryIndexRequest) -> kserve.RepositoryIndexResponse:
+    async def index(self, message: kserve.RepositoryIndexRequest) -> hot.RepositoryIndexResponse:
         return await index_of(self._models, self._config, self._statistics, message.ready)
 
     def _registry(self) -> ShmRegistry:

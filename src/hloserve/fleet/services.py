@@ -23,6 +23,7 @@ from hloserve._proto import hloserve_control as control
 from hloserve._proto import hloserve_gateway as gateway
 from hloserve._proto import inference as kserve
 from hloserve._proto.hot import hot_infer_pb2 as hot
+from hloserve._proto.hot import hot_status_pb2 as hot_status
 from hloserve._version import __version__
 from hloserve.api.data_plane import Call, uncounted_call
 from hloserve.api.tensor_codec import InferRequest
@@ -218,26 +219,24 @@ class NodeRepositoryPlane:
     def close(self) -> None:
         """Nothing: the regions are the workers'."""
 
-    async def index(self, message: kserve.RepositoryIndexRequest) -> kserve.RepositoryIndexResponse:
+    async def index(self, message: kserve.RepositoryIndexRequest) -> hot_status.RepositoryIndexResponse:
         """The union; as on a worker, a meta's parts are listed through the meta alone."""
         serving = self._controller.serving()
         parts = {p for w in self._controller.workers for ps in w.parts.values() for p in ps}
-        index = []
+        index = hot_status.RepositoryIndexResponse()
         for model in sorted(serving.keys() - parts):
             if serving[model]:
-                index.append(kserve.RepositoryIndexResponseModelIndex(name=model, version="1", state="READY"))
+                index.models.add(name=model, version="1", state="READY")
             elif not message.ready:
                 states = {
                     w.name: (w.models.get(model, "UNAVAILABLE") if w.ready else "worker down")
                     for w in self._controller.workers
                 }
                 reason = "; ".join(f"{name}: {state}" for name, state in sorted(states.items()))
-                index.append(
-                    kserve.RepositoryIndexResponseModelIndex(
-                        name=model, version="1", state="UNAVAILABLE", reason=f"no ready replica ({reason})"
-                    )
+                index.models.add(
+                    name=model, version="1", state="UNAVAILABLE", reason=f"no ready replica ({reason})"
                 )
-        return kserve.RepositoryIndexResponse(models=index)
+        return index
 
     async def load(self, message: kserve.RepositoryModelLoadRequest) -> kserve.RepositoryModelLoadResponse:
         """Loads on the workers the model is placed on, else on every ready worker."""
@@ -318,12 +317,12 @@ class NodeRepositoryPlane:
 
 
 def merge_control_status(
-    answers: Iterable[control.ModelControlStatusResponse],
-) -> control.ModelControlStatusResponse:
+    answers: Iterable[hot_status.ModelControlStatusResponse],
+) -> hot_status.ModelControlStatusResponse:
     """A node's status: per model, the workers' counters summed (resident where any holds it);
     budgets, resident bytes and compactions summed."""
-    merged: dict[str, control.ModelStatus] = {}
-    total = control.ModelControlStatusResponse()
+    merged: dict[str, hot_status.ModelStatus] = {}
+    total = hot_status.ModelControlStatusResponse()
     for answer in answers:
         total.residency_mode = total.residency_mode or answer.residency_mode
         total.discipline = total.discipline or answer.discipline
@@ -333,7 +332,8 @@ def merge_control_status(
         for model in answer.models:
             into = merged.get(model.name)
             if into is None:
-                merged[model.name] = control.ModelStatus().from_dict(model.to_dict())  # a copy
+                merged[model.name] = into = hot_status.ModelStatus()
+                into.CopyFrom(model)
                 continue
             for counter in (
                 "queue_depth", "total_compute_seconds", "requests_served", "dispatch_count",
@@ -344,8 +344,8 @@ def merge_control_status(
             into.host_resident |= model.host_resident
             into.weight_nbytes = max(into.weight_nbytes, model.weight_nbytes)
             into.max_batch_size = max(into.max_batch_size, model.max_batch_size)
-            into.parts = sorted({*into.parts, *model.parts})
-    total.models = [merged[m] for m in sorted(merged)]
+            into.parts[:] = sorted({*into.parts, *model.parts})
+    total.models.extend(merged[m] for m in sorted(merged))
     return total
 
 
@@ -369,11 +369,11 @@ class NodeControlPlane:
             raise error
         return [r for _, r in results if not isinstance(r, grpclib.GRPCError)]
 
-    async def status(self, message: control.ModelControlStatusRequest) -> control.ModelControlStatusResponse:
+    async def status(
+        self, message: control.ModelControlStatusRequest
+    ) -> hot_status.ModelControlStatusResponse:
         timeout = self._controller.node.probe_timeout_s
-        answers = await self._all(
-            _ready(self._controller), lambda w: w.control.model_control_status(message, timeout=timeout)
-        )
+        answers = await self._all(_ready(self._controller), lambda w: w.control_status(timeout))
         return merge_control_status(answers)
 
     async def set_policy(self, message: control.SetModelPolicyRequest) -> control.SetModelPolicyResponse:

@@ -28,6 +28,7 @@ from hloserve._process import die_with_parent
 from hloserve._proto import hloserve_control as hc
 from hloserve._proto import inference as kserve
 from hloserve._proto.hot import hot_infer_pb2 as hot
+from hloserve._proto.hot import hot_status_pb2 as hot_status
 from hloserve._transport import grpclib_patches as _grpclib_patches
 from hloserve._transport import trio_asyncio_patches as _trio_asyncio_patches
 from hloserve.allocator import keep_freed_memory, settle_heap
@@ -178,9 +179,10 @@ class LinkedRepositoryPlane:
     def close(self) -> None:
         """Nothing: the regions are the engine's."""
 
-    async def index(self, message: kserve.RepositoryIndexRequest) -> kserve.RepositoryIndexResponse:
+    async def index(self, message: kserve.RepositoryIndexRequest) -> hot_status.RepositoryIndexResponse:
         if self._config.weights.externally_managed:
-            return await self._engine(EngineCalls.INDEX, message, kserve.RepositoryIndexResponse)
+            answer = await self._engine(EngineCalls.INDEX, message, bytes)
+            return hot_status.RepositoryIndexResponse.FromString(answer)
         return await index_of(self._models, self._config, self._statistics, message.ready)
 
     async def load(self, message: kserve.RepositoryModelLoadRequest) -> kserve.RepositoryModelLoadResponse:
@@ -217,8 +219,9 @@ class LinkedControlPlane:
     def __init__(self, link: FrontendLink) -> None:
         self._engine = _OverLink(link)
 
-    async def status(self, message: hc.ModelControlStatusRequest) -> hc.ModelControlStatusResponse:
-        return await self._engine(EngineCalls.CONTROL_STATUS, message, hc.ModelControlStatusResponse)
+    async def status(self, message: hc.ModelControlStatusRequest) -> hot_status.ModelControlStatusResponse:
+        answer = await self._engine(EngineCalls.CONTROL_STATUS, message, bytes)
+        return hot_status.ModelControlStatusResponse.FromString(answer)
 
     async def set_residency(self, message: hc.SetModelResidencyRequest) -> hc.SetModelResidencyResponse:
         return await self._engine(EngineCalls.SET_RESIDENCY, message, hc.SetModelResidencyResponse)

@@ -28,6 +28,8 @@ import trio
 from grpclib.metadata import Deadline
 
 from hloserve._process import Process
+from hloserve._proto import hloserve_control as hc
+from hloserve._proto import inference as kserve
 from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve.api.control_plane import ControlPlane
 from hloserve.engine.admission import Ticket
@@ -88,17 +90,24 @@ def engine_calls(planes: EnginePlanes) -> dict[str, Callable[[Any], Awaitable[An
     async def model_ready(argument: tuple[str, str]) -> bool:
         return await data.model_ready(*argument)
 
+    # protobuf messages cross the link serialized (their classes do not pickle)
+    async def index(message: kserve.RepositoryIndexRequest) -> bytes:
+        return bytes((await repository.index(message)).SerializeToString())
+
+    async def control_status(message: hc.ModelControlStatusRequest) -> bytes:
+        return bytes((await control.status(message)).SerializeToString())
+
     calls: dict[str, Callable[[Any], Awaitable[Any]]] = {
         FORWARD: forwarded,
         EngineCalls.MODEL_READY: model_ready,
         EngineCalls.STATISTICS: models.statistics,
-        EngineCalls.INDEX: repository.index,
+        EngineCalls.INDEX: index,
         EngineCalls.LOAD: repository.load,
         EngineCalls.UNLOAD: repository.unload,
         EngineCalls.REGISTER_REGION: repository.register_region,
         EngineCalls.REGION_STATUS: repository.region_status,
         EngineCalls.UNREGISTER_REGION: repository.unregister_region,
-        EngineCalls.CONTROL_STATUS: control.status,
+        EngineCalls.CONTROL_STATUS: control_status,
         EngineCalls.SET_RESIDENCY: control.set_residency,
         EngineCalls.SET_POLICY: control.set_policy,
         EngineCalls.COMPACT_MEMORY: control.compact,

@@ -288,7 +288,8 @@ class Routes:
         if not isinstance(ready, bool):
             raise HttpRefusal("Invalid value for 'ready': expected a boolean")
         reply = await self._repository.index(kserve.RepositoryIndexRequest(ready=ready))
-        return JSONResponse(fields_json(reply)["models"])
+        fields = ("name", "version", "state", "reason")
+        return JSONResponse([{f: getattr(m, f) for f in fields} for m in reply.models])
 
     async def load(self, request: Request) -> Response:
         parameters = (await self._json(request, files=True)).get("parameters", {})
