@@ -22,6 +22,7 @@ from benches import (
     compare,
     frontends,
     node,
+    node_scale,
     overload,
     rest,
     routes,
@@ -55,6 +56,7 @@ SUITES = {
     "anchors": anchors,
     "soak": soak,
     "routes": routes,
+    "node_scale": node_scale,
 }
 _BEGIN, _END = "<!-- latest compare run: begin -->", "<!-- latest compare run: end -->"
 
@@ -98,7 +100,8 @@ def main() -> None:
     )
     parser.add_argument(
         "--sizes",
-        help="scale, routes: comma-separated catalogue sizes (default: 10,100,1000,10000; 10,1000,10000)",
+        help="scale, routes, node_scale: comma-separated catalogue sizes (default: 10,100,1000,10000; "
+        "10,1000,10000 for the others)",
     )
     parser.add_argument("--duration", type=float, default=600, help="soak: seconds of load")
     parser.add_argument("--frontends", type=int, default=0, help="soak: serve with this many frontends")
@@ -116,7 +119,7 @@ def main() -> None:
             if name in ("zoo", "anchors")
             else {}
         )
-        if name in ("scale", "routes") and args.sizes:
+        if name in ("scale", "routes", "node_scale") and args.sizes:
             extra = {"sizes": [int(n) for n in args.sizes.split(",")]}
         if name == "soak":
             extra = {"duration_s": args.duration, "frontends": args.frontends, "node": args.node}

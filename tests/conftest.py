@@ -63,6 +63,8 @@ LONG = (
     # exports of several models, each compiled and verified in a process of its own
     "tests/export/test_export.py::test_flax_models_exported_and_served_match_flax",
     "tests/export/test_export.py::test_the_fresh_process_loads_the_executables_the_exporter_compiled",
+    # a node of two workers started, then watched idle for 30 s
+    "tests/test_benches.py::test_the_node_scale_bench_measures_a_ready_node_over_its_catalogue",
 )
 """Tests marked `long`, run by `tox -e long` (and by the README's test command after `tests`):
 on two cores they would take the main suite past ten minutes, most of them alone (`serial`)."""

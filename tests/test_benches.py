@@ -1,7 +1,7 @@
 """The breakdown bench's patched servers serve what they claim (`python -m benches breakdown`);
 the overload bench's sink refuses as it claims; `benches/gpu` runs to the end on a CPU
 (`--quick`) and carries the wheels it needs; the routes bench starts Envoy on the node's files
-and times requests through it."""
+and times requests through it; the node-scale bench measures a node it started over a catalogue."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from support.clients import wait_until
 from support.numerics import assert_close
 from support.servers import ROOT
 
-from benches import overload, routes
+from benches import node_scale, overload, routes
 from benches.openloop import generate
 from benches.serving import _free_port, start_server
 from hloserve.fleet.envoy import find_envoy
@@ -165,3 +165,14 @@ def test_the_routes_bench_has_envoy_apply_the_nodes_files_and_answer() -> None:
     assert row.envoy_apply_s > 0 and row.envoy_rss_mb > 10
     assert row.grpc_unclaimed_ms > 0 and row.rest_unclaimed_ms > 0  # each call checked: the 503 timed
     assert "Envoy apply s" in routes.table([row])
+
+
+@pytest.mark.slow
+def test_the_node_scale_bench_measures_a_ready_node_over_its_catalogue() -> None:
+    """`python -m benches node_scale` at 10 models: the node was ready, listed every model in its
+    index and its merged control status (the bench raises otherwise), and each process's idle
+    CPU was read."""
+    (row,) = node_scale.run(sizes=[10])
+    assert row.models == 10 and 0 < row.ready_s < node_scale.READY_WITHIN_S
+    assert row.controller_cores > 0 and row.worker_cores > 0  # the discovery rounds cost something
+    assert row.index_ms > 0 and row.status_ms > 0

@@ -1,8 +1,8 @@
 """hloserve's control service over gRPC (`hloserve_control.ControlService`): the control plane's
 calls (`hloserve.api.control_plane`), each with the gRPC status its errors map to.
-ModelControlStatus answers with the protobuf message compiled under `hloserve_hot` (the node's
-controller asks every worker for it each round: 1.5 s of betterproto2 encoding at 10,000
-models)."""
+ModelControlStatus answers with the protobuf message compiled under `hloserve_hot`: the node's
+controller asks every worker for it each round, and at 10,000 models building it in betterproto2
+and copying it into its upb mirror for the wire took 143 ms, against 40 ms built in upb."""
 
 from __future__ import annotations
 

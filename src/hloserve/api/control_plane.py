@@ -39,8 +39,8 @@ class ControlPlane(Protocol):
 
     async def status(self, message: hc.ModelControlStatusRequest) -> hot.ModelControlStatusResponse:
         """Every ready model's residency, policy and counters, and the worker's budget. A protobuf
-        (upb) message: at 10,000 models betterproto2 took 1.5 s to encode it, and the node's
-        controller asks every worker for it each round."""
+        (upb) message, which the node's controller reads from every worker each round
+        (`hloserve.api.control`)."""
         ...
 
     async def set_residency(self, message: hc.SetModelResidencyRequest) -> hc.SetModelResidencyResponse:

@@ -7,10 +7,10 @@ the repository and shared-memory regions through the repository plane
 ModelInfer bypasses the generated dataclass path: its handler is swapped in `__mapping__` for
 one that parses with the google.protobuf classes compiled under `hloserve_hot` (same fields,
 another package, so tritonclient's descriptors can share the process) and hands the request to
-the data plane. RepositoryIndex answers with the same package's protobuf message (the node's
-controller asks every worker for it each round: 0.4 s of betterproto2 encoding at 10,000
-models). Every other RPC uses the betterproto2 messages. Errors become statuses in
-`hloserve.api.status` only.
+the data plane. RepositoryIndex answers with the same package's protobuf message: the node's
+controller asks every worker for it each round, and at 10,000 models building it in betterproto2
+and copying it into its upb mirror took 76 ms, against 38 ms built in upb. Every other RPC
+uses the betterproto2 messages. Errors become statuses in `hloserve.api.status` only.
 """
 
 from __future__ import annotations

@@ -96,8 +96,8 @@ async def index_of(
     """RepositoryIndex over a model table: its models (only those ready, with `ready`) and,
     without `ready`, the repository's bundles not being served (as Triton). As upstream, the
     models a meta model calls are its parts, listed through it alone (still addressable). A
-    protobuf (upb) message: at 10,000 models betterproto2 took 0.4 s to encode it, and the
-    node's controller asks every worker for it each round."""
+    protobuf (upb) message, which the node's controller reads from every worker each round
+    (`hloserve.api.grpc_service`)."""
     parts = {callee for e in models.values() if e.ready for callee in e.calls}
     index: list[hot.RepositoryIndexResponse.ModelIndex] = []
     if not ready:
