@@ -216,7 +216,7 @@ def test_an_overloaded_model_answers_what_it_admits_within_the_deadline(server: 
     The opening burst of sixteen arrives together and is admitted on what a batch cost on a quiet
     machine; the clients' own threads share these cores and slow every execution, so it is answered
     later than the steady state, which admits on the throughput measured under the load."""
-    deadline_s, seconds = 1.0, 4.0
+    deadline_s, seconds = 1.0, 6.0  # at 4 s a loaded two-core machine answered 9 to 13 after the burst
     outcomes: dict[str, int] = {}
     answered: list[tuple[float, float]] = []  # (sent, took)
     lock = threading.Lock()
