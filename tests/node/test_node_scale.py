@@ -122,6 +122,12 @@ def test_each_of_ten_thousand_variants_answers_through_envoy_with_its_own_weight
     rest.close()
 
 
+def _scrape(node: dict[str, Any], kept: list[str]) -> str:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{node['metrics']}/metrics", timeout=60).read().decode()
+    kept.append(text)
+    return text
+
+
 def test_envoy_holds_one_pool_for_the_models_on_the_same_workers_and_a_map_of_their_names(
     node: dict[str, Any],
 ) -> None:
@@ -133,7 +139,11 @@ def test_envoy_holds_one_pool_for_the_models_on_the_same_workers_and_a_map_of_th
     assert len(routed - {"controller"}) == 1  # every model on both workers: one pool
     # Envoy holds that pool (gRPC and REST) and the controller's, and at most the pool of the
     # last update (worker1 alone, at start-up) for one more: its statistics, in the node's metrics
-    text = urllib.request.urlopen(f"http://127.0.0.1:{node['metrics']}/metrics", timeout=60).read().decode()
+    # (a scrape leaves out a source that does not answer within node.probe_timeout_s, as Envoy's
+    # admin did once in the long suite on a loaded machine)
+    scraped: list[str] = []
+    wait_until(lambda: "envoy_cluster_name=" in _scrape(node, scraped), 60, "Envoy's statistics in a scrape")
+    text = scraped[-1]
     held = {
         line.split('envoy_cluster_name="')[1].split('"')[0]
         for line in text.splitlines()
