@@ -12,9 +12,7 @@ calls through the node (the controller's union; every worker's status, merged).
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -23,8 +21,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from benches.frontends import _own_cpu
 from benches.node import _children
-from benches.scale import ROOT, _free_port, make_catalogue
+from benches.scale import ROOT, _free_port, _median_ms, make_catalogue
 
 SIZES = (10, 1000, 10000)
 IDLE_S = 30.0
@@ -44,39 +43,17 @@ class Row:
     status_ms: float
 
 
-def _cpu_s(pid: int) -> float:
-    """User and system seconds of `pid` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _median_ms(call: Any, times: int = 5) -> float:
-    samples = []
-    for _ in range(times):
-        started = time.perf_counter()
-        call()
-        samples.append((time.perf_counter() - started) * 1e3)
-    return round(statistics.median(samples), 1)
-
-
 def _control_status(port: int) -> int:
-    """ModelControlStatus through the node; the number of models it lists."""
-    from grpclib.client import Channel, UnaryUnaryMethod
-
-    from hloserve._proto.hot import hot_status_pb2 as hot
+    """ModelControlStatus through the node, as its controller calls a worker's; the number of
+    models it lists."""
+    from hloserve.fleet.controller import WorkerLink
 
     async def call() -> int:
-        channel = Channel("127.0.0.1", port)
+        link = WorkerLink("node", f"127.0.0.1:{port}", None)
         try:
-            method = UnaryUnaryMethod(
-                channel,
-                "/hloserve_control.ControlService/ModelControlStatus",
-                hot.ModelControlStatusRequest,
-                hot.ModelControlStatusResponse,
-            )
-            return len((await method(hot.ModelControlStatusRequest(), timeout=120)).models)
+            return len((await link.control_status(timeout=120)).models)
         finally:
-            channel.close()
+            link.reset()
 
     return asyncio.run(call())
 
@@ -106,9 +83,9 @@ def measure(models: int) -> Row:
                 time.sleep(0.5)
             ready_s = time.perf_counter() - started
             processes = {"node": process.pid, **_children(process.pid)}
-            before = {name: _cpu_s(pid) for name, pid in processes.items()}
+            before = {name: _own_cpu(pid) for name, pid in processes.items()}
             time.sleep(IDLE_S)
-            cores = {name: (_cpu_s(pid) - before[name]) / IDLE_S for name, pid in processes.items()}
+            cores = {name: (_own_cpu(pid) - before[name]) / IDLE_S for name, pid in processes.items()}
             workers = [v for name, v in cores.items() if name not in ("node", "envoy")]
             index = client.get_model_repository_index()
             if len(index.models) != models:
@@ -121,8 +98,8 @@ def measure(models: int) -> Row:
                 controller_cores=round(cores["node"], 3),
                 worker_cores=round(max(workers), 3),
                 envoy_cores=round(cores.get("envoy", 0.0), 3),
-                index_ms=_median_ms(client.get_model_repository_index),
-                status_ms=_median_ms(lambda: _control_status(port)),
+                index_ms=round(_median_ms(client.get_model_repository_index), 1),
+                status_ms=round(_median_ms(lambda: _control_status(port)), 1),
             )
         finally:
             client.close()
