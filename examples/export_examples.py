@@ -138,6 +138,7 @@ def export_all(repository: Path = REPOSITORY) -> None:
             client_outputs=spec.get("client_outputs"),
             # the hand-written model.py kept in the shipped bundle
             model_py=REPOSITORY / name / "model.py" if "client_outputs" in spec else None,
+            tune=False,  # shipped for any CPU: XLA's defaults, not options timed on this one
         )
 
 

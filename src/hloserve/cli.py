@@ -316,6 +316,11 @@ def _add_export_command(commands: Any) -> None:
     )
     export.add_argument("--no-verify", action="store_true", help="skip the fresh-process check")
     export.add_argument(
+        "--no-tune",
+        action="store_true",
+        help="compile with XLA's default options; do not time the candidates the exporter tries",
+    )
+    export.add_argument(
         "--rtol",
         type=_tolerance,
         help="verification: allowed difference as a fraction of each element "
@@ -387,6 +392,7 @@ def _export(args: argparse.Namespace) -> int:
         ("platform", args.platform),
         ("module_format", "bytecode" if args.bytecode else None),
         ("verify", False if args.no_verify else None),
+        ("tune", False if args.no_tune else None),
         ("precision", args.precision),
         ("rtol", args.rtol),
         ("atol", args.atol),

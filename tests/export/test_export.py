@@ -70,6 +70,7 @@ def test_export_writes_modules_weights_and_a_column_major_manifest(tmp_path: Pat
     assert [(e["event"], e.get("batch_size"), e.get("step")) for e in logs] == [
         ("exported batch size", 1, "1/2"),
         ("exported batch size", 4, "2/2"),
+        ("XLA options measured", 4, None),
         ("bundle verified in a fresh process", None, None),
     ]
     assert sorted(p.name for p in directory.iterdir()) == [
@@ -101,6 +102,7 @@ def test_export_writes_modules_weights_and_a_column_major_manifest(tmp_path: Pat
     assert manifest["name"] == "nested" and manifest["format_version"] == "2.0"
     provenance = manifest["provenance"]
     assert provenance.pop("exported_at").endswith("+00:00")
+    assert provenance.pop("xla_tuning")["batch_size"] == 4  # what it holds: tests/export/test_tuning.py
     assert provenance == {
         "exporter": "hloserve 0.1.0",
         "jax_version": jax.__version__,

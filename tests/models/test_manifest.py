@@ -223,6 +223,27 @@ BAD_MANIFESTS = [
         "several batch sizes need inputs with a batch axis",
         id="sizes-without-batch-axis",
     ),
+    pytest.param(
+        _with("xla_options", ["xla_cpu_use_onednn"]), "xla_options", "mapping of platform", id="xla-list"
+    ),
+    pytest.param(
+        _with("xla_options", {"tpu": {"xla_tpu_x": 1}}),
+        "xla_options.tpu",
+        "unknown platform",
+        id="xla-platform",
+    ),
+    pytest.param(
+        _with("xla_options", {"cpu": {"--xla_cpu_use_onednn": True}}),
+        "xla_options.cpu.--xla_cpu_use_onednn",
+        "an XLA option name",
+        id="xla-flag-syntax",
+    ),
+    pytest.param(
+        _with("xla_options", {"cpu": {"xla_cpu_use_onednn": None}}),
+        "xla_options.cpu.xla_cpu_use_onednn",
+        "a string, number or boolean",
+        id="xla-no-value",
+    ),
 ]
 
 
@@ -235,6 +256,21 @@ def test_bad_manifest_names_bundle_file_and_field(data: Any, field: str | None, 
     if field is not None:
         assert f"field {field!r}" in message
     assert says in message
+
+
+def test_xla_options_are_read_per_platform() -> None:
+    options = {"cpu": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}}
+    assert parse(_with("xla_options", options)).xla_options == options
+    assert parse(GOOD).xla_options == {}
+    meta = {
+        "format_version": "2.0",
+        "kind": "meta",
+        "client_inputs": GOOD["executable_inputs"],
+        "client_outputs": GOOD["executable_outputs"],
+        "xla_options": options,
+    }
+    with pytest.raises(BundleError, match=r"xla_options.*not allowed with kind: meta"):
+        parse(meta, has_model_py=True)  # a meta model has no executable to compile
 
 
 def test_an_image_input_declares_its_layout() -> None:

@@ -4,6 +4,7 @@ warm-up for every variant, each variant answering with its own weights."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import urllib.request
 from collections.abc import Callable
@@ -22,9 +23,10 @@ from support.bundles import (
     edit_manifest,
     save_affine_weights,
     write_affine,
+    write_convolutions,
 )
 from support.numerics import assert_close
-from support.servers import ServerThread, make_config, start_worker
+from support.servers import EXAMPLES, ServerThread, make_config, start_worker
 
 from hloserve.models.bundle import load_bundle
 from hloserve.models.executable_cache import ExecutableCache
@@ -165,3 +167,67 @@ def test_ten_thousand_variants_start_on_one_program_and_are_indexed(tmp_path: Pa
     assert len(loaded) == count
     assert sum("shared_with" in e for e in loaded) == count - 1
     assert {e["program"] for e in loaded} == {loaded[0]["program"]}
+
+
+_EIGEN_CONVOLUTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+"""The option set the exporter keeps for dense convolutional nets on CPU (hloserve.export.tuning)."""
+
+
+def _with_xla_options(directory: Path, options: dict[str, Any]) -> Path:
+    def add(manifest: dict[str, Any]) -> None:
+        manifest["xla_options"] = {"cpu": options}
+
+    edit_manifest(directory, add)
+    return directory
+
+
+def _ynn_convolutions(program: Any) -> list[bool]:
+    """Per executable, whether XLA sent a convolution to YNNPACK: a computation that a
+    `ynn_fusion` instruction calls holds a convolution, in the optimized HLO."""
+    found = []
+    for _, executable in sorted(program.executables.items()):
+        text = executable.hlo_modules()[0].to_string()
+        bodies = dict(re.findall(r"^(?:ENTRY )?%(\S+) \(.*?\{\n(.*?)^\}", text, re.MULTILINE | re.DOTALL))
+        called = re.findall(r"%ynn_fusion\S* = .*?calls=%([\w.-]+)", text)
+        found.append(any("convolution(" in bodies[name] for name in called))
+    return found
+
+
+def test_a_bundles_xla_options_compile_its_program_apart_from_the_defaults(tmp_path: Path) -> None:
+    write_convolutions(tmp_path / "convs")
+    tuned = shutil.copytree(tmp_path / "convs", tmp_path / "tuned")
+    _with_xla_options(tuned, _EIGEN_CONVOLUTIONS)
+    edit_manifest(tuned, _named("tuned"))
+    cache = ExecutableCache(tmp_path / "cache")
+    programs = Programs(cache)
+    default, _ = programs.load(load_bundle(tmp_path / "convs"))
+    program, shared = programs.load(load_bundle(tuned))
+    assert not shared and program is not default  # same modules, other options: another program
+    assert cache.misses == 4  # two batch sizes each, cached under keys of their own
+    assert _ynn_convolutions(default) == [True, True]  # XLA's default: YNNPACK's
+    assert _ynn_convolutions(program) == [False, False]
+    again, _ = Programs(cache).load(load_bundle(tuned))  # read back from the cache, options kept
+    assert cache.hits == 2 and _ynn_convolutions(again) == [False, False]
+
+
+def test_xla_options_for_another_platform_change_nothing_here(tmp_path: Path) -> None:
+    shutil.copytree(EXAMPLES / "cnn", tmp_path / "cnn")
+    other = shutil.copytree(EXAMPLES / "cnn", tmp_path / "other")
+    cuda_only = {"cuda": {"xla_gpu_autotune_level": 0}}
+    edit_manifest(other, lambda m: m.update(name="other", xla_options=cuda_only))
+    programs = Programs(None)
+    default, _ = programs.load(load_bundle(tmp_path / "cnn"))
+    assert programs.load(load_bundle(other)) == (default, True)
+
+
+def test_an_option_xla_does_not_know_fails_only_its_bundle(tmp_path: Path) -> None:
+    shutil.copytree(EXAMPLES / "cnn", tmp_path / "cnn")
+    _with_xla_options(shutil.copytree(EXAMPLES / "cnn", tmp_path / "typo"), {"xla_cpu_no_such_option": True})
+    edit_manifest(tmp_path / "typo", _named("typo"))
+    with start_worker(make_config(tmp_path)) as server:
+        client = grpcclient.InferenceServerClient(server.url)
+        index = {m.name: m for m in client.get_model_repository_index().models}
+        assert index["cnn"].state == "READY"
+        assert index["typo"].state == "UNAVAILABLE"
+        assert "xla_cpu_no_such_option" in index["typo"].reason, index["typo"].reason
+        client.close()

@@ -54,7 +54,8 @@ def write_affine(directory: Path, batch_sizes: tuple[int, ...] = (1, 2)) -> Path
         directory,
         batch_sizes=batch_sizes,
         outputs=[OutputSpec("OUTPUT", letters="k")],
-        verify=False,  # a fixture; the exporter's own tests verify
+        verify=False,  # a fixture; the exporter's own tests verify (and tune)
+        tune=False,
     )
 
 
@@ -114,7 +115,7 @@ def write_heavy(directory: Path, products: int) -> Path:
 
     w = (np.random.default_rng(0).standard_normal((256, 256)) / 16).astype(np.float32)
     return export_bundle(
-        heavy, {"w": w}, [InputSpec("INPUT0", (256,))], directory, batch_sizes=(1,), verify=False
+        heavy, {"w": w}, [InputSpec("INPUT0", (256,))], directory, batch_sizes=(1,), verify=False, tune=False
     )
 
 
@@ -133,4 +134,29 @@ def write_wide(directory: Path, width: int) -> Path:
         batch_sizes=(1,),
         outputs=[OutputSpec("Y", letters="f")],
         verify=False,
+        tune=False,
+    )
+
+
+def _convolutions(params: Any, x: Any) -> Any:
+    for w in params["w"]:
+        x = jax.nn.relu(
+            jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        )
+    return x.mean(axis=(1, 2))
+
+
+def write_convolutions(directory: Path, *, tune: bool = False, verify: bool = False) -> Path:
+    """Four dense 3x3 convolutions of 64 channels over a 32x32 image (IMAGE [n, 32, 32, 16] →
+    output_0 [n, 64]) at batch sizes 1 and 4: the kind of layer XLA's options change."""
+    rng = np.random.default_rng(0)
+    w = [(rng.standard_normal((3, 3, c, 64)) * 0.1).astype(np.float32) for c in (16, 64, 64, 64)]
+    return export_bundle(
+        _convolutions,
+        {"w": w},
+        [InputSpec("IMAGE", (32, 32, 16), np.float32)],
+        directory,
+        batch_sizes=(1, 4),
+        verify=verify,
+        tune=tune,
     )

@@ -33,6 +33,7 @@ import yaml
 
 from hloserve import dtypes
 from hloserve._version import __version__
+from hloserve.export.tuning import tune as tune_module
 from hloserve.export.verification import VerificationError, verify_bundle
 from hloserve.models import _xla
 from hloserve.models._scratch import DEFAULT_MAX_SCRATCH_RATIO, ScratchError, check_scratch, module_memory
@@ -288,6 +289,7 @@ def export_bundle(
     atol: float | None = None,
     max_scratch_ratio: float | None = DEFAULT_MAX_SCRATCH_RATIO,
     precision: Precision = "fp32",
+    tune: bool = True,
 ) -> Path:
     """Export `fn(params, *inputs)` as the bundle `directory`; returns the directory.
 
@@ -313,7 +315,11 @@ def export_bundle(
 
     On this machine's platform each module is also compiled once after lowering and its
     scratch (XLA's planned temporary memory) logged; a module whose scratch exceeds
-    `max_scratch_ratio` times its weights, inputs and outputs is refused (None: never).
+    `max_scratch_ratio` times its weights, inputs and outputs is refused (None: never). With
+    `tune` (the default), the largest batch size's module is then timed with XLA's defaults and
+    with each of `hloserve.export.tuning.CANDIDATES`' option sets; one that is clearly faster is
+    written to the manifest (`xla_options`), which the server compiles with, and the times to
+    `provenance.xla_tuning`.
 
     `precision="bf16"` or `"fp16"` stores the float weights (those wider than 16 bits) in that
     type and computes in it: inside the module, float inputs are cast down at its entry and
@@ -381,7 +387,7 @@ def export_bundle(
         weights = list(traceable.weights)
         weight_specs = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights]
 
-        local = "cpu" if _xla.device().platform == "cpu" else "cuda"
+        local = _xla.compile_platform()
         modules: dict[int, str | bytes] = {}
         traced_outputs: list[tuple[tuple[int, ...], np.dtype]] = []
         for step, size in enumerate(sizes, 1):
@@ -422,6 +428,9 @@ def export_bundle(
                 seconds=round(time.perf_counter() - started, 2),
                 **memory,
             )
+        tuning = None
+        if tune and platform == local:
+            tuning = tune_module(modules[sizes[-1]], sizes[-1], weights, executables)
         out_specs = (
             list(outputs)
             if outputs is not None
@@ -460,6 +469,8 @@ def export_bundle(
             manifest["client_outputs"] = [_spec_tensor(t) for t in client_outputs]
         if batch_axis:
             manifest["batching"] = {"compiled_batch_sizes": sizes}
+        if tuning is not None and tuning.chosen:
+            manifest["xla_options"] = {platform: dict(tuning.chosen)}
         manifest["provenance"] = {
             "exporter": f"hloserve {__version__}",
             "jax_version": jax.__version__,
@@ -469,6 +480,7 @@ def export_bundle(
             **traceable.versions,
             "batch_sizes": list(sizes) if batch_axis else [],
             **({"precision": precision} if precision != "fp32" else {}),
+            **({"xla_tuning": tuning.provenance()} if tuning is not None else {}),
             "exported_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         }
         (directory / "manifest.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,7 @@ from hloserve.dtypes import DType, by_mlir
 SEMI_PUBLIC = (
     "jax.extend.backend.get_backend",
     "jax.extend.backend.get_compile_options",
+    "jaxlib.xla_client.CompileOptions.env_option_overrides",
     "jax.extend.mlir.deserialize_portable_artifact",
     "jax._src.interpreters.mlir.make_ir_context",
     "jax.core.ShapedArray",
@@ -186,15 +187,29 @@ def main_signature(source: str | bytes) -> Signature:
         raise ValueError("module has no function named 'main'")
 
 
-def _compile_options() -> Any:
-    return jax.extend.backend.get_compile_options(num_replicas=1, num_partitions=1)
+XlaOptionValue = str | bool | int | float
+XlaOptions = Mapping[str, XlaOptionValue]
+"""XLA's debug options for one compile (`xla_cpu_...: value`), over its defaults and XLA_FLAGS."""
 
 
-def compile_module(source: str | bytes) -> Executable:
-    """Compile StableHLO text or a portable artifact for `device()`. Blocks; GIL released."""
+def _compile_options(options: XlaOptions) -> Any:
+    compile_options = jax.extend.backend.get_compile_options(num_replicas=1, num_partitions=1)
+    if options:
+        compile_options.env_option_overrides = sorted(options.items())
+    return compile_options
+
+
+def compile_platform() -> str:
+    """The platform this machine compiles for, as bundles name it: `cpu` or `cuda`."""
+    return "cpu" if device().platform == "cpu" else "cuda"
+
+
+def compile_module(source: str | bytes, options: XlaOptions | None = None) -> Executable:
+    """Compile StableHLO text or a portable artifact for `device()`, with XLA `options` over the
+    defaults (an unknown option or value raises). Blocks; GIL released."""
     dev = device()
     return jax.extend.backend.get_backend(dev.platform).compile_and_load(
-        source, xla_client.DeviceList((dev,)), _compile_options()
+        source, xla_client.DeviceList((dev,)), _compile_options(options or {})
     )
 
 
@@ -203,12 +218,13 @@ def serialize_executable(executable: Executable) -> bytes:
     return bytes(executable.serialize())
 
 
-def deserialize_executable(blob: bytes) -> Executable:
-    """An executable serialized by this jaxlib for this device kind (only ever load your own:
-    deserializing can run arbitrary code). Raises on a corrupt or foreign blob."""
+def deserialize_executable(blob: bytes, options: XlaOptions | None = None) -> Executable:
+    """An executable serialized by this jaxlib for this device kind, compiled with `options`
+    (only ever load your own: deserializing can run arbitrary code). Raises on a corrupt or
+    foreign blob."""
     dev = device()
     return jax.extend.backend.get_backend(dev.platform).deserialize_executable(
-        blob, xla_client.DeviceList((dev,)), _compile_options()
+        blob, xla_client.DeviceList((dev,)), _compile_options(options or {})
     )
 
 

@@ -151,13 +151,21 @@ class Bundle:
     @property
     def program_digest(self) -> str:
         """What its executables are compiled from: bundles with the same digest (byte-identical
-        modules for the same batch sizes) share one loaded program. Empty for a meta bundle."""
+        modules for the same batch sizes, the same XLA options here) share one loaded program.
+        Empty for a meta bundle."""
         if not self.modules:
             return ""
         digest = hashlib.sha256()
         for module in self.modules:
             digest.update(f"{module.batch_size}:{module.text.digest};".encode())
+        if self.xla_options:
+            digest.update(f"XLA options {sorted(self.xla_options.items())!r}".encode())
         return digest.hexdigest()
+
+    @property
+    def xla_options(self) -> _xla.XlaOptions:
+        """The manifest's XLA options for the platform this machine compiles for."""
+        return self.manifest.xla_options.get(_xla.compile_platform(), {})
 
     def module_for(self, batch_size: int) -> ModuleFile:
         for module in self.modules:

@@ -5,11 +5,14 @@ batch axis last (`"fn"` with `dims: {f: 16}` is a wire tensor of shape `[batch, 
 `b` marks the batch axis; every other letter needs a size in `dims`; `-1` marks a variable axis,
 allowed only on client-facing tensors (a `model.py` consumes or produces them). A bundle of
 `kind: meta` has no executable: its `model.py` answers with calls to the models listed in
-`meta.calls`. Every rule raises a `BundleError` that names the bundle, the file and the field.
+`meta.calls`. `xla_options` names, per platform, the XLA options the modules are compiled with
+(the exporter keeps those it measured to win). Every rule raises a `BundleError` that names the
+bundle, the file and the field.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,9 +43,13 @@ _KEYS = frozenset(
         "provenance",
         "input_shapes",
         "meta",
+        "xla_options",
     }
 )
 _TENSOR_KEYS = frozenset({"name", "dtype", "shape", "dims", "description", "labels", "format"})
+PLATFORMS = ("cpu", "cuda")
+"""The platforms `xla_options` may name (a bundle's modules are lowered for one of them)."""
+_XLA_OPTION = re.compile(r"^xla_[a-z0-9_]{1,120}$")
 FORMATS = ("NHWC", "NCHW")
 """Image layouts an input may declare (`format`), which ModelConfig reports as Triton does."""
 
@@ -127,6 +134,9 @@ class Manifest:
     """`model` (an executable) or `meta` (a model.py calling other models)."""
     calls: tuple[str, ...] = ()
     """The models a meta model may call (`meta.calls`)."""
+    xla_options: Mapping[str, Mapping[str, str | bool | int | float]] = field(default_factory=dict)
+    """Platform (`cpu`, `cuda`) → XLA debug options its executables are compiled with, over
+    XLA's defaults: what the exporter measured to run this model faster on that platform."""
 
     @property
     def is_meta(self) -> bool:
@@ -309,6 +319,7 @@ def parse_manifest(data: object, bundle: str, *, has_model_py: bool) -> Manifest
     if not isinstance(provenance, Mapping):
         raise read.fail("provenance", f"expected a mapping, got {provenance!r}")
     return Manifest(
+        xla_options=_xla_options(read, data.get("xla_options")),
         name=bundle,
         format_version=str(version),
         executable_inputs=executable_inputs,
@@ -327,7 +338,7 @@ def _meta_manifest(
     """A `kind: meta` bundle: client tensors, `meta.calls`, and a model.py; no executable."""
     if not has_model_py:
         raise read.fail("kind", "a meta model needs a model.py that calls register_meta_model")
-    for key in ("input_shapes", "batching"):
+    for key in ("input_shapes", "batching", "xla_options"):
         if key in data:
             raise read.fail(key, "not allowed with kind: meta (a meta model has no executable)")
     client_inputs = read.tensors(data, "client_inputs", required=True)
@@ -376,6 +387,29 @@ def _batch_sizes(read: _Reader, batching: Any) -> tuple[int, ...]:
     if len(set(sizes)) != len(sizes):
         raise read.fail(where, f"{sizes} repeats a size")
     return tuple(sorted(sizes))
+
+
+def _xla_options(read: _Reader, data: Any) -> dict[str, dict[str, str | bool | int | float]]:
+    """`xla_options`: platform → {XLA debug option: value}. Whether XLA knows an option and
+    takes its value is checked where the module is compiled (it fails the load, naming it)."""
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise read.fail("xla_options", f"expected a mapping of platform to options, got {data!r}")
+    options: dict[str, dict[str, str | bool | int | float]] = {}
+    for platform, values in data.items():
+        where = f"xla_options.{platform}"
+        if platform not in PLATFORMS:
+            raise read.fail(where, f"unknown platform; expected one of {list(PLATFORMS)}")
+        if not isinstance(values, Mapping):
+            raise read.fail(where, f"expected a mapping of XLA option to value, got {values!r}")
+        for option, value in values.items():
+            if not isinstance(option, str) or not _XLA_OPTION.match(option):
+                raise read.fail(f"{where}.{option}", "expected an XLA option name: xla_ and lowercase words")
+            if not isinstance(value, str | bool | int | float):
+                raise read.fail(f"{where}.{option}", f"expected a string, number or boolean, got {value!r}")
+        options[platform] = dict(values)
+    return options
 
 
 def _first(keys: set[Any]) -> str:

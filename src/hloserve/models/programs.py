@@ -63,7 +63,7 @@ def compile_program(bundle: Bundle, cache: ExecutableCache | None) -> Program:
     """Compile every module of a bundle, through the executable cache if given (blocking)."""
     started = time.perf_counter()
     compile_module = cache.compile if cache is not None else _xla.compile_module
-    executables = {m.batch_size: compile_module(m.source) for m in bundle.modules}
+    executables = {m.batch_size: compile_module(m.source, bundle.xla_options) for m in bundle.modules}
     scratch = max((_xla.compiled_memory(e)["temp_bytes"] for e in executables.values()), default=0)
     return Program(bundle.program_digest, executables, time.perf_counter() - started, scratch, bundle.name)
 

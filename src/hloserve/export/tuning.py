@@ -1,0 +1,149 @@
+"""A bundle's XLA options, chosen by timing the model's own module with each candidate.
+
+XLA:CPU's defaults do not suit every model. Its YNNPACK convolution fusions barely use a
+second core, so on 2 cores ResNet-50 at batch 4 ran in 460 ms with them and 358 ms with the
+convolutions left to XLA's own emitter; MobileNetV3 and EfficientNet (depthwise convolutions)
+went the other way, 33 → 41 ms and 86 → 90 ms. No server-wide default wins both, so the
+exporter measures: it compiles the largest batch size's module with each candidate, runs it on
+the model's weights, and keeps a candidate only when it beats the defaults by `MIN_GAIN`. The
+bundle records what it keeps (`xla_options`, per platform) and the times (`provenance`); the
+server compiles with the options, keyed into its program sharing and its executable cache.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import structlog
+
+from hloserve.models import _xla
+from hloserve.models.executable_cache import ExecutableCache
+
+__all__ = ["CANDIDATES", "MIN_GAIN", "Tuning", "choose", "tune"]
+
+log = structlog.get_logger("hloserve.export")
+
+CANDIDATES: Mapping[str, tuple[_xla.XlaOptions, ...]] = {
+    "cpu": (
+        # Convolutions to XLA's own emitter (Eigen), matmuls still to YNNPACK: XLA's default
+        # list minus LIBRARY_FUSION_TYPE_INDIVIDUAL_CONVOLUTION (XLA_FLAGS' "-individual_convolution").
+        {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"},
+    ),
+}
+"""Per platform, the option sets tried against XLA's defaults."""
+
+MIN_GAIN = 0.10
+"""How much faster (a fraction of the defaults' time) a candidate must run to be kept: more
+than the run-to-run spread of a median on a busy 2-core machine, so noise never picks one."""
+
+_ROUNDS = (3, 9)
+"""Timed runs per candidate: at least the first, at most the second."""
+_BUDGET_S = 4.0
+"""Past this many seconds of timed runs, stop once the minimum is reached."""
+
+
+@dataclass(frozen=True, slots=True)
+class Tuning:
+    """What the exporter measured for one module, and what it chose."""
+
+    batch_size: int
+    default_ms: float
+    """Median execution time with XLA's defaults."""
+    measured: tuple[tuple[_xla.XlaOptions, float | str], ...]
+    """Each candidate and its median milliseconds, or why it could not run."""
+    chosen: _xla.XlaOptions
+    """The options kept (empty: the defaults)."""
+
+    def provenance(self) -> dict[str, Any]:
+        """The manifest's record of the measurement (`provenance.xla_tuning`)."""
+        return {
+            "batch_size": self.batch_size,
+            "default_ms": round(self.default_ms, 3),
+            "candidates": [{"options": dict(options), **_outcome(ms)} for options, ms in self.measured],
+        }
+
+
+def _outcome(ms: float | str) -> dict[str, float | str]:
+    return {"ms": round(ms, 3)} if isinstance(ms, float) else {"error": ms}
+
+
+def choose(default_ms: float, measured: Sequence[tuple[_xla.XlaOptions, float | str]]) -> _xla.XlaOptions:
+    """The fastest candidate that beats the defaults by `MIN_GAIN`; else none (empty)."""
+    timed = [(ms, options) for options, ms in measured if isinstance(ms, float)]
+    if not timed:
+        return {}
+    ms, options = min(timed, key=lambda pair: pair[0])
+    return options if ms < default_ms * (1 - MIN_GAIN) else {}
+
+
+def tune(
+    source: str | bytes,
+    batch_size: int,
+    weights: Sequence[np.ndarray],
+    cache: ExecutableCache,
+    candidates: Sequence[_xla.XlaOptions] | None = None,
+) -> Tuning | None:
+    """Time `source` (its inputs zeros, its last arguments `weights`) with XLA's defaults and each
+    candidate for this machine's platform, compiled through `cache`; None when the platform has
+    no candidates. Blocks for a few compiles and at most about `_BUDGET_S` of runs."""
+    if candidates is None:
+        candidates = CANDIDATES.get(_xla.compile_platform(), ())
+    if not candidates:
+        return None
+    types = _xla.main_signature(source).inputs
+    n_inputs = len(types) - len(weights)
+    arguments = [np.zeros(t.shape, t.dtype.numpy) for t in types[:n_inputs]]
+    arguments += [np.asarray(w, dtype=t.dtype.numpy) for w, t in zip(weights, types[n_inputs:], strict=True)]
+    placed = [_xla.put(np.ascontiguousarray(a)) for a in arguments]
+    try:
+        executables = [_first_run(cache.compile(source), placed)]
+        tried: list[int] = []
+        failed: dict[int, str] = {}
+        for k, options in enumerate(candidates):
+            try:
+                executables.append(_first_run(cache.compile(source, options), placed))
+            except Exception as e:  # an option this jaxlib does not know, or cannot compile with
+                failed[k] = (str(e).strip().splitlines() or [repr(e)])[0][:200]
+                log.warning("XLA option set not tried", options=dict(options), error=failed[k])
+            else:
+                tried.append(k)
+        times = _interleaved_medians(executables, placed)
+    finally:
+        _xla.free(placed)
+    outcomes: dict[int, float | str] = {**failed, **dict(zip(tried, times[1:], strict=True))}
+    measured = tuple((options, outcomes[k]) for k, options in enumerate(candidates))
+    tuning = Tuning(batch_size, times[0], measured, choose(times[0], measured))
+    log.info(
+        "XLA options measured",
+        batch_size=batch_size,
+        default_ms=round(tuning.default_ms, 2),
+        candidates=[round(ms, 2) if isinstance(ms, float) else ms for _, ms in measured],
+        chosen=dict(tuning.chosen) or "defaults",
+    )
+    return tuning
+
+
+def _first_run(executable: Any, arguments: Sequence[_xla.DeviceArray]) -> Any:
+    """Run once untimed (first-run costs), so a failure shows here; returns the executable."""
+    _xla.to_numpy(_xla.run(executable, arguments))
+    return executable
+
+
+def _interleaved_medians(executables: Sequence[Any], arguments: Sequence[_xla.DeviceArray]) -> list[float]:
+    """Median milliseconds of each executable, timed in turns so that a change in the machine's
+    load falls on all of them alike."""
+    samples: list[list[float]] = [[] for _ in executables]
+    started = time.perf_counter()
+    for rounds in range(1, _ROUNDS[1] + 1):
+        for executable, times in zip(executables, samples, strict=True):
+            begun = time.perf_counter()
+            _xla.to_numpy(_xla.run(executable, arguments))
+            times.append((time.perf_counter() - begun) * 1e3)
+        if rounds >= _ROUNDS[0] and time.perf_counter() - started > _BUDGET_S:
+            break
+    return [statistics.median(times) for times in samples]
