@@ -118,3 +118,29 @@ def test_trio_asyncio_imports_and_runs_without_the_child_watcher_python_314_remo
         assert done.stdout.split() == ["42"]
     else:  # what a user of trio-asyncio 0.16.0 meets on Python 3.14 without hloserve's module
         assert "AbstractChildWatcher" in done.stderr, done.stderr[-2000:]
+
+
+def test_cancelled_timers_leave_the_heap_as_in_asyncio() -> None:
+    """A cancelled `call_later` (a connection's idle timer, a call's deadline) is dropped once
+    cancelled ones are half the heap, not kept until it would have fallen due."""
+    fired: list[str] = []
+    sizes: list[int] = []
+
+    async def main() -> None:
+        async with trio_asyncio.open_loop() as loop:
+            handles = [loop.call_later(3600, fired.append, "cancelled") for _ in range(1000)]
+            loop.call_later(0.2, fired.append, "due")
+            while len(loop._timers) < 1001:  # each handle reaches the heap on a pass of the loop
+                await trio.sleep(0.001)
+            for handle in handles[:499]:
+                handle.cancel()
+            sizes.append(len(loop._timers))  # under half cancelled: kept
+            for handle in handles[499:]:
+                handle.cancel()
+            sizes.append(len(loop._timers))
+            await trio.sleep(0.4)
+
+    trio.run(main)
+    assert sizes[0] == 1001
+    assert sizes[1] < _trio_asyncio_patches.MIN_TIMERS_TO_PURGE, sizes
+    assert fired == ["due"]
