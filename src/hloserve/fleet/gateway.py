@@ -112,9 +112,10 @@ class _Publisher:
             await self._asked.wait()
             self._asked = trio.Event()
             version, routes = self.requested, self._wanted
-            self._write_clusters(routes, version)
+            # In a thread: at 10,000 models building and writing the files takes about a second.
+            await trio.to_thread.run_sync(self._write_clusters, routes, version)
             await self._until_envoy_has(version, "clusters", lambda a: a.clusters, lambda a: a.warming == 0)
-            self._write_routes(routes, version)
+            await trio.to_thread.run_sync(self._write_routes, routes, version)
             await self._until_envoy_has(version, "routes", lambda a: a.routes)
             self._previous = routes
 
