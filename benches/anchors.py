@@ -11,9 +11,11 @@ batch 1 and 4, each of:
 - `compile`: `torch.compile` (Inductor, default mode; `dynamic=False`, one static graph per batch
   size as hloserve has), its first call timed as its compile;
 - `ort`: ONNX Runtime's CPU provider, `intra_op_num_threads=N`, on the model exported by
-  `torch.onnx.export(opset_version=17, dynamo=False)` with a dynamic batch axis.
+  `torch.onnx.export(opset_version=17, dynamo=False)` with a dynamic batch axis;
+- `dflt` (where the export kept XLA options of its own, `xla_options`): the same module
+  compiled with XLA's defaults, so that each row shows what the chosen options won.
 
-The four take turns call by call (`WARMUP` untimed rounds, then at least `REPEATS`; medians), so load
+They take turns call by call (`WARMUP` untimed rounds, then at least `REPEATS`; medians), so load
 from elsewhere on the machine weighs on all alike. XLA:CPU sizes its thread pool by the cores a
 process may use, which is why each thread count is its own process. The ratios are hloserve's
 time over each anchor's: above 1, hloserve is slower. Export and first-load compile seconds are
@@ -30,7 +32,7 @@ import subprocess
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +65,11 @@ class Row:
     torch_compile_s: float
     """torch.compile's first call at this batch size (its compile; Inductor's caches may help)."""
     xla_flags: str = field(default="")
+    xla_options: dict[str, Any] = field(default_factory=dict)
+    """The bundle's XLA options on this platform, as the exporter chose them."""
+    defaults_ms: float | None = None
+    """hloserve's median ms with XLA's default options instead, in the same rounds (None: the
+    bundle has none of its own)."""
 
 
 def _zoo() -> Any:
@@ -178,6 +185,9 @@ def measure(name: str, threads: int, quick: bool = False) -> list[dict[str, Any]
     root = zoo._cache_root()
     bundle = load_bundle(root / "repository" / name)
     compiled = compile_bundle(bundle)  # no executable cache: a first load's compile
+    defaults = None  # the same module with XLA's defaults: what the chosen options won
+    if bundle.xla_options:
+        defaults = compile_bundle(replace(bundle, manifest=replace(bundle.manifest, xla_options={})))
     weights = _xla.put_all(read_weights(bundle))
     model = zoo._builder(name)()
     options = onnxruntime.SessionOptions()
@@ -190,7 +200,8 @@ def measure(name: str, threads: int, quick: bool = False) -> list[dict[str, Any]
     rows = []
     for batch in batches:
         inputs = {k: np.ascontiguousarray(a) for k, a in zoo._requests(name, batch, seed=1).items()}
-        ms, torch_compile_s = _time_batch(compiled, weights, model, session, batch, inputs, repeats)
+        ms, torch_compile_s = _time_batch(compiled, weights, model, session, batch, inputs, repeats, defaults)
+        defaults_ms = ms.pop("defaults", None)
         rows.append(
             {
                 "model": name,
@@ -201,15 +212,26 @@ def measure(name: str, threads: int, quick: bool = False) -> list[dict[str, Any]
                 "compile_s": round(compiled.compile_s, 2),
                 "torch_compile_s": round(torch_compile_s, 2),
                 "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                "xla_options": dict(bundle.xla_options),
+                "defaults_ms": defaults_ms,
             }
         )
     return rows
 
 
 def _time_batch(
-    compiled: Any, weights: Any, model: Any, session: Any, batch: int, inputs: dict[str, Any], repeats: int
+    compiled: Any,
+    weights: Any,
+    model: Any,
+    session: Any,
+    batch: int,
+    inputs: dict[str, Any],
+    repeats: int,
+    defaults: Any = None,
 ) -> tuple[dict[str, float], float]:
-    """Median ms per call of each runtime on `inputs`, taking turns; torch.compile's compile s."""
+    """Median ms per call of each runtime on `inputs` (and of `defaults`, hloserve's module
+    compiled with XLA's default options, under "defaults"), taking turns; torch.compile's
+    compile s."""
     import torch
 
     arrays = list(inputs.values())
@@ -222,14 +244,16 @@ def _time_batch(
         "compile": lambda: compiled_model(*tensors),
         "ort": lambda: session.run(None, inputs),
     }
-    times: dict[str, list[float]] = {runtime: [] for runtime in RUNTIMES}
+    if defaults is not None:
+        calls["defaults"] = lambda: defaults.execute(batch, arrays, weights)
+    times: dict[str, list[float]] = {runtime: [] for runtime in calls}
     with torch.no_grad():
         started = time.perf_counter()
         compiled_model(*tensors)
         torch_compile_s = time.perf_counter() - started
         k = 0
         while k < WARMUP + repeats or (k < MAX_ROUNDS and sum(times["hloserve"]) < BUDGET_S):
-            for runtime in RUNTIMES:
+            for runtime in calls:
                 started = time.perf_counter()
                 calls[runtime]()
                 if k >= WARMUP:
@@ -242,7 +266,8 @@ def _line(r: Row) -> str:
     times = " ".join(f"{r.ms[k]:>9.2f}" for k in RUNTIMES)
     ratios = " ".join(f"{r.ratios[k]:>6.2f}" for k in RUNTIMES[1:])
     seconds = f"{r.export_s:>7.1f} {r.compile_s:>7.1f} {r.torch_compile_s:>7.1f} {r.onnx_export_s:>6.1f}"
-    return f"{r.model:<30} {r.batch:>2} {r.threads:>2} {times} {ratios} {seconds}"
+    defaults = f"{r.defaults_ms:>9.2f}" if r.defaults_ms is not None else f"{'-':>9}"
+    return f"{r.model:<30} {r.batch:>2} {r.threads:>2} {times} {ratios} {seconds} {defaults}"
 
 
 def table(rows: list[Row]) -> str:
@@ -250,7 +275,7 @@ def table(rows: list[Row]) -> str:
     ratios = " ".join(f"{'/' + k:>6}" for k in RUNTIMES[1:])
     lines = [
         f"{'model':<30} {'b':>2} {'th':>2} {head} {ratios} {'export':>7} {'compile':>7} "
-        f"{'t.comp':>7} {'onnx':>6}"
+        f"{'t.comp':>7} {'onnx':>6} {'dflt ms':>9}"
     ]
     lines += [_line(r) for r in rows]
     for count in sorted({r.threads for r in rows}):
