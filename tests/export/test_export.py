@@ -70,7 +70,7 @@ def test_export_writes_modules_weights_and_a_column_major_manifest(tmp_path: Pat
     assert [(e["event"], e.get("batch_size"), e.get("step")) for e in logs] == [
         ("exported batch size", 1, "1/2"),
         ("exported batch size", 4, "2/2"),
-        ("XLA options measured", 4, None),
+        ("XLA options not tried", 4, None),  # a module this quick is not tuned
         ("bundle verified in a fresh process", None, None),
     ]
     assert sorted(p.name for p in directory.iterdir()) == [

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from support.bundles import write_convolutions
+from support.bundles import write_affine, write_convolutions
 
 from hloserve.export import tuning
 from hloserve.models.bundle import load_bundle, read_weights
@@ -69,3 +69,13 @@ def test_an_option_this_jaxlib_does_not_know_is_reported_and_never_chosen(tmp_pa
     assert measured.chosen in ({}, EIGEN_CONVOLUTIONS)
     assert measured.provenance()["candidates"][0] == {"options": unknown, "error": error}
     assert np.isfinite(measured.default_ms)
+
+
+def test_a_module_quicker_than_the_threshold_is_not_tuned(tmp_path: Path) -> None:
+    bundle = load_bundle(write_affine(tmp_path / "affine"))
+    cache = ExecutableCache(tmp_path / "cache")
+    measured = tuning.tune(bundle.module_for(2).source, 2, read_weights(bundle), cache)
+    assert measured is not None and measured.default_ms < tuning.MIN_TUNED_MS
+    assert measured.measured == () and measured.chosen == {}
+    assert measured.provenance()["skipped"] == f"the defaults run in under {tuning.MIN_TUNED_MS:g} ms"
+    assert cache.misses == 1  # no candidate was compiled

@@ -41,6 +41,10 @@ MIN_GAIN = 0.10
 """How much faster (a fraction of the defaults' time) a candidate must run to be kept: more
 than the run-to-run spread of a median on a busy 2-core machine, so noise never picks one."""
 
+MIN_TUNED_MS = 1.0
+"""A module that runs faster than this with the defaults is not tuned: what an option could win
+is small beside a request's other costs, and timing noise would pick the winner."""
+
 _ROUNDS = (3, 9)
 """Timed runs per candidate: at least the first, at most the second."""
 _BUDGET_S = 4.0
@@ -58,6 +62,8 @@ class Tuning:
     """Each candidate and its median milliseconds, or why it could not run."""
     chosen: _xla.XlaOptions
     """The options kept (empty: the defaults)."""
+    skipped: str = ""
+    """Why no candidate was timed, where none was."""
 
     def provenance(self) -> dict[str, Any]:
         """The manifest's record of the measurement (`provenance.xla_tuning`)."""
@@ -65,6 +71,7 @@ class Tuning:
             "batch_size": self.batch_size,
             "default_ms": round(self.default_ms, 3),
             "candidates": [{"options": dict(options), **_outcome(ms)} for options, ms in self.measured],
+            **({"skipped": self.skipped} if self.skipped else {}),
         }
 
 
@@ -102,6 +109,10 @@ def tune(
     placed = [_xla.put(np.ascontiguousarray(a)) for a in arguments]
     try:
         executables = [_first_run(cache.compile(source), placed)]
+        (quick_ms,) = _interleaved_medians(executables, placed, rounds=(1, 1))
+        if quick_ms < MIN_TUNED_MS:
+            log.info("XLA options not tried", batch_size=batch_size, default_ms=round(quick_ms, 3))
+            return Tuning(batch_size, quick_ms, (), {}, f"the defaults run in under {MIN_TUNED_MS:g} ms")
         tried: list[int] = []
         failed: dict[int, str] = {}
         for k, options in enumerate(candidates):
@@ -134,16 +145,19 @@ def _first_run(executable: Any, arguments: Sequence[_xla.DeviceArray]) -> Any:
     return executable
 
 
-def _interleaved_medians(executables: Sequence[Any], arguments: Sequence[_xla.DeviceArray]) -> list[float]:
-    """Median milliseconds of each executable, timed in turns so that a change in the machine's
-    load falls on all of them alike."""
+def _interleaved_medians(
+    executables: Sequence[Any], arguments: Sequence[_xla.DeviceArray], rounds: tuple[int, int] = _ROUNDS
+) -> list[float]:
+    """Median milliseconds of each executable over `rounds` (at least, at most) rounds, timed in
+    turns so that a change in the machine's load falls on all of them alike."""
     samples: list[list[float]] = [[] for _ in executables]
     started = time.perf_counter()
-    for rounds in range(1, _ROUNDS[1] + 1):
+    least, most = rounds
+    for done in range(1, most + 1):
         for executable, times in zip(executables, samples, strict=True):
             begun = time.perf_counter()
             _xla.to_numpy(_xla.run(executable, arguments))
             times.append((time.perf_counter() - begun) * 1e3)
-        if rounds >= _ROUNDS[0] and time.perf_counter() - started > _BUDGET_S:
+        if done >= least and time.perf_counter() - started > _BUDGET_S:
             break
     return [statistics.median(times) for times in samples]
