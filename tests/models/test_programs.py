@@ -25,6 +25,7 @@ from support.bundles import (
     write_affine,
     write_convolutions,
 )
+from support.clients import infer
 from support.numerics import assert_close
 from support.servers import EXAMPLES, ServerThread, make_config, start_worker
 
@@ -230,4 +231,6 @@ def test_an_option_xla_does_not_know_fails_only_its_bundle(tmp_path: Path) -> No
         assert index["cnn"].state == "READY"
         assert index["typo"].state == "UNAVAILABLE"
         assert "xla_cpu_no_such_option" in index["typo"].reason, index["typo"].reason
+        logits = infer(client, "cnn", {"IMAGE": np.zeros((1, 16, 16, 3), np.float32)}).as_numpy("LOGITS")
+        assert logits.shape == (1, 10) and np.isfinite(logits).all()  # the other bundle still serves
         client.close()
