@@ -1,5 +1,6 @@
 """The allocator policy: a freed large buffer is reused, not faulted in afresh (counted in page
-faults, in a fresh process each, with glibc's defaults beside it).
+faults, in a fresh process each, with glibc's defaults beside it), and threads share a bounded
+number of arenas.
 
 The median over 20 reallocations is compared: one reallocation can still fault a whole buffer
 in when something else lands on the heap between two of them (CI once averaged 115 faults over
@@ -12,11 +13,13 @@ import sys
 
 import pytest
 
-from hloserve.allocator import keep_freed_memory
+from hloserve.allocator import keep_freed_memory, limit_arenas
+from hloserve.config import Config
 
 _FAULTS_PER_REALLOCATION = """
 import resource, statistics, sys
-from hloserve.allocator import keep_freed_memory
+from hloserve.allocator import keep_freed_memory, limit_arenas
+from hloserve.config import Config
 applied = keep_freed_memory(int(sys.argv[1]))
 sizes = [(4 << 20) + k * 4096 for k in range(21)]  # 4 MiB and up: above glibc's first mmap threshold
 held = b"\\x01" * sizes[0]
@@ -84,3 +87,48 @@ def test_freed_memory_kept_for_reuse_is_returned_when_asked() -> None:
     assert returned == "True", done.stdout
     assert int(dropped_by_free) < 8 << 20, f"free alone gave back {int(dropped_by_free) >> 20} MiB"
     assert int(dropped_by_return) > 56 << 20, f"return gave back {int(dropped_by_return) >> 20} MiB of 64"
+
+
+_ARENAS_OF_EIGHT_THREADS = """
+import ctypes, sys, threading
+from hloserve.allocator import limit_arenas
+applied = limit_arenas(int(sys.argv[1]))
+barrier = threading.Barrier(9)
+def hold():
+    block = bytearray(1 << 16)  # allocated by this thread, while the seven others live too
+    barrier.wait(timeout=30)
+    barrier.wait(timeout=30)
+threads = [threading.Thread(target=hold) for _ in range(8)]
+for thread in threads:
+    thread.start()
+barrier.wait(timeout=30)
+sys.stderr.flush()
+ctypes.CDLL(None).malloc_stats()  # one "Arena N:" section per arena, on stderr
+barrier.wait(timeout=30)
+print(applied)
+"""
+
+
+def _arenas(limit: int) -> tuple[bool, int]:
+    done = subprocess.run(
+        [sys.executable, "-c", _ARENAS_OF_EIGHT_THREADS, str(limit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return done.stdout.strip() == "True", done.stderr.count("Arena ")
+
+
+def test_threads_share_the_configured_number_of_arenas() -> None:
+    limit = Config().server.malloc_arenas
+    applied, arenas = _arenas(limit)
+    if not applied:
+        pytest.fail("mallopt was not applied: this test runs where the server runs, on glibc")
+    assert 1 <= arenas <= limit
+    _, default = _arenas(0)
+    assert default > limit, f"glibc's default gave {default} arenas to eight threads"
+
+
+def test_no_arena_limit_leaves_the_default() -> None:
+    assert limit_arenas(0) is False

@@ -8,6 +8,12 @@ request's buffer of the same size is then faulted in again, page by page. Which 
 on what shaped the heap before: a frontend that had served 64 tiny requests at a time took 6,300
 page faults and 4.3 ms of CPU per 4.8 MB request afterwards, against 2.4-2.6 ms with this policy.
 
+`limit_arenas` caps glibc's arenas. By default every new thread that allocates gets an arena of
+its own, up to 8 per core, and trio's worker threads come and go all day: each new one lands in a
+different arena, and what is freed in one arena is never reused by another. In an hour's soak
+the engine's freed-but-kept heap grew from 23 to 30 MB (RSS +10 MB, still rising); with two
+arenas it stayed near 7 MB.
+
 `keep_freed_memory` makes buffers up to 32 MiB (glibc's largest mmap threshold) come from the
 heap and keeps up to `nbytes` of freed heap for reuse before trimming. Off glibc, it does nothing.
 `return_freed_memory` hands every free page back at once, where what was freed will not come
@@ -24,22 +30,33 @@ import functools
 import gc
 from collections.abc import Callable
 
-__all__ = ["MMAP_THRESHOLD_BYTES", "keep_freed_memory", "return_freed_memory", "settle_heap"]
+__all__ = ["MMAP_THRESHOLD_BYTES", "keep_freed_memory", "limit_arenas", "return_freed_memory", "settle_heap"]
 
 MMAP_THRESHOLD_BYTES = 32 << 20
 """Blocks this large or smaller come from the heap (glibc's maximum for the threshold)."""
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
+
+
+@functools.cache
+def _mallopt() -> Callable[[int, int], int] | None:
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # None: not glibc
+    if mallopt is not None:
+        mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt
+
+
+def limit_arenas(count: int) -> bool:
+    """Let the process's threads share at most `count` arenas (0: leave glibc's 8 per core); True
+    if applied. glibc fixes its limit once a ninth arena exists: call this before threads start."""
+    mallopt = _mallopt()
+    return count > 0 and mallopt is not None and mallopt(_M_ARENA_MAX, count) == 1
 
 
 def keep_freed_memory(nbytes: int) -> bool:
     """Keep up to `nbytes` of freed heap for reuse (0: leave glibc's defaults); True if applied."""
-    if nbytes <= 0:
+    mallopt = _mallopt()
+    if nbytes <= 0 or mallopt is None:
         return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except AttributeError:  # not glibc
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(
         mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1 and mallopt(_M_TRIM_THRESHOLD, nbytes) == 1
     )

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import trio
 
-from hloserve.allocator import keep_freed_memory, settle_heap
+from hloserve.allocator import keep_freed_memory, limit_arenas, settle_heap
 from hloserve.config import Config, LoggingConfig, load_config
 from hloserve.errors import ConfigError
 from hloserve.export._torchvision import prepare_torchvision_import
@@ -541,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         return _import(args)
     try:  # every setting, and the extras they need, before anything starts: one line, exit 2
         config = _apply_flags(load_config(args.config), args)
+        limit_arenas(config.server.malloc_arenas)  # before JAX's and trio's threads exist
         from hloserve.engine.tracing import check_tracing  # imports JAX: after the file's checks
 
         check_tracing(config.tracing)

@@ -31,7 +31,7 @@ from hloserve._proto.hot import hot_infer_pb2 as hot
 from hloserve._proto.hot import hot_status_pb2 as hot_status
 from hloserve._transport import grpclib_patches as _grpclib_patches
 from hloserve._transport import trio_asyncio_patches as _trio_asyncio_patches
-from hloserve.allocator import keep_freed_memory, settle_heap
+from hloserve.allocator import keep_freed_memory, limit_arenas, settle_heap
 from hloserve.api import grpc_server
 from hloserve.api.control import ControlService
 from hloserve.api.data_plane import Call, LocalDataPlane
@@ -348,6 +348,7 @@ def main(argv: list[str]) -> None:
     die_with_parent(signal.SIGKILL)  # the engine forked us from its trio thread
     link_fd, port, http_port = int(argv[0]), int(argv[1]), int(argv[2])
     setup = pickle.load(sys.stdin.buffer)  # from the engine that started us: trusted
+    limit_arenas(setup.config.server.malloc_arenas)
     keep_freed_memory(setup.config.server.keep_freed_bytes)
     trio.run(_serve, link_fd, port, http_port, setup)
 
