@@ -257,7 +257,7 @@ def _proc(pid: int) -> dict[str, Any] | None:
 
 
 def _probe(probes: Path, pid: int) -> dict[str, Any]:
-    """The process's latest memory-probe line (empty where it writes none: Envoy, the node)."""
+    """The process's latest memory-probe line (empty where it writes none: Envoy)."""
     paths = list(probes.glob(f"*-{pid}.jsonl"))
     if not paths:
         return {}

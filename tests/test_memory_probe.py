@@ -1,25 +1,33 @@
-"""The opt-in memory probe (`logging.memory_probe_dir`): every server process writes its figures."""
+"""The opt-in memory probe (`logging.memory_probe_dir`): every server process writes its figures,
+the node's supervisor, its worker's engine and that engine's frontend."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from support.clients import assert_serves, wait_until
 from support.servers import start_worker
 
+NODE = (sys.executable, "-m", "hloserve.cli", "node")
 
-def test_the_engine_and_each_frontend_write_their_memory_figures(tmp_path: Path) -> None:
-    env = {"HLOSERVE_LOGGING_MEMORY_PROBE_DIR": str(tmp_path), "HLOSERVE_LOGGING_MEMORY_PROBE_S": "0.2"}
-    with start_worker(process="subprocess", frontends=1, env=env) as server:
+
+def test_the_node_its_engine_and_each_frontend_write_their_memory_figures(tmp_path: Path) -> None:
+    env = {
+        "HLOSERVE_LOGGING_MEMORY_PROBE_DIR": str(tmp_path),
+        "HLOSERVE_LOGGING_MEMORY_PROBE_S": "0.2",
+        "HLOSERVE_SERVER_FRONTENDS": "1",  # the node's one worker: an engine and a frontend
+    }
+    with start_worker(process="subprocess", command=NODE, args=["--cpu-workers", "1"], env=env) as server:
         assert_serves(server.url)
 
         def probed() -> list[dict[str, object]]:
             files = sorted(tmp_path.glob("*.jsonl"))
             lines = [json.loads(f.read_text().splitlines()[-1]) for f in files if f.read_text()]
-            return lines if {line["role"] for line in lines} == {"engine", "frontend"} else []
+            return lines if {line["role"] for line in lines} == {"node", "engine", "frontend"} else []
 
-        wait_until(probed, timeout=60, what="a probe line from the engine and the frontend")
+        wait_until(probed, timeout=60, what="a probe line from the node, the engine and the frontend")
         lines = probed()
     for line in lines:
         assert line["pid"] != 0 and line["rss_bytes"] > 10 << 20 and line["descriptors"] > 3  # type: ignore[operator]

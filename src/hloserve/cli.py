@@ -232,6 +232,7 @@ async def _node_until_signalled(config: Config, plan: NodePlan, config_path: Pat
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(stop_on_signal)
+            start_memory_probe(config.logging.memory_probe_dir, config.logging.memory_probe_s, "node")
             failure = await run_node(config, plan, config_path)
             log.error("node stopping: a child keeps dying", error=failure)
             status = 1

@@ -3,11 +3,11 @@
 What `/proc` shows from outside (resident memory, descriptors, threads) cannot tell a leak from
 the allocator keeping freed memory; this tells them apart from inside. With
 `logging.memory_probe_dir` set (`HLOSERVE_LOGGING_MEMORY_PROBE_DIR`, inherited by the frontends
-and a node's workers), every `logging.memory_probe_s` each engine and frontend process appends one
-JSON line to `<dir>/<role>-<pid>.jsonl`: its resident bytes, descriptors and threads, the Python
-heap (tracemalloc, one frame: what is allocated and not freed, after a full collection), glibc's
-`mallinfo2` over every arena (bytes in use, freed but kept, mapped), and the heap's top growth by
-source line since the first probe.
+and a node's workers), every `logging.memory_probe_s` each engine, frontend and node (supervisor)
+process appends one JSON line to `<dir>/<role>-<pid>.jsonl`: its resident bytes, descriptors and
+threads, the Python heap (tracemalloc, one frame: what is allocated and not freed, after a full
+collection), glibc's `mallinfo2` over every arena (bytes in use, freed but kept, mapped), and the
+heap's top growth by source line since the first probe.
 
 It costs what tracemalloc costs (every allocation is recorded: expect a slower server) plus a
 collection and a snapshot per probe, so it is for soaks and investigations, never on by default.
