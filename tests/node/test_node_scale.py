@@ -1,12 +1,15 @@
 """`hloserve node --cpu-workers 2` over 10,000 models (issue 36): the controller discovers every
 worker's models, Envoy routes each through one pool of both workers (two clusters, not 20,000),
-and unmodified clients get each variant's own answer through Envoy, over gRPC (the model's name
-read from the body) and REST."""
+unmodified clients get each variant's own answer through Envoy, over gRPC (the model's name
+read from the body) and REST, the control status sums both workers' 10,000 models in one
+answer, and one bundle changed among the 10,000 is reloaded by the workers' repository watch."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,10 +22,12 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 import tritonclient.http as triton_http
+from grpclib.client import Channel
 from support.bundles import PARAMS, X, affine, affine_output, edit_manifest, save_affine_weights, write_affine
 from support.clients import wait_until
 from support.numerics import assert_close
 
+from hloserve._proto import hloserve_control as control
 from hloserve.fleet.workers import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
@@ -62,7 +67,12 @@ def node(catalogue: tuple[Path, Any], tmp_path_factory: pytest.TempPathFactory) 
     repository, _ = catalogue
     log = tmp_path_factory.mktemp("node") / "node.log"
     ports = {name: free_port() for name in ("grpc", "http", "metrics")}
-    env = {**os.environ, "HLOSERVE_NODE_DISCOVERY_INTERVAL_S": "0.5"}
+    env = {
+        **os.environ,
+        "HLOSERVE_NODE_DISCOVERY_INTERVAL_S": "0.5",
+        "HLOSERVE_SERVER_RELOAD": "true",  # each worker watches the 10,000 bundles
+        "HLOSERVE_SERVER_REPOSITORY_POLL_S": "2",
+    }
     with log.open("wb") as out:
         process = subprocess.Popen(
             [*DIE_WITH_TEST, sys.executable, "-m", "hloserve.cli", "node", "--cpu-workers", "2",
@@ -151,3 +161,52 @@ def test_envoy_holds_one_pool_for_the_models_on_the_same_workers_and_a_map_of_th
     }
     assert {"controller", "controller_http", *routed} <= held
     assert len(held) <= 6, held
+
+
+def _control_status(node: dict[str, Any]) -> control.ModelControlStatusResponse:
+    async def call() -> control.ModelControlStatusResponse:
+        channel = Channel("127.0.0.1", node["grpc"])
+        try:
+            stub = control.ControlServiceStub(channel)
+            return await stub.model_control_status(control.ModelControlStatusRequest(), timeout=60)
+        finally:
+            channel.close()
+
+    return asyncio.run(call())
+
+
+def test_the_control_status_of_ten_thousand_models_sums_both_workers_in_one_answer(
+    node: dict[str, Any],
+) -> None:
+    grpc = triton.InferenceServerClient(f"127.0.0.1:{node['grpc']}")
+    before = {m.name: m.requests_served for m in _control_status(node).models}
+    for _ in range(3):
+        affine_output(grpc, "v5000")
+    grpc.close()
+    status = _control_status(node)
+    assert [m.name for m in status.models] == sorted(f"v{i}" for i in range(COUNT))
+    served = {m.name: m.requests_served for m in status.models}
+    assert served["v5000"] >= before["v5000"] + 3  # on whichever worker Envoy sent them
+    assert status.weight_cache_max_bytes > 0
+
+
+def test_one_bundle_changed_among_ten_thousand_is_reloaded_and_the_others_are_not(
+    node: dict[str, Any], catalogue: tuple[Path, dict[str, dict[str, np.ndarray]]]
+) -> None:
+    repository, chosen = catalogue
+    grpc = triton.InferenceServerClient(f"127.0.0.1:{node['grpc']}")
+    changed = _weights(42)
+    logged = len(node["log"].read_bytes())
+    save_affine_weights(repository / "v42", changed)
+    # both workers reload it (Envoy may send a request to either): several answers in a row agree
+    wait_until(
+        lambda: all(np.allclose(affine_output(grpc, "v42"), affine(changed, X), rtol=1e-5) for _ in range(6)),
+        120,
+        "v42's new weights through the node",
+    )
+    assert_close(affine_output(grpc, "v43"), affine(PARAMS, X))
+    assert_close(affine_output(grpc, "v7"), affine(chosen["v7"], X))
+    since = node["log"].read_bytes()[logged:].decode(errors="replace").splitlines()
+    loads = [line for line in since if "model loaded" in line]
+    assert loads and all(re.search(r"model=v42\b", line) for line in loads), loads[:4]
+    grpc.close()
