@@ -452,6 +452,17 @@ def test_control_status_is_merged_over_workers() -> None:
     assert first.models[0].total_compute_seconds == 1.5 and list(first.models[0].parts) == ["b"]  # a copy
 
 
+def test_the_merged_status_lists_every_worker_s_models_once_in_name_order() -> None:
+    def answer(*names: str) -> hot.ModelControlStatusResponse:
+        return hot.ModelControlStatusResponse(models=[hot.ModelStatus(name=n, loads=1) for n in names])
+
+    first = answer("mlp", "b")
+    merged = merge_control_status([first, answer("zeta", "mlp", "a"), answer("b")])
+    assert [(m.name, m.loads) for m in merged.models] == [("a", 1), ("b", 2), ("mlp", 2), ("zeta", 1)]
+    assert [m.name for m in first.models] == ["mlp", "b"]  # the answers are not changed
+    assert merge_control_status([]) == hot.ModelControlStatusResponse()
+
+
 def test_least_outstanding_weighs_each_worker_by_the_compute_other_models_keep_it_busy_with() -> None:
     from hloserve.fleet.balance import Traffic
 

