@@ -157,6 +157,8 @@ def test_metrics_endpoint_counts_requests(server: ServerThread, triton: Any) -> 
     assert 'hloserve_request_duration_seconds_bucket{le="0.0005",model="mlp"}' in text
     assert 'hloserve_inference_rows_total{model="mlp"}' in text
     assert 'hloserve_queue_depth{model="mlp"} 0.0' in text
+    for quantile in ("0.5", "0.99"):
+        assert f'hloserve_queue_wait_seconds{{model="mlp",quantile="{quantile}"}}' in text
     assert "hloserve_models_loaded 4.0" in text
     assert 'hloserve_model_resident{model="mlp"} 1.0' in text
     assert 'hloserve_weight_loads_total{model="mlp"} 1.0' in text

@@ -50,3 +50,12 @@ def test_a_bounded_snapshot_keeps_the_resident_then_the_busiest() -> None:
             statistics[name].record_execution(1, 1, 0.0, 1e-3, 0.0)
     statistics["idle"].resident = True
     assert list(statistics.snapshot(2)) == ["busier", "idle"]  # sorted by name
+
+
+def test_the_wait_quantiles_come_from_the_recent_waits() -> None:
+    statistics = Statistics()
+    s = statistics["a"]
+    assert s.wait_quantiles((0.5, 0.99)) == [0.0, 0.0]
+    s.waits.extend(i / 1000 for i in range(2000))  # only the last 1,024 are kept: 0.976 .. 1.999
+    median, tail = s.wait_quantiles((0.5, 0.99))
+    assert median == (976 + 512) / 1000 and tail == (976 + 1013) / 1000

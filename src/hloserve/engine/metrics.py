@@ -53,6 +53,9 @@ class _StatisticsCollector(Collector):
         yield from _swap_families(stats, budget)
 
 
+_WAIT_QUANTILES = (0.5, 0.99)
+
+
 def _request_families(stats: dict[str, ModelStatistics]) -> Iterator[Any]:
     """Executions, requests, rows, queue and compute time, batch sizes and drops per model."""
     model = ["model"]
@@ -111,8 +114,8 @@ def _request_families(stats: dict[str, ModelStatistics]) -> Iterator[Any]:
         for reason, count in sorted(s.drops.items()):
             drops.add_metric([name, reason], count)
         depth.add_metric([name], s.queue_depth)
-        for q in (0.5, 0.99):
-            wait.add_metric([name, str(q)], s.wait_quantile(q))
+        for q, seconds in zip(_WAIT_QUANTILES, s.wait_quantiles(_WAIT_QUANTILES), strict=True):
+            wait.add_metric([name, str(q)], seconds)
         for size, seconds in sorted(s.cost.items()):
             cost.add_metric([name, str(size)], seconds)
         if s.residency:
