@@ -106,6 +106,9 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=600, help="soak: seconds of load")
     parser.add_argument("--frontends", type=int, default=0, help="soak: serve with this many frontends")
     parser.add_argument("--node", action="store_true", help="soak: through `hloserve node --cpu-workers 2`")
+    parser.add_argument(
+        "--no-trace", action="store_true", help="soak: the memory probe without tracemalloc (no heap figures)"
+    )
     args = parser.parse_args()
     unknown = [name for name in args.suites if name not in SUITES]
     if unknown:
@@ -122,7 +125,12 @@ def main() -> None:
         if name in ("scale", "routes", "node_scale") and args.sizes:
             extra = {"sizes": [int(n) for n in args.sizes.split(",")]}
         if name == "soak":
-            extra = {"duration_s": args.duration, "frontends": args.frontends, "node": args.node}
+            extra = {
+                "duration_s": args.duration,
+                "frontends": args.frontends,
+                "node": args.node,
+                "trace": not args.no_trace,
+            }
         rows = SUITES[name].run(window_ms=args.window_ms, **extra)
         table = SUITES[name].table(rows)
         print(f"== {name} ({platform.node()}, {_machine()}, load {load_before[0]:.2f} before)")

@@ -24,9 +24,11 @@ Every `--duration / 10` seconds (at most a minute) each server process is sample
 memory, descriptors and threads from /proc, and from inside (`hloserve.memory_probe`, which the
 soak turns on through `HLOSERVE_LOGGING_MEMORY_PROBE_DIR`; it runs tracemalloc, so the server is
 slower than it would be) the Python heap, glibc's bytes in use and freed but kept, and the heap's
-top growth by line. The table gives, per process (the engine, each frontend; through the node,
-each worker and its frontends, and Envoy from /proc only), the slope of each after warm-up (the
-first third of the run, at most 3 minutes) by least squares, in MB per minute.
+top growth by line. `--no-trace` leaves tracemalloc off (no heap figures): the server's own
+speed and allocation pattern, for the RSS it would have in production. The table gives, per
+process (the engine, each frontend; through the node, its supervisor, each worker and its
+frontends, and Envoy from /proc only), the slope of each after warm-up (the first third of the
+run, at most 3 minutes) by least squares, in MB per minute.
 """
 
 from __future__ import annotations
@@ -481,7 +483,7 @@ class _Load:
 # -- the run ----------------------------------------------------------------------------------
 
 
-def soak(duration_s: float = 600, frontends: int = 0, node: bool = False) -> Result:
+def soak(duration_s: float = 600, frontends: int = 0, node: bool = False, trace: bool = True) -> Result:
     setup = "node (2 CPU workers)" if node else f"serve --frontends {frontends}" if frontends else "serve"
     interval = min(60.0, duration_s / 10)
     with tempfile.TemporaryDirectory(prefix="hloserve-soak-") as scratch:
@@ -489,10 +491,12 @@ def soak(duration_s: float = 600, frontends: int = 0, node: bool = False) -> Res
         repository.mkdir()
         budget = _catalogue(repository) // 5
         os.environ["HLOSERVE_LOGGING_MEMORY_PROBE_S"] = str(interval / 2)  # fresh at each sample
+        os.environ["HLOSERVE_LOGGING_MEMORY_PROBE_TRACE"] = str(trace).lower()
         try:
             server = _start(repository, budget, frontends, node, probes)
         finally:
-            del os.environ["HLOSERVE_LOGGING_MEMORY_PROBE_S"]
+            for name in ("HLOSERVE_LOGGING_MEMORY_PROBE_S", "HLOSERVE_LOGGING_MEMORY_PROBE_TRACE"):
+                del os.environ[name]
         load = _Load(server, node)
         processes: dict[int, Process] = {}
         threads = load.threads()
@@ -532,9 +536,9 @@ def soak(duration_s: float = 600, frontends: int = 0, node: bool = False) -> Res
 
 
 def run(
-    window_ms: int = 3000, duration_s: float = 600, frontends: int = 0, node: bool = False
+    window_ms: int = 3000, duration_s: float = 600, frontends: int = 0, node: bool = False, trace: bool = True
 ) -> list[Result]:
-    return [soak(duration_s, frontends, node)]
+    return [soak(duration_s, frontends, node, trace)]
 
 
 _SLOPES = (

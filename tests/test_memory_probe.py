@@ -4,6 +4,7 @@ the node's supervisor, its worker's engine and that engine's frontend."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -35,3 +36,29 @@ def test_the_node_its_engine_and_each_frontend_write_their_memory_figures(tmp_pa
         allocator = line["allocator"]
         assert isinstance(allocator, dict) and allocator["in_use"] > 0
         assert isinstance(line["top_growth"], list)
+
+
+_UNTRACED = """
+import sys, time, tracemalloc
+from pathlib import Path
+from hloserve.config import LoggingConfig
+from hloserve.memory_probe import start_memory_probe
+settings = LoggingConfig(memory_probe_dir=Path(sys.argv[1]), memory_probe_s=0.05, memory_probe_trace=False)
+assert start_memory_probe(settings, "engine")
+time.sleep(0.5)
+print(tracemalloc.is_tracing())
+"""
+
+
+def test_without_tracing_the_probe_writes_the_process_s_figures_and_leaves_tracemalloc_off(
+    tmp_path: Path,
+) -> None:
+    command = [sys.executable, "-c", _UNTRACED, str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "False"
+    (probe,) = tmp_path.glob("engine-*.jsonl")
+    lines = [json.loads(line) for line in probe.read_text().splitlines()]
+    assert len(lines) >= 2
+    for line in lines:
+        assert line["rss_bytes"] > 10 << 20 and line["allocator"]["in_use"] > 0
+        assert "heap_bytes" not in line and "top_growth" not in line

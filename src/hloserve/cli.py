@@ -210,7 +210,7 @@ async def _serve_until_signalled(config: Config) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with serve(config):
             settle_heap()
-            start_memory_probe(config.logging.memory_probe_dir, config.logging.memory_probe_s, "engine")
+            start_memory_probe(config.logging, "engine")
             async for signum in signals:
                 log.info("signal received", signal=signal.Signals(signum).name)
                 break
@@ -232,7 +232,7 @@ async def _node_until_signalled(config: Config, plan: NodePlan, config_path: Pat
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(stop_on_signal)
-            start_memory_probe(config.logging.memory_probe_dir, config.logging.memory_probe_s, "node")
+            start_memory_probe(config.logging, "node")
             failure = await run_node(config, plan, config_path)
             log.error("node stopping: a child keeps dying", error=failure)
             status = 1

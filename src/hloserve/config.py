@@ -525,11 +525,15 @@ class LoggingConfig:
     format: Literal["auto", "console", "json"] = "auto"
     """`auto`: console when stderr is a terminal, JSON lines otherwise."""
     memory_probe_dir: Path | None = None
-    """Where each server process (engine, frontend) writes a line of its memory figures every
+    """Where each server process (engine, frontend, node) writes a line of its memory figures every
     `memory_probe_s` (`hloserve.memory_probe`, for soaks: tracemalloc slows the server); None:
     off."""
     memory_probe_s: float = 60.0
     """How often the memory probe writes."""
+    memory_probe_trace: bool = True
+    """The probe runs tracemalloc (the Python heap and its growth by line). False: only the
+    figures from `/proc` and glibc, with the server's own speed and allocation pattern
+    (tracemalloc records every allocation in tables of its own, on the C heap)."""
 
     def __post_init__(self) -> None:
         _check(self.memory_probe_s > 0, "logging.memory_probe_s", "must be > 0")

@@ -11,6 +11,8 @@ heap's top growth by source line since the first probe.
 
 It costs what tracemalloc costs (every allocation is recorded: expect a slower server) plus a
 collection and a snapshot per probe, so it is for soaks and investigations, never on by default.
+With `logging.memory_probe_trace` false it leaves tracemalloc off and writes the rest: what the
+server's RSS does when nothing else shares its heap.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ import threading
 import time
 import tracemalloc
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hloserve.config import LoggingConfig
 
 __all__ = ["TOP_LINES", "start_memory_probe"]
 
@@ -80,44 +85,54 @@ def _process() -> dict[str, int]:
     }
 
 
-def start_memory_probe(directory: Path | None, interval_s: float, role: str) -> bool:
-    """Start probing this process into `directory` (None: do nothing); True if started."""
+def start_memory_probe(settings: LoggingConfig, role: str) -> bool:
+    """Start probing this process as `settings` say (`memory_probe_dir` None: do nothing); True
+    if started."""
+    directory = settings.memory_probe_dir
     if directory is None:
         return False
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{role}-{os.getpid()}.jsonl"
-    tracemalloc.start(1)
-    threading.Thread(target=_probe, args=(path, interval_s, role), name="memory probe", daemon=True).start()
+    trace = settings.memory_probe_trace
+    if trace:
+        tracemalloc.start(1)
+    threading.Thread(
+        target=_probe, args=(path, settings.memory_probe_s, role, trace), name="memory probe", daemon=True
+    ).start()
     return True
 
 
-def _probe(path: Path, interval_s: float, role: str) -> None:
+def _probe(path: Path, interval_s: float, role: str, trace: bool) -> None:
     first: tracemalloc.Snapshot | None = None
     started = time.monotonic()
     while True:
-        gc.collect()
-        snapshot = tracemalloc.take_snapshot()
-        first = first or snapshot
-        top = snapshot.compare_to(first, "lineno")[:TOP_LINES]
-        line = {
+        line: dict[str, Any] = {
             "role": role,
             "pid": os.getpid(),
             "unix_s": round(time.time(), 3),
             "uptime_s": round(time.monotonic() - started, 3),
             **_process(),
-            "heap_bytes": tracemalloc.get_traced_memory()[0],
             "allocator": allocator_bytes(),
-            "top_growth": [
-                {
-                    "line": f"{s.traceback[0].filename}:{s.traceback[0].lineno}",
-                    "bytes": s.size_diff,
-                    "blocks": s.count_diff,
-                }
-                for s in top
-                if s.size_diff > 0
-            ],
         }
+        if trace:
+            gc.collect()
+            snapshot = tracemalloc.take_snapshot()
+            first = first or snapshot
+            top = snapshot.compare_to(first, "lineno")[:TOP_LINES]
+            line |= {
+                "heap_bytes": tracemalloc.get_traced_memory()[0],
+                "tracemalloc_bytes": tracemalloc.get_tracemalloc_memory(),
+                "top_growth": [
+                    {
+                        "line": f"{s.traceback[0].filename}:{s.traceback[0].lineno}",
+                        "bytes": s.size_diff,
+                        "blocks": s.count_diff,
+                    }
+                    for s in top
+                    if s.size_diff > 0
+                ],
+            }
+            del snapshot
         with path.open("a") as file:
             file.write(json.dumps(line) + "\n")
-        del snapshot
         time.sleep(interval_s)

@@ -311,7 +311,7 @@ async def _serve(link_fd: int, port: int, http_port: int, setup: Setup) -> None:
                 rest = RestServer(app, rest_config, reuse_port=True)
                 await nursery.start(rest.run)
             settle_heap()  # as the engine does: startup's objects out of the collector's walks
-            start_memory_probe(config.logging.memory_probe_dir, config.logging.memory_probe_s, "frontend")
+            start_memory_probe(config.logging, "frontend")
             await link.announce(Listening())
             await _until_stopped(link)
             with trio.CancelScope(shield=True):
