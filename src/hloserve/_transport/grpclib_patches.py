@@ -14,6 +14,9 @@ the process stays stock.
   is unmerged): `GracefulServer.shutdown` lets them finish, then sends GOAWAY.
 * grpclib advertises and accepts 16 KiB frames, so a 4.8 MB tensor comes in ~300 frames:
   `GracefulServer`'s connections (`hloserve._transport.h2_limits`) and `BigFrameChannel` take 1 MiB.
+* h2 remembers how its last 65,536 closed streams closed, about 90 bytes each: a channel that
+  lives for hours (the node's to each worker, a client's) grows by ~6 MB. `BigFrameChannel`'s
+  connections remember `CLIENT_CLOSED_STREAMS`.
 * grpclib refuses every compressed message (not filed upstream: its server `Stream` keeps no
   `grpc-encoding` header and raises NotImplementedError): `GuardedStream` inflates gzip and
   deflate within the message limit and compresses replies (`hloserve._transport.compression`);
@@ -46,6 +49,7 @@ import grpclib.protocol
 import grpclib.server
 import grpclib.utils
 import h2.settings
+import h2.utilities
 from grpclib.const import Status
 from grpclib.events import RecvRequest, listen
 from grpclib.exceptions import GRPCError
@@ -58,6 +62,7 @@ from hloserve._transport.h2_protocol import GuardedProtocol
 from hloserve._transport.requirements import Requires, check
 
 __all__ = [
+    "CLIENT_CLOSED_STREAMS",
     "REQUIRES",
     "WINDOW_BYTES",
     "BigFrameChannel",
@@ -146,6 +151,7 @@ REQUIRES = (
             "grpclib.protocol.Stream.recv_data": ("self", "size"),
         },
     ),
+    Requires(__name__, "h2", "4.4.1", members=("h2.utilities.SizeLimitDict",)),  # BigFrameChannel's
     *_h2_limits.REQUIRES,
     _hpack_patches.REQUIRES,
 )
@@ -265,15 +271,24 @@ def _guarded(handler: grpclib.const.Handler) -> grpclib.const.Handler:
     return handler._replace(func=guarded)
 
 
+CLIENT_CLOSED_STREAMS = 1024
+"""Closed streams a `BigFrameChannel` connection remembers (to tell a late frame on a stream it
+reset from a protocol error): the streams it has open at once, ~100 at most, a few times over."""
+
+
 class _BigFrameClientProtocol(grpclib.protocol.H2Protocol):
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
-        self.connection._connection.update_settings({h2.settings.SettingCodes.MAX_FRAME_SIZE: MAX_FRAME_SIZE})
+        connection = self.connection._connection
+        # no stream has closed yet: the record starts empty, bounded
+        connection._closed_streams = h2.utilities.SizeLimitDict(size_limit=CLIENT_CLOSED_STREAMS)
+        connection.update_settings({h2.settings.SettingCodes.MAX_FRAME_SIZE: MAX_FRAME_SIZE})
         self.connection.flush()
 
 
 class BigFrameChannel(grpclib.client.Channel):
-    """A grpclib channel that takes 1 MiB frames, so a large reply comes in few."""
+    """A grpclib channel that takes 1 MiB frames, so a large reply comes in few, and remembers
+    `CLIENT_CLOSED_STREAMS` closed streams, so that it holds the same memory after hours."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         install()

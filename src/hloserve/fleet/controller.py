@@ -36,6 +36,7 @@ from grpclib.events import SendRequest, listen
 from hloserve._proto import hloserve_control as control
 from hloserve._proto import inference as kserve
 from hloserve._proto.hot import hot_status_pb2 as hot
+from hloserve._transport.grpclib_patches import BigFrameChannel
 from hloserve.config import NodeConfig
 from hloserve.fleet import balance
 from hloserve.fleet import placement as lpt
@@ -74,7 +75,7 @@ class WorkerLink:
         if self._channel is None:  # made on first use: grpclib binds to the running loop
             host, _, port = self.address.rpartition(":")
             window = 64 << 20
-            self._channel = Channel(
+            self._channel = BigFrameChannel(  # hours long: its closed streams bounded
                 host.strip("[]"),
                 int(port),
                 config=Configuration(http2_connection_window_size=window, http2_stream_window_size=window),
