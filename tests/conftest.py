@@ -34,6 +34,8 @@ LONG = (
     "tests/node/test_supervisor.py",
     "tests/frontends/test_processes.py",
     "tests/engine/test_tracing.py::test_envoy_and_the_worker_join_the_clients_trace_through_the_node",
+    "tests/test_memory_probe.py::test_the_node_its_engine_and_each_frontend_write_their_memory_figures",
+    "tests/api/test_restricted.py::test_restricted_by_flags_in_a_subprocess",
     # installs and exports of real architectures: a wheel in a fresh venv, torch and ONNX
     "tests/test_packaging.py",
     "tests/importers/test_triton_import.py",
@@ -63,6 +65,7 @@ LONG = (
     # exports of several models, each compiled and verified in a process of its own
     "tests/export/test_export.py::test_flax_models_exported_and_served_match_flax",
     "tests/export/test_export.py::test_the_fresh_process_loads_the_executables_the_exporter_compiled",
+    "tests/export/test_verification.py::test_cli_export_takes_rtol_and_atol",
     # a node of two workers started, then watched idle for 30 s
     "tests/test_benches.py::test_the_node_scale_bench_measures_a_ready_node_over_its_catalogue",
 )
