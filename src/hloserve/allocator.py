@@ -11,8 +11,8 @@ page faults and 4.3 ms of CPU per 4.8 MB request afterwards, against 2.4-2.6 ms 
 `limit_arenas` caps glibc's arenas. By default every new thread that allocates gets an arena of
 its own, up to 8 per core, and trio's worker threads come and go all day: each new one lands in a
 different arena, and what is freed in one arena is never reused by another. In an hour's soak
-the engine's freed-but-kept heap grew from 23 to 30 MB (RSS +10 MB, still rising); with two
-arenas it stayed near 7 MB.
+the engine's freed-but-kept heap grew to 30 MB (RSS +16 MB an hour); with two arenas it levelled
+off near 10 MB (RSS +7 MB an hour, +2 in the last half-hour).
 
 `keep_freed_memory` makes buffers up to 32 MiB (glibc's largest mmap threshold) come from the
 heap and keeps up to `nbytes` of freed heap for reuse before trimming. Off glibc, it does nothing.
