@@ -187,7 +187,6 @@ def test_the_control_status_of_ten_thousand_models_sums_both_workers_in_one_answ
     assert [m.name for m in status.models] == sorted(f"v{i}" for i in range(COUNT))
     served = {m.name: m.requests_served for m in status.models}
     assert served["v5000"] >= before["v5000"] + 3  # on whichever worker Envoy sent them
-    assert status.weight_cache_max_bytes > 0
 
 
 def test_one_bundle_changed_among_ten_thousand_is_reloaded_and_the_others_are_not(
@@ -208,5 +207,5 @@ def test_one_bundle_changed_among_ten_thousand_is_reloaded_and_the_others_are_no
     assert_close(affine_output(grpc, "v7"), affine(chosen["v7"], X))
     since = node["log"].read_bytes()[logged:].decode(errors="replace").splitlines()
     loads = [line for line in since if "model loaded" in line]
-    assert loads and all(re.search(r"model=v42\b", line) for line in loads), loads[:4]
+    assert loads and all(re.search(r'(model=|"model": ")v42\b', line) for line in loads), loads[:4]
     grpc.close()
