@@ -34,15 +34,14 @@ print(applied, statistics.median(faults))
 """
 
 
+def _python(script: str, argument: int) -> subprocess.CompletedProcess[str]:
+    """`script` in a fresh process (an allocator policy is set once per process)."""
+    command = [sys.executable, "-c", script, str(argument)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, check=True)
+
+
 def _faults_per_reallocation(keep_bytes: int) -> tuple[bool, float]:
-    done = subprocess.run(
-        [sys.executable, "-c", _FAULTS_PER_REALLOCATION, str(keep_bytes)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    applied, faults = done.stdout.split()
+    applied, faults = _python(_FAULTS_PER_REALLOCATION, keep_bytes).stdout.split()
     return applied == "True", float(faults)
 
 
@@ -110,13 +109,7 @@ print(applied)
 
 
 def _arenas(limit: int) -> tuple[bool, int]:
-    done = subprocess.run(
-        [sys.executable, "-c", _ARENAS_OF_EIGHT_THREADS, str(limit)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
+    done = _python(_ARENAS_OF_EIGHT_THREADS, limit)
     return done.stdout.strip() == "True", done.stderr.count("Arena ")
 
 
