@@ -103,9 +103,11 @@ class Result:
     processes: list[Process]
     command: str = ""
 
-    def slope(self, process: Process, key: str) -> float | None:
-        """`key`'s slope after warm-up, in its unit per minute (None: too few samples)."""
-        points = [(t, _read(s, key)) for t, s in process.samples if t >= self.warm_up_s]
+    def slope(self, process: Process, key: str, since_s: float | None = None) -> float | None:
+        """`key`'s slope after warm-up (or after `since_s`), in its unit per minute (None: too few
+        samples)."""
+        since_s = self.warm_up_s if since_s is None else since_s
+        points = [(t, _read(s, key)) for t, s in process.samples if t >= since_s]
         points = [(t, v) for t, v in points if v is not None]
         if len(points) < 3:
             return None
@@ -251,6 +253,8 @@ def _proc(pid: int) -> dict[str, Any] | None:
         )
         return {
             "rss_bytes": int(status["VmRSS"].split()[0]) * 1024,
+            "rss_anon_bytes": int(status["RssAnon"].split()[0]) * 1024,
+            "rss_file_bytes": int(status["RssFile"].split()[0]) * 1024,
             "descriptors": len(os.listdir(f"/proc/{pid}/fd")),
             "threads": int(status["Threads"]),
         }
@@ -543,6 +547,8 @@ def run(
 
 _SLOPES = (
     ("RSS", "rss_bytes", MB),
+    ("anonymous", "rss_anon_bytes", MB),
+    ("file-backed", "rss_file_bytes", MB),
     ("heap", "heap_bytes", MB),
     ("malloc used", "allocator.in_use", MB),
     ("malloc free", "allocator.free", MB),
@@ -562,7 +568,14 @@ def table(rows: list[Result]) -> str:
             f"{t.disconnects} disconnects, {t.reads} reads"
         )
         lines += [f"  error: {e}" for e in t.first_errors]
-        header = ("process", "pid", "RSS MB start", "end", *(f"{name} /min" for name, _, _ in _SLOPES))
+        header = (
+            "process",
+            "pid",
+            "RSS MB start",
+            "end",
+            *(f"{name} /min" for name, _, _ in _SLOPES),
+            "RSS /min, last half",
+        )
         lines.append(" | ".join(header))
         for p in r.processes:
             warm = [s for t_, s in p.samples if t_ >= r.warm_up_s] or [p.samples[-1][1]]
@@ -575,6 +588,8 @@ def table(rows: list[Result]) -> str:
             for _, key, unit in _SLOPES:
                 slope = r.slope(p, key)
                 cells.append("-" if slope is None else f"{slope / unit:+.3f}")
+            late = r.slope(p, "rss_bytes", since_s=r.duration_s / 2)
+            cells.append("-" if late is None else f"{late / MB:+.3f}")
             lines.append(" | ".join(cells))
             growth = warm[-1].get("top_growth") or []
             lines += [
@@ -588,5 +603,6 @@ def as_json(rows: list[Result]) -> list[dict[str, Any]]:
     out = []
     for r in rows:
         slopes = {p.role: {key: r.slope(p, key) for _, key, _ in _SLOPES} for p in r.processes}
-        out.append({**asdict(r), "slopes_per_minute": slopes})
+        late = {p.role: r.slope(p, "rss_bytes", since_s=r.duration_s / 2) for p in r.processes}
+        out.append({**asdict(r), "slopes_per_minute": slopes, "rss_per_minute_last_half": late})
     return out
