@@ -24,11 +24,13 @@ Every `--duration / 10` seconds (at most a minute) each server process is sample
 memory, descriptors and threads from /proc, and from inside (`hloserve.memory_probe`, which the
 soak turns on through `HLOSERVE_LOGGING_MEMORY_PROBE_DIR`; it runs tracemalloc, so the server is
 slower than it would be) the Python heap, glibc's bytes in use and freed but kept, and the heap's
-top growth by line. `--no-trace` leaves tracemalloc off (no heap figures): the server's own
+top growth by line since warm-up. `--no-trace` leaves tracemalloc off (no heap figures): the server's own
 speed and allocation pattern, for the RSS it would have in production. The table gives, per
 process (the engine, each frontend; through the node, its supervisor, each worker and its
 frontends, and Envoy from /proc only), the slope of each after warm-up (the first third of the
-run, at most 3 minutes) by least squares, in MB per minute.
+run, at most 3 minutes) by least squares, in MB per minute; RSS is also split into anonymous and
+file-backed pages (a library's code read in late is not a leak), and its slope is given over the
+run's last half.
 """
 
 from __future__ import annotations
@@ -490,16 +492,21 @@ class _Load:
 def soak(duration_s: float = 600, frontends: int = 0, node: bool = False, trace: bool = True) -> Result:
     setup = "node (2 CPU workers)" if node else f"serve --frontends {frontends}" if frontends else "serve"
     interval = min(60.0, duration_s / 10)
+    warm_up_s = min(duration_s / 3, 180.0)
+    probe_env = {
+        "HLOSERVE_LOGGING_MEMORY_PROBE_S": str(interval / 2),  # fresh at each sample
+        "HLOSERVE_LOGGING_MEMORY_PROBE_TRACE": str(trace).lower(),
+        "HLOSERVE_LOGGING_MEMORY_PROBE_BASELINE_S": str(warm_up_s),  # top growth after warm-up
+    }
     with tempfile.TemporaryDirectory(prefix="hloserve-soak-") as scratch:
         repository, probes = Path(scratch) / "repository", Path(scratch) / "probes"
         repository.mkdir()
         budget = _catalogue(repository) // 5
-        os.environ["HLOSERVE_LOGGING_MEMORY_PROBE_S"] = str(interval / 2)  # fresh at each sample
-        os.environ["HLOSERVE_LOGGING_MEMORY_PROBE_TRACE"] = str(trace).lower()
+        os.environ.update(probe_env)
         try:
             server = _start(repository, budget, frontends, node, probes)
         finally:
-            for name in ("HLOSERVE_LOGGING_MEMORY_PROBE_S", "HLOSERVE_LOGGING_MEMORY_PROBE_TRACE"):
+            for name in probe_env:
                 del os.environ[name]
         load = _Load(server, node)
         processes: dict[int, Process] = {}
@@ -536,7 +543,7 @@ def soak(duration_s: float = 600, frontends: int = 0, node: bool = False, trace:
             for t in threads:
                 t.join(90)
             _stop(server)
-    return Result(setup, duration_s, min(duration_s / 3, 180.0), load.totals, list(processes.values()))
+    return Result(setup, duration_s, warm_up_s, load.totals, list(processes.values()))
 
 
 def run(

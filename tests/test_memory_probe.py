@@ -62,3 +62,28 @@ def test_without_tracing_the_probe_writes_the_process_s_figures_and_leaves_trace
     for line in lines:
         assert line["rss_bytes"] > 10 << 20 and line["allocator"]["in_use"] > 0
         assert "heap_bytes" not in line and "top_growth" not in line
+
+
+_BASELINED = """
+import sys, time
+from pathlib import Path
+from hloserve.config import LoggingConfig
+from hloserve.memory_probe import start_memory_probe
+settings = LoggingConfig(memory_probe_dir=Path(sys.argv[1]), memory_probe_s=0.05, memory_probe_baseline_s=0.5)
+assert start_memory_probe(settings, "engine")
+early = [bytearray(1000) for _ in range(3000)]  # allocated during warm-up
+time.sleep(1.0)
+late = [bytearray(1000) for _ in range(2000)]  # allocated after the baseline
+time.sleep(0.5)
+"""
+
+
+def test_the_probe_s_top_growth_counts_from_its_baseline_after_warm_up(tmp_path: Path) -> None:
+    subprocess.run([sys.executable, "-c", _BASELINED, str(tmp_path)], timeout=60, check=True)
+    (probe,) = tmp_path.glob("engine-*.jsonl")
+    lines = [json.loads(line) for line in probe.read_text().splitlines()]
+    source = _BASELINED.splitlines()
+    early, late = (f"<string>:{source.index(s) + 1}" for s in source if s.startswith(("early =", "late =")))
+    assert all(line["top_growth"] == [] for line in lines if line["uptime_s"] < 0.5)
+    grown = {g["line"]: g["bytes"] for g in lines[-1]["top_growth"]}
+    assert grown.get(late, 0) >= 2000 * 1000 and early not in grown

@@ -534,9 +534,14 @@ class LoggingConfig:
     """The probe runs tracemalloc (the Python heap and its growth by line). False: only the
     figures from `/proc` and glibc, with the server's own speed and allocation pattern
     (tracemalloc records every allocation in tables of its own, on the C heap)."""
+    memory_probe_baseline_s: float = 0.0
+    """The probe's top growth by line is counted from its first snapshot at or after this many
+    seconds of uptime: a soak's warm-up, so that what the start-up and the first requests allocate
+    once does not hide what keeps growing."""
 
     def __post_init__(self) -> None:
         _check(self.memory_probe_s > 0, "logging.memory_probe_s", "must be > 0")
+        _check(self.memory_probe_baseline_s >= 0, "logging.memory_probe_baseline_s", "must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ and a node's workers), every `logging.memory_probe_s` each engine, frontend and 
 process appends one JSON line to `<dir>/<role>-<pid>.jsonl`: its resident bytes, descriptors and
 threads, the Python heap (tracemalloc, one frame: what is allocated and not freed, after a full
 collection), glibc's `mallinfo2` over every arena (bytes in use, freed but kept, mapped), and the
-heap's top growth by source line since the first probe.
+heap's top growth by source line since the first probe after `logging.memory_probe_baseline_s`.
 
 It costs what tracemalloc costs (every allocation is recorded: expect a slower server) plus a
 collection and a snapshot per probe, so it is for soaks and investigations, never on by default.
@@ -97,13 +97,16 @@ def start_memory_probe(settings: LoggingConfig, role: str) -> bool:
     if trace:
         tracemalloc.start(1)
     threading.Thread(
-        target=_probe, args=(path, settings.memory_probe_s, role, trace), name="memory probe", daemon=True
+        target=_probe,
+        args=(path, settings.memory_probe_s, settings.memory_probe_baseline_s, role, trace),
+        name="memory probe",
+        daemon=True,
     ).start()
     return True
 
 
-def _probe(path: Path, interval_s: float, role: str, trace: bool) -> None:
-    first: tracemalloc.Snapshot | None = None
+def _probe(path: Path, interval_s: float, baseline_s: float, role: str, trace: bool) -> None:
+    baseline: tracemalloc.Snapshot | None = None
     started = time.monotonic()
     while True:
         line: dict[str, Any] = {
@@ -117,8 +120,9 @@ def _probe(path: Path, interval_s: float, role: str, trace: bool) -> None:
         if trace:
             gc.collect()
             snapshot = tracemalloc.take_snapshot()
-            first = first or snapshot
-            top = snapshot.compare_to(first, "lineno")[:TOP_LINES]
+            if baseline is None and line["uptime_s"] >= baseline_s:
+                baseline = snapshot
+            top = snapshot.compare_to(baseline, "lineno")[:TOP_LINES] if baseline else []
             line |= {
                 "heap_bytes": tracemalloc.get_traced_memory()[0],
                 "tracemalloc_bytes": tracemalloc.get_tracemalloc_memory(),

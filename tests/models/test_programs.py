@@ -112,7 +112,7 @@ def test_variants_share_a_program_and_answer_with_their_own_weights(tmp_path: Pa
 
 
 def _scrape(server: ServerThread) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.worker.metrics_port}/metrics", timeout=10).read()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.worker.metrics_port}/metrics", timeout=60).read()
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in text_string_to_metric_families(text.decode())
@@ -140,7 +140,8 @@ def test_ten_thousand_variants_start_on_one_program_and_are_indexed(tmp_path: Pa
     """Start-up at the issue's 10,000 models: every variant READY, one program loaded (one compile,
     one warm-up), the load log naming the program each shares; some answer with their weights;
     RepositoryIndex lists every one over gRPC (encoded by upb: betterproto2 took half a second of
-    the serving loop) and over REST."""
+    the serving loop) and over REST; a scrape lists the models that served, up to
+    `server.metrics_max_models` (1000 by default) of them, and counts the rest."""
     count = 10_000
     first = write_affine(tmp_path / "v0")
     for i in range(1, count):
@@ -164,6 +165,16 @@ def test_ten_thousand_variants_start_on_one_program_and_are_indexed(tmp_path: Pa
         request = urllib.request.Request(f"http://{server.http_url}/v2/repository/index", data=b"{}")
         with urllib.request.urlopen(request, timeout=60) as answer:
             assert {m["name"] for m in json.load(answer)} == {m["name"] for m in index}
+        samples = _scrape(server)
+    exposed = {dict(labels)["model"] for (name, labels) in samples if name == "hloserve_model_weight_bytes"}
+    assert len(exposed) == 1000 and {*chosen, "v3"} <= exposed
+    assert samples[("hloserve_models_unexposed", ())] == count - 1000
+    executions = {
+        dict(labels)["model"]: v
+        for (name, labels), v in samples.items()
+        if name == "hloserve_executions_total"
+    }
+    assert all(executions[name] >= 1 for name in (*chosen, "v3"))
     loaded = [e for e in logs if e["event"] == "model loaded"]
     assert len(loaded) == count
     assert sum("shared_with" in e for e in loaded) == count - 1
