@@ -16,8 +16,8 @@ import structlog
 import trio
 import trio_asyncio
 from grpclib.config import Configuration
-from grpclib.server import Server
 
+from hloserve._transport.grpclib_patches import WINDOW_BYTES, GracefulServer, TransportLimits
 from hloserve.api.control import ControlService
 from hloserve.api.grpc_service import InferenceService
 from hloserve.api.health import Health
@@ -42,7 +42,7 @@ from hloserve.fleet.workers import WorkerSpec, free_port
 from hloserve.restricted import Restrictions, restrict_grpc
 from hloserve.tls import server_context
 
-__all__ = ["run_front"]
+__all__ = ["controller_server", "run_front"]
 
 NODE_SERVICES = frozenset(
     {
@@ -192,6 +192,19 @@ def _envoy_tls(server: ServerConfig, protocol: Literal["grpc", "http"]) -> envoy
     )
 
 
+def controller_server(server_config: ServerConfig, services: Sequence[object]) -> GracefulServer:
+    """The controller's gRPC server, behind Envoy. Envoy's connections to it live as long as the
+    node, so it keeps the server's limits as a worker's does: each connection remembers a few
+    hundred closed streams, where a stock grpclib server's grow to h2's 65,536 (~6 MB each)."""
+    return GracefulServer(
+        list(services),
+        config=Configuration(
+            http2_connection_window_size=WINDOW_BYTES, http2_stream_window_size=WINDOW_BYTES
+        ),
+        limits=TransportLimits.from_config(server_config),
+    )
+
+
 async def run_front(
     config: Config,
     specs: Sequence[WorkerSpec],
@@ -253,7 +266,6 @@ async def run_front(
                 shed=config.node.max_requests_per_worker > 0,
             )
             envoy.write_atomically(directory / "envoy.json", bootstrap)
-            window = 16 << 20
 
             async def serving(name: str) -> bool | None:
                 """grpc.health.v1 (Kubernetes' gRPC probes): the node, and each of its services,
@@ -261,14 +273,14 @@ async def run_front(
                 return node_readiness(controller)[0] if name in NODE_SERVICES else None
 
             health = Health(serving, draining=lambda: False, max_watches=config.server.max_health_watches)
-            server = Server(
+            server = controller_server(
+                server_config,
                 [
                     InferenceService(data=data, models=models, repository=repository),
                     ControlService(NodeControlPlane(controller)),
                     GatewayFront(controller),
                     health,
                 ],
-                config=Configuration(http2_connection_window_size=window, http2_stream_window_size=window),
             )
             restrict_grpc(server, grpc_restrictions)  # Envoy passes the client's headers through
             host, _, port = controller_address.rpartition(":")
