@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 
-from hloserve.engine.statistics import Statistics
+from hloserve.engine.statistics import WAITS_KEPT, Statistics
 
 
 def _busy(statistics: Statistics, name: str) -> None:
@@ -59,3 +60,15 @@ def test_the_wait_quantiles_come_from_the_recent_waits() -> None:
     s.waits.extend(i / 1000 for i in range(2000))  # only the last 1,024 are kept: 0.976 .. 1.999
     median, tail = s.wait_quantiles((0.5, 0.99))
     assert median == (976 + 512) / 1000 and tail == (976 + 1013) / 1000
+
+
+def test_the_recent_waits_of_a_busy_model_take_one_array_and_no_object_per_wait() -> None:
+    """A deque of floats took 32 bytes a wait from the heap for every request (issue 38's soak
+    saw it grow for as long as the catalogue's tail kept filling its models' deques)."""
+    s = Statistics()["a"]
+    s.waits.extend(i / 1000 for i in range(WAITS_KEPT))
+    full = sys.getsizeof(s.waits._values)
+    s.waits.extend(i / 1000 for i in range(5 * WAITS_KEPT))
+    assert len(s.waits) == WAITS_KEPT and sys.getsizeof(s.waits._values) == full
+    assert full <= 8 * WAITS_KEPT + 256
+    assert sorted(s.waits) == [i / 1000 for i in range(4 * WAITS_KEPT, 5 * WAITS_KEPT)]

@@ -9,13 +9,68 @@ from __future__ import annotations
 import bisect
 import heapq
 import time
-from collections import defaultdict, deque
-from collections.abc import Sequence
+from array import array
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["LOAD_BUCKETS_S", "Duration", "ExecutionTimes", "ModelStatistics", "Statistics"]
+__all__ = [
+    "LOAD_BUCKETS_S",
+    "WAITS_KEPT",
+    "Duration",
+    "ExecutionTimes",
+    "ModelStatistics",
+    "RecentWaits",
+    "Statistics",
+]
 
 LOAD_BUCKETS_S = tuple(0.0001 * 4**k for k in range(9))  # 0.1 ms .. 6.6 s: a weight load's duration
+
+WAITS_KEPT = 1024
+"""Recent queue waits kept per model, for the wait quantiles."""
+
+
+class RecentWaits:
+    """The last `WAITS_KEPT` queue waits of a model, as doubles in one array (8 KB once full).
+    A deque of floats held an object per wait, 32 KB a busy model, and took a new float from
+    the heap for every request: memory that grew for hours as the catalogue's tail filled."""
+
+    __slots__ = ("_next", "_values")
+
+    def __init__(self) -> None:
+        self._values = array("d")
+        self._next = 0
+        """Where the next wait overwrites the oldest, once `WAITS_KEPT` are kept."""
+
+    def append(self, seconds: float) -> None:
+        if len(self._values) < WAITS_KEPT:
+            self._values.append(seconds)
+        else:
+            self._values[self._next] = seconds
+            self._next = (self._next + 1) % WAITS_KEPT
+
+    def extend(self, waits: Iterable[float]) -> None:
+        for seconds in waits:
+            self.append(seconds)
+
+    def copy(self) -> RecentWaits:
+        copied = RecentWaits()
+        copied._values, copied._next = array("d", self._values), self._next
+        return copied
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __iter__(self) -> Iterator[float]:
+        return iter(self._values)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RecentWaits):
+            return NotImplemented
+        return (self._values, self._next) == (other._values, other._next)
+
+    def __repr__(self) -> str:
+        return f"RecentWaits({len(self._values)} kept)"
 
 
 @dataclass(slots=True)
@@ -66,8 +121,8 @@ class ModelStatistics:
     )
     requests_served: int = 0
     """Requests answered from an execution (a batch counts each of its requests)."""
-    waits: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
-    """Queue waits of the last 1024 requests taken, in seconds."""
+    waits: RecentWaits = field(default_factory=RecentWaits)
+    """Queue waits of the last `WAITS_KEPT` requests taken, in seconds."""
     drops: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
     """Requests that never ran, by reason: deadline, cancelled, queue_full."""
     cost: dict[int, float] = field(default_factory=dict)
