@@ -26,12 +26,12 @@ from hloserve._proto.grpc.health.v1 import HealthCheckRequest, HealthStub
 from hloserve._proto.grpc.health.v1 import HealthCheckResponseServingStatus as Serving
 from hloserve._proto.hot import hot_status_pb2 as hot
 from hloserve._transport.grpclib_patches import BigFrameChannel
+from hloserve.api.grpc_server import build_grpc_server
 from hloserve.api.health import Health
 from hloserve.config import NodeConfig, ServerConfig
 from hloserve.errors import ConfigError
 from hloserve.fleet import envoy
 from hloserve.fleet.controller import Controller, WorkerLink, with_parts
-from hloserve.fleet.gateway import controller_server
 from hloserve.fleet.http import merge_expositions
 from hloserve.fleet.services import (
     GatewayFront,
@@ -476,14 +476,15 @@ def test_the_controller_s_channel_to_a_worker_bounds_what_it_remembers() -> None
 def test_the_controller_s_server_bounds_what_each_of_envoy_s_connections_remembers() -> None:
     """Envoy's connections to the controller live as long as the node: a stock grpclib server
     remembers 65,536 closed streams on each, and grew the node by ~0.3 MB a minute in the soak;
-    the controller's server keeps the server's limits (four times `max_concurrent_streams`)."""
+    the controller's server is built as a worker's (`build_grpc_server`), within the server's
+    limits (four times `max_concurrent_streams`)."""
 
     async def serving(name: str) -> bool | None:
         return True
 
     async def main() -> int:
         config = ServerConfig(max_concurrent_streams=7)
-        server = controller_server(config, [Health(serving, draining=lambda: False, max_watches=1)])
+        server = build_grpc_server(config, [], lambda draining: Health(serving, draining, max_watches=1))
         await server.start("127.0.0.1", 0)
         channel = grpclib.client.Channel("127.0.0.1", server.port)
         try:

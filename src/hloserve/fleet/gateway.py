@@ -15,10 +15,9 @@ from typing import Literal
 import structlog
 import trio
 import trio_asyncio
-from grpclib.config import Configuration
 
-from hloserve._transport.grpclib_patches import WINDOW_BYTES, GracefulServer, TransportLimits
 from hloserve.api.control import ControlService
+from hloserve.api.grpc_server import build_grpc_server
 from hloserve.api.grpc_service import InferenceService
 from hloserve.api.health import Health
 from hloserve.api.rest.routes import build_app
@@ -39,10 +38,10 @@ from hloserve.fleet.services import (
 )
 from hloserve.fleet.supervisor import Child, Supervisor
 from hloserve.fleet.workers import WorkerSpec, free_port
-from hloserve.restricted import Restrictions, restrict_grpc
+from hloserve.restricted import Restrictions
 from hloserve.tls import server_context
 
-__all__ = ["controller_server", "run_front"]
+__all__ = ["run_front"]
 
 NODE_SERVICES = frozenset(
     {
@@ -192,19 +191,6 @@ def _envoy_tls(server: ServerConfig, protocol: Literal["grpc", "http"]) -> envoy
     )
 
 
-def controller_server(server_config: ServerConfig, services: Sequence[object]) -> GracefulServer:
-    """The controller's gRPC server, behind Envoy. Envoy's connections to it live as long as the
-    node, so it keeps the server's limits as a worker's does: each connection remembers a few
-    hundred closed streams, where a stock grpclib server's grow to h2's 65,536 (~6 MB each)."""
-    return GracefulServer(
-        list(services),
-        config=Configuration(
-            http2_connection_window_size=WINDOW_BYTES, http2_stream_window_size=WINDOW_BYTES
-        ),
-        limits=TransportLimits.from_config(server_config),
-    )
-
-
 async def run_front(
     config: Config,
     specs: Sequence[WorkerSpec],
@@ -272,17 +258,18 @@ async def run_front(
                 SERVING while the node is ready; any other name is unknown."""
                 return node_readiness(controller)[0] if name in NODE_SERVICES else None
 
-            health = Health(serving, draining=lambda: False, max_watches=config.server.max_health_watches)
-            server = controller_server(
+            # Built as a worker's: Envoy's connections to it live as long as the node, and a stock
+            # grpclib server's remember h2's 65,536 closed streams each (~6 MB). Envoy passes the
+            # client's headers through, so the node's restrictions apply here.
+            server = build_grpc_server(
                 server_config,
                 [
                     InferenceService(data=data, models=models, repository=repository),
                     ControlService(NodeControlPlane(controller)),
                     GatewayFront(controller),
-                    health,
                 ],
+                lambda draining: Health(serving, draining, max_watches=config.server.max_health_watches),
             )
-            restrict_grpc(server, grpc_restrictions)  # Envoy passes the client's headers through
             host, _, port = controller_address.rpartition(":")
             await trio_asyncio.aio_as_trio(server.start)(host, int(port))
             http = None
