@@ -116,6 +116,10 @@ class Result:
         t, v = np.array(points, dtype=float).T
         return float(np.polyfit(t / 60, v, 1)[0])
 
+    def late_rss_slope(self, process: Process) -> float | None:
+        """RSS's slope over the run's last half, in bytes per minute."""
+        return self.slope(process, "rss_bytes", since_s=self.duration_s / 2)
+
 
 def _read(sample: dict[str, Any], key: str) -> float | None:
     value: Any = sample
@@ -595,7 +599,7 @@ def table(rows: list[Result]) -> str:
             for _, key, unit in _SLOPES:
                 slope = r.slope(p, key)
                 cells.append("-" if slope is None else f"{slope / unit:+.3f}")
-            late = r.slope(p, "rss_bytes", since_s=r.duration_s / 2)
+            late = r.late_rss_slope(p)
             cells.append("-" if late is None else f"{late / MB:+.3f}")
             lines.append(" | ".join(cells))
             growth = warm[-1].get("top_growth") or []
@@ -610,6 +614,6 @@ def as_json(rows: list[Result]) -> list[dict[str, Any]]:
     out = []
     for r in rows:
         slopes = {p.role: {key: r.slope(p, key) for _, key, _ in _SLOPES} for p in r.processes}
-        late = {p.role: r.slope(p, "rss_bytes", since_s=r.duration_s / 2) for p in r.processes}
+        late = {p.role: r.late_rss_slope(p) for p in r.processes}
         out.append({**asdict(r), "slopes_per_minute": slopes, "rss_per_minute_last_half": late})
     return out
