@@ -184,11 +184,18 @@ class FrontendLink:
         self._answer(waiting, message)
 
     def _answer(self, waiting: _Waiting, message: object) -> None:
+        """Hand the answer to its caller, who reads the outputs and releases the slot; a future
+        already cancelled has nobody to read it (its caller has not yet said it left, and `leave`
+        finds nothing once the answer is in), so the slot is released here."""
         waiting.answer = message
         if waiting.done is not None:
             waiting.done.set()
         future = waiting.future
-        if future is None or future.done():
+        if future is None:
+            return
+        if future.done():
+            if waiting.slot is not None:
+                self._arena.release(waiting.slot)
             return
         try:
             future.set_result(self._outputs(waiting))
