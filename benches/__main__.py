@@ -21,6 +21,7 @@ from benches import (
     breakdown,
     compare,
     frontends,
+    imports,
     node,
     node_scale,
     overload,
@@ -54,6 +55,7 @@ SUITES = {
     "zoo": zoo,
     "scale": scale,
     "anchors": anchors,
+    "imports": imports,
     "soak": soak,
     "routes": routes,
     "node_scale": node_scale,
@@ -90,13 +92,19 @@ def main() -> None:
         "suites", nargs="*", metavar="SUITE", help=f"any of {', '.join(SUITES)} (default: compare)"
     )
     parser.add_argument("--window-ms", type=int, default=3000, help="perf_analyzer measurement window")
-    parser.add_argument("--quick", action="store_true", help="zoo: one small model at batch 1, few repeats")
-    parser.add_argument("--models", help="zoo, anchors: comma-separated zoo models (default: the whole zoo)")
+    parser.add_argument(
+        "--quick", action="store_true", help="zoo, anchors, imports: one small model, one size, few calls"
+    )
+    parser.add_argument(
+        "--models",
+        help="zoo, anchors: comma-separated zoo models (default: the whole zoo); imports: zoo models to "
+        "import through ONNX besides the ONNX zoo",
+    )
     parser.add_argument(
         "--threads",
         type=int,
-        help="zoo: hloserve and torch both on this many cores (default: all); anchors: this count only "
-        "(default: 1 and 2)",
+        help="zoo: hloserve and torch both on this many cores (default: all); anchors, imports: this count "
+        "only (default: 1 and 2)",
     )
     parser.add_argument(
         "--sizes",
@@ -119,7 +127,7 @@ def main() -> None:
         models = args.models.split(",") if args.models else None
         extra: dict[str, object] = (
             {"quick": args.quick, "models": models, "threads": args.threads}
-            if name in ("zoo", "anchors")
+            if name in ("zoo", "anchors", "imports")
             else {}
         )
         if name in ("scale", "routes", "node_scale") and args.sizes:

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -246,20 +247,26 @@ def _time_batch(
     }
     if defaults is not None:
         calls["defaults"] = lambda: defaults.execute(batch, arrays, weights)
-    times: dict[str, list[float]] = {runtime: [] for runtime in calls}
     with torch.no_grad():
         started = time.perf_counter()
         compiled_model(*tensors)
         torch_compile_s = time.perf_counter() - started
-        k = 0
-        while k < WARMUP + repeats or (k < MAX_ROUNDS and sum(times["hloserve"]) < BUDGET_S):
-            for runtime in calls:
-                started = time.perf_counter()
-                calls[runtime]()
-                if k >= WARMUP:
-                    times[runtime].append(time.perf_counter() - started)
-            k += 1
-    return {runtime: _median_ms(t) for runtime, t in times.items()}, torch_compile_s
+        return take_turns(calls, repeats), torch_compile_s
+
+
+def take_turns(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median ms per call of each of `calls`, called in turn round after round: `WARMUP` untimed
+    rounds, then at least `repeats` timed ones, more while hloserve's add up to under `BUDGET_S`."""
+    times: dict[str, list[float]] = {runtime: [] for runtime in calls}
+    k = 0
+    while k < WARMUP + repeats or (k < MAX_ROUNDS and sum(times["hloserve"]) < BUDGET_S):
+        for runtime, call in calls.items():
+            started = time.perf_counter()
+            call()
+            if k >= WARMUP:
+                times[runtime].append(time.perf_counter() - started)
+        k += 1
+    return {runtime: _median_ms(t) for runtime, t in times.items()}
 
 
 def _line(r: Row) -> str:

@@ -1,6 +1,7 @@
-"""`python -m benches zoo --quick` produces its rows: one small zoo model, exported (or taken
-from the zoo's cache), served by a real `hloserve serve`, timed beside torch eager. Here rather
-than in tests/test_benches.py: it needs the zoo's torchvision, which only `tox -e zoo` installs."""
+"""The zoo's benches produce their rows on their quick paths: `benches zoo --quick` (one small zoo
+model, exported or taken from the zoo's cache, served by a real `hloserve serve`, timed beside
+torch eager), `benches anchors --quick` and `benches imports --quick`. Here rather than in
+tests/test_benches.py: they need the zoo's torchvision, which only `tox -e zoo` installs."""
 
 from __future__ import annotations
 
@@ -35,3 +36,18 @@ def test_the_anchors_quick_path_measures_one_model_beside_three_runtimes() -> No
         # the module with XLA's defaults is timed exactly where the export kept options of its own
         assert (row.defaults_ms is not None and row.defaults_ms > 0) == bool(row.xla_options)
     assert "1 thread(s), hloserve / ort: median" in anchors.table(rows)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # makes the ONNX zoo's Triton repository and its import unless cached
+def test_the_imports_quick_path_times_an_imported_model_beside_onnx_runtime_on_its_file() -> None:
+    from benches import imports
+
+    rows = imports.run(quick=True, threads=1)
+    expected = [(name, "import triton", 1) for name in imports.QUICK_MODELS]
+    assert [(r.model, r.via, r.threads) for r in rows] == expected
+    for row in rows:
+        assert set(row.ms) == set(imports.RUNTIMES) and all(ms > 0 for ms in row.ms.values())
+        assert row.ratio == pytest.approx(row.ms["hloserve"] / row.ms["ort"], rel=0.01)
+        assert row.import_s > 0 and row.compile_s > 0
+    assert "1 thread(s), imported hloserve / ONNX Runtime on the original: median" in imports.table(rows)

@@ -142,10 +142,9 @@ def _triton_repository(repository: Path) -> None:
     (repository / "resnet50" / "labels.txt").write_text("".join(f"class_{k}\n" for k in range(CLASSES)))
 
 
-@pytest.fixture(scope="module", name="imported")
-def _imported() -> tuple[Path, int, str]:
+def imported_repository() -> tuple[Path, int, str]:
     """The cached Triton repository and `hloserve import triton`'s exit status and report, made
-    (in a staging folder, then moved into place) unless cached."""
+    (in a staging folder, then moved into place) unless cached. `benches imports` times them."""
     root = _cache_root()
     if not (root / "report.txt").exists():
         staging = root.with_name(root.name + ".staging")
@@ -163,6 +162,11 @@ def _imported() -> tuple[Path, int, str]:
         (staging / "report.txt").write_text(done.stdout + done.stderr[-4000:])
         staging.rename(root)
     return root, int((root / "status").read_text()), (root / "report.txt").read_text()
+
+
+@pytest.fixture(scope="module", name="imported")
+def _imported() -> tuple[Path, int, str]:
+    return imported_repository()
 
 
 def _report_lines(report: str) -> dict[str, str]:
