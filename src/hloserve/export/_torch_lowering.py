@@ -23,7 +23,7 @@ import contextlib
 import functools
 import re
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -297,13 +297,17 @@ def _op_name(target: Any) -> str:
 
 
 def lower_program(
-    program: torch.export.ExportedProgram, lowerings: Lowerings | None = None, prepare: bool = True
+    program: torch.export.ExportedProgram,
+    lowerings: Lowerings | None = None,
+    prepare: bool = True,
+    keep: Collection[str] = (),
 ) -> tuple[
     list[str], list[torch.Tensor], Callable[[Sequence[Any], Sequence[Any]], list[Any]], dict[str, Any]
 ]:
     """The program's weights (names, tensors, in its own argument order, as
-    `hloserve.export._torch_weights` prepares them), a JAX function `(weights, inputs) -> outputs` that
-    computes it, and the provenance entries that say how the weights were prepared.
+    `hloserve.export._torch_weights` prepares them, storing those named in `keep` even unread), a
+    JAX function `(weights, inputs) -> outputs` that computes it, and the provenance entries that
+    say how the weights were prepared.
 
     Raises:
         ValueError: the program takes an argument that is neither a weight nor an input
@@ -344,7 +348,7 @@ def lower_program(
     module = program.graph_module
     if prepare:
         names, weights, order, computed = _torch_constants.fold(module, names, weights, order)
-        prepared = _torch_weights.prepare(module, names, weights, order)
+        prepared = _torch_weights.prepare(module, names, weights, order, keep)
         if computed:
             prepared.provenance["weights_computed_at_export"] = computed
     else:

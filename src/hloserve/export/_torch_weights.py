@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,11 +79,18 @@ def prepare(
     names: Sequence[str],
     weights: Sequence[torch.Tensor],
     order: Sequence[int | None],
+    keep: Collection[str] = (),
 ) -> Prepared:
-    """The weights and placeholder bindings of `module`'s graph after the rewrites above."""
+    """The weights and placeholder bindings of `module`'s graph after the rewrites above.
+
+    A weight is moved (folded, stored transposed) where this graph reads it once, whichever other
+    names it has that the graph does not read: an ONNX import's modules, one per batch size, share
+    their weights, and each size's graph reads only its own module's names. A weight named in
+    `keep` is stored even where this graph does not read it (what another batch size reads), so
+    that every size binds the same weights file."""
     placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
     index = {p.name: k for p, k in zip(placeholders, order, strict=True) if k is not None}
-    counts = Counter(index.values())
+    counts = Counter(index[p.name] for p in placeholders if p.name in index and p.users)
 
     def movable(node: Any) -> bool:
         """A weight that this one use alone reads (a tied weight stays as it is)."""
@@ -140,7 +147,11 @@ def prepare(
     read = {index[p.name] for p in placeholders if p.name in index and p.users}
     everything = [*values, *(t for _, t in extra)]
     everyone = [*names, *(n for n, _ in extra)]
-    kept = [k for k, v in enumerate(everything) if v is not None and (k in read or k >= len(names))]
+    kept = [
+        k
+        for k, v in enumerate(everything)
+        if v is not None and (k in read or k >= len(names) or everyone[k] in keep)
+    ]
     renumber = {old: new for new, old in enumerate(kept)}
     return Prepared(
         names=[everyone[k] for k in kept],

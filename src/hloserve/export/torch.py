@@ -9,7 +9,7 @@ torch 2.13.0 and torchax 0.0.13.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,7 @@ def _to_jax(
     size: int,
     lowerings: Lowerings | None,
     prepare: bool = True,
+    keep: Collection[str] = (),
 ) -> tuple[list[str], list[Any], Any, list[str] | None, dict[str, Any]]:
     """torch.export at one batch size, then lowered: weight names, their tensors, the JAX
     function, the outputs' names if the module returns a dict, and how the weights were
@@ -82,7 +83,7 @@ def _to_jax(
         raise ValueError(
             f"torch.export cannot trace {type(module).__name__} at batch size {size}: {cause}"
         ) from e
-    names, states, function, prepared = lower_program(program, lowerings, prepare)
+    names, states, function, prepared = lower_program(program, lowerings, prepare, keep)
     return names, list(states), function, _output_names(program), prepared
 
 
@@ -151,7 +152,12 @@ def export_torch_bundle(
         lowered = {size: _to_jax(module, examples, size, lowerings) for size in sizes}
         if len({_weights_key(found) for found in lowered.values()}) > 1:
             # a module whose batch sizes read different weights (an ONNX import's one model per
-            # size): weights prepared for one size would not be the others', so none are
+            # size, sharing what is equal): each size stores what any size reads
+            read = {name for found in lowered.values() for name in found[0]}
+            lowered = {size: _to_jax(module, examples, size, lowerings, keep=read) for size in sizes}
+        if len({_weights_key(found) for found in lowered.values()}) > 1:
+            # weights prepared for one size would not be the others' (a weight one size transposes
+            # and another reads as it is): none are
             lowered = {size: _to_jax(module, examples, size, lowerings, prepare=False) for size in sizes}
         names, states, _, output_names, prepared = lowered[sizes[0]]
         if output_names is not None and options.get("outputs") is None:
