@@ -150,18 +150,26 @@ def run(
 
 def _measure_in_child(name: str, threads: int, cores: set[int], quick: bool) -> list[dict[str, Any]]:
     """One process confined to `cores` measures `name` at every batch size: its rows."""
-    command = [sys.executable, "-m", "benches.anchors", name, str(threads), *(["--quick"] if quick else [])]
+    arguments = ["benches.anchors", name, str(threads), *(["--quick"] if quick else [])]
+    what = f"{name} at {threads} threads"
+    # no pool of torch.compile's compile workers left behind
+    return measure_confined(arguments, cores, what, TORCHINDUCTOR_COMPILE_THREADS="1")
+
+
+def measure_confined(arguments: list[str], cores: set[int], what: str, **env: str) -> list[dict[str, Any]]:
+    """`python -m *arguments` in a process confined to `cores` (XLA:CPU sizes its pool by them),
+    with `env` added to this one's: the JSON rows its last line prints."""
     done = subprocess.run(
-        command,
+        [sys.executable, "-m", *arguments],
         cwd=ROOT,
-        env={**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"},  # no pool of compile workers left behind
+        env={**os.environ, **env},
         capture_output=True,
         text=True,
         preexec_fn=lambda: os.sched_setaffinity(0, cores),
         check=False,
     )
     if done.returncode != 0:
-        raise RuntimeError(f"measuring {name} at {threads} threads failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"measuring {what} failed:\n{done.stderr[-3000:]}")
     found: list[dict[str, Any]] = json.loads(done.stdout.strip().splitlines()[-1])
     return found
 

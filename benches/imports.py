@@ -154,19 +154,9 @@ def run(
 
 def _measure_in_child(model: Imported, threads: int, cores: set[int], quick: bool) -> list[dict[str, Any]]:
     """One process confined to `cores` measures `model` at every compiled batch size: its rows."""
-    command = [sys.executable, "-m", "benches.imports", str(model.bundle), str(model.onnx), str(threads)]
-    done = subprocess.run(
-        [*command, *(["--quick"] if quick else [])],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        preexec_fn=lambda: os.sched_setaffinity(0, cores),
-        check=False,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"measuring {model.name} at {threads} threads failed:\n{done.stderr[-3000:]}")
-    found: list[dict[str, Any]] = json.loads(done.stdout.strip().splitlines()[-1])
-    return found
+    arguments = ["benches.imports", str(model.bundle), str(model.onnx), str(threads)]
+    what = f"{model.name} at {threads} threads"
+    return anchors.measure_confined([*arguments, *(["--quick"] if quick else [])], cores, what)
 
 
 def measure(bundle_dir: Path, onnx: Path, threads: int, quick: bool = False) -> list[dict[str, Any]]:
