@@ -69,8 +69,8 @@ class ServerConfig:
     """Connections to the metrics port held at once (each also counted in
     `max_open_connections`); past it a new one is answered 503 and closed."""
     metrics_timeout_s: float = 10.0
-    """A scrape's request must arrive and its answer leave within this, else its connection is
-    closed (one scrape per connection)."""
+    """A scrape's request must arrive within this, and its answer, once made, be read within
+    this, else its connection is closed (one scrape per connection)."""
     metrics_max_models: int = 1000
     """Models whose per-model series one scrape exposes: the busiest (resident first, then by
     executions); the rest are counted in `hloserve_models_unexposed`. Bounds a scrape's time and

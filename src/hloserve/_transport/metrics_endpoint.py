@@ -1,10 +1,12 @@
 """The HTTP/1.1 endpoint of a metrics port (a worker's, the node's), bounded as the other
 listeners are: at most `server.metrics_max_connections` connections, each counted in the
 process's `server.max_open_connections`; one GET or HEAD per connection, its head within
-`server.metrics_timeout_s` and 8 KiB; TLS with `server.metrics_use_ssl`, its handshake within the
-same timeout; a listen backlog of 1024, so that a crowd of scrapers queues instead of being
-reset. prometheus_client's own server took a thread and a descriptor per connection, with no cap
-or timeout and a backlog of 5.
+`server.metrics_timeout_s` and 8 KiB, its answer read within the same timeout (making the answer
+is the server's time, not the client's: scrapers on a loaded machine once had their connections
+closed unanswered); TLS with `server.metrics_use_ssl`, its handshake within the same timeout; a
+listen backlog of 1024, so that a crowd of scrapers queues instead of being reset.
+prometheus_client's own server took a thread and a descriptor per connection, with no cap or
+timeout and a backlog of 5.
 """
 
 from __future__ import annotations
@@ -78,17 +80,18 @@ class MetricsEndpoint:
             return _refuse(writer, f"server.max_open_connections ({CONNECTIONS.cap}) reached; retry later")
         self._open += 1
         try:
-            async with asyncio.timeout(self._timeout_s):
+            async with asyncio.timeout(self._timeout_s):  # the client's part: its request
                 head = await reader.readuntil(b"\r\n\r\n")
-                request = head.split(b"\r\n", 1)[0].split()
-                route = self._routes.get(request[1].split(b"?")[0]) if len(request) >= 2 else None
-                if len(request) < 2 or request[0] not in (b"GET", b"HEAD"):
-                    answer = Answer(405, "Method Not Allowed", "text/plain", self._expected)
-                elif route is None:
-                    answer = Answer(404, "Not Found", "text/plain", self._expected)
-                else:
-                    answer = await route()
-                writer.write(_encode(answer, head_only=request[0] == b"HEAD"))
+            request = head.split(b"\r\n", 1)[0].split()
+            route = self._routes.get(request[1].split(b"?")[0]) if len(request) >= 2 else None
+            if len(request) < 2 or request[0] not in (b"GET", b"HEAD"):
+                answer = Answer(405, "Method Not Allowed", "text/plain", self._expected)
+            elif route is None:
+                answer = Answer(404, "Not Found", "text/plain", self._expected)
+            else:
+                answer = await route()  # ours, bounded by server.metrics_max_models, not timed out
+            writer.write(_encode(answer, head_only=request[0] == b"HEAD"))
+            async with asyncio.timeout(self._timeout_s):  # the client's part: reading the answer
                 await writer.drain()
         except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             pass  # slow, silent, oversized or gone: closed
