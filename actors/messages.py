@@ -15,17 +15,19 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar
 
 import numpy as np
 import outcome
 import trio
 
-from hloserve.engine.policy import ModelPolicy
-from hloserve.models._xla import DeviceArray
-from hloserve.models.bundle import Bundle
-from hloserve.models.compiled import CompiledModel
 from hloserve.types import Discipline, Residency
+
+if TYPE_CHECKING:  # JAX's types: a frontend builds these messages without importing JAX
+    from hloserve.engine.policy import ModelPolicy
+    from hloserve.models._xla import DeviceArray
+    from hloserve.models.bundle import Bundle
+    from hloserve.models.compiled import CompiledModel
 
 __all__ = [
     "Acquire",

@@ -247,18 +247,16 @@ def test_client_from_plain_asyncio(server: ServerThread) -> None:
     assert_close(out["OUTPUT0"], export_examples.reference("mlp", np.ones((2, 16), np.float32)))
 
 
-def test_device_memory_gauges_from_allocator_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_device_memory_gauges_from_allocator_statistics() -> None:
     """GPU allocator statistics (which a CPU cannot produce, so they are stood in for here)
     become the in-use, limit, peak, pool and free gauges; -1 means not supported."""
     from prometheus_client.registry import CollectorRegistry
 
     from hloserve.engine.metrics import _DeviceMemoryCollector
-    from hloserve.models import _xla
 
     stats = {"bytes_in_use": 300, "bytes_limit": 1000, "peak_bytes_in_use": 700, "pool_bytes": -1}
-    monkeypatch.setattr(_xla, "memory_stats", lambda: stats)
     registry = CollectorRegistry()
-    registry.register(_DeviceMemoryCollector())
+    registry.register(_DeviceMemoryCollector(lambda: stats))
     value = registry.get_sample_value
     assert value("hloserve_device_memory_in_use_bytes") == 300
     assert value("hloserve_device_memory_limit_bytes") == 1000

@@ -170,7 +170,7 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
             params,
         )
 
-        metrics = Metrics(statistics, programs.__len__, server_config.metrics_max_models)
+        metrics = Metrics(statistics, programs.__len__, server_config.metrics_max_models, _xla.memory_stats)
         with ExitStack() as failing:  # what a failed start-up lets go of (kept once started)
             failing.callback(metrics.close)
             failing.callback(metas.close)
@@ -204,7 +204,13 @@ async def serve(config: Config) -> AsyncIterator[Worker]:
             )
             planes = worker.planes = EnginePlanes(
                 data,
-                LocalModelPlane(config=config, models=entries, statistics=statistics, host=worker),
+                LocalModelPlane(
+                    config=config,
+                    models=entries,
+                    statistics=statistics,
+                    host=worker,
+                    platform=_xla.device().platform,
+                ),
                 LocalRepositoryPlane(
                     host=worker, config=config, models=entries, statistics=statistics, shm=shm
                 ),

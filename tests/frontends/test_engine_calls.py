@@ -143,6 +143,22 @@ def test_frontends_never_initialise_a_device_and_report_the_engines_platform(eng
         assert client.get_model_config("first").config.platform == f"stablehlo_{platform}"
 
 
+def test_a_frontend_serves_without_importing_jax(engine: ServerThread) -> None:
+    """A frontend decodes, checks and forwards; only the engine runs models. JAX in a frontend
+    cost each about 120 MB of memory and a second of start-up."""
+    write_affine(Path(engine.config.server.model_repository) / "jaxless")
+    with closing(connect(engine.url)) as client:
+        client.load_model("jaxless")  # a bundle sent to the frontends, its module unparsed there
+    for client, _ in fresh_clients(engine):
+        assert_affine_answers(client, "jaxless")
+        client.get_model_config("jaxless")
+    with closing(connect(engine.url)) as client:
+        client.unload_model("jaxless")
+    for pid in frontend_pids(engine):
+        mapped = Path(f"/proc/{pid}/maps").read_text()
+        assert "/jaxlib/" not in mapped, f"frontend {pid} has loaded jaxlib (JAX imported)"
+
+
 def test_an_idle_engine_keeps_its_frontends(engine: ServerThread) -> None:
     """PR_SET_PDEATHSIG fires when the thread that forked a frontend exits; trio's worker threads
     exit after 10 s idle, so frontends forked in one died with it (and were restarted)."""

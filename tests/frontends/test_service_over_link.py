@@ -67,7 +67,7 @@ class FrontEndOverLink:
                     )
                     service = InferenceService(
                         data=plane,
-                        models=LocalModelPlane(**tables, host=worker),
+                        models=LocalModelPlane(**tables, host=worker, platform="cpu"),
                         repository=LocalRepositoryPlane(**tables, host=worker),
                     )
                     server = _grpclib_patches.GracefulServer(

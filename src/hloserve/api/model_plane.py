@@ -21,9 +21,8 @@ from hloserve.config import Config
 from hloserve.engine.statistics import Duration, ExecutionTimes, Statistics
 from hloserve.engine.tracing import settings, triton_trace_settings
 from hloserve.errors import InvalidInput, ModelNotFound, Unimplemented
-from hloserve.models import _xla
-from hloserve.models.bundle import check_model_name
 from hloserve.models.manifest import TensorSpec
+from hloserve.models.names import check_model_name
 
 if TYPE_CHECKING:
     from hloserve.engine.model_table import ModelEntry
@@ -74,7 +73,7 @@ def _data_type(spec: TensorSpec) -> kserve.DataType:
 class LocalModelPlane:
     """The model plane over a model table: its entries' manifests, this process's statistics and
     the configuration as `host` holds it now (load settings included). Models run on `platform`
-    (a device platform's name; None: this process's device)."""
+    (a device platform's name: the engine's device's, which a frontend is told)."""
 
     def __init__(
         self,
@@ -83,13 +82,13 @@ class LocalModelPlane:
         models: Mapping[str, ModelEntry],
         statistics: Statistics,
         host: ConfigHost,
-        platform: str | None = None,
+        platform: str,
     ) -> None:
         self._config = config
         self._models = models
         self._statistics = statistics
         self._host = host
-        self.platform = f"stablehlo_{platform or _xla.device().platform}"
+        self.platform = f"stablehlo_{platform}"
         """The platform ModelMetadata and ModelConfig name."""
 
     async def server_metadata(self) -> kserve.ServerMetadataResponse:

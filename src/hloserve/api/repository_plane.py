@@ -26,10 +26,10 @@ from hloserve.api.shm_registry import Region, ShmRegistry
 from hloserve.config import Config, ModelSettings
 from hloserve.engine.statistics import Statistics
 from hloserve.errors import ShmDisabled, ShmRegionNotFound, Unimplemented
-from hloserve.models.bundle import check_model_name
 from hloserve.models.load_files import FILE_PREFIX, check_files
 from hloserve.models.load_override import CONFIG_PARAM, apply_config
 from hloserve.models.manifest import FILE as MANIFEST
+from hloserve.models.names import check_model_name
 
 if TYPE_CHECKING:
     from hloserve.engine.model_table import ModelEntry, ModelHost

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hloserve.errors import ShmLimit, ShmRegionError, ShmRegionExists, clip
-from hloserve.models._xla import host_buffer
+from hloserve.models.aligned import host_buffer
 
 __all__ = ["NAME_MAX", "Region", "ShmRegistry"]
 

@@ -31,7 +31,6 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from hloserve._transport.metrics_endpoint import Answer, MetricsEndpoint
 from hloserve.engine.statistics import LOAD_BUCKETS_S, ModelStatistics, Statistics
-from hloserve.models import _xla
 
 __all__ = ["Metrics"]
 
@@ -272,8 +271,11 @@ _DEVICE_MEMORY = {
 class _DeviceMemoryCollector(Collector):
     """The allocator's statistics, where the backend keeps them (a GPU; not the CPU)."""
 
+    def __init__(self, read: Callable[[], dict[str, int] | None]):
+        self._read = read
+
     def collect(self) -> Iterator[Any]:
-        stats = _xla.memory_stats()
+        stats = self._read()
         if stats is None:
             return
         for key, (name, doc) in _DEVICE_MEMORY.items():
@@ -312,10 +314,15 @@ class _UnexposedCollector(Collector):
 class Metrics:
     """The worker's metric objects and, once `serve` is called, its HTTP endpoint. `programs`
     reads how many programs are loaded (`Programs`), thread-safe; `max_models` bounds the models
-    whose series a scrape exposes (0: all)."""
+    whose series a scrape exposes (0: all); `device_memory` reads the device allocator's
+    statistics (`_xla.memory_stats`: the engine's; a frontend, which runs no model, has none)."""
 
     def __init__(
-        self, statistics: Statistics, programs: Callable[[], int] | None = None, max_models: int = 0
+        self,
+        statistics: Statistics,
+        programs: Callable[[], int] | None = None,
+        max_models: int = 0,
+        device_memory: Callable[[], dict[str, int] | None] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         self.requests = prometheus_client.Counter(
@@ -358,7 +365,8 @@ class Metrics:
         if max_models:
             self.registry.register(_UnexposedCollector(on_loop(lambda: max(0, len(statistics) - max_models))))
         self.registry.register(_CompactionCollector(on_loop(lambda: statistics.compactions)))
-        self.registry.register(_DeviceMemoryCollector())
+        if device_memory is not None:
+            self.registry.register(_DeviceMemoryCollector(device_memory))
         if programs is not None:
             self.registry.register(_ProgramsCollector(programs))
         self._endpoint: MetricsEndpoint | None = None

@@ -1,13 +1,11 @@
 """The model table: which models a worker serves, in which state, and the one way that changes.
 
-Each model is a `ModelEntry` in one of four states: `Loaded` (compiled, its queue running, the
-dispatcher executing it), `Remote` (a frontend's view of a model the engine serves: checked and
-admitted there, executed by the engine), `Meta` (a meta model's `run`, nothing for the
-dispatcher) or `Failed` (why it could not be loaded). Start-up and `load_model` take the same
-path: a bundle is read, its model.py run and it is compiled and warmed up outside the dispatch
-loop (`prepare`), then `ModelTable._put` adds it, or replaces the version served (which keeps
-serving if the new one fails before). `_remove` is the one way out. Loads, unloads, reloads
-and control calls naming one model apply one after another (`ModelTable._turn`).
+Each model is a `ModelEntry` (`hloserve.engine.model_entry`): `Loaded`, `Remote`, `Meta` or
+`Failed`. Start-up and `load_model` take the same path: a bundle is read, its model.py run and
+it is compiled and warmed up outside the dispatch loop (`prepare`), then `ModelTable._put` adds
+it, or replaces the version served (which keeps serving if the new one fails before). `_remove`
+is the one way out. Loads, unloads, reloads and control calls naming one model apply one after
+another (`ModelTable._turn`).
 
 The planes (`hloserve.api`), the control service and the repository watcher see a worker as a
 `ModelHost`; the protocol adapters see only the planes.
@@ -40,11 +38,11 @@ from hloserve.actors.messages import (
 )
 from hloserve.actors.model_queue import ModelQueue, ModelQueueHandle, QueueSettings
 from hloserve.config import Config, ModelSettings, SchedulerConfig
+from hloserve.engine.model_entry import Failed, Loaded, Meta, ModelEntry, Remote, registration_of
 from hloserve.engine.policy import ModelPolicy
 from hloserve.engine.statistics import Statistics
 from hloserve.errors import BundleError, ConfigError, InvalidInput, ModelNotFound
 from hloserve.models.bundle import (
-    MODEL_PY,
     Bundle,
     bundle_directory,
     check_model_name,
@@ -53,7 +51,7 @@ from hloserve.models.bundle import (
 )
 from hloserve.models.compiled import CompiledModel
 from hloserve.models.load_files import remove, write_bundle
-from hloserve.models.model_py import MetaRun, ModelHooks, Registration, load_model_py
+from hloserve.models.model_py import Registration
 from hloserve.models.programs import Programs
 from hloserve.types import RESIDENCIES, Discipline, Residency
 
@@ -73,125 +71,6 @@ __all__ = [
 log = structlog.get_logger("hloserve.worker")
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class Loaded:
-    """Compiled and serving: requests go to `queue`, the dispatcher executes `compiled`."""
-
-    bundle: Bundle
-    compiled: CompiledModel
-    queue: ModelQueueHandle
-    registration: Registration | None
-    """What its model.py registered (None without one); hot reload swaps it."""
-
-
-@dataclass(frozen=True, slots=True)
-class Remote:
-    """A model the engine serves, seen from a frontend: what its planes read of it (its
-    requests' checks, admission, ModelConfig); executing it is the engine's."""
-
-    bundle: Bundle
-    batch_sizes: tuple[int, ...]
-    coalescable: bool
-    registration: Registration | None
-
-
-@dataclass(frozen=True, slots=True)
-class Meta:
-    """A meta model: its model.py's `run` calls the models its manifest names."""
-
-    bundle: Bundle
-    registration: Registration
-    """Holds its `meta_run`; hot reload swaps it."""
-
-
-@dataclass(frozen=True, slots=True)
-class Failed:
-    """A bundle that could not be loaded, and why (RepositoryIndex shows it)."""
-
-    reason: str
-
-
-ModelState = Loaded | Remote | Meta | Failed
-
-
-@dataclass(frozen=True, slots=True)
-class ModelEntry:
-    """One model of the table. The properties read its state; a request reads its entry once,
-    so a reload swapping the entry never changes a request under way."""
-
-    name: str
-    state: ModelState
-
-    @property
-    def ready(self) -> bool:
-        return not isinstance(self.state, Failed)
-
-    @property
-    def error(self) -> str | None:
-        return self.state.reason if isinstance(self.state, Failed) else None
-
-    @property
-    def bundle(self) -> Bundle | None:
-        return None if isinstance(self.state, Failed) else self.state.bundle
-
-    @property
-    def compiled(self) -> CompiledModel | None:
-        return self.state.compiled if isinstance(self.state, Loaded) else None
-
-    @property
-    def batch_sizes(self) -> tuple[int, ...]:
-        """The batch sizes it is compiled for (none for a meta model)."""
-        if isinstance(self.state, Remote):
-            return self.state.batch_sizes
-        return self.state.compiled.batch_sizes if isinstance(self.state, Loaded) else ()
-
-    @property
-    def coalescable(self) -> bool:
-        """Whether requests can share an execution (and one can be split)."""
-        if isinstance(self.state, Remote):
-            return self.state.coalescable
-        return isinstance(self.state, Loaded) and self.state.compiled.coalescable
-
-    @property
-    def queue(self) -> ModelQueueHandle | None:
-        return self.state.queue if isinstance(self.state, Loaded) else None
-
-    @property
-    def registration(self) -> Registration | None:
-        return None if isinstance(self.state, Failed) else self.state.registration
-
-    @property
-    def hooks(self) -> ModelHooks | None:
-        return None if self.registration is None else self.registration.hooks
-
-    @property
-    def meta_run(self) -> MetaRun | None:
-        return None if self.registration is None else self.registration.meta_run
-
-    @property
-    def calls(self) -> tuple[str, ...]:
-        """The models it calls, if it is a meta model."""
-        return () if self.bundle is None else self.bundle.manifest.calls
-
-    @property
-    def max_rows(self) -> int | None:
-        """The most executable rows one request may carry; None: any (split if need be)."""
-        sizes, bundle = self.batch_sizes, self.bundle
-        if not sizes or self.coalescable or bundle is None or not bundle.manifest.batched:
-            return None
-        return sizes[-1]
-
-    def check_rows(self, rows: int, source: str) -> None:
-        """InvalidInput unless one request of `rows` executable rows (made by `source`: a hook,
-        a meta model's call) can be queued; the request decoder checks the client's own."""
-        if rows == 0:
-            raise InvalidInput(self.name, f"{source} made a batch of 0 rows")
-        if self.max_rows is not None and rows > self.max_rows:
-            raise InvalidInput(
-                self.name, f"{source} made {rows} rows; the largest compiled batch size is {self.max_rows}"
-            )
 
 
 class ModelHost(Protocol):
@@ -244,7 +123,7 @@ def prepare(bundle: Bundle, programs: Programs) -> Prepared:
     byte-identical, else compiled and run once per size on zeros (blocking: call in a worker
     thread). Its weights are not read here: residency is the weight cache's."""
     started = time.perf_counter()
-    registration = _registration(bundle)
+    registration = registration_of(bundle)
     if bundle.manifest.is_meta:
         return Prepared(bundle, None, {}, registration, None, time.perf_counter() - started)
     program, shared = programs.load(bundle)
@@ -434,7 +313,7 @@ class ModelTable:
         bundle, compiled, registration = prepared.bundle, prepared.compiled, prepared.registration
         source = "repository load" if old is None or not old.ready else "reload"
         if compiled is None:  # a meta model: nothing for the dispatcher
-            assert registration is not None  # a meta's model.py registers its run (`_registration`)
+            assert registration is not None  # a meta's model.py registers its run (`registration_of`)
             if old is not None and isinstance(old.state, Loaded):
                 await self._remove(name)
             self._entries[name] = ModelEntry(name, Meta(bundle, registration))
@@ -494,7 +373,7 @@ class ModelTable:
             entry = self._entries.get(name)
             if entry is None or isinstance(entry.state, Failed) or entry.state.bundle.model_py is None:
                 raise ModelNotFound(name, "no serving bundle with a model.py by that name")
-            registration = await trio.to_thread.run_sync(_registration, entry.state.bundle)
+            registration = await trio.to_thread.run_sync(registration_of, entry.state.bundle)
             assert registration is not None  # it has a model.py
             state = dataclasses.replace(entry.state, registration=registration)
             self._entries[name] = ModelEntry(name, state)
@@ -615,20 +494,6 @@ def _queue_settings(scheduler: SchedulerConfig, compiled: CompiledModel) -> Queu
         max_batch_size=settings.max_batch_size,
         max_queue_delay_s=settings.max_queue_delay_us / 1e6,
     )
-
-
-def _registration(bundle: Bundle) -> Registration | None:
-    """Execute the bundle's model.py, if any, and check it registered the bundle's kind."""
-    if bundle.model_py is None:
-        return None
-    registration = load_model_py(bundle.name, bundle.model_py, bundle.path.parent)
-    if bundle.manifest.is_meta and registration.meta_run is None:
-        raise BundleError(bundle.name, MODEL_PY, None, "a bundle of kind: meta must call register_meta_model")
-    if not bundle.manifest.is_meta and registration.hooks is None:
-        raise BundleError(
-            bundle.name, MODEL_PY, None, "calls register_meta_model, but the manifest has no kind: meta"
-        )
-    return registration
 
 
 def _check_meta(bundle: Bundle, bundles: Mapping[str, Bundle | None]) -> None:

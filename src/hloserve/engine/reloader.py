@@ -29,8 +29,8 @@ import structlog
 import trio
 
 from hloserve.errors import InvalidInput, ModelNotFound
-from hloserve.models.bundle import MODEL_PY, check_model_name
 from hloserve.models.manifest import FILE as MANIFEST
+from hloserve.models.names import MODEL_PY, check_model_name
 
 if TYPE_CHECKING:
     from hloserve.engine.model_table import ModelHost

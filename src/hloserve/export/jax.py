@@ -37,8 +37,9 @@ from hloserve.export.tuning import tune as tune_module
 from hloserve.export.verification import VerificationError, verify_bundle
 from hloserve.models import _xla
 from hloserve.models._scratch import DEFAULT_MAX_SCRATCH_RATIO, ScratchError, check_scratch, module_memory
-from hloserve.models.bundle import MODEL_PY, WEIGHTS
+from hloserve.models.bundle import WEIGHTS
 from hloserve.models.executable_cache import ExecutableCache
+from hloserve.models.names import MODEL_PY
 
 __all__ = [
     "PRECISIONS",

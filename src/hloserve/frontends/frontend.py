@@ -47,7 +47,7 @@ from hloserve.config import Config
 from hloserve.engine.buffer_pool import BufferPool
 from hloserve.engine.meta import MetaModels
 from hloserve.engine.metrics import Metrics
-from hloserve.engine.model_table import Failed, Meta, ModelEntry, Remote, _registration
+from hloserve.engine.model_entry import Failed, Meta, ModelEntry, Remote, registration_of
 from hloserve.engine.policy import PolicyParams
 from hloserve.engine.statistics import Statistics
 from hloserve.engine.tracing import RequestSpans, open_tracing
@@ -71,7 +71,7 @@ def _entry(summary: ModelSummary) -> ModelEntry:
     if summary.error is not None or bundle is None:
         return ModelEntry(summary.name, Failed(summary.error or "not loaded"))
     try:
-        registration = _registration(bundle)
+        registration = registration_of(bundle)
     except Exception as e:  # as the engine's load would have failed: said, not fatal
         return ModelEntry(summary.name, Failed(f"model.py failed in a frontend: {e}"))
     if bundle.manifest.is_meta:

@@ -16,7 +16,6 @@ import functools
 import importlib
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # XLA's C++ logs duplicate our own errors
@@ -32,7 +31,9 @@ from jaxlib import xla_client
 from jaxlib.mlir import ir
 
 from hloserve._transport.requirements import missing
-from hloserve.dtypes import DType, by_mlir
+from hloserve.dtypes import by_mlir
+from hloserve.models.aligned import host_buffer
+from hloserve.models.signature import Signature, TensorType
 
 SEMI_PUBLIC = (
     "jax.extend.backend.get_backend",
@@ -111,27 +112,6 @@ __all__ = [
 DeviceArray = jax.Array
 Executable = Any  # jaxlib LoadedExecutable; not a public type
 _DONATION_ATTRS = ("tf.aliasing_output", "jax.buffer_donor")
-
-
-@dataclass(frozen=True, slots=True)
-class TensorType:
-    """One argument or result of a module's `main`, in row-major (XLA) order."""
-
-    shape: tuple[int, ...]
-    dtype: DType
-
-    def __str__(self) -> str:
-        return f"{self.dtype.token}[{','.join(map(str, self.shape))}]"
-
-
-@dataclass(frozen=True, slots=True)
-class Signature:
-    """The entry function of a module: argument and result types, and donated arguments."""
-
-    inputs: tuple[TensorType, ...]
-    outputs: tuple[TensorType, ...]
-    donated: tuple[int, ...]
-    """Indices of arguments carrying a donation attribute (hloserve rejects these)."""
 
 
 @functools.cache
@@ -246,16 +226,6 @@ def compiled_memory(executable: Executable) -> dict[str, int]:
         "argument_bytes": int(stats.argument_size_in_bytes),
         "output_bytes": int(stats.output_size_in_bytes),
     }
-
-
-ALIGNMENT = 64
-
-
-def host_buffer(nbytes: int) -> np.ndarray:
-    """An uninitialised, 64-byte aligned uint8 array: on CPU, `put` aliases it instead of copying."""
-    raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
-    start = -raw.ctypes.data % ALIGNMENT
-    return raw[start : start + nbytes]
 
 
 @functools.cache

@@ -22,16 +22,21 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hloserve import dtypes
 from hloserve.dtypes import DType
 from hloserve.errors import BundleError, InvalidInput
-from hloserve.models import _xla
+from hloserve.models.aligned import host_buffer
 from hloserve.models.manifest import FILE as MANIFEST
 from hloserve.models.manifest import Manifest, TensorSpec, load_manifest
+from hloserve.models.names import MAX_NAME_BYTES, MODEL_PY, check_model_name
+from hloserve.models.signature import Signature, TensorType
+
+if TYPE_CHECKING:
+    from hloserve.models._xla import XlaOptions
 
 __all__ = [
     "MAX_NAME_BYTES",
@@ -47,11 +52,7 @@ __all__ = [
     "read_weights",
 ]
 
-MAX_NAME_BYTES = 255
-"""The longest model name, in UTF-8 bytes: a directory name (NAME_MAX on Linux)."""
-
 WEIGHTS = "weights.safetensors"
-MODEL_PY = "model.py"
 _MODULE_NAME = re.compile(r"^model(?:\.b([1-9][0-9]*))?\.mlir$")
 _BYTECODE_MAGIC = b"ML\xefR"
 _SAFETENSORS_DTYPES = {
@@ -82,14 +83,14 @@ class ModuleText:
     """SHA-256 of the file's bytes: byte-identical modules are one program."""
     source: str | bytes
     """StableHLO text, or portable-artifact bytecode."""
-    signature: _xla.Signature
+    signature: Signature
 
-    def __reduce__(self) -> tuple[Any, tuple[str, str | bytes, _xla.Signature]]:
+    def __reduce__(self) -> tuple[Any, tuple[str, str | bytes, Signature]]:
         """Unpickled (in a frontend process) into that process's shared copy, as loaded ones are."""
         return _interned, (self.digest, self.source, self.signature)
 
 
-def _interned(digest: str, source: str | bytes, signature: _xla.Signature) -> ModuleText:
+def _interned(digest: str, source: str | bytes, signature: Signature) -> ModuleText:
     with _texts_lock:
         return _texts.setdefault(digest, ModuleText(digest, source, signature))
 
@@ -108,6 +109,8 @@ def _module_text(raw: bytes) -> ModuleText:
     if text is not None:
         return text
     source: str | bytes = raw if raw.startswith(_BYTECODE_MAGIC) else raw.decode("utf-8", errors="replace")
+    from hloserve.models import _xla  # here: a frontend unpickles bundles and never parses one
+
     text = ModuleText(digest, source, _xla.main_signature(source))
     with _texts_lock:
         return _texts.setdefault(digest, text)
@@ -126,7 +129,7 @@ class ModuleFile:
         return self.text.source
 
     @property
-    def signature(self) -> _xla.Signature:
+    def signature(self) -> Signature:
         return self.text.signature
 
 
@@ -163,8 +166,10 @@ class Bundle:
         return digest.hexdigest()
 
     @property
-    def xla_options(self) -> _xla.XlaOptions:
+    def xla_options(self) -> XlaOptions:
         """The manifest's XLA options for the platform this machine compiles for."""
+        from hloserve.models import _xla  # here: only a process that compiles asks
+
         return self.manifest.xla_options.get(_xla.compile_platform(), {})
 
     def module_for(self, batch_size: int) -> ModuleFile:
@@ -172,29 +177,6 @@ class Bundle:
             if module.batch_size == batch_size:
                 return module
         raise KeyError(f"bundle {self.name!r} has no module for batch size {batch_size}")
-
-
-def check_model_name(name: str) -> str:
-    """`name` if it is a plain model name, else InvalidInput naming the rule it breaks.
-
-    A model name is the name of a directory inside the repository, never a path: a client that
-    could name `/elsewhere` or `../x` would have the server execute any `model.py` it can reach.
-    """
-    shown = name if len(name) <= 64 else name[:64] + "..."  # the name is the client's: bounded
-    size = len(name.encode("utf-8", errors="surrogatepass"))
-    if not name:
-        problem = "a model name must not be empty"
-    elif size > MAX_NAME_BYTES:
-        problem = f"a model name is at most {MAX_NAME_BYTES} bytes, this one is {size}"
-    elif "/" in name or "\\" in name:
-        problem = "a model name is a plain name, not a path: it may not contain '/' or '\\'"
-    elif name in (".", ".."):
-        problem = "a model name may not be '.' or '..'"
-    elif not name.isprintable():
-        problem = "a model name may hold only printable characters (no NUL or control characters)"
-    else:
-        return name
-    raise InvalidInput(shown, problem)
 
 
 def check_inside(path: Path, repository: Path, bundle: str) -> None:
@@ -368,9 +350,7 @@ def _check_signature(
     if manifest.batched and batch is None:
         raise fail("cannot tell the batch size of a single model.mlir from its signature")
 
-    def check(
-        kind: str, i: int, name: str, got: _xla.TensorType, dtype: DType, shape: tuple[int, ...]
-    ) -> None:
+    def check(kind: str, i: int, name: str, got: TensorType, dtype: DType, shape: tuple[int, ...]) -> None:
         if got.dtype != dtype or got.shape != shape:
             raise fail(f"{kind} {i} ({name!r}) is {got}, expected {dtype.token}[{','.join(map(str, shape))}]")
 
@@ -466,7 +446,7 @@ def read_weights(bundle: Bundle) -> list[np.ndarray]:
     arrays = []
     with bundle.weights_path.open("rb", buffering=0) as f:
         for spec in bundle.weights:
-            buffer = _xla.host_buffer(spec.nbytes)
+            buffer = host_buffer(spec.nbytes)
             f.seek(spec.offset)
             if f.readinto(buffer.data) != spec.nbytes:
                 raise BundleError(bundle.name, WEIGHTS, spec.name, "file is shorter than its header says")

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 
 from hloserve.errors import InvalidInput, clip
-from hloserve.models.bundle import MAX_NAME_BYTES, MODEL_PY
+from hloserve.models.names import MAX_NAME_BYTES, MODEL_PY
 
 __all__ = ["FILE_PREFIX", "check_files", "remove", "write_bundle"]
 

@@ -29,7 +29,6 @@ from typing import Any
 import numpy as np
 
 from hloserve.errors import BundleError
-from hloserve.models.bundle import check_inside
 
 __all__ = [
     "Hook",
@@ -118,6 +117,8 @@ def load_model_py(bundle: str, path: Path, repository: Path) -> Registration:
     when the file lies elsewhere, fails to run or registers nothing. Blocking (imports may be
     slow): call it in a worker thread.
     """
+    from hloserve.models.bundle import check_inside  # here: a frontend uses NamedTensor, not JAX
+
     check_inside(path, repository, bundle)
     module_name = f"hloserve_bundles.{bundle}"
     module = types.ModuleType(module_name)
