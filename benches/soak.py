@@ -268,6 +268,10 @@ def _proc(pid: int) -> dict[str, Any] | None:
         return None
 
 
+PROBED = ("heap_bytes", "allocator", "interned_strings", "top_growth")
+"""What each sample keeps of a process's memory-probe line."""
+
+
 def _probe(probes: Path, pid: int) -> dict[str, Any]:
     """The process's latest memory-probe line (empty where it writes none: Envoy)."""
     paths = list(probes.glob(f"*-{pid}.jsonl"))
@@ -527,9 +531,7 @@ def soak(duration_s: float = 600, frontends: int = 0, node: bool = False, trace:
                     if figures is None:
                         continue
                     probe = _probe(probes, pid)
-                    figures.update(
-                        {k: probe[k] for k in ("heap_bytes", "allocator", "top_growth") if k in probe}
-                    )
+                    figures.update({k: probe[k] for k in PROBED if k in probe})
                     roles[role] += 1
                     processes.setdefault(pid, Process(f"{role}{roles[role] - 1}", pid)).samples.append(
                         (now, figures)

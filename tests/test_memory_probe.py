@@ -45,7 +45,9 @@ from hloserve.config import LoggingConfig
 from hloserve.memory_probe import start_memory_probe
 settings = LoggingConfig(memory_probe_dir=Path(sys.argv[1]), memory_probe_s=0.05, memory_probe_trace=False)
 assert start_memory_probe(settings, "engine")
-time.sleep(0.5)
+time.sleep(0.25)
+names = [sys.intern(f"probe-{i}") for i in range(5000)]
+time.sleep(0.25)
 print(tracemalloc.is_tracing())
 """
 
@@ -62,6 +64,11 @@ def test_without_tracing_the_probe_writes_the_process_s_figures_and_leaves_trace
     for line in lines:
         assert line["rss_bytes"] > 10 << 20 and line["allocator"]["in_use"] > 0
         assert "heap_bytes" not in line and "top_growth" not in line
+    # the interned strings are counted where Python can count them (3.12+), left out before
+    if sys.version_info >= (3, 12):
+        assert lines[-1]["interned_strings"] >= lines[0]["interned_strings"] + 5000
+    else:
+        assert all("interned_strings" not in line for line in lines)
 
 
 _BASELINED = """

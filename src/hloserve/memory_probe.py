@@ -21,6 +21,7 @@ import ctypes
 import gc
 import json
 import os
+import sys
 import threading
 import time
 import tracemalloc
@@ -56,6 +57,10 @@ def _mallinfo2() -> Any:
 
 
 _MALLINFO2 = _mallinfo2()
+
+_INTERNED = getattr(sys, "getunicodeinternedsize", None)
+"""How many strings are interned (Python 3.12+). On 3.12 an interned string is immortal, so a
+name interned per request or per load is a leak there that 3.11 and 3.13 hide."""
 
 
 def allocator_bytes() -> dict[str, int] | None:
@@ -117,6 +122,8 @@ def _probe(path: Path, interval_s: float, baseline_s: float, role: str, trace: b
             **_process(),
             "allocator": allocator_bytes(),
         }
+        if _INTERNED is not None:
+            line["interned_strings"] = _INTERNED()
         if trace:
             gc.collect()
             snapshot = tracemalloc.take_snapshot()
