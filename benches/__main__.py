@@ -153,6 +153,7 @@ def main() -> None:
                     "utc": stamp,
                     "command": command,
                     "machine": _machine(),
+                    "python": platform.python_version(),
                     "cpu_count": os.cpu_count(),
                     "loadavg_before": load_before,
                     "loadavg_after": os.getloadavg(),
