@@ -109,18 +109,25 @@ def _onnx_export(zoo: Any, name: str, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_suffix(".tmp")
     # the TorchScript exporter on purpose: what Triton users' `.onnx` files come from (opset 17);
-    # torch deprecates it, in warnings about torch itself (as tests/zoo/test_zoo_onnx.py's export)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        torch.onnx.export(
-            model,
-            tuple(torch.from_numpy(a) for a in inputs.values()),
-            str(staging),
-            input_names=list(inputs),
-            dynamic_axes={key: {0: "batch"} for key in inputs},
-            opset_version=17,
-            dynamo=False,
-        )
+    # torch deprecates it, in warnings about torch itself (as tests/zoo/test_zoo_onnx.py's export).
+    # Attention's fused fast path (torchvision's ViT in eval mode) has no ONNX form: off while
+    # exporting, so the exporter sees the layers it is made of.
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            torch.onnx.export(
+                model,
+                tuple(torch.from_numpy(a) for a in inputs.values()),
+                str(staging),
+                input_names=list(inputs),
+                dynamic_axes={key: {0: "batch"} for key in inputs},
+                opset_version=17,
+                dynamo=False,
+            )
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
     staging.rename(path)
 
 
