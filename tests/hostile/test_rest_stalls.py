@@ -339,12 +339,14 @@ def test_a_load_s_file_contents_cost_others_under_the_bound(worker: ServerProces
     contents = base64.b64encode(bytes(36 * MiB)).decode()
     body = json.dumps({"parameters": {"config": "{}", "file:1/model.bin": contents}}).encode()
     tries = []
-    while len(tries) < 2 and (not tries or min(tries) >= BOUND_S):
+    for _ in range(2):
         with _Probe(worker) as probe:
             status, answer = _post(worker, "/v2/repository/models/nonesuch/load", body)
         assert status == 404 and "nonesuch" in answer["error"], answer  # decoded, then not a model
         assert probe.answers > 0
         tries.append(probe.worst)
+        if probe.worst < BOUND_S:
+            break
     assert min(tries) < BOUND_S, tries
     _assert_serves(worker)
 

@@ -208,14 +208,15 @@ def test_one_bundle_changed_among_ten_thousand_is_reloaded_and_the_others_are_no
     # the workers' lines reach the log through the node's loop, which copies them when it gets
     # to them: a worker may serve the new weights before its line is in the file
     loads: list[str] = []
+    names_v42 = re.compile(r'(model=|"model": ")v42\b')
 
     def both_workers_said_so() -> bool:
         with node["log"].open("rb") as f:
             f.seek(logged)
             since = f.read().decode(errors="replace").splitlines()
         loads[:] = [line for line in since if "model loaded" in line]
-        return sum(bool(re.search(r'(model=|"model": ")v42\b', line)) for line in loads) >= 2
+        return sum(bool(names_v42.search(line)) for line in loads) >= 2
 
     wait_until(both_workers_said_so, 60, "both workers' 'model loaded' lines for v42")
-    assert all(re.search(r'(model=|"model": ")v42\b', line) for line in loads), loads[:4]
+    assert all(names_v42.search(line) for line in loads), loads[:4]
     grpc.close()
