@@ -125,3 +125,50 @@ def test_threads_share_the_configured_number_of_arenas() -> None:
 
 def test_no_arena_limit_leaves_the_default() -> None:
     assert limit_arenas(0) is False
+
+
+_INTERNED_CHURN_STEP = """
+import ctypes, sys
+from hloserve.allocator import grow_interned_table
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+mallinfo2 = ctypes.CDLL(None).mallinfo2
+mallinfo2.restype = MallInfo2
+
+def in_use():
+    info = mallinfo2()
+    return info.uordblks + info.hblkhd  # the heap's blocks in use and the mmapped ones
+
+live = [sys.intern(f"live.{index}") for index in range(60_000)]  # about as many as an engine holds
+interned = getattr(sys, "getunicodeinternedsize", lambda: -1)
+grown = grow_interned_table() if sys.argv[1] == "1" else None
+before, names_before = in_use(), interned()
+holder = type("Holder", (), {})()
+for index in range(100_000):  # what loads and unloads do over an hour: set a name, drop it
+    setattr(holder, f"name{index}", index)
+    delattr(holder, f"name{index}")
+print(grown, in_use() - before, interned() - names_before)
+"""
+
+
+def _interned_churn(grow: bool) -> tuple[str, int, int]:
+    grown, step, names = _python(_INTERNED_CHURN_STEP, int(grow)).stdout.split()
+    return grown, int(step), int(names)
+
+
+def test_the_interned_table_grows_at_startup_not_under_churn() -> None:
+    """With 60,000 live interned names, 100,000 names set and dropped rebuild the table at twice
+    its size (+1.9 MB) unless `grow_interned_table` made that rebuild first. On Python 3.12 the
+    names are immortal (each one set is kept), so there it must do nothing at all."""
+    grown, step, names = _interned_churn(grow=True)
+    if sys.version_info[:2] == (3, 12):
+        assert grown == "False"
+        assert names >= 100_000, f"{names} names kept: 3.12 keeps every interned name"
+        return
+    assert grown == "True"
+    _, step_without, _ = _interned_churn(grow=False)
+    assert step_without > 1 << 20, f"churn alone grew the heap by {step_without} bytes"
+    assert step < 256 << 10, f"churn after grow_interned_table grew the heap by {step} bytes"
