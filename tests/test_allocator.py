@@ -128,19 +128,13 @@ def test_no_arena_limit_leaves_the_default() -> None:
 
 
 _INTERNED_CHURN_STEP = """
-import ctypes, sys
+import sys
 from hloserve.allocator import grow_interned_table
-
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-
-mallinfo2 = ctypes.CDLL(None).mallinfo2
-mallinfo2.restype = MallInfo2
+from hloserve.memory_probe import allocator_bytes
 
 def in_use():
-    info = mallinfo2()
-    return info.uordblks + info.hblkhd  # the heap's blocks in use and the mmapped ones
+    counts = allocator_bytes()
+    return counts["in_use"] + counts["mapped"]  # the heap's blocks in use and the mmapped ones
 
 live = [sys.intern(f"live.{index}") for index in range(60_000)]  # about as many as an engine holds
 interned = getattr(sys, "getunicodeinternedsize", lambda: -1)
