@@ -229,8 +229,9 @@ def compiled_memory(executable: Executable) -> dict[str, int]:
 
 
 @functools.cache
-def _sharding() -> jax.sharding.SingleDeviceSharding:
-    return jax.sharding.SingleDeviceSharding(device())
+def _sharding() -> jax.sharding.Sharding:
+    sharding: jax.sharding.Sharding = jax.sharding.make_single_device_sharding(device())
+    return sharding
 
 
 def put(array: np.ndarray) -> DeviceArray:
@@ -269,8 +270,11 @@ def pinning_pays() -> bool:
 
 
 @functools.cache
-def _pinned_sharding() -> jax.sharding.SingleDeviceSharding:
-    return jax.sharding.SingleDeviceSharding(device(), memory_kind=PINNED_HOST)
+def _pinned_sharding() -> jax.sharding.Sharding:
+    sharding: jax.sharding.Sharding = jax.sharding.make_single_device_sharding(
+        device(), memory_kind=PINNED_HOST
+    )
+    return sharding
 
 
 def pin(arrays: Sequence[np.ndarray]) -> list[DeviceArray]:
