@@ -24,13 +24,13 @@ Every `--duration / 10` seconds (at most a minute) each server process is sample
 memory, descriptors and threads from /proc, and from inside (`hloserve.memory_probe`, which the
 soak turns on through `HLOSERVE_LOGGING_MEMORY_PROBE_DIR`; it runs tracemalloc, so the server is
 slower than it would be) the Python heap, glibc's bytes in use and freed but kept, and the heap's
-top growth by line since warm-up. `--no-trace` leaves tracemalloc off (no heap figures): the server's own
-speed and allocation pattern, for the RSS it would have in production. The table gives, per
-process (the engine, each frontend; through the node, its supervisor, each worker and its
-frontends, and Envoy from /proc only), the slope of each after warm-up (the first third of the
-run, at most 3 minutes) by least squares, in MB per minute; RSS is also split into anonymous and
-file-backed pages (a library's code read in late is not a leak), and its slope is given over the
-run's last half.
+top growth by line since warm-up. `--no-trace` leaves tracemalloc off (no heap figures): the
+server's own speed and allocation pattern, for the RSS it would have in production. The table
+gives, per process (the engine, each frontend; through the node, its supervisor, each worker and
+its frontends, and Envoy, whose allocator figures are tcmalloc's from its admin `/memory`), the
+slope of each after warm-up (the first third of the run, at most 3 minutes) by least squares, in
+MB per minute; RSS is also split into anonymous and file-backed pages (a library's code read in
+late is not a leak), and its slope is given over the run's last half.
 """
 
 from __future__ import annotations
@@ -270,6 +270,22 @@ def _proc(pid: int) -> dict[str, Any] | None:
 
 PROBED = ("heap_bytes", "allocator", "interned_strings", "top_growth")
 """What each sample keeps of a process's memory-probe line."""
+
+
+def _envoy_memory(pid: int) -> dict[str, Any]:
+    """Envoy's allocator figures as the memory probe gives glibc's (empty if it cannot tell): its
+    admin `/memory` (at the port of the bootstrap its `-c` names) says what tcmalloc has
+    allocated and how much more it holds mapped (its page heap and caches: freed but kept)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        bootstrap = json.loads(Path(argv[argv.index("-c") + 1]).read_text())
+        port = bootstrap["admin"]["address"]["socket_address"]["port_value"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/memory", timeout=5) as answer:
+            memory = {key: int(value) for key, value in json.load(answer).items()}
+    except (OSError, ValueError, KeyError, IndexError):
+        return {}
+    mapped = memory["heap_size"] - memory["pageheap_unmapped"]
+    return {"allocator": {"in_use": memory["allocated"], "free": mapped - memory["allocated"]}}
 
 
 def _probe(probes: Path, pid: int) -> dict[str, Any]:
@@ -530,7 +546,7 @@ def soak(duration_s: float = 600, frontends: int = 0, node: bool = False, trace:
                     figures = _proc(pid)
                     if figures is None:
                         continue
-                    probe = _probe(probes, pid)
+                    probe = _envoy_memory(pid) if role == "envoy" else _probe(probes, pid)
                     figures.update({k: probe[k] for k in PROBED if k in probe})
                     roles[role] += 1
                     processes.setdefault(pid, Process(f"{role}{roles[role] - 1}", pid)).samples.append(

@@ -1,7 +1,8 @@
 """The breakdown bench's patched servers serve what they claim (`python -m benches breakdown`);
 the overload bench's sink refuses as it claims; `benches/gpu` runs to the end on a CPU
-(`--quick`) and carries the wheels it needs; the routes bench starts Envoy on the node's files
-and times requests through it; the node-scale bench measures a node it started over a catalogue."""
+(`--quick`) and carries the wheels it needs; the soak reads Envoy's allocator; the routes bench
+starts Envoy on the node's files and times requests through it; the node-scale bench measures a
+node it started over a catalogue."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from support.clients import wait_until
 from support.numerics import assert_close
 from support.servers import ROOT
 
-from benches import node_scale, overload, routes
+from benches import node_scale, overload, routes, soak
 from benches.openloop import generate
 from benches.serving import _free_port, start_server
 from hloserve.fleet.envoy import find_envoy
@@ -45,6 +46,29 @@ def test_the_overload_sink_refuses_every_request_unavailable_at_once() -> None:
     finally:
         envoy.terminate()
         envoy.wait(30)
+
+
+def test_the_soak_reads_envoys_allocator_from_its_admin_port(tmp_path: Path) -> None:
+    """`benches soak --node` samples Envoy's tcmalloc (allocated, and mapped but free) from the
+    admin port of the bootstrap on its command line, as it samples glibc's in the server's
+    processes; a process without one gives nothing."""
+    admin = _free_port()
+    bootstrap = tmp_path / "envoy.json"
+    bootstrap.write_text(
+        json.dumps({"admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}}})
+    )
+    envoy = subprocess.Popen(
+        [find_envoy(), "-c", str(bootstrap), "--disable-hot-restart", "--log-level", "error"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        wait_until(lambda: _accepts(admin), 30, "Envoy's admin port")
+        allocator = soak._envoy_memory(envoy.pid)["allocator"]
+        assert allocator["in_use"] > 1 << 20 and allocator["free"] >= 0, allocator
+    finally:
+        envoy.terminate()
+        envoy.wait(30)
+    assert soak._envoy_memory(os.getpid()) == {}
 
 
 def _accepts(port: int) -> bool:
