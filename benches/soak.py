@@ -289,7 +289,7 @@ def _envoy_memory(pid: int) -> dict[str, Any]:
 
 
 def _probe(probes: Path, pid: int) -> dict[str, Any]:
-    """The process's latest memory-probe line (empty where it writes none: Envoy)."""
+    """The process's latest memory-probe line (empty where it writes none)."""
     paths = list(probes.glob(f"*-{pid}.jsonl"))
     if not paths:
         return {}

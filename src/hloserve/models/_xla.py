@@ -229,8 +229,11 @@ def compiled_memory(executable: Executable) -> dict[str, int]:
 
 
 @functools.cache
-def _sharding() -> jax.sharding.Sharding:
-    sharding: jax.sharding.Sharding = jax.sharding.make_single_device_sharding(device())
+def _sharding(memory_kind: str | None = None) -> jax.sharding.Sharding:
+    """The device's placement, in its own memory or in `memory_kind` (such as PINNED_HOST)."""
+    sharding: jax.sharding.Sharding = jax.sharding.make_single_device_sharding(
+        device(), memory_kind=memory_kind
+    )
     return sharding
 
 
@@ -269,20 +272,12 @@ def pinning_pays() -> bool:
     return platform != "cpu"
 
 
-@functools.cache
-def _pinned_sharding() -> jax.sharding.Sharding:
-    sharding: jax.sharding.Sharding = jax.sharding.make_single_device_sharding(
-        device(), memory_kind=PINNED_HOST
-    )
-    return sharding
-
-
 def pin(arrays: Sequence[np.ndarray]) -> list[DeviceArray]:
     """Copies of host arrays in pinned (page-locked) host memory, from which `put_all` copies to
     the device at the bus's speed. Blocks until they are in place. Pinning is slow (about
     1-2 GB/s on a GPU machine): do it once, at start-up. Raises what the backend raises when it
     cannot (no pinned memory kind, the locked-memory limit, too little memory)."""
-    pinned: list[DeviceArray] = jax.device_put(list(arrays), _pinned_sharding())
+    pinned: list[DeviceArray] = jax.device_put(list(arrays), _sharding(PINNED_HOST))
     for array in pinned:
         array.block_until_ready()
     return pinned
