@@ -274,8 +274,10 @@ PROBED = ("heap_bytes", "allocator", "interned_strings", "top_growth")
 
 def _envoy_memory(pid: int) -> dict[str, Any]:
     """Envoy's allocator figures as the memory probe gives glibc's (empty if it cannot tell): its
-    admin `/memory` (at the port of the bootstrap its `-c` names) says what tcmalloc has
-    allocated and how much more it holds mapped (its page heap and caches: freed but kept)."""
+    admin `/memory` (at the port of the bootstrap its `-c` names) says what tcmalloc holds from
+    the system in all (its metadata included), what of it is allocated, and how much more its
+    page heap and caches keep mapped (freed but kept). Envoy's anonymous RSS grows as its
+    allocator first touches pages it already holds, so what it holds is that growth's ceiling."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
         bootstrap = json.loads(Path(argv[argv.index("-c") + 1]).read_text())
@@ -285,7 +287,8 @@ def _envoy_memory(pid: int) -> dict[str, Any]:
     except (OSError, ValueError, KeyError, IndexError):
         return {}
     mapped = memory["heap_size"] - memory["pageheap_unmapped"]
-    return {"allocator": {"in_use": memory["allocated"], "free": mapped - memory["allocated"]}}
+    held, allocated = memory["total_physical_bytes"], memory["allocated"]
+    return {"allocator": {"heap": held, "in_use": allocated, "free": mapped - allocated}}
 
 
 def _probe(probes: Path, pid: int) -> dict[str, Any]:
@@ -579,6 +582,7 @@ _SLOPES = (
     ("anonymous", "rss_anon_bytes", MB),
     ("file-backed", "rss_file_bytes", MB),
     ("heap", "heap_bytes", MB),
+    ("malloc heap", "allocator.heap", MB),
     ("malloc used", "allocator.in_use", MB),
     ("malloc free", "allocator.free", MB),
     ("fds", "descriptors", 1),

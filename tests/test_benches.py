@@ -49,9 +49,9 @@ def test_the_overload_sink_refuses_every_request_unavailable_at_once() -> None:
 
 
 def test_the_soak_reads_envoys_allocator_from_its_admin_port(tmp_path: Path) -> None:
-    """`benches soak --node` samples Envoy's tcmalloc (allocated, and mapped but free) from the
-    admin port of the bootstrap on its command line, as it samples glibc's in the server's
-    processes; a process without one gives nothing."""
+    """`benches soak --node` samples Envoy's tcmalloc (what it holds in all, allocated, and
+    mapped but free) from the admin port of the bootstrap on its command line, as it samples
+    glibc's in the server's processes; a process without one gives nothing."""
     admin = _free_port()
     bootstrap = tmp_path / "envoy.json"
     bootstrap.write_text(
@@ -65,6 +65,7 @@ def test_the_soak_reads_envoys_allocator_from_its_admin_port(tmp_path: Path) -> 
         wait_until(lambda: _accepts(admin), 30, "Envoy's admin port")
         allocator = soak._envoy_memory(envoy.pid)["allocator"]
         assert allocator["in_use"] > 1 << 20 and allocator["free"] >= 0, allocator
+        assert allocator["heap"] >= allocator["in_use"] + allocator["free"], allocator
     finally:
         envoy.terminate()
         envoy.wait(30)
