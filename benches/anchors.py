@@ -13,7 +13,10 @@ batch 1 and 4, each of:
 - `ort`: ONNX Runtime's CPU provider, `intra_op_num_threads=N`, on the model exported by
   `torch.onnx.export(opset_version=17, dynamo=False)` with a dynamic batch axis;
 - `dflt` (where the export kept XLA options of its own, `xla_options`): the same module
-  compiled with XLA's defaults, so that each row shows what the chosen options won.
+  compiled with XLA's defaults, so that each row shows what the chosen options won;
+- `portable` (where the export chose hloserve's native kernels, `hloserve_native_kernels`):
+  the same module with its composites' portable decompositions, so the row shows what the
+  kernels won.
 
 They take turns call by call (`WARMUP` untimed rounds, then at least `REPEATS`; medians), so load
 from elsewhere on the machine weighs on all alike. XLA:CPU sizes its thread pool by the cores a
@@ -71,6 +74,9 @@ class Row:
     defaults_ms: float | None = None
     """hloserve's median ms with XLA's default options instead, in the same rounds (None: the
     bundle has none of its own)."""
+    portable_ms: float | None = None
+    """hloserve's median ms without its native kernels, in the same rounds (None: the module
+    calls none)."""
 
 
 def _zoo() -> Any:
@@ -204,6 +210,11 @@ def measure(name: str, threads: int, quick: bool = False) -> list[dict[str, Any]
     defaults = None  # the same module with XLA's defaults: what the chosen options won
     if bundle.xla_options:
         defaults = compile_bundle(replace(bundle, manifest=replace(bundle.manifest, xla_options={})))
+    portable = None  # the same module without native kernels, where it calls them: what they won
+    if bundle.xla_options.get(_xla.NATIVE_KERNELS):
+        platform = _xla.compile_platform()
+        off = {**bundle.manifest.xla_options, platform: {**bundle.xla_options, _xla.NATIVE_KERNELS: False}}
+        portable = compile_bundle(replace(bundle, manifest=replace(bundle.manifest, xla_options=off)))
     weights = _xla.put_all(read_weights(bundle))
     model = zoo._builder(name)()
     options = onnxruntime.SessionOptions()
@@ -216,8 +227,17 @@ def measure(name: str, threads: int, quick: bool = False) -> list[dict[str, Any]
     rows = []
     for batch in batches:
         inputs = {k: np.ascontiguousarray(a) for k, a in zoo._requests(name, batch, seed=1).items()}
-        ms, torch_compile_s = _time_batch(compiled, weights, model, session, batch, inputs, repeats, defaults)
-        defaults_ms = ms.pop("defaults", None)
+        ms, torch_compile_s = _time_batch(
+            compiled,
+            weights,
+            model,
+            session,
+            batch,
+            inputs,
+            repeats,
+            {"defaults": defaults, "portable": portable},
+        )
+        defaults_ms, portable_ms = ms.pop("defaults", None), ms.pop("portable", None)
         rows.append(
             {
                 "model": name,
@@ -230,6 +250,7 @@ def measure(name: str, threads: int, quick: bool = False) -> list[dict[str, Any]
                 "xla_flags": os.environ.get("XLA_FLAGS", ""),
                 "xla_options": dict(bundle.xla_options),
                 "defaults_ms": defaults_ms,
+                "portable_ms": portable_ms,
             }
         )
     return rows
@@ -243,11 +264,11 @@ def _time_batch(
     batch: int,
     inputs: dict[str, Any],
     repeats: int,
-    defaults: Any = None,
+    variants: dict[str, Any] | None = None,
 ) -> tuple[dict[str, float], float]:
-    """Median ms per call of each runtime on `inputs` (and of `defaults`, hloserve's module
-    compiled with XLA's default options, under "defaults"), taking turns; torch.compile's
-    compile s."""
+    """Median ms per call of each runtime on `inputs` (and of each of `variants`, hloserve's
+    module compiled otherwise, under its name: "defaults", "portable"), taking turns;
+    torch.compile's compile s."""
     import torch
 
     arrays = list(inputs.values())
@@ -260,8 +281,9 @@ def _time_batch(
         "compile": lambda: compiled_model(*tensors),
         "ort": lambda: session.run(None, inputs),
     }
-    if defaults is not None:
-        calls["defaults"] = lambda: defaults.execute(batch, arrays, weights)
+    for variant, other in (variants or {}).items():
+        if other is not None:
+            calls[variant] = lambda other=other: other.execute(batch, arrays, weights)
     with torch.no_grad():
         started = time.perf_counter()
         compiled_model(*tensors)
@@ -288,8 +310,10 @@ def _line(r: Row) -> str:
     times = " ".join(f"{r.ms[k]:>9.2f}" for k in RUNTIMES)
     ratios = " ".join(f"{r.ratios[k]:>6.2f}" for k in RUNTIMES[1:])
     seconds = f"{r.export_s:>7.1f} {r.compile_s:>7.1f} {r.torch_compile_s:>7.1f} {r.onnx_export_s:>6.1f}"
-    defaults = f"{r.defaults_ms:>9.2f}" if r.defaults_ms is not None else f"{'-':>9}"
-    return f"{r.model:<30} {r.batch:>2} {r.threads:>2} {times} {ratios} {seconds} {defaults}"
+    variants = " ".join(
+        f"{ms:>9.2f}" if ms is not None else f"{'-':>9}" for ms in (r.defaults_ms, r.portable_ms)
+    )
+    return f"{r.model:<30} {r.batch:>2} {r.threads:>2} {times} {ratios} {seconds} {variants}"
 
 
 def table(rows: list[Row]) -> str:
@@ -297,7 +321,7 @@ def table(rows: list[Row]) -> str:
     ratios = " ".join(f"{'/' + k:>6}" for k in RUNTIMES[1:])
     lines = [
         f"{'model':<30} {'b':>2} {'th':>2} {head} {ratios} {'export':>7} {'compile':>7} "
-        f"{'t.comp':>7} {'onnx':>6} {'dflt ms':>9}"
+        f"{'t.comp':>7} {'onnx':>6} {'dflt ms':>9} {'port. ms':>9}"
     ]
     lines += [_line(r) for r in rows]
     for count in sorted({r.threads for r in rows}):

@@ -103,7 +103,21 @@ def test_no_import_cycle() -> None:
 
 _LEAVES = ("_process", "_version", "extras", "memory_probe")
 LAYERS = (
-    ("leaves", ("config", "types", "errors", "dtypes", "restricted", "tls", "logs", "allocator", *_LEAVES)),
+    (
+        "leaves",
+        (
+            "config",
+            "types",
+            "errors",
+            "dtypes",
+            "restricted",
+            "tls",
+            "logs",
+            "allocator",
+            "kernels",
+            *_LEAVES,
+        ),
+    ),
     ("transport", ("_transport",)),
     ("models", ("models",)),
     ("engine", ("engine", "actors")),

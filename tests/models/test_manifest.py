@@ -244,6 +244,12 @@ BAD_MANIFESTS = [
         "a string, number or boolean",
         id="xla-no-value",
     ),
+    pytest.param(
+        _with("xla_options", {"cpu": {"hloserve_native_kernels": "yes"}}),
+        "xla_options.cpu.hloserve_native_kernels",
+        "expected true or false",
+        id="native-kernels-not-a-boolean",
+    ),
 ]
 
 
@@ -259,7 +265,12 @@ def test_bad_manifest_names_bundle_file_and_field(data: Any, field: str | None, 
 
 
 def test_xla_options_are_read_per_platform() -> None:
-    options = {"cpu": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}}
+    options = {
+        "cpu": {
+            "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
+            "hloserve_native_kernels": True,
+        }
+    }
     assert parse(_with("xla_options", options)).xla_options == options
     assert parse(GOOD).xla_options == {}
     meta = {

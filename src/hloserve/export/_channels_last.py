@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hloserve.kernels import DEPTHWISE_CONV2D
 from hloserve.models import _xla
 
 __all__ = ["ELEMENTWISE", "ChannelsLast", "convolution", "logical", "max_pool", "mean", "permute", "physical"]
@@ -166,15 +167,50 @@ def _materialized(padded: Any) -> Any:
 def _depthwise(
     x: Any, weight: Any, stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int]
 ) -> Any:
-    """A depthwise convolution of NHWC `x` by OIHW `weight` (one filter per channel) as a sum of
-    strided slices scaled per channel. XLA:CPU's grouped convolution took 6-80x longer on
-    MobileNetV3's, EfficientNet's and ConvNeXt's shapes (jaxlib 0.10.2, one core)."""
-    per_tap = jnp.transpose(weight, (2, 3, 1, 0))[:, :, 0, :]  # (kh, kw, C): the stored HWIO
+    """A depthwise convolution of NHWC `x` by OIHW `weight` (one filter per channel). In float32,
+    a composite the server runs as its native kernel on CPU (`hloserve.kernels`), whose
+    decomposition every other platform compiles."""
+    taps = jnp.transpose(weight, (2, 3, 1, 0))[:, :, 0, :]  # (kh, kw, C): the stored HWIO
+    attributes = {
+        "stride_h": stride[0],
+        "stride_w": stride[1],
+        "pad_h": padding[0],
+        "pad_w": padding[1],
+        "dilation_h": dilation[0],
+        "dilation_w": dilation[1],
+    }
+    if x.dtype != jnp.float32:
+        return _depthwise_sum(x, taps, **attributes)
+    return _DEPTHWISE_CONV2D(x, taps, **{name: np.int64(value) for name, value in attributes.items()})
+
+
+def _depthwise_sum(
+    x: Any,
+    taps: Any,
+    *,
+    stride_h: int,
+    stride_w: int,
+    pad_h: int,
+    pad_w: int,
+    dilation_h: int,
+    dilation_w: int,
+) -> Any:
+    """A depthwise convolution of NHWC `x` by (kh, kw, C) `taps` as a sum of strided slices
+    scaled per channel. XLA:CPU's grouped convolution took 6-80x longer on MobileNetV3's,
+    EfficientNet's and ConvNeXt's shapes (jaxlib 0.10.2, one core)."""
+    stride, padding, dilation = (
+        (int(stride_h), int(stride_w)),
+        (int(pad_h), int(pad_w)),
+        (int(dilation_h), int(dilation_w)),
+    )
     total = None
-    for i, j, tap in _taps(x, weight.shape[2:], stride, padding, dilation):
-        term = tap * per_tap[i, j]
+    for i, j, tap in _taps(x, taps.shape[:2], stride, padding, dilation):
+        term = tap * taps[i, j]
         total = term if total is None else total + term
     return total
+
+
+_DEPTHWISE_CONV2D = jax.lax.composite(_depthwise_sum, name=DEPTHWISE_CONV2D)
 
 
 def _taps(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # XLA's C++ logs duplicate our own errors
@@ -30,6 +30,7 @@ import numpy as np
 from jaxlib import xla_client
 from jaxlib.mlir import ir
 
+from hloserve import kernels
 from hloserve._transport.requirements import missing
 from hloserve.dtypes import by_mlir
 from hloserve.models.aligned import host_buffer
@@ -81,6 +82,7 @@ jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 __all__ = [
+    "NATIVE_KERNELS",
     "DeviceArray",
     "Executable",
     "JaxMismatch",
@@ -97,6 +99,7 @@ __all__ = [
     "jnp",
     "main_signature",
     "memory_stats",
+    "native_kernels_apply",
     "pin",
     "pinned_host_available",
     "pinning_pays",
@@ -107,6 +110,7 @@ __all__ = [
     "serialize_executable",
     "to_numpy",
     "warm_up",
+    "with_native_kernels",
 ]
 
 DeviceArray = jax.Array
@@ -143,14 +147,11 @@ def main_signature(source: str | bytes) -> Signature:
     """
     with _jax_mlir.make_ir_context():
         try:
-            if isinstance(source, bytes):
-                module = jax.extend.mlir.deserialize_portable_artifact(source)
-            else:
-                module = ir.Module.parse(source)
+            module = _parse(source)
         except Exception as e:  # MLIR raises its own error types; flatten them
             raise ValueError(f"not a StableHLO module: {str(e).strip().splitlines()[0]}") from None
-        for op in module.body.operations:
-            op = op.operation
+        for view in module.body.operations:
+            op = view.operation
             if op.name == "func.func" and ir.StringAttr(op.attributes["sym_name"]).value == "main":
                 ftype = ir.FunctionType(ir.TypeAttr(op.attributes["function_type"]).value)
                 donated: list[int] = []
@@ -172,10 +173,18 @@ XlaOptions = Mapping[str, XlaOptionValue]
 """XLA's debug options for one compile (`xla_cpu_...: value`), over its defaults and XLA_FLAGS."""
 
 
+NATIVE_KERNELS = kernels.OPTION
+"""hloserve's own key among a bundle's XLA options: true calls the native kernels in place of the
+composites that name them (`with_native_kernels`), where they are built; XLA never sees it. Off
+by default: a kernel is an opaque call that ends XLA's fusions around it, so it wins on some
+models and loses on others, and the exporter keeps it only where it measured a win."""
+
+
 def _compile_options(options: XlaOptions) -> Any:
     compile_options = jax.extend.backend.get_compile_options(num_replicas=1, num_partitions=1)
-    if options:
-        compile_options.env_option_overrides = sorted(options.items())
+    overrides = sorted((name, value) for name, value in options.items() if name != NATIVE_KERNELS)
+    if overrides:
+        compile_options.env_option_overrides = overrides
     return compile_options
 
 
@@ -184,12 +193,94 @@ def compile_platform() -> str:
     return "cpu" if device().platform == "cpu" else "cuda"
 
 
+def _parse(source: str | bytes) -> ir.Module:
+    """StableHLO text or a portable artifact as a module, in the current context."""
+    if isinstance(source, bytes):
+        module: ir.Module = jax.extend.mlir.deserialize_portable_artifact(source)
+        return module
+    return ir.Module.parse(source)
+
+
+def _native_kernels() -> kernels.Kernels | None:
+    """The native kernels where this process executes on CPU and they are built; else None."""
+    return kernels.load() if device().platform == "cpu" else None
+
+
+def native_kernels_apply(source: str | bytes) -> bool:
+    """Whether `source` names a native kernel's composite and the kernels are built here (never
+    built for a module that names none)."""
+    text = source.decode("latin-1") if isinstance(source, bytes) else source  # its names verbatim
+    return any(name in text for name in kernels.TARGETS) and _native_kernels() is not None
+
+
+def with_native_kernels(source: str | bytes) -> str | bytes:
+    """`source` with each composite that names a native kernel (`hloserve.kernels`) replaced by
+    a call to it through XLA's FFI, its operands, results and attributes unchanged; `source`
+    itself where there is none, or the kernels are off or not built."""
+    if not native_kernels_apply(source):
+        return source
+    with _jax_mlir.make_ir_context(), ir.Location.unknown():
+        module = _parse(source)
+        composites: list[ir.Operation] = []
+
+        def visit(op: ir.Operation) -> ir.WalkResult:
+            if (
+                op.name == "stablehlo.composite"
+                and ir.StringAttr(op.attributes["name"]).value in kernels.TARGETS
+            ):
+                composites.append(op)
+            return ir.WalkResult.ADVANCE
+
+        module.operation.walk(visit)
+        for op in composites:
+            call = ir.Operation.create(
+                "stablehlo.custom_call",
+                results=[result.type for result in op.results],
+                operands=list(op.operands),
+                attributes={
+                    "call_target_name": ir.StringAttr.get(ir.StringAttr(op.attributes["name"]).value),
+                    "api_version": ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 4),
+                    "backend_config": (  # a bundle's composite without any: the call says what is missing
+                        op.attributes["composite_attributes"]
+                        if "composite_attributes" in op.attributes
+                        else ir.DictAttr.get({})
+                    ),
+                    "operand_layouts": _row_major(operand.type for operand in op.operands),
+                    "result_layouts": _row_major(result.type for result in op.results),
+                },
+                loc=op.location,
+                ip=ir.InsertionPoint(op),
+            )
+            for old, new in zip(op.results, call.results, strict=True):
+                old.replace_all_uses_with(new)
+            op.erase()
+        return str(module)
+
+
+def _row_major(types: Iterable[ir.Type]) -> ir.ArrayAttr:
+    """The default (row-major) layout of each tensor type, as a custom call names them."""
+    index = ir.IndexType.get()
+    layouts = []
+    for t in types:
+        rank = ir.RankedTensorType(t).rank
+        minor_to_major = [ir.IntegerAttr.get(index, d) for d in range(rank - 1, -1, -1)]
+        layouts.append(
+            ir.DenseIntElementsAttr.get(minor_to_major, type=ir.RankedTensorType.get([rank], index))
+        )
+    return ir.ArrayAttr.get(layouts)
+
+
 def compile_module(source: str | bytes, options: XlaOptions | None = None) -> Executable:
     """Compile StableHLO text or a portable artifact for `device()`, with XLA `options` over the
-    defaults (an unknown option or value raises). Blocks; GIL released."""
+    defaults (an unknown option or value raises), and native kernels where they apply
+    (`with_native_kernels`) where `options` turn them on (`NATIVE_KERNELS`). Blocks; GIL
+    released."""
     dev = device()
+    options = options or {}
+    if options.get(NATIVE_KERNELS, False):
+        source = with_native_kernels(source)
     return jax.extend.backend.get_backend(dev.platform).compile_and_load(
-        source, xla_client.DeviceList((dev,)), _compile_options(options or {})
+        source, xla_client.DeviceList((dev,)), _compile_options(options)
     )
 
 
@@ -203,18 +294,25 @@ def deserialize_executable(blob: bytes, options: XlaOptions | None = None) -> Ex
     (only ever load your own: deserializing can run arbitrary code). Raises on a corrupt or
     foreign blob."""
     dev = device()
+    options = options or {}
+    if options.get(NATIVE_KERNELS, False):
+        _native_kernels()  # the FFI targets it may call, registered first
     return jax.extend.backend.get_backend(dev.platform).deserialize_executable(
-        blob, xla_client.DeviceList((dev,)), _compile_options(options or {})
+        blob, xla_client.DeviceList((dev,)), _compile_options(options)
     )
 
 
-def runtime_identity() -> str:
-    """What a serialized executable depends on: jaxlib's version, the platform, the device kind,
-    and XLA_FLAGS (they change the code XLA generates) where set."""
+def runtime_identity(options: XlaOptions | None = None) -> str:
+    """What an executable compiled with `options` depends on: jaxlib's version, the platform, the
+    device kind, XLA_FLAGS (they change the code XLA generates) where set, and the native kernels
+    where `options` turn them on and they are built."""
     dev = device()
     flags = os.environ.get("XLA_FLAGS", "").strip()
-    return f"jaxlib {jaxlib.version.__version__}; {dev.platform}; {dev.device_kind}" + (
-        f"; XLA_FLAGS {flags}" if flags else ""
+    native = _native_kernels() if (options or {}).get(NATIVE_KERNELS, False) else None
+    return (
+        f"jaxlib {jaxlib.version.__version__}; {dev.platform}; {dev.device_kind}"
+        + (f"; XLA_FLAGS {flags}" if flags else "")
+        + (f"; kernels {native.digest}" if native else "")
     )
 
 

@@ -37,7 +37,7 @@ class ExecutableCache:
         self.misses = 0
 
     def key(self, source: str | bytes, options: _xla.XlaOptions | None = None) -> str:
-        digest = hashlib.sha256(_xla.runtime_identity().encode())
+        digest = hashlib.sha256(_xla.runtime_identity(options).encode())
         if options:
             digest.update(f"; XLA options {sorted(options.items())!r}".encode())
         digest.update(source.encode() if isinstance(source, str) else source)

@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from hloserve import dtypes
+from hloserve import dtypes, kernels
 from hloserve.dtypes import DType
 from hloserve.errors import BundleError
 
@@ -390,8 +390,9 @@ def _batch_sizes(read: _Reader, batching: Any) -> tuple[int, ...]:
 
 
 def _xla_options(read: _Reader, data: Any) -> dict[str, dict[str, str | bool | int | float]]:
-    """`xla_options`: platform → {XLA debug option: value}. Whether XLA knows an option and
-    takes its value is checked where the module is compiled (it fails the load, naming it)."""
+    """`xla_options`: platform → {XLA debug option: value}, and hloserve's own `kernels.OPTION`
+    (true or false). Whether XLA knows an option and takes its value is checked where the module
+    is compiled (it fails the load, naming it)."""
     if data is None:
         return {}
     if not isinstance(data, Mapping):
@@ -404,6 +405,10 @@ def _xla_options(read: _Reader, data: Any) -> dict[str, dict[str, str | bool | i
         if not isinstance(values, Mapping):
             raise read.fail(where, f"expected a mapping of XLA option to value, got {values!r}")
         for option, value in values.items():
+            if option == kernels.OPTION:
+                if not isinstance(value, bool):
+                    raise read.fail(f"{where}.{option}", f"expected true or false, got {value!r}")
+                continue
             if not isinstance(option, str) or not _XLA_OPTION.match(option):
                 raise read.fail(f"{where}.{option}", "expected an XLA option name: xla_ and lowercase words")
             if not isinstance(value, str | bool | int | float):
