@@ -9,6 +9,7 @@ Serving an exported bundle runs with one process: the exporter is under test, no
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -331,6 +332,47 @@ def test_grouped_convolutions_fuse_only_few_inputs_per_group(per_group: int, fus
         )
     ).lower(x, weight)
     assert ("convolution" not in lowered.as_text()) == fused
+
+
+@pytest.mark.parametrize(
+    ("in_channels", "kernel", "fused"),
+    [(3, 3, False), (16, 1, True), (27, 1, True), (28, 1, False), (3, 7, False), (16, 3, False)],
+    ids=["rgb-stem-3x3", "1x1-from-16", "1x1-from-27", "1x1-from-28", "rgb-stem-7x7", "3x3-from-16"],
+)
+def test_1x1_convolutions_from_few_channels_run_as_one_loop(
+    in_channels: int, kernel: int, fused: bool
+) -> None:
+    """A 1x1 convolution from at most 27 channels is a loop XLA fuses with what is around it; one
+    from more, and any with taps (an RGB stem's 3x3 included: YNNPACK would take its loop into
+    the next convolution's fusion), is XLA's dot or convolution. Both give XLA's numbers."""
+    from hloserve.export import _channels_last
+
+    rng = np.random.default_rng(in_channels * kernel)
+    x = rng.standard_normal((2, 9, 9, in_channels), np.float32)
+    weight = rng.standard_normal((5, in_channels, kernel, kernel), np.float32)
+    stride, padding = [2 if kernel > 1 else 1], [kernel // 2]
+
+    def lowered(x: Any, w: Any) -> Any:
+        return _channels_last.convolution(
+            _channels_last.ChannelsLast(x), w, None, stride, padding, [1], 1
+        ).array
+
+    text = _xla.jax.jit(lowered).lower(x, weight).as_text()
+    assert ("convolution" not in text and "dot_general" not in text) == fused, text[-2000:]
+    expected = _xla.jax.lax.conv_general_dilated(
+        x,
+        np.transpose(weight, (2, 3, 1, 0)),
+        stride * 2,
+        [(padding[0], padding[0])] * 2,
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        precision=_xla.jax.lax.Precision.HIGHEST,
+    )
+    got = _xla.jax.jit(lowered)(x, weight)
+    terms = in_channels * kernel * kernel
+    scale = float(np.max(np.abs(np.asarray(expected))))
+    np.testing.assert_allclose(
+        np.asarray(got), np.asarray(expected), rtol=0, atol=4 * terms * np.finfo(np.float32).eps * scale
+    )
 
 
 class Atrous(torch.nn.Module):
