@@ -585,6 +585,7 @@ _SLOPES = (
     ("malloc heap", "allocator.heap", MB),
     ("malloc used", "allocator.in_use", MB),
     ("malloc free", "allocator.free", MB),
+    ("malloc mapped", "allocator.mapped", MB),  # blocks glibc mmapped: not in its bytes in use
     ("fds", "descriptors", 1),
     ("threads", "threads", 1),
 )

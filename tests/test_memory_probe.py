@@ -36,6 +36,9 @@ def test_the_node_its_engine_and_each_frontend_write_their_memory_figures(tmp_pa
         allocator = line["allocator"]
         assert isinstance(allocator, dict) and allocator["in_use"] > 0
         assert isinstance(line["top_growth"], list)
+        # every process settled its heap at startup (the node too: it proxies every load and
+        # unload, whose names would otherwise rebuild the interned-string table under load)
+        assert line["frozen_objects"] > 0, f"the {line['role']} did not settle its heap"  # type: ignore[operator]
 
 
 _UNTRACED = """

@@ -6,7 +6,8 @@ the allocator keeping freed memory; this tells them apart from inside. With
 and a node's workers), every `logging.memory_probe_s` each engine, frontend and node (supervisor)
 process appends one JSON line to `<dir>/<role>-<pid>.jsonl`: its resident bytes, descriptors and
 threads, the Python heap (tracemalloc, one frame: what is allocated and not freed, after a full
-collection), glibc's `mallinfo2` over every arena (bytes in use, freed but kept, mapped), and the
+collection), the objects frozen out of the cyclic collector's walks (none: the process never
+settled its heap), glibc's `mallinfo2` over every arena (bytes in use, freed but kept, mapped), and the
 heap's top growth by source line since the first probe after `logging.memory_probe_baseline_s`.
 
 It costs what tracemalloc costs (every allocation is recorded: expect a slower server) plus a
@@ -121,6 +122,7 @@ def _probe(path: Path, interval_s: float, baseline_s: float, role: str, trace: b
             "uptime_s": round(time.monotonic() - started, 3),
             **_process(),
             "allocator": allocator_bytes(),
+            "frozen_objects": gc.get_freeze_count(),  # what `settle_heap` took out of the collector's walks
         }
         if _INTERNED is not None:
             line["interned_strings"] = _INTERNED()
