@@ -43,7 +43,7 @@ LONG = (
     "tests/export/test_precision.py",
     "tests/export/test_export.py::test_shipped_example_repository_is_what_the_script_exports",
     "tests/test_benches.py::test_the_gpu_suite_dry_runs_on_a_cpu",
-    # hours of a worker's life in minutes: 3,000 load/unload cycles, five minutes of mixed load
+    # hours of a worker's life in minutes: 10,000 load/unload cycles, five minutes of mixed load
     "tests/test_soak.py",
     "tests/engine/test_unload_releases.py::test_thousands_of_load_unload_cycles_return_the_heap_and_the_counters_to_their_start",
     "tests/models/test_programs.py::test_ten_thousand_variants_start_on_one_program_and_are_indexed",
