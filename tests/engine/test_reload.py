@@ -6,7 +6,10 @@ debounce alone, which runs in the engine either way (one process, suite time).
 
 from __future__ import annotations
 
+import gc
+import os
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +23,8 @@ from support.bundles import PARAMS, X, affine, affine_output, save_affine_weight
 from support.numerics import close
 from support.servers import make_config, start_worker
 from tritonclient.utils import InferenceServerException
+
+from hloserve.engine import reloader
 
 SCALED_PY = """
 import time
@@ -129,6 +134,49 @@ def test_added_and_removed_bundles_load_and_unload(live: Any) -> None:
     _eventually(lambda: "added" not in [m.name for m in client.get_model_repository_index().models])
     with pytest.raises(InferenceServerException, match="unknown model: 'added'"):
         affine_output(client, "added")
+
+
+_real_scandir = os.scandir
+
+
+class _VanishingScan:
+    """os.scandir whose directory's files are all removed once its entries are read."""
+
+    def __init__(self, path: str | Path) -> None:
+        self._entries = _real_scandir(path)
+        self._path = str(path)
+        self._read = False
+
+    def __enter__(self) -> _VanishingScan:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._entries.close()
+
+    def __iter__(self) -> _VanishingScan:
+        return self
+
+    def __next__(self) -> os.DirEntry[str]:
+        entry = next(self._entries)
+        if not self._read and self._path.endswith("leaving"):
+            self._read = True
+            for name in os.listdir(self._path):
+                os.unlink(os.path.join(self._path, name))
+        return entry
+
+
+def test_a_bundle_emptied_while_it_is_scanned_is_skipped_and_its_listing_closed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_affine(tmp_path / "staying")
+    write_affine(tmp_path / "leaving")
+    monkeypatch.setattr(reloader.os, "scandir", _VanishingScan)
+    unclosed: list[Any] = []
+    monkeypatch.setattr(sys, "unraisablehook", unclosed.append)
+    found = reloader.scan(tmp_path)
+    gc.collect()
+    assert set(found) == {"staying"}  # the next scan says what became of "leaving"
+    assert unclosed == [], [u.object for u in unclosed]
 
 
 def test_a_half_written_bundle_is_not_loaded_before_it_settles(tmp_path: Path) -> None:

@@ -47,16 +47,19 @@ def scan(repository: Path) -> dict[str, Snapshot]:
     """Every bundle of the repository (a directory with a manifest.yaml) and its files."""
     bundles: dict[str, Snapshot] = {}
     try:
-        directories = [d for d in os.scandir(repository) if d.is_dir()]
+        with os.scandir(repository) as entries:
+            directories = [d for d in entries if d.is_dir()]
     except OSError:
         return bundles
     for directory in directories:
         files: Snapshot = {}
         try:
-            for f in os.scandir(directory.path):
-                if f.is_file():
-                    stat = f.stat()
-                    files[f.name] = (stat.st_size, stat.st_mtime_ns)
+            # The with closes the iterator when a file vanishes mid-scan (stat raises).
+            with os.scandir(directory.path) as entries:
+                for f in entries:
+                    if f.is_file():
+                        stat = f.stat()
+                        files[f.name] = (stat.st_size, stat.st_mtime_ns)
         except OSError:
             continue  # removed while scanning: the next scan will say
         if MANIFEST in files:

@@ -175,17 +175,18 @@ class SharedHostWeights:
 def _sweep_siblings(sanitized: str, keep: str) -> None:
     """Unlink the model's other regions (older digests) that no worker holds."""
     sibling = re.compile(rf"hloserve-w-{re.escape(sanitized)}-[0-9a-f]{{16}}")
-    for entry in os.scandir(SHM_DIR):
-        if entry.name == keep or not sibling.fullmatch(entry.name):
-            continue
-        try:
-            lock_fd = os.open(entry.path + ".lock", os.O_RDWR)
-        except FileNotFoundError:
-            continue  # not ours to judge: no lock says who holds it
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.unlink(entry.path)
-        except (BlockingIOError, FileNotFoundError):
-            pass  # held by a live worker, or swept by another meanwhile
-        finally:
-            os.close(lock_fd)  # closing drops the lock; the lock file is kept, as every lock file
+    with os.scandir(SHM_DIR) as entries:
+        for entry in entries:
+            if entry.name == keep or not sibling.fullmatch(entry.name):
+                continue
+            try:
+                lock_fd = os.open(entry.path + ".lock", os.O_RDWR)
+            except FileNotFoundError:
+                continue  # not ours to judge: no lock says who holds it
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.unlink(entry.path)
+            except (BlockingIOError, FileNotFoundError):
+                pass  # held by a live worker, or swept by another meanwhile
+            finally:
+                os.close(lock_fd)  # closing drops the lock; the lock file is kept, as every lock file
