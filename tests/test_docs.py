@@ -63,6 +63,19 @@ def test_ci_runs_exactly_the_readme_s_test_command_and_its_envs_exist() -> None:
     assert "tests" in envs and "long" in envs
 
 
+def test_the_lint_env_runs_the_ruff_the_dev_extra_pins() -> None:
+    """`tox -e lint` installs ruff alone (not the package): the same release the dev extra pins,
+    so lint in tox and in a developer's venv agree on every rule and format."""
+    import tomllib
+
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini")
+    dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    pinned = [d for d in dev if d.startswith("ruff==")]
+    assert tox["testenv:lint"]["skip_install"] == "true"
+    assert tox["testenv:lint"]["deps"].split() == pinned, (tox["testenv:lint"]["deps"], pinned)
+
+
 def _tox_on_a_missing_python(tmp_path: Path, tox_env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """Runs tox under the project's [tox] section on a throwaway tox.ini: one env on this Python
     and one (`py39x`) naming a Python no machine has, with `tox_env` the only TOX_ variables."""
