@@ -216,7 +216,10 @@ def test_an_overloaded_model_answers_what_it_admits_within_the_deadline(server: 
     The opening burst of sixteen arrives together and is admitted on what a batch cost on a quiet
     machine; the clients' own threads share these cores and slow every execution, so it is answered
     later than the steady state, which admits on the throughput measured under the load."""
-    deadline_s, seconds = 1.0, 6.0  # at 4 s a loaded two-core machine answered 9 to 13 after the burst
+    # At 4 s a loaded two-core machine answered 9 to 13 after the burst; at 6 s, 23-26 with one
+    # frontend, so one stall of three answers (0.68-0.77 s) made the ninetieth percentile: 10 s
+    # gives the percentile about 40 answers, of which such a stall is under a tenth.
+    deadline_s, seconds = 1.0, 10.0
     outcomes: dict[str, int] = {}
     answered: list[tuple[float, float]] = []  # (sent, took)
     lock = threading.Lock()
