@@ -138,9 +138,13 @@ def test_the_kernels_are_part_of_the_cache_key_of_an_executable_that_calls_them(
 def test_the_exporter_tries_the_kernels_where_a_module_has_their_composites(built: kernels.Kernels) -> None:
     eigen = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
     with_composite = _module((1, 9, 9, 4), (4, 1, 3, 3), GEOMETRIES[0], jnp.float32)
-    assert tuning.with_native_kernels(with_composite, (eigen,)) == (eigen, NATIVE, {**eigen, **NATIVE})
+    assert tuning.candidates_with_native_kernels(with_composite, (eigen,)) == (
+        eigen,
+        NATIVE,
+        {**eigen, **NATIVE},
+    )
     without = _module((1, 9, 9, 4), (4, 1, 3, 3), GEOMETRIES[0], jnp.bfloat16)
-    assert tuning.with_native_kernels(without, (eigen,)) == (eigen,)
+    assert tuning.candidates_with_native_kernels(without, (eigen,)) == (eigen,)
 
 
 def _python(script: str, cache: Path, **environment: str) -> subprocess.CompletedProcess[str]:
@@ -249,7 +253,7 @@ def test_a_module_without_their_composites_never_builds_the_kernels(tmp_path: Pa
         "from hloserve.export import tuning\n"
         "from tests.models.test_native_kernels import GEOMETRIES, NATIVE, _module\n"
         "text = _module((1, 8, 8, 4), (4, 1, 3, 3), GEOMETRIES[0], np.dtype('bfloat16'))\n"
-        "assert tuning.with_native_kernels(text, ()) == ()\n"
+        "assert tuning.candidates_with_native_kernels(text, ()) == ()\n"
         "_xla.compile_module(text, NATIVE)\n"
         "print('compiled')\n"
     )

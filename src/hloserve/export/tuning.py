@@ -27,7 +27,7 @@ import structlog
 from hloserve.models import _xla
 from hloserve.models.executable_cache import ExecutableCache
 
-__all__ = ["CANDIDATES", "MIN_GAIN", "Tuning", "choose", "tune", "with_native_kernels"]
+__all__ = ["CANDIDATES", "MIN_GAIN", "Tuning", "candidates_with_native_kernels", "choose", "tune"]
 
 log = structlog.get_logger("hloserve.export")
 
@@ -82,7 +82,7 @@ def _outcome(ms: float | str) -> dict[str, float | str]:
     return {"ms": round(ms, 3)} if isinstance(ms, float) else {"error": ms}
 
 
-def with_native_kernels(
+def candidates_with_native_kernels(
     source: str | bytes, candidates: Sequence[_xla.XlaOptions]
 ) -> tuple[_xla.XlaOptions, ...]:
     """`candidates`, and where `source` has composites that this machine's native kernels run
@@ -113,7 +113,7 @@ def tune(
     candidate for this machine's platform, compiled through `cache`; None when the platform has
     no candidates. Blocks for a few compiles and at most about `_BUDGET_S` of runs."""
     if candidates is None:
-        candidates = with_native_kernels(source, CANDIDATES.get(_xla.compile_platform(), ()))
+        candidates = candidates_with_native_kernels(source, CANDIDATES.get(_xla.compile_platform(), ()))
     if not candidates:
         return None
     types = _xla.main_signature(source).inputs
