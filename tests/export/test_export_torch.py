@@ -8,6 +8,7 @@ Serving an exported bundle runs with one process: the exporter is under test, no
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -315,6 +316,153 @@ def test_torch_export_pools_channels_last_in_the_activations_dtype(tmp_path: Pat
     (result,) = _xla.to_numpy(_xla.run(executable, _xla.put_all([image.numpy(), *read_weights(bundle)])))
     with torch.no_grad():
         assert_close(result, model(image).numpy())
+
+
+class AveragePools(torch.nn.Module):
+    """Average pools as DenseNet's transitions (2x2, stride 2), NF-ResNet's shortcuts (ceil mode,
+    padding not counted) and padded, ceil-mode and divisor-overriding ones use them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.mix = torch.nn.Conv2d(8, 4, 3)
+
+    def forward(self, image: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        x = torch.relu(self.conv(image))
+        pool = torch.nn.functional.avg_pool2d
+        pools = (
+            pool(x, 2, stride=2),
+            pool(x, 2, stride=2, ceil_mode=True, count_include_pad=False),
+            pool(x, 3, stride=2, padding=1, ceil_mode=True),
+            pool(x, 3, stride=2, padding=1, ceil_mode=True, count_include_pad=False),
+            pool(x, (3, 2), stride=(1, 2), padding=(1, 0), divisor_override=4),
+        )
+        return tuple(self.mix(p).mean((2, 3)) for p in pools)
+
+
+def test_torch_export_averages_channels_last(tmp_path: Path) -> None:
+    """An average pool of an NHWC activation stays NHWC, divided by torch's count of each window
+    (padding counted or not, ceil mode's clipped last windows); it used to run NCHW, a transpose
+    each way (DenseNet's three transitions, NF-ResNet's shortcuts)."""
+    torch.manual_seed(0)
+    model = AveragePools().eval()
+    directory = export_torch_bundle(model, (torch.randn(2, 3, 15, 15),), tmp_path / "avg", batch_sizes=(2,))
+    bundle = load_bundle(directory)
+    (module,) = bundle.modules
+    executable = _xla.compile_module(module.source)
+    hlo = executable.hlo_modules()[0].to_string()
+    # the input's (XLA copies it into the fusions that read it): 8 when the pools ran NCHW
+    # (jaxlib 0.10.2)
+    assert hlo.count("transpose(") <= 2, hlo
+    image = torch.randn(2, 3, 15, 15)
+    results = _xla.to_numpy(_xla.run(executable, _xla.put_all([image.numpy(), *read_weights(bundle)])))
+    with torch.no_grad():
+        expected = model(image)
+    assert [r.shape for r in results] == [tuple(e.shape) for e in expected]
+    for result, reference in zip(results, expected, strict=True):
+        assert_close(result, reference.numpy())
+
+
+class Concatenations(torch.nn.Module):
+    """torch.cat as SqueezeNet's fire modules (then a ceil-mode pool) and DenseNet's layers use
+    it, beside one with the NCHW input image among its operands, one along a spatial axis, and
+    one (two dtypes) that it leaves to torch's layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.squeeze = torch.nn.Conv2d(3, 4, 1)
+        self.expand1x1 = torch.nn.Conv2d(4, 6, 1)
+        self.expand3x3 = torch.nn.Conv2d(4, 6, 3, padding=1)
+        self.norm = torch.nn.BatchNorm2d(15)
+        self.dense = torch.nn.Conv2d(15, 5, 3, padding=1)
+
+    def forward(self, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.relu(self.squeeze(image))
+        fire = torch.cat([torch.relu(self.expand1x1(x)), torch.relu(self.expand3x3(x))], 1)
+        pooled = torch.nn.functional.max_pool2d(fire, 3, stride=2, ceil_mode=True)
+        features = torch.cat([image, fire], dim=1)  # 3 + 12 channels, DenseNet-style
+        dense = torch.cat([features, self.dense(torch.relu(self.norm(features)))], 1)
+        spatial = torch.cat([dense, dense[:, :, :2]], dim=-2)
+        mixed = torch.cat([pooled, pooled.double()], 1).float()
+        return spatial, mixed.sum((2, 3))
+
+
+def test_torch_export_concatenates_channels_last(tmp_path: Path) -> None:
+    """Concatenations of NHWC activations stay NHWC: each operand used to be transposed to NCHW
+    and the result back, and the pool after SqueezeNet's fire modules ran NCHW in float64."""
+    torch.manual_seed(0)
+    model = Concatenations()
+    model.norm.running_mean.uniform_(-1, 1)
+    model.norm.running_var.uniform_(0.5, 2)
+    model.eval()
+    directory = export_torch_bundle(model, (torch.randn(2, 3, 9, 9),), tmp_path / "cat", batch_sizes=(2,))
+    bundle = load_bundle(directory)
+    (module,) = bundle.modules
+    executable = _xla.compile_module(module.source)
+    hlo = executable.hlo_modules()[0].to_string()
+    # the input's (XLA copies it into each fusion that reads it), the slice's there and back, the
+    # results' and the float64 cat's: 12, and the pool in float64, when every cat ran NCHW
+    # (jaxlib 0.10.2)
+    assert hlo.count("transpose(") <= 8, hlo
+    assert "reduce-window(" in hlo and re.search(r"= f64\[[^\n]*reduce-window\(", hlo) is None, hlo
+    image = torch.randn(2, 3, 9, 9)
+    results = _xla.to_numpy(_xla.run(executable, _xla.put_all([image.numpy(), *read_weights(bundle)])))
+    with torch.no_grad():
+        expected = model(image)
+    assert [r.shape for r in results] == [(2, 20, 11, 9), (2, 24)]
+    for result, reference in zip(results, expected, strict=True):
+        assert_close(result, reference.numpy())
+
+
+class ChannelShuffles(torch.nn.Module):
+    """ShuffleNetV2's units: a chunk of the channels in two, one half through convolutions, the
+    halves joined and shuffled (a view into two channel axes, a transpose, a copy and a view
+    back), beside views it leaves to torch's layout (one over the spatial axes, a flatten)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.branch = torch.nn.Sequential(
+            torch.nn.Conv2d(4, 4, 1), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 3, padding=1, groups=4)
+        )
+        self.head = torch.nn.Conv2d(8, 6, 1)
+
+    @staticmethod
+    def shuffle(x: torch.Tensor, groups: int) -> torch.Tensor:
+        n, c, h, w = x.size()
+        x = x.view(n, groups, -1, h, w)
+        return torch.transpose(x, 1, 2).contiguous().view(n, c, h, w)
+
+    def forward(self, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = self.stem(image)
+        for _ in range(2):
+            kept, through = x.chunk(2, dim=1)
+            x = self.shuffle(torch.cat((kept, self.branch(through)), dim=1), 2)
+        first, rest = torch.split(x, [3, 5], dim=1)
+        x = self.head(torch.cat((rest, first), 1))
+        return x, x.view(x.shape[0], 6, -1).softmax(-1), self.shuffle(x, 3).flatten(1)
+
+
+def test_torch_export_shuffles_channels_channels_last(tmp_path: Path) -> None:
+    """ShuffleNet's chunks and channel shuffles stay NHWC: a slice and a reshape of the array's
+    channel axis; each used to transpose the activation to NCHW and back."""
+    torch.manual_seed(0)
+    model = ChannelShuffles().eval()
+    directory = export_torch_bundle(model, (torch.randn(2, 3, 8, 8),), tmp_path / "shuffle", batch_sizes=(2,))
+    bundle = load_bundle(directory)
+    (module,) = bundle.modules
+    executable = _xla.compile_module(module.source)
+    hlo = executable.hlo_modules()[0].to_string()
+    # the shuffles' own (of the array's two channel axes), the input's, the outputs' and the
+    # spatial view's: 23 when every shuffle ran NCHW (jaxlib 0.10.2)
+    assert hlo.count("transpose(") <= 13, hlo
+    image = torch.randn(2, 3, 8, 8)
+    results = _xla.to_numpy(_xla.run(executable, _xla.put_all([image.numpy(), *read_weights(bundle)])))
+    with torch.no_grad():
+        expected = model(image)
+    assert [r.shape for r in results] == [(2, 6, 8, 8), (2, 6, 64), (2, 384)]
+    for result, reference in zip(results, expected, strict=True):
+        assert_close(result, reference.numpy())
 
 
 @pytest.mark.parametrize(("per_group", "fused"), [(4, True), (8, True), (16, False)])

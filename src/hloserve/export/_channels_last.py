@@ -15,6 +15,8 @@ per group likewise per tap and input channel, any other with XLA's NHWC/HWIO con
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -24,7 +26,22 @@ import torch
 from hloserve.kernels import DEPTHWISE_CONV2D
 from hloserve.models import _xla
 
-__all__ = ["ELEMENTWISE", "ChannelsLast", "convolution", "logical", "max_pool", "mean", "permute", "physical"]
+__all__ = [
+    "ELEMENTWISE",
+    "ChannelGroups",
+    "ChannelsLast",
+    "avg_pool",
+    "concatenate",
+    "convolution",
+    "logical",
+    "max_pool",
+    "mean",
+    "permute",
+    "physical",
+    "split",
+    "to_channels_last",
+    "view",
+]
 
 jax, jnp = _xla.jax, _xla.jnp
 
@@ -77,9 +94,54 @@ class ChannelsLast:
         self.array = array
 
 
+class ChannelGroups:
+    """A `ChannelsLast` viewed with its channels in two axes, as ShuffleNet's channel shuffle
+    views them: the array is (N, H, W, A, B), the program means (N, A, B, H, W)."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: Any) -> None:
+        self.array = array
+
+
 def logical(value: Any) -> Any:
-    """`value` as the torch program sees it: a `ChannelsLast` as its NCHW array."""
-    return jnp.transpose(value.array, TO_NCHW) if isinstance(value, ChannelsLast) else value
+    """`value` as the torch program sees it: a `ChannelsLast` as its NCHW array, `ChannelGroups`
+    as its (N, A, B, H, W) one."""
+    if isinstance(value, ChannelsLast):
+        return jnp.transpose(value.array, TO_NCHW)
+    if isinstance(value, ChannelGroups):
+        return jnp.transpose(value.array, (0, 3, 4, 1, 2))
+    return value
+
+
+def view(x: ChannelsLast | ChannelGroups, shape: Sequence[int]) -> ChannelsLast | ChannelGroups | None:
+    """torch's view that splits a `ChannelsLast`'s channels in two axes, or joins
+    `ChannelGroups`' back, as one reshape of the array; None for any other view (flattens ask
+    for torch's layout)."""
+    shape = [int(d) for d in shape]
+    if shape.count(-1) == 1:  # torch's inferred size
+        shape[shape.index(-1)] = math.prod(x.array.shape) // -math.prod(shape)
+    if isinstance(x, ChannelsLast):
+        n, h, w, c = x.array.shape
+        if len(shape) == 5 and shape[0] == n and shape[3:] == [h, w] and shape[1] * shape[2] == c:
+            return ChannelGroups(x.array.reshape(n, h, w, shape[1], shape[2]))
+        return None
+    n, h, w, a, b = x.array.shape
+    return ChannelsLast(x.array.reshape(n, h, w, a * b)) if shape == [n, a * b, h, w] else None
+
+
+def split(x: ChannelsLast, sizes: int | Sequence[int], dim: int = 0) -> list[ChannelsLast]:
+    """torch's split of a `ChannelsLast` (by a size, or by sizes), each part channels-last:
+    ShuffleNet's chunk of its channels in two."""
+    axis = _AXIS[dim % 4]
+    length = x.array.shape[axis]
+    if isinstance(sizes, int):
+        sizes = [min(sizes, length - start) for start in range(0, length, sizes)] or [0]
+    bounds = np.cumsum([0, *sizes])
+    return [
+        ChannelsLast(jax.lax.slice_in_dim(x.array, int(lo), int(hi), axis=axis))
+        for lo, hi in itertools.pairwise(bounds)
+    ]
 
 
 def physical(value: Any) -> Any:
@@ -90,6 +152,26 @@ def physical(value: Any) -> Any:
         return value  # a scalar broadcasts as it is
     array = jnp.asarray(value)
     return jnp.transpose(array.reshape((1,) * (4 - array.ndim) + array.shape), TO_NHWC)
+
+
+def to_channels_last(value: Any) -> ChannelsLast:
+    """A 4-D activation as a `ChannelsLast`: an NCHW tensor transposed once."""
+    return (
+        value if isinstance(value, ChannelsLast) else ChannelsLast(jnp.transpose(jnp.asarray(value), TO_NHWC))
+    )
+
+
+def concatenate(tensors: Sequence[Any], dim: int = 0) -> ChannelsLast | None:
+    """torch's cat of 4-D activations, some `ChannelsLast`, joined as NHWC arrays; None where
+    another operand or mixed dtypes ask for torch's layout. SqueezeNet's fire modules and every
+    DenseNet layer concatenate channels: NCHW, each operand was transposed out of NHWC and the
+    result back in, and SqueezeNet's pools after them ran in float64 (torchax's lowering)."""
+    if not any(isinstance(t, ChannelsLast) for t in tensors):
+        return None
+    arrays = [t.array if isinstance(t, ChannelsLast) else t for t in tensors]
+    if any(getattr(a, "ndim", 0) != 4 for a in arrays) or len({np.dtype(a.dtype) for a in arrays}) != 1:
+        return None
+    return ChannelsLast(jnp.concatenate([to_channels_last(t).array for t in tensors], axis=_AXIS[dim % 4]))
 
 
 def applies(args: Sequence[Any]) -> bool:
@@ -116,7 +198,11 @@ def mean(lowering: Callable[..., Any], x: ChannelsLast, dims: Any, keepdim: bool
 
 def permute(x: Any, order: Sequence[int]) -> Any:
     """torch's permute of a `ChannelsLast` (one transpose of its array, none for ConvNeXt's
-    `permute(0, 2, 3, 1)`), or of a plain 4-D tensor into NCHW from NHWC (kept as its array)."""
+    `permute(0, 2, 3, 1)`), of `ChannelGroups`' two channel axes (ShuffleNet's shuffle), or of a
+    plain 4-D tensor into NCHW from NHWC (kept as its array)."""
+    if isinstance(x, ChannelGroups):
+        swapped = [d % 5 for d in order] == [0, 2, 1, 3, 4]
+        return ChannelGroups(jnp.swapaxes(x.array, 3, 4)) if swapped else None
     order = [d % 4 for d in order]
     if isinstance(x, ChannelsLast):
         composed = [TO_NCHW[d] for d in order]
@@ -132,6 +218,40 @@ def batch_norm(x: ChannelsLast, weight: Any, bias: Any, mean_: Any, var: Any, ep
     return ChannelsLast(y if bias is None else y + bias)
 
 
+def _pair(value: Sequence[int] | int) -> list[int]:
+    return [value] * 2 if isinstance(value, int) else [*value] * (2 // len(value))
+
+
+def _pooled_rows(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:
+    """How many windows torch's 2-D pooling places along an axis of `size`."""
+    span = size + 2 * p - d * (k - 1) - 1
+    rows = (span + (s - 1 if ceil_mode else 0)) // s + 1
+    if ceil_mode and (rows - 1) * s >= size + p:  # torch: the last window starts inside
+        rows -= 1
+    return rows
+
+
+def _pool_window(
+    x: ChannelsLast,
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int] | int,
+    dilation: Sequence[int] | int,
+    ceil_mode: bool,
+) -> tuple[list[int], list[int], list[int], list[int], list[tuple[int, int]]]:
+    """torch's 2-D pooling window over a `ChannelsLast`'s spatial axes: kernel, stride, padding,
+    dilation and the (low, high) padding of each axis that places the last window."""
+    kernel = _pair(kernel)
+    stride = _pair(stride) if stride else kernel
+    padding, dilation = _pair(padding), _pair(dilation)
+    pads = []
+    for axis in range(2):
+        size, k, s, p, d = x.array.shape[1 + axis], kernel[axis], stride[axis], padding[axis], dilation[axis]
+        rows = _pooled_rows(size, k, s, p, d, ceil_mode)
+        pads.append((p, (rows - 1) * s + d * (k - 1) + 1 - size - p))
+    return kernel, stride, padding, dilation, pads
+
+
 def max_pool(
     x: ChannelsLast,
     kernel: Sequence[int],
@@ -144,18 +264,7 @@ def max_pool(
     lowering pooled NCHW in float64 (its initial value, `-inf`, is a Python float, which x64 makes
     f64): two transposes and two conversions around every pool (SqueezeNet's first: 35 ms of 195
     at batch 4)."""
-    kernel = [*kernel] * (2 // len(kernel))
-    stride = [*stride] * (2 // len(stride)) if stride else kernel
-    padding = [padding] * 2 if isinstance(padding, int) else [*padding] * (2 // len(padding))
-    dilation = [dilation] * 2 if isinstance(dilation, int) else [*dilation] * (2 // len(dilation))
-    pads = []
-    for axis in range(2):
-        size, k, s, p, d = x.array.shape[1 + axis], kernel[axis], stride[axis], padding[axis], dilation[axis]
-        span = size + 2 * p - d * (k - 1) - 1
-        rows = (span + (s - 1 if ceil_mode else 0)) // s + 1
-        if ceil_mode and (rows - 1) * s >= size + p:  # torch: the last window starts inside
-            rows -= 1
-        pads.append((p, (rows - 1) * s + d * (k - 1) + 1 - size - p))
+    kernel, stride, _, dilation, pads = _pool_window(x, kernel, stride, padding, dilation, ceil_mode)
     dtype = np.dtype(x.array.dtype)
     lowest = np.array(-np.inf if jnp.issubdtype(dtype, jnp.floating) else np.iinfo(dtype).min).astype(dtype)
     y = jax.lax.reduce_window(
@@ -168,6 +277,39 @@ def max_pool(
         window_dilation=(1, *dilation, 1),
     )
     return ChannelsLast(y)
+
+
+def avg_pool(
+    x: ChannelsLast,
+    kernel: Sequence[int],
+    stride: Sequence[int] = (),
+    padding: Sequence[int] | int = 0,
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+    divisor_override: int | None = None,
+) -> ChannelsLast | None:
+    """torch's 2-D average pooling over a `ChannelsLast`'s spatial axes (DenseNet's transitions,
+    NF-ResNet's shortcuts): a windowed sum divided by torch's count per output position, a
+    constant of the shapes. None for an integer dtype (the caller keeps torch's layout)."""
+    if not jnp.issubdtype(x.array.dtype, jnp.floating):
+        return None
+    kernel, stride, padding, _, pads = _pool_window(x, kernel, stride, padding, 1, ceil_mode)
+    zero = np.array(0, np.dtype(x.array.dtype))
+    total = jax.lax.reduce_window(
+        x.array, zero, jax.lax.add, (1, *kernel, 1), (1, *stride, 1), ((0, 0), *pads, (0, 0))
+    )
+    if divisor_override:
+        return ChannelsLast(total / np.array(divisor_override, zero.dtype))
+    counts = []
+    for axis in range(2):
+        size, k, s, p = x.array.shape[1 + axis], kernel[axis], stride[axis], padding[axis]
+        starts = np.arange(total.shape[1 + axis]) * s - p
+        ends = np.minimum(starts + k, size + p)  # a ceil-mode window stops at the padding's end
+        if not count_include_pad:
+            starts, ends = np.maximum(starts, 0), np.minimum(ends, size)
+        counts.append(ends - starts)
+    divisor = np.outer(*counts).astype(zero.dtype)[None, :, :, None]
+    return ChannelsLast(total / divisor)
 
 
 def _materialized(padded: Any) -> Any:

@@ -44,6 +44,9 @@ function of the same arguments (JAX arrays where the op takes tensors)."""
 
 _BATCH_NORM = torch.ops.aten._native_batch_norm_legit_no_training.default
 _MAX_POOL = torch.ops.aten.max_pool2d_with_indices.default
+_CAT = torch.ops.aten.cat.default
+_AVG_POOL = torch.ops.aten.avg_pool2d.default
+_SPLITS = (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default)
 _REMOVED_OVERLOAD = re.compile(r"(?:^|_)(?:dimname|Dimname|names)(?:_|$)")
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>\S+)$')
 _ISSUES = "https://github.com/google/torchax/issues"
@@ -241,6 +244,15 @@ class _Interpreter(torch.fx.Interpreter):
         `hloserve.export._channels_last` can; else None."""
         first: Any = args[0] if args else None
         kept = isinstance(first, channels_last.ChannelsLast)
+        grouped = isinstance(first, channels_last.ChannelGroups)
+        if target is torch.ops.aten.clone.default and (kept or grouped):
+            return first  # arrays are values: a copy is the same array, in any memory format
+        if target is torch.ops.aten.view.default and (kept or grouped):
+            return channels_last.view(first, args[1])
+        if target is torch.ops.aten.permute.default and grouped:
+            return channels_last.permute(first, args[1])
+        if target in _SPLITS and kept:
+            return channels_last.split(first, *args[1:], **kwargs)
         if target in channels_last.ELEMENTWISE and channels_last.applies([*args, *kwargs.values()]):
             if any(hasattr(v, "ndim") for v in kwargs.values()):
                 return None
@@ -249,11 +261,15 @@ class _Interpreter(torch.fx.Interpreter):
             return channels_last.mean(lowering, *args, **kwargs)
         if target is torch.ops.aten.permute.default and (kept or getattr(first, "ndim", 0) == 4):
             return channels_last.permute(first, args[1])
-        if target is _MAX_POOL and kept:
+        if target is _CAT:
+            return channels_last.concatenate(*args, **kwargs)
+        if target is _MAX_POOL and (kept or getattr(first, "ndim", 0) == 4):
             # the indices as torchax computes them, on the NCHW tensor: XLA drops them unless read
             nchw_args, nchw_kwargs = pytree.tree_map(channels_last.logical, (args, kwargs))
             indices = lowering(*nchw_args, **nchw_kwargs)[1]
-            return channels_last.max_pool(first, *args[1:], **kwargs), indices
+            return channels_last.max_pool(channels_last.to_channels_last(first), *args[1:], **kwargs), indices
+        if target is _AVG_POOL and kept:
+            return channels_last.avg_pool(first, *args[1:], **kwargs)
         if target is _BATCH_NORM and kept and not kwargs:
             weight, bias, mean, var = args[1:5]
             y = channels_last.batch_norm(first, weight, bias, mean, var, args[6])
