@@ -44,6 +44,11 @@ MIN_GAIN = 0.10
 """How much faster (a fraction of the defaults' time) a candidate must run to be kept: more
 than the run-to-run spread of a median on a busy 2-core machine, so noise never picks one."""
 
+CLOSE_CALL = 0.05
+"""A best candidate whose gain lands within this of `MIN_GAIN` either way is timed again, and
+chosen on both measurements' mean: NF-ResNet-26's Eigen convolutions won 13% over 30 rounds,
+and 9.8% in the export's 9, which kept the defaults (AMD EPYC, 2 cores)."""
+
 MIN_TUNED_MS = 1.0
 """A module that runs faster than this with the defaults is not tuned: what an option could win
 is small beside a request's other costs, and timing noise would pick the winner."""
@@ -140,6 +145,9 @@ def tune(
             else:
                 tried.append(k)
         times = _interleaved_medians(executables, placed)
+        if _close_call(times):
+            again = _interleaved_medians(executables, placed)
+            times = [(first + second) / 2 for first, second in zip(times, again, strict=True)]
     finally:
         _xla.free(placed)
     outcomes: dict[int, float | str] = {**failed, **dict(zip(tried, times[1:], strict=True))}
@@ -153,6 +161,15 @@ def tune(
         chosen=dict(tuning.chosen) or "defaults",
     )
     return tuning
+
+
+def _close_call(times: Sequence[float]) -> bool:
+    """Whether the fastest of the candidates (`times[1:]`) beats the defaults (`times[0]`) by
+    within `CLOSE_CALL` of `MIN_GAIN`."""
+    if len(times) < 2:
+        return False
+    gain = 1 - min(times[1:]) / times[0]
+    return abs(gain - MIN_GAIN) <= CLOSE_CALL
 
 
 def _first_run(executable: Any, arguments: Sequence[_xla.DeviceArray]) -> Any:
