@@ -111,6 +111,11 @@ def main() -> None:
         help="scale, routes, node_scale: comma-separated catalogue sizes (default: 10,100,1000,10000; "
         "10,1000,10000 for the others)",
     )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="anchors: another zoo cache (an earlier exporter's), its exports timed in the same rounds",
+    )
     parser.add_argument("--duration", type=float, default=600, help="soak: seconds of load")
     parser.add_argument("--frontends", type=int, default=0, help="soak: serve with this many frontends")
     parser.add_argument("--node", action="store_true", help="soak: through `hloserve node --cpu-workers 2`")
@@ -130,6 +135,8 @@ def main() -> None:
             if name in ("zoo", "anchors", "imports")
             else {}
         )
+        if name == "anchors" and args.baseline:
+            extra["baseline"] = args.baseline
         if name in ("scale", "routes", "node_scale") and args.sizes:
             extra = {"sizes": [int(n) for n in args.sizes.split(",")]}
         if name == "soak":

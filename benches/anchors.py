@@ -16,7 +16,10 @@ batch 1 and 4, each of:
   compiled with XLA's defaults, so that each row shows what the chosen options won;
 - `portable` (where the export chose hloserve's native kernels, `hloserve_native_kernels`):
   the same module with its composites' portable decompositions, so the row shows what the
-  kernels won.
+  kernels won;
+- `baseline` (with `--baseline CACHE`, where it holds the model): the model as another zoo
+  cache holds it, an earlier exporter's (run this bench with `HLOSERVE_ZOO_CACHE=CACHE` in a worktree of that commit to
+  fill it), so the row shows what a change of the exporter won with nothing else changed.
 
 They take turns call by call (`WARMUP` untimed rounds, then at least `REPEATS`; medians), so load
 from elsewhere on the machine weighs on all alike. XLA:CPU sizes its thread pool by the cores a
@@ -77,6 +80,9 @@ class Row:
     portable_ms: float | None = None
     """hloserve's median ms without its native kernels, in the same rounds (None: the module
     calls none)."""
+    baseline_ms: float | None = None
+    """hloserve's median ms on the `--baseline` cache's export, in the same rounds (None: none
+    asked for, or it does not hold the model)."""
 
 
 def _zoo() -> Any:
@@ -138,7 +144,11 @@ def _onnx_export(zoo: Any, name: str, path: Path) -> None:
 
 
 def run(
-    window_ms: int = 0, quick: bool = False, models: list[str] | None = None, threads: int | None = None
+    window_ms: int = 0,
+    quick: bool = False,
+    models: list[str] | None = None,
+    threads: int | None = None,
+    baseline: Path | None = None,
 ) -> list[Row]:
     del window_ms  # a fixed number of calls, not a window
     zoo = _zoo()
@@ -155,15 +165,18 @@ def run(
     for name in names:
         export_s, onnx_s = _exported(zoo, root, name)
         for count in counts:
-            for found in _measure_in_child(name, count, set(cores[:count]), quick):
+            for found in _measure_in_child(name, count, set(cores[:count]), quick, baseline):
                 rows.append(Row(**found, export_s=export_s, onnx_export_s=onnx_s))
                 print(f"  {_line(rows[-1])}", flush=True)
     return rows
 
 
-def _measure_in_child(name: str, threads: int, cores: set[int], quick: bool) -> list[dict[str, Any]]:
+def _measure_in_child(
+    name: str, threads: int, cores: set[int], quick: bool, baseline: Path | None = None
+) -> list[dict[str, Any]]:
     """One process confined to `cores` measures `name` at every batch size: its rows."""
     arguments = ["benches.anchors", name, str(threads), *(["--quick"] if quick else [])]
+    arguments += [f"--baseline={baseline.resolve()}"] if baseline else []
     what = f"{name} at {threads} threads"
     # no pool of torch.compile's compile workers left behind
     return measure_confined(arguments, cores, what, TORCHINDUCTOR_COMPILE_THREADS="1")
@@ -191,7 +204,9 @@ def _median_ms(times: list[float]) -> float:
     return round(statistics.median(times) * 1e3, 3)
 
 
-def measure(name: str, threads: int, quick: bool = False) -> list[dict[str, Any]]:
+def measure(
+    name: str, threads: int, quick: bool = False, baseline: Path | None = None
+) -> list[dict[str, Any]]:
     """In this process (already confined to `threads` cores): `name` at each batch size, the
     four runtimes in turn. Returns `Row` fields but the export seconds."""
     import numpy as np
@@ -216,6 +231,10 @@ def measure(name: str, threads: int, quick: bool = False) -> list[dict[str, Any]
         off = {**bundle.manifest.xla_options, platform: {**bundle.xla_options, _xla.NATIVE_KERNELS: False}}
         portable = compile_bundle(replace(bundle, manifest=replace(bundle.manifest, xla_options=off)))
     weights = _xla.put_all(read_weights(bundle))
+    earlier = None  # the baseline cache's export: what the exporter's change won
+    if baseline is not None and (baseline / "repository" / name).is_dir():
+        earlier_bundle = load_bundle(baseline / "repository" / name)
+        earlier = (compile_bundle(earlier_bundle), _xla.put_all(read_weights(earlier_bundle)))
     model = zoo._builder(name)()
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = threads
@@ -236,8 +255,10 @@ def measure(name: str, threads: int, quick: bool = False) -> list[dict[str, Any]
             inputs,
             repeats,
             {"defaults": defaults, "portable": portable},
+            earlier,
         )
         defaults_ms, portable_ms = ms.pop("defaults", None), ms.pop("portable", None)
+        baseline_ms = ms.pop("baseline", None)
         rows.append(
             {
                 "model": name,
@@ -251,6 +272,7 @@ def measure(name: str, threads: int, quick: bool = False) -> list[dict[str, Any]
                 "xla_options": dict(bundle.xla_options),
                 "defaults_ms": defaults_ms,
                 "portable_ms": portable_ms,
+                "baseline_ms": baseline_ms,
             }
         )
     return rows
@@ -265,10 +287,11 @@ def _time_batch(
     inputs: dict[str, Any],
     repeats: int,
     variants: dict[str, Any] | None = None,
+    baseline: tuple[Any, Any] | None = None,
 ) -> tuple[dict[str, float], float]:
     """Median ms per call of each runtime on `inputs` (and of each of `variants`, hloserve's
-    module compiled otherwise, under its name: "defaults", "portable"), taking turns;
-    torch.compile's compile s."""
+    module compiled otherwise, under its name: "defaults", "portable"; and of `baseline`, another
+    export with its weights, as "baseline"), taking turns; torch.compile's compile s."""
     import torch
 
     arrays = list(inputs.values())
@@ -284,6 +307,8 @@ def _time_batch(
     for variant, other in (variants or {}).items():
         if other is not None:
             calls[variant] = lambda other=other: other.execute(batch, arrays, weights)
+    if baseline is not None:
+        calls["baseline"] = lambda: baseline[0].execute(batch, arrays, baseline[1])
     with torch.no_grad():
         started = time.perf_counter()
         compiled_model(*tensors)
@@ -311,7 +336,8 @@ def _line(r: Row) -> str:
     ratios = " ".join(f"{r.ratios[k]:>6.2f}" for k in RUNTIMES[1:])
     seconds = f"{r.export_s:>7.1f} {r.compile_s:>7.1f} {r.torch_compile_s:>7.1f} {r.onnx_export_s:>6.1f}"
     variants = " ".join(
-        f"{ms:>9.2f}" if ms is not None else f"{'-':>9}" for ms in (r.defaults_ms, r.portable_ms)
+        f"{ms:>9.2f}" if ms is not None else f"{'-':>9}"
+        for ms in (r.defaults_ms, r.portable_ms, r.baseline_ms)
     )
     return f"{r.model:<30} {r.batch:>2} {r.threads:>2} {times} {ratios} {seconds} {variants}"
 
@@ -321,7 +347,7 @@ def table(rows: list[Row]) -> str:
     ratios = " ".join(f"{'/' + k:>6}" for k in RUNTIMES[1:])
     lines = [
         f"{'model':<30} {'b':>2} {'th':>2} {head} {ratios} {'export':>7} {'compile':>7} "
-        f"{'t.comp':>7} {'onnx':>6} {'dflt ms':>9} {'port. ms':>9}"
+        f"{'t.comp':>7} {'onnx':>6} {'dflt ms':>9} {'port. ms':>9} {'base ms':>9}"
     ]
     lines += [_line(r) for r in rows]
     for count in sorted({r.threads for r in rows}):
@@ -343,4 +369,6 @@ def as_json(rows: list[Row]) -> list[dict[str, Any]]:
 
 if __name__ == "__main__":  # the child `_measure_in_child` starts
     model_name, count = sys.argv[1], int(sys.argv[2])
-    print(json.dumps(measure(model_name, count, quick="--quick" in sys.argv[3:])), flush=True)
+    given = [Path(a.split("=", 1)[1]) for a in sys.argv[3:] if a.startswith("--baseline=")]
+    found = measure(model_name, count, quick="--quick" in sys.argv[3:], baseline=given[0] if given else None)
+    print(json.dumps(found), flush=True)

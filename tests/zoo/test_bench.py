@@ -26,7 +26,8 @@ def test_the_zoo_bench_quick_path_measures_one_model() -> None:
 def test_the_anchors_quick_path_measures_one_model_beside_three_runtimes() -> None:
     from benches import anchors
 
-    rows = anchors.run(quick=True, threads=1)
+    # the zoo's cache as its own baseline: the same export, timed a second time in the same rounds
+    rows = anchors.run(quick=True, threads=1, baseline=anchors._zoo()._cache_root())
     assert [(r.model, r.batch, r.threads) for r in rows] == [(name, 1, 1) for name in anchors.QUICK_MODELS]
     for row in rows:
         assert set(row.ms) == set(anchors.RUNTIMES) and all(ms > 0 for ms in row.ms.values())
@@ -35,7 +36,8 @@ def test_the_anchors_quick_path_measures_one_model_beside_three_runtimes() -> No
         assert row.export_s > 0 and row.onnx_export_s > 0 and row.compile_s > 0 and row.torch_compile_s > 0
         # the module with XLA's defaults is timed exactly where the export kept options of its own
         assert (row.defaults_ms is not None and row.defaults_ms > 0) == bool(row.xla_options)
-    assert "1 thread(s), hloserve / ort: median" in anchors.table(rows)
+        assert row.baseline_ms is not None and row.baseline_ms > 0
+    assert "1 thread(s), hloserve / ort: median" in anchors.table(rows) and "base ms" in anchors.table(rows)
 
 
 @pytest.mark.slow
