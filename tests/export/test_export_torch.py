@@ -318,6 +318,23 @@ def test_torch_export_pools_channels_last_in_the_activations_dtype(tmp_path: Pat
         assert_close(result, model(image).numpy())
 
 
+def _exported_beside_torch(
+    model: torch.nn.Module, shape: tuple[int, ...], directory: Path
+) -> tuple[str, list[np.ndarray], tuple[torch.Tensor, ...]]:
+    """`model` (eval, seeded) exported at batch `shape[0]`: XLA's optimized HLO of its module,
+    and what the bundle and torch compute on a fresh input of `shape`."""
+    bundle = load_bundle(
+        export_torch_bundle(model, (torch.randn(*shape),), directory, batch_sizes=(shape[0],))
+    )
+    (module,) = bundle.modules
+    executable = _xla.compile_module(module.source)
+    image = torch.randn(*shape)
+    results = _xla.to_numpy(_xla.run(executable, _xla.put_all([image.numpy(), *read_weights(bundle)])))
+    with torch.no_grad():
+        expected = model(image)
+    return executable.hlo_modules()[0].to_string(), results, expected
+
+
 class AveragePools(torch.nn.Module):
     """Average pools as DenseNet's transitions (2x2, stride 2), NF-ResNet's shortcuts (ceil mode,
     padding not counted) and padded, ceil-mode and divisor-overriding ones use them."""
@@ -345,19 +362,10 @@ def test_torch_export_averages_channels_last(tmp_path: Path) -> None:
     (padding counted or not, ceil mode's clipped last windows); it used to run NCHW, a transpose
     each way (DenseNet's three transitions, NF-ResNet's shortcuts)."""
     torch.manual_seed(0)
-    model = AveragePools().eval()
-    directory = export_torch_bundle(model, (torch.randn(2, 3, 15, 15),), tmp_path / "avg", batch_sizes=(2,))
-    bundle = load_bundle(directory)
-    (module,) = bundle.modules
-    executable = _xla.compile_module(module.source)
-    hlo = executable.hlo_modules()[0].to_string()
+    hlo, results, expected = _exported_beside_torch(AveragePools().eval(), (2, 3, 15, 15), tmp_path / "avg")
     # the input's (XLA copies it into the fusions that read it): 8 when the pools ran NCHW
     # (jaxlib 0.10.2)
     assert hlo.count("transpose(") <= 2, hlo
-    image = torch.randn(2, 3, 15, 15)
-    results = _xla.to_numpy(_xla.run(executable, _xla.put_all([image.numpy(), *read_weights(bundle)])))
-    with torch.no_grad():
-        expected = model(image)
     assert [r.shape for r in results] == [tuple(e.shape) for e in expected]
     for result, reference in zip(results, expected, strict=True):
         assert_close(result, reference.numpy())
@@ -394,21 +402,12 @@ def test_torch_export_concatenates_channels_last(tmp_path: Path) -> None:
     model = Concatenations()
     model.norm.running_mean.uniform_(-1, 1)
     model.norm.running_var.uniform_(0.5, 2)
-    model.eval()
-    directory = export_torch_bundle(model, (torch.randn(2, 3, 9, 9),), tmp_path / "cat", batch_sizes=(2,))
-    bundle = load_bundle(directory)
-    (module,) = bundle.modules
-    executable = _xla.compile_module(module.source)
-    hlo = executable.hlo_modules()[0].to_string()
+    hlo, results, expected = _exported_beside_torch(model.eval(), (2, 3, 9, 9), tmp_path / "cat")
     # the input's (XLA copies it into each fusion that reads it), the slice's there and back, the
     # results' and the float64 cat's: 12, and the pool in float64, when every cat ran NCHW
     # (jaxlib 0.10.2)
     assert hlo.count("transpose(") <= 8, hlo
     assert "reduce-window(" in hlo and re.search(r"= f64\[[^\n]*reduce-window\(", hlo) is None, hlo
-    image = torch.randn(2, 3, 9, 9)
-    results = _xla.to_numpy(_xla.run(executable, _xla.put_all([image.numpy(), *read_weights(bundle)])))
-    with torch.no_grad():
-        expected = model(image)
     assert [r.shape for r in results] == [(2, 20, 11, 9), (2, 24)]
     for result, reference in zip(results, expected, strict=True):
         assert_close(result, reference.numpy())
@@ -447,19 +446,12 @@ def test_torch_export_shuffles_channels_channels_last(tmp_path: Path) -> None:
     """ShuffleNet's chunks and channel shuffles stay NHWC: a slice and a reshape of the array's
     channel axis; each used to transpose the activation to NCHW and back."""
     torch.manual_seed(0)
-    model = ChannelShuffles().eval()
-    directory = export_torch_bundle(model, (torch.randn(2, 3, 8, 8),), tmp_path / "shuffle", batch_sizes=(2,))
-    bundle = load_bundle(directory)
-    (module,) = bundle.modules
-    executable = _xla.compile_module(module.source)
-    hlo = executable.hlo_modules()[0].to_string()
+    hlo, results, expected = _exported_beside_torch(
+        ChannelShuffles().eval(), (2, 3, 8, 8), tmp_path / "shuffle"
+    )
     # the shuffles' own (of the array's two channel axes), the input's, the outputs' and the
     # spatial view's: 23 when every shuffle ran NCHW (jaxlib 0.10.2)
     assert hlo.count("transpose(") <= 13, hlo
-    image = torch.randn(2, 3, 8, 8)
-    results = _xla.to_numpy(_xla.run(executable, _xla.put_all([image.numpy(), *read_weights(bundle)])))
-    with torch.no_grad():
-        expected = model(image)
     assert [r.shape for r in results] == [(2, 6, 8, 8), (2, 6, 64), (2, 384)]
     for result, reference in zip(results, expected, strict=True):
         assert_close(result, reference.numpy())
