@@ -18,8 +18,9 @@ batch 1 and 4, each of:
   the same module with its composites' portable decompositions, so the row shows what the
   kernels won;
 - `baseline` (with `--baseline CACHE`, where it holds the model): the model as another zoo
-  cache holds it, an earlier exporter's (run this bench with `HLOSERVE_ZOO_CACHE=CACHE` in a worktree of that commit to
-  fill it), so the row shows what a change of the exporter won with nothing else changed.
+  cache holds it, an earlier exporter's (run this bench with `HLOSERVE_ZOO_CACHE=CACHE` in a
+  worktree of that commit to fill it), so the row shows what a change of the exporter won with
+  nothing else changed.
 
 They take turns call by call (`WARMUP` untimed rounds, then at least `REPEATS`; medians), so load
 from elsewhere on the machine weighs on all alike. XLA:CPU sizes its thread pool by the cores a
