@@ -39,7 +39,6 @@ __all__ = [
     "permute",
     "physical",
     "split",
-    "to_channels_last",
     "view",
 ]
 
@@ -154,13 +153,6 @@ def physical(value: Any) -> Any:
     return jnp.transpose(array.reshape((1,) * (4 - array.ndim) + array.shape), TO_NHWC)
 
 
-def to_channels_last(value: Any) -> ChannelsLast:
-    """A 4-D activation as a `ChannelsLast`: an NCHW tensor transposed once."""
-    return (
-        value if isinstance(value, ChannelsLast) else ChannelsLast(jnp.transpose(jnp.asarray(value), TO_NHWC))
-    )
-
-
 def concatenate(tensors: Sequence[Any], dim: int = 0) -> ChannelsLast | None:
     """torch's cat of 4-D activations, some `ChannelsLast`, joined as NHWC arrays; None where
     another operand or mixed dtypes ask for torch's layout. SqueezeNet's fire modules and every
@@ -171,7 +163,7 @@ def concatenate(tensors: Sequence[Any], dim: int = 0) -> ChannelsLast | None:
     arrays = [t.array if isinstance(t, ChannelsLast) else t for t in tensors]
     if any(getattr(a, "ndim", 0) != 4 for a in arrays) or len({np.dtype(a.dtype) for a in arrays}) != 1:
         return None
-    return ChannelsLast(jnp.concatenate([to_channels_last(t).array for t in tensors], axis=_AXIS[dim % 4]))
+    return ChannelsLast(jnp.concatenate([physical(t) for t in tensors], axis=_AXIS[dim % 4]))
 
 
 def applies(args: Sequence[Any]) -> bool:

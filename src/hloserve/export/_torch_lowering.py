@@ -249,8 +249,6 @@ class _Interpreter(torch.fx.Interpreter):
             return first  # arrays are values: a copy is the same array, in any memory format
         if target is torch.ops.aten.view.default and (kept or grouped):
             return channels_last.view(first, args[1])
-        if target is torch.ops.aten.permute.default and grouped:
-            return channels_last.permute(first, args[1])
         if target in _SPLITS and kept:
             return channels_last.split(first, *args[1:], **kwargs)
         if target in channels_last.ELEMENTWISE and channels_last.applies([*args, *kwargs.values()]):
@@ -259,7 +257,7 @@ class _Interpreter(torch.fx.Interpreter):
             return channels_last.ChannelsLast(lowering(*map(channels_last.physical, args), **kwargs))
         if target is torch.ops.aten.mean.dim and kept:
             return channels_last.mean(lowering, *args, **kwargs)
-        if target is torch.ops.aten.permute.default and (kept or getattr(first, "ndim", 0) == 4):
+        if target is torch.ops.aten.permute.default and (kept or grouped or getattr(first, "ndim", 0) == 4):
             return channels_last.permute(first, args[1])
         if target is _CAT:
             return channels_last.concatenate(*args, **kwargs)
@@ -267,7 +265,8 @@ class _Interpreter(torch.fx.Interpreter):
             # the indices as torchax computes them, on the NCHW tensor: XLA drops them unless read
             nchw_args, nchw_kwargs = pytree.tree_map(channels_last.logical, (args, kwargs))
             indices = lowering(*nchw_args, **nchw_kwargs)[1]
-            return channels_last.max_pool(channels_last.to_channels_last(first), *args[1:], **kwargs), indices
+            nhwc = channels_last.ChannelsLast(channels_last.physical(first))
+            return channels_last.max_pool(nhwc, *args[1:], **kwargs), indices
         if target is _AVG_POOL and kept:
             return channels_last.avg_pool(first, *args[1:], **kwargs)
         if target is _BATCH_NORM and kept and not kwargs:
