@@ -3,7 +3,9 @@ SIGTERM then SIGKILL, prefixed output, death with the parent; and how GPUs are f
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -15,7 +17,14 @@ import trio
 from hloserve.config import Config, NodeConfig
 from hloserve.errors import ConfigError
 from hloserve.fleet.supervisor import Child, GaveUp, Supervisor
-from hloserve.fleet.workers import WorkerSpec, find_gpus, worker_child, worker_specs
+from hloserve.fleet.workers import (
+    LOWEST_CHOSEN_PORT,
+    WorkerSpec,
+    find_gpus,
+    free_port,
+    worker_child,
+    worker_specs,
+)
 
 # The supervisor forks its children from the trio thread (see hloserve.fleet.supervisor). In this test
 # process JAX may already be loaded by other tests, and JAX warns at every fork; the child execs
@@ -154,6 +163,32 @@ def test_workers_get_their_own_device_and_ports() -> None:
     assert worker_child(cpu[0], Config(), None, public=False).env["JAX_PLATFORMS"] == "cpu"
     public = worker_child(cpu[0], Config(), None, public=True)
     assert public.argv[public.argv.index("--grpc-port") + 1] == "8001"
+
+
+def test_a_worker_s_chosen_port_is_below_the_ephemeral_range_and_free(tmp_path: Path) -> None:
+    """What a connection or bind(0) elsewhere on the host may take before the worker binds it
+    is never chosen; a port something holds is passed over; without the kernel's range, bind(0)."""
+    ranges = tmp_path / "ip_local_port_range"
+    ranges.write_text("32768\t60999\n")
+    ports = {free_port(ephemeral_range=ranges) for _ in range(20)}
+    assert all(LOWEST_CHOSEN_PORT <= p < 32768 for p in ports) and len(ports) > 1
+    held: dict[int, socket.socket] = {}
+    try:  # every port of a narrow range but one is held (here or by the host): that one is chosen
+        ranges.write_text(f"{LOWEST_CHOSEN_PORT + 40} 60999")
+        for port in range(LOWEST_CHOSEN_PORT, LOWEST_CHOSEN_PORT + 40):
+            held[port] = socket.socket()
+            with contextlib.suppress(OSError):  # in use on this host already: as good as held
+                held[port].bind(("127.0.0.1", port))
+        freed = max(port for port, s in held.items() if s.getsockname()[1] == port)
+        held.pop(freed).close()
+        assert {free_port(ephemeral_range=ranges) for _ in range(5)} == {freed}
+    finally:
+        for s in held.values():
+            s.close()
+    ranges.write_text("nonsense")
+    for unknown in (tmp_path / "missing", ranges):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", free_port(ephemeral_range=unknown)))  # free, as bind(0) said
 
 
 def _node(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:

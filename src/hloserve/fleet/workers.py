@@ -3,6 +3,7 @@ command that runs each under the supervisor."""
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -59,11 +60,37 @@ def find_gpus(setting: str, environ: Mapping[str, str], nvidia_smi: str | None =
     return [line.strip() for line in listed.splitlines() if line.strip()]
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on now (bound and released; the caller binds it next)."""
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_CHOSEN_PORT = 20000
+"""Where `free_port` starts looking, below the kernel's ephemeral range (32768 on Linux)."""
+
+
+def free_port(host: str = "127.0.0.1", ephemeral_range: Path = EPHEMERAL_RANGE) -> int:
+    """A port nothing is bound to now, for a child to bind later (a worker, after loading its
+    models). Chosen below the kernel's ephemeral range where that is known: a port from bind(0)
+    comes from that range, and in between any outgoing connection or other bind(0) on the host
+    could take it, leaving the child to fail to bind it at every restart."""
+    try:
+        low = int(ephemeral_range.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    if low > LOWEST_CHOSEN_PORT:  # from a random place on, so that callers rarely meet
+        start = random.randrange(LOWEST_CHOSEN_PORT, low)
+        for port in (*range(start, low), *range(LOWEST_CHOSEN_PORT, start)):
+            if _bindable(host, port):
+                return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
 def worker_specs(node: NodeConfig, environ: Mapping[str, str]) -> list[WorkerSpec]:
