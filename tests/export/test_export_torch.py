@@ -457,6 +457,63 @@ def test_torch_export_shuffles_channels_channels_last(tmp_path: Path) -> None:
         assert_close(result, reference.numpy())
 
 
+class Upsamplings(torch.nn.Module):
+    """Bilinear upsampling as LR-ASPP's and DeepLabV3's heads use it (to a size, of NHWC
+    activations, to the input's own size), beside scale factors (integer, fractional, one that
+    shrinks), corners aligned, and an NCHW tensor's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 5, 3, stride=2, padding=1)
+
+    def forward(self, image: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        x = torch.relu(self.conv(image))
+        resize = torch.nn.functional.interpolate
+        return (
+            resize(x, size=image.shape[-2:], mode="bilinear", align_corners=False),
+            resize(x, size=(7, 13), mode="bilinear", align_corners=True),
+            resize(x, size=x.shape[-2:], mode="bilinear", align_corners=False),
+            resize(x, scale_factor=2, mode="bilinear") * 2,
+            resize(x, scale_factor=(1.7, 0.6), mode="bilinear", align_corners=False),
+            resize(image, scale_factor=(0.5, 3), mode="bilinear", align_corners=True),
+        )
+
+
+def test_torch_export_upsamples_channels_last(tmp_path: Path) -> None:
+    """Bilinear upsampling is kept whole and runs on NHWC arrays, one pass per axis, as torch
+    computes it: its decomposition gathered each output pixel's four corners in torch's layout.
+    LR-ASPP and DeepLabV3 ran 1.2x-1.5x faster for it."""
+    torch.manual_seed(0)
+    hlo, results, expected = _exported_beside_torch(Upsamplings().eval(), (2, 3, 11, 10), tmp_path / "up")
+    assert [r.shape for r in results] == [tuple(e.shape) for e in expected]
+    assert [r.shape for r in results][:2] == [(2, 5, 11, 10), (2, 5, 7, 13)]
+    for result, reference in zip(results, expected, strict=True):
+        assert_close(result, reference.numpy())
+    # each pass gathers whole rows of one axis (indices s32[rows,1]); torch's decomposition
+    # gathered every output pixel's corners by (row, column) pairs, s32[h,w,2] (jaxlib 0.10.2)
+    assert "gather(" in hlo and re.search(r"s32\[\d+,\d+,2\]", hlo) is None, hlo
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64, torch.uint8])
+def test_bilinear_upsampling_computes_in_torch_s_precision(dtype: torch.dtype) -> None:
+    """Half precisions are interpolated in float32 and rounded back, float64 with float64
+    weights, integers rounded to the nearest (torch's integer kernel may round one the other way)."""
+    from hloserve.export import _channels_last
+
+    torch.manual_seed(0)
+    image = (torch.rand(2, 3, 9, 7) * 200).to(dtype)
+    array = _xla.jnp.asarray(image.float().numpy()).astype(str(dtype).removeprefix("torch."))
+    for size, corners in (((20, 5), False), ((4, 15), True)):
+        expected = torch.nn.functional.interpolate(image, size=size, mode="bilinear", align_corners=corners)
+        result = _channels_last.upsample_bilinear(array, size, corners, (None, None))
+        assert result.dtype == array.dtype
+        if dtype == torch.uint8:
+            assert np.abs(np.asarray(result, np.int64) - expected.numpy().astype(np.int64)).max() <= 1
+        else:  # 16 rounding steps of the largest value, 200
+            atol = 16 * torch.finfo(dtype).eps * 200
+            np.testing.assert_allclose(np.asarray(result, np.float64), expected.double().numpy(), atol=atol)
+
+
 @pytest.mark.parametrize(("per_group", "fused"), [(4, True), (8, True), (16, False)])
 def test_grouped_convolutions_fuse_only_few_inputs_per_group(per_group: int, fused: bool) -> None:
     """A 3x3 grouped convolution with up to 8 inputs per group runs as one element-wise fusion;

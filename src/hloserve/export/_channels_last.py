@@ -5,8 +5,9 @@ transpose of its input and of its output on top of a convolution kernel that is 
 (EfficientNet-B0's 1x1 convolutions took 5x torch's time). Here a 4-D activation that a
 convolution produces is held as a `ChannelsLast`: its array is NHWC, what the program means
 by it is that array transposed to NCHW. The operations between convolutions in vision models
-(element-wise arithmetic and activations, spatial means, the permutes around ConvNeXt's layer
-norms, batch norms) compute on the NHWC array directly; any other operation receives the NCHW
+(element-wise arithmetic and activations, spatial means, pools, concatenations, bilinear
+upsampling, the permutes around ConvNeXt's layer norms, batch norms) compute on the NHWC array
+directly; any other operation receives the NCHW
 tensor, one transpose where it asks for it, so the program computes what torch's does.
 Convolutions run NHWC: a 1x1 one as a dot over the channel axis, a depthwise one as a sum of
 strided slices scaled per channel (one element-wise fusion), a grouped one with few channels
@@ -39,6 +40,7 @@ __all__ = [
     "permute",
     "physical",
     "split",
+    "upsample_bilinear",
     "view",
 ]
 
@@ -302,6 +304,59 @@ def avg_pool(
         counts.append(ends - starts)
     divisor = np.outer(*counts).astype(zero.dtype)[None, :, :, None]
     return ChannelsLast(total / divisor)
+
+
+def upsample_bilinear(
+    x: Any, output_size: Sequence[int] | None, align_corners: bool, scales: Sequence[float | None]
+) -> Any:
+    """torch's bilinear upsampling of an NCHW tensor, or of a `ChannelsLast` on its NHWC array (a
+    `ChannelsLast` back): one pass per axis, W then H as torch's decomposition interpolates, each
+    reading the two input rows of every output row. The decomposition gathers the four corners
+    of every output pixel in torch's layout (LR-ASPP's and DeepLabV3's heads)."""
+    kept = isinstance(x, ChannelsLast)
+    array = x.array if kept else jnp.asarray(x)
+    axes = (1, 2) if kept else (2, 3)
+    if output_size is None:  # scale factors instead, as torch's `upsample_compute_output_size`
+        factors = [float(s) for s in scales if s is not None]
+        if len(factors) != len(axes):
+            raise ValueError(f"bilinear upsampling takes an output size or 2 scale factors, not {scales}")
+        output_size = [
+            array.shape[a] * int(f) if int(f) == f else int(array.shape[a] * f)
+            for a, f in zip(axes, factors, strict=True)
+        ]
+    dtype = array.dtype
+    floating = jnp.issubdtype(dtype, jnp.floating)
+    compute = jnp.promote_types(dtype, jnp.float32) if floating else jnp.float32
+    y = array.astype(compute)
+    for axis, size, scale in reversed(list(zip(axes, output_size, scales, strict=True))):
+        low, high, weight = _linear_taps(y.shape[axis], int(size), align_corners, scale, np.dtype(compute))
+        if size == y.shape[axis] and not weight.any() and (low == np.arange(size)).all():
+            continue  # the same rows: torch returns them unchanged too
+        shape = [1] * y.ndim
+        shape[axis] = int(size)
+        first, second = jnp.take(y, low, axis), jnp.take(y, high, axis)
+        y = first + (second - first) * weight.reshape(shape)
+    y = y.astype(dtype) if floating else jnp.round(y).astype(dtype)
+    return ChannelsLast(y) if kept else y
+
+
+def _linear_taps(
+    size: int, rows: int, align_corners: bool, scale: float | None, dtype: np.dtype[Any]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each output row along one axis: the two input rows linear interpolation reads and the
+    second's weight, computed in `dtype` (float32, or float64 for float64 tensors) as torch's
+    decomposition computes them."""
+    if align_corners:
+        step = (size - 1) / (rows - 1) if rows > 1 else 0.0
+    else:
+        step = 1.0 / scale if scale is not None and scale > 0 else size / rows
+    index = np.arange(rows, dtype=dtype)
+    half = dtype.type(0.5)
+    source = dtype.type(step) * (index if align_corners else index + half) - (0 if align_corners else half)
+    source = np.maximum(source, 0).astype(dtype)
+    low = source.astype(np.int64)
+    high = np.minimum(low + 1, size - 1)
+    return low, high, np.clip(source - low.astype(dtype), 0, 1).astype(dtype)
 
 
 def _materialized(padded: Any) -> Any:

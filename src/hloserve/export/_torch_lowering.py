@@ -12,7 +12,8 @@ torchax 0.0.13's `exported_program_to_jax` is replaced here, for three reasons:
 - **Compact programs.** `aten.linear` and `aten.matmul` are kept whole instead of decomposed:
   on a non-contiguous 3-D input (ViT's attention in-projection) torch's decomposition expands
   the weight to one copy per token and runs `bmm`, which XLA materializes (1.39 GB per layer
-  in ViT-B/16 at batch 4). Their lowerings contract the weight as a 2-D operand.
+  in ViT-B/16 at batch 4). Their lowerings contract the weight as a 2-D operand. Bilinear
+  upsampling is kept whole too: its decomposition gathers every output pixel's four corners.
 - **Errors a user can act on.** An operation without a lowering, or whose lowering fails, is
   named with the model's source line and what to do (`lowerings=` below).
 """
@@ -162,9 +163,21 @@ def _gelu(x: Any, *, approximate: str = "none") -> Any:
     return x * 0.5 * (1 + jax.lax.erf(x * (2**-0.5)))
 
 
+def _upsample_bilinear(
+    x: Any, output_size: Sequence[int], align_corners: bool, scales_h: Any = None, scales_w: Any = None
+) -> Any:
+    return channels_last.upsample_bilinear(x, output_size, align_corners, (scales_h, scales_w))
+
+
+def _upsample_bilinear_vec(x: Any, output_size: Any, align_corners: bool, scale_factors: Any) -> Any:
+    return channels_last.upsample_bilinear(x, output_size, align_corners, scale_factors or (None, None))
+
+
 _KEPT_WHOLE: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.linear.default: _linear,
     torch.ops.aten.matmul.default: _matmul,
+    torch.ops.aten.upsample_bilinear2d.default: _upsample_bilinear,
+    torch.ops.aten.upsample_bilinear2d.vec: _upsample_bilinear_vec,
 }
 
 
@@ -180,6 +193,10 @@ def _convolution(
     return convolution(channels_last.logical(x), weight, bias, stride, padding, dilation, transposed, *rest)
 
 
+_LAYOUT_AWARE = (_convolution, _upsample_bilinear, _upsample_bilinear_vec)
+"""Lowerings given a `ChannelsLast` as it is; every other one is given its NCHW tensor."""
+
+
 # --- the program ----------------------------------------------------------------------------------
 
 
@@ -188,7 +205,8 @@ def _decomposed(program: torch.export.ExportedProgram, torchax: Any) -> torch.ex
     matmul excepted: one retrace (two, core ATen then torchax's, cost 60% more)."""
     table = torch.export.default_decompositions()
     for op in _KEPT_WHOLE:
-        table.pop(op)
+        if op in table:
+            table.pop(op)
     for op, decomposition in torchax.decompositions.DECOMPOSITIONS.items():
         if op not in _KEPT_WHOLE:
             table[op] = decomposition
@@ -231,7 +249,7 @@ class _Interpreter(torch.fx.Interpreter):
         lowering = self._lowering(target)
         if lowering is None:
             raise _Unlowered()
-        if lowering is _convolution:
+        if any(lowering is aware for aware in _LAYOUT_AWARE):
             return lowering(*args, **kwargs)
         kept = self._channels_last(target, lowering, args, kwargs)
         if kept is not None:
