@@ -3,6 +3,7 @@ command that runs each under the supervisor."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import shutil
 import socket
@@ -76,7 +77,7 @@ def free_port(host: str = "127.0.0.1", ephemeral_range: Path = EPHEMERAL_RANGE) 
         low = 0
     if low > LOWEST_CHOSEN_PORT:  # from a random place on, so that callers rarely meet
         start = random.randrange(LOWEST_CHOSEN_PORT, low)
-        for port in (*range(start, low), *range(LOWEST_CHOSEN_PORT, start)):
+        for port in itertools.chain(range(start, low), range(LOWEST_CHOSEN_PORT, start)):
             if _bindable(host, port):
                 return port
     with socket.socket() as s:
