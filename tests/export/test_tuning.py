@@ -3,11 +3,15 @@ wins clearly, written to the bundle, and compiled with by the server."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
+from structlog.testing import capture_logs
 from support.bundles import write_affine, write_convolutions
 
 from hloserve.export import tuning
@@ -115,3 +119,58 @@ def test_a_module_quicker_than_the_threshold_is_not_tuned(tmp_path: Path) -> Non
     assert measured.measured == () and measured.chosen == {}
     assert measured.provenance()["skipped"] == f"the defaults run in under {tuning.MIN_TUNED_MS:g} ms"
     assert cache.misses == 1  # no candidate was compiled
+
+
+def test_the_share_other_processes_took_is_read_from_the_machine_s_and_this_process_s_cpu_time(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(tuning.os, "cpu_count", lambda: 2)
+    # 3 CPU-seconds of the machine's in 1 s, 1 of them this process's: 2 of 2 cores others'
+    assert tuning._others_share((100.0, 5.0), (103.0, 6.0), 1.0) == 1.0
+    assert tuning._others_share((100.0, 5.0), (101.0, 5.5), 2.0) == pytest.approx(0.125)
+    assert tuning._others_share((100.0, 5.0), (100.5, 5.6), 1.0) == 0.0  # ticks apart: never below 0
+    assert tuning._others_share((100.0, 5.0), (103.0, 5.0), 0.1) is None  # too short to tell
+    assert tuning._others_share(None, (103.0, 5.0), 1.0) is None
+    reading = tuning._cpu_seconds()
+    assert reading is not None and reading[0] >= reading[1] > 0
+    monkeypatch.setattr(tuning, "_PROC_STAT", tmp_path / "missing")
+    assert tuning._cpu_seconds() is None
+
+
+@pytest.mark.serial
+def test_options_chosen_while_other_processes_keep_the_cores_busy_are_flagged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The timings of a busy machine rank the candidates otherwise (ResNet-18's Eigen
+    convolutions won 29% alone and nothing beside another export): the bundle records the share
+    other processes took and the export warns."""
+    bundle = load_bundle(write_convolutions(tmp_path / "convs"))
+    timed = tuning._interleaved_medians  # more rounds than an export's, so the window spans ticks
+
+    def longer(
+        executables: list[object], arguments: list[object], rounds: tuple[int, int] = (40, 40)
+    ) -> list[float]:
+        return timed(executables, arguments, rounds if rounds == (3, 3) else (40, 40))
+
+    monkeypatch.setattr(tuning, "_interleaved_medians", longer)
+    cache = ExecutableCache(tmp_path / "cache")
+    spin = [
+        sys.executable,
+        "-c",
+        "import time\nend = time.monotonic() + 120\nwhile time.monotonic() < end: pass",
+    ]
+    spinners = [subprocess.Popen(spin) for _ in range(os.cpu_count() or 1)]
+    try:
+        with capture_logs() as logs:
+            measured = tuning.tune(
+                bundle.module_for(4).source, 4, read_weights(bundle), cache, [EIGEN_CONVOLUTIONS]
+            )
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+    assert measured is not None and measured.others_cpu_share is not None
+    assert measured.others_cpu_share > tuning.BUSY_SHARE, measured
+    assert measured.provenance()["others_cpu_share"] == round(measured.others_cpu_share, 3)
+    (warning,) = [e for e in logs if e["log_level"] == "warning"]
+    assert "busy machine" in warning["event"] and "--no-tune" in warning["event"]
