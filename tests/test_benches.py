@@ -2,7 +2,7 @@
 the overload bench's sink refuses as it claims; `benches/gpu` runs to the end on a CPU
 (`--quick`) and carries the wheels it needs; the soak reads Envoy's allocator; the routes bench
 starts Envoy on the node's files and times requests through it; the node-scale bench measures a
-node it started over a catalogue."""
+node it started over a catalogue; the anchors bench exports again what was tuned on a busy machine."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from support.clients import wait_until
 from support.numerics import assert_close
 from support.servers import ROOT
 
-from benches import node_scale, overload, routes, soak
+from benches import anchors, node_scale, overload, routes, soak
 from benches.openloop import generate
 from benches.serving import _free_port, start_server
 from hloserve.fleet.envoy import find_envoy
@@ -201,3 +201,21 @@ def test_the_node_scale_bench_measures_a_ready_node_over_its_catalogue() -> None
     assert row.models == 10 and 0 < row.ready_s < node_scale.READY_WITHIN_S
     assert row.controller_cores > 0 and row.worker_cores > 0  # the discovery rounds cost something
     assert row.index_ms > 0 and row.status_ms > 0
+
+
+def test_the_anchors_bench_exports_again_what_was_tuned_on_a_busy_machine(tmp_path: Path) -> None:
+    """The zoo's tests export two models at a time; an export whose tuning saw the other one
+    keep the cores busy would have the bench time options an idle machine would not pick."""
+    repository = tmp_path / "repository"
+    for name, tuning in {
+        "busy": {"others_cpu_share": 0.48},
+        "idle": {"others_cpu_share": 0.02},
+        "unmeasured": {"default_ms": 3.0},  # an export before the share was recorded, or no /proc
+    }.items():
+        (repository / name).mkdir(parents=True)
+        manifest = {"provenance": {"xla_tuning": {"batch_size": 4, **tuning}}}
+        (repository / name / "manifest.yaml").write_text(json.dumps(manifest))
+    (repository / "untuned").mkdir()
+    (repository / "untuned" / "manifest.yaml").write_text(json.dumps({"provenance": {}}))
+    busy = {p.name for p in repository.iterdir() if anchors._tuned_while_busy(p)}
+    assert busy == {"busy"} and not anchors._tuned_while_busy(repository / "missing")

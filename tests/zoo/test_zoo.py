@@ -97,6 +97,7 @@ def _export(name: str, root: Path) -> str | None:
     staging = root / "staging" / name
     shutil.rmtree(staging, ignore_errors=True)
     command = [sys.executable, "-m", "hloserve.cli", "export", f"{SPECS}:{name}"]
+    started = time.perf_counter()
     done = subprocess.run(
         [*command, "--out", str(staging), "--batch-sizes", BATCH_SIZES],
         capture_output=True,
@@ -108,6 +109,9 @@ def _export(name: str, root: Path) -> str | None:
         return "\n".join(done.stderr.strip().splitlines()[-5:])
     (root / "repository").mkdir(parents=True, exist_ok=True)
     staging.rename(root / "repository" / name)  # whole, or not at all
+    seconds = root / "seconds" / f"{name}.export"  # for `benches anchors`
+    seconds.parent.mkdir(parents=True, exist_ok=True)
+    seconds.write_text(f"{time.perf_counter() - started:.2f}")
     return None
 
 
