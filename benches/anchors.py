@@ -97,10 +97,6 @@ def _zoo() -> Any:
     return _zoo()
 
 
-def _seconds_file(root: Path, name: str, what: str) -> Path:
-    return root / "seconds" / f"{name}.{what}"
-
-
 def _exported(zoo: Any, root: Path, name: str) -> tuple[float | None, float]:
     """Export `name` to the zoo's cache unless cached (again if tuned on a busy machine), and to
     ONNX unless cached; the seconds each took (the export's as the zoo recorded them)."""
@@ -108,17 +104,17 @@ def _exported(zoo: Any, root: Path, name: str) -> tuple[float | None, float]:
     if _tuned_while_busy(repository):
         print(f"  {name}: exported again, alone (its tuning ran on a busy machine)", flush=True)
         shutil.rmtree(repository)
-        _seconds_file(root, name, "export").unlink(missing_ok=True)
+        zoo._export_seconds(root, name).unlink(missing_ok=True)
     failed = zoo._export(name, root)
     if failed is not None:
         raise RuntimeError(f"export of {name} failed:\n{failed}")
-    onnx = _seconds_file(root, name, "onnx")
+    onnx = root / "seconds" / f"{name}.onnx"
     if not onnx.exists():
         started = time.perf_counter()
         _onnx_export(zoo, name, root / "onnx" / f"{name}.onnx")
         onnx.parent.mkdir(parents=True, exist_ok=True)
         onnx.write_text(f"{time.perf_counter() - started:.2f}")
-    export = _seconds_file(root, name, "export")
+    export = zoo._export_seconds(root, name)
     return (float(export.read_text()) if export.exists() else None), float(onnx.read_text())
 
 

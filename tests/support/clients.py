@@ -22,7 +22,7 @@ from grpclib.exceptions import GRPCError
 from tritonclient.utils import np_to_triton_dtype
 
 from hloserve._proto import hloserve_control as hc
-from hloserve.fleet.workers import free_port as node_free_port
+from hloserve.fleet.workers import free_port  # as a node's: no other test's connection takes it
 
 from .numerics import assert_close
 
@@ -150,13 +150,6 @@ def wait_ready(
             time.sleep(0.2)
     finally:
         client.close()
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on now (for a subprocess that must be told its port),
-    chosen as the node chooses its workers': where no connection or bind(0) of the other tests
-    running beside this one can take it while the subprocess starts."""
-    return node_free_port()
 
 
 def rss_bytes(pid: int | None = None) -> int:

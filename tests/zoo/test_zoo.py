@@ -90,6 +90,12 @@ def _cache_root() -> Path:
     return Path(base) / digest.hexdigest()[:16]
 
 
+def _export_seconds(root: Path, name: str) -> Path:
+    """Where `_export` records how many seconds its export of `name` took (`benches anchors`
+    reports them)."""
+    return root / "seconds" / f"{name}.export"
+
+
 def _export(name: str, root: Path) -> str | None:
     """`hloserve export` of one zoo model into `root` (unless cached); None, or why it failed."""
     if (root / "repository" / name / "manifest.yaml").exists():
@@ -109,7 +115,7 @@ def _export(name: str, root: Path) -> str | None:
         return "\n".join(done.stderr.strip().splitlines()[-5:])
     (root / "repository").mkdir(parents=True, exist_ok=True)
     staging.rename(root / "repository" / name)  # whole, or not at all
-    seconds = root / "seconds" / f"{name}.export"  # for `benches anchors`
+    seconds = _export_seconds(root, name)
     seconds.parent.mkdir(parents=True, exist_ok=True)
     seconds.write_text(f"{time.perf_counter() - started:.2f}")
     return None

@@ -7,8 +7,8 @@ convolution produces is held as a `ChannelsLast`: its array is NHWC, what the pr
 by it is that array transposed to NCHW. The operations between convolutions in vision models
 (element-wise arithmetic and activations, spatial means, pools, concatenations, bilinear
 upsampling, the permutes around ConvNeXt's layer norms, batch norms) compute on the NHWC array
-directly; any other operation receives the NCHW
-tensor, one transpose where it asks for it, so the program computes what torch's does.
+directly; any other operation receives the NCHW tensor, one transpose where it asks for it, so
+the program computes what torch's does.
 Convolutions run NHWC: a 1x1 one as a dot over the channel axis, a depthwise one as a sum of
 strided slices scaled per channel (one element-wise fusion), a grouped one with few channels
 per group likewise per tap and input channel, any other with XLA's NHWC/HWIO convolution.
