@@ -12,7 +12,9 @@ import re
 import socket
 import subprocess
 import sys
+import time
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 
 import export_examples
@@ -219,3 +221,30 @@ def test_the_anchors_bench_exports_again_what_was_tuned_on_a_busy_machine(tmp_pa
     (repository / "untuned" / "manifest.yaml").write_text(json.dumps({"provenance": {}}))
     busy = {p.name for p in repository.iterdir() if anchors._tuned_while_busy(p)}
     assert busy == {"busy"} and not anchors._tuned_while_busy(repository / "missing")
+
+
+def test_the_anchors_bench_times_each_runtime_after_a_call_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ONNX Runtime's and torch's threads spin on after a call returns, and each runtime fills
+    the caches with its own weights: in each turn a runtime's timed call follows `PRIMING`
+    untimed calls of its own, never another runtime's, and each gets its own median."""
+    monkeypatch.setattr(anchors, "MAX_ROUNDS", anchors.WARMUP + 2)
+    spans: list[tuple[str, float, float]] = []
+
+    def call(runtime: str, seconds: float) -> Callable[[], None]:
+        def run() -> None:
+            started = time.perf_counter()
+            time.sleep(seconds)
+            spans.append((runtime, started, time.perf_counter()))
+
+        return run
+
+    medians = anchors.take_turns({"hloserve": call("hloserve", 0.002), "ort": call("ort", 0.02)}, repeats=2)
+    turn = anchors.PRIMING + 1
+    assert anchors.PRIMING >= 1 and len(spans) == 2 * turn * (anchors.WARMUP + 2)
+    runtimes = [runtime for runtime, _, _ in spans]
+    assert runtimes[: 2 * turn] == ["hloserve"] * turn + ["ort"] * turn
+    for k in range(0, len(spans), turn):  # a turn is one runtime's calls
+        assert len(set(runtimes[k : k + turn])) == 1
+    assert 2 <= medians["hloserve"] < medians["ort"] and medians["ort"] >= 20, medians
