@@ -318,7 +318,7 @@ def export_bundle(
     scratch (XLA's planned temporary memory) logged; a module whose scratch exceeds
     `max_scratch_ratio` times its weights, inputs and outputs is refused (None: never). With
     `tune` (the default), the largest batch size's module is then timed with XLA's defaults and
-    with each of `hloserve.export.tuning.CANDIDATES`' option sets; one that is clearly faster is
+    with each of `hloserve.export.tuning.platform_candidates`' option sets; one clearly faster is
     written to the manifest (`xla_options`), which the server compiles with, and the times to
     `provenance.xla_tuning`.
 
