@@ -61,9 +61,10 @@ MAX_ROUNDS = 25
 PRIMING = 1
 """Untimed calls of a runtime before its timed one in each turn. Timed right after another
 runtime, a call paid for what that one left behind: MobileNetV3-Large at batch 4 on 2 cores ran
-in 34.0 ms in hloserve right after ONNX Runtime (whose threads spin on after a call returns)
-and 29.9 ms still after a 50 ms pause (its caches refilled), against 18.7 ms back to back; ONNX
-Runtime took 18.0 ms right after torch eager against 11.6 back to back."""
+in hloserve in 34.0 ms right after ONNX Runtime (whose threads spin on after a call returns)
+against 22.1 ms back to back, and in another process 28.7 ms after ONNX Runtime and a 50 ms
+pause (its caches refilled) against 18.7; ONNX Runtime took 18.0 ms right after torch eager
+against 11.6 back to back."""
 THREADS = (1, 2)
 BATCHES = (1, 4)
 RUNTIMES = ("hloserve", "eager", "compile", "ort")
