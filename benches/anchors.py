@@ -26,11 +26,11 @@ They take turns (`WARMUP` untimed rounds, then at least `REPEATS`; medians), so 
 elsewhere on the machine weighs on all alike; in each turn a runtime is called twice and the
 second call is timed, so that what the runtime before it left behind (threads still spinning on
 the cores, caches filled with its own weights) weighs on no timed call: each runtime is timed as
-a server that runs that model request after request. XLA:CPU sizes its thread pool
-by the cores a process may use, which is why each thread count is its own process. The ratios are hloserve's
-time over each anchor's: above 1, hloserve is slower. Export and first-load compile seconds are
-reported per model (a cached export reports the seconds the zoo recorded when it made it, "-"
-where it recorded none). A cached export whose tuning ran while other processes kept the cores
+a server that runs that model request after request. XLA:CPU sizes its thread pool by the
+cores a process may use, which is why each thread count is its own process. The ratios are
+hloserve's time over each anchor's: above 1, hloserve is slower. Export and first-load compile
+seconds are reported per model (a cached export reports the seconds the zoo recorded when it
+made it, "-" where it recorded none). A cached export whose tuning ran while other processes kept the cores
 busy (`provenance.xla_tuning.others_cpu_share` above `hloserve.export.tuning.BUSY_SHARE`: the zoo's
 tests export two at a time) is exported again first, alone, so the options it keeps are the ones
 an idle machine picks.

@@ -39,12 +39,13 @@ def test_avx512_s_full_vector_width_is_tried_where_the_cpu_has_it(
     if flags is not None:
         cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
     monkeypatch.setattr(tuning, "_CPUINFO", cpuinfo)
-    base = tuning.CANDIDATES["cpu"]
-    wide = (tuning.WIDE_VECTORS, *({**options, **tuning.WIDE_VECTORS} for options in base))
-    expected = (*base, *wide) if flags and "avx512f" in flags.split() else base
-    assert tuning.platform_candidates("cpu") == expected
+    wide = {"xla_cpu_prefer_vector_width": 512}
+    assert tuning.CANDIDATES["cpu"] == (EIGEN_CONVOLUTIONS,)
+    expected = (EIGEN_CONVOLUTIONS, wide, {**EIGEN_CONVOLUTIONS, **wide})
+    has_avx512 = flags is not None and "avx512f" in flags.split()
+    assert tuning.platform_candidates("cpu") == (expected if has_avx512 else expected[:1])
     assert tuning.platform_candidates("cuda") == tuple(tuning.CANDIDATES.get("cuda", ()))
-    assert tuning.WIDE_VECTORS == {"xla_cpu_prefer_vector_width": 512}
+    assert tuning.WIDE_VECTORS == wide
 
 
 def test_the_wide_vector_option_compiles_and_computes_the_same(tmp_path: Path) -> None:

@@ -130,7 +130,7 @@ def platform_candidates(platform: str) -> tuple[_xla.XlaOptions, ...]:
     candidates = tuple(CANDIDATES.get(platform, ()))
     if platform != "cpu" or not _has_avx512():
         return candidates
-    return (*candidates, WIDE_VECTORS, *({**options, **WIDE_VECTORS} for options in candidates))
+    return _alone_and_with_each(WIDE_VECTORS, candidates)
 
 
 def _has_avx512() -> bool:
@@ -149,8 +149,14 @@ def candidates_with_native_kernels(
     (`hloserve.kernels`), the kernels alone and with each candidate."""
     if not _xla.native_kernels_apply(source):
         return tuple(candidates)
-    native = {_xla.NATIVE_KERNELS: True}
-    return (*candidates, native, *({**options, **native} for options in candidates))
+    return _alone_and_with_each({_xla.NATIVE_KERNELS: True}, candidates)
+
+
+def _alone_and_with_each(
+    added: _xla.XlaOptions, candidates: Sequence[_xla.XlaOptions]
+) -> tuple[_xla.XlaOptions, ...]:
+    """`candidates`, then `added` alone, then `added` with each of them."""
+    return (*candidates, added, *({**options, **added} for options in candidates))
 
 
 def choose(default_ms: float, measured: Sequence[tuple[_xla.XlaOptions, float | str]]) -> _xla.XlaOptions:
