@@ -22,18 +22,18 @@ batch 1 and 4, each of:
   worktree of that commit to fill it), so the row shows what a change of the exporter won with
   nothing else changed.
 
-They take turns (`WARMUP` untimed rounds, then at least `REPEATS`; medians), so load from
-elsewhere on the machine weighs on all alike; in each turn a runtime is called twice and the
-second call is timed, so that what the runtime before it left behind (threads still spinning on
-the cores, caches filled with its own weights) weighs on no timed call: each runtime is timed as
-a server that runs that model request after request. XLA:CPU sizes its thread pool by the
-cores a process may use, which is why each thread count is its own process. The ratios are
-hloserve's time over each anchor's: above 1, hloserve is slower. Export and first-load compile
-seconds are reported per model (a cached export reports the seconds the zoo recorded when it
-made it, "-" where it recorded none). A cached export whose tuning ran while other processes kept the cores
-busy (`provenance.xla_tuning.others_cpu_share` above `hloserve.export.tuning.BUSY_SHARE`: the zoo's
-tests export two at a time) is exported again first, alone, so the options it keeps are the ones
-an idle machine picks.
+They take turns (`WARMUP` untimed rounds, then at least `REPEATS`; medians), so load from elsewhere
+on the machine weighs on all alike; in each turn a runtime is called untimed for at least
+`PRIMING_S` (and `PRIMING` calls), then once timed, so that what the runtime before it left behind
+(threads still spinning on the cores, caches filled with its own weights) weighs on no timed call:
+each runtime is timed as a server that runs that model request after request. XLA:CPU sizes its
+thread pool by the cores a process may use, which is why each thread count is its own process. The
+ratios are hloserve's time over each anchor's: above 1, hloserve is slower. Export and first-load
+compile seconds are reported per model (a cached export reports the seconds the zoo recorded when
+it made it, "-" where it recorded none). A cached export whose tuning ran while other processes
+kept the cores busy (`provenance.xla_tuning.others_cpu_share` above
+`hloserve.export.tuning.BUSY_SHARE`: the zoo's tests export two at a time) is exported again first,
+alone, so the options it keeps are the ones an idle machine picks.
 """
 
 from __future__ import annotations
@@ -59,12 +59,19 @@ MAX_ROUNDS = 25
 """Rounds go on past `WARMUP + REPEATS` while hloserve's timed calls add up to under `BUDGET_S`
 (at most `MAX_ROUNDS`): small models get more samples for little time."""
 PRIMING = 1
-"""Untimed calls of a runtime before its timed one in each turn. Timed right after another
-runtime, a call paid for what that one left behind: MobileNetV3-Large at batch 4 on 2 cores ran
-in hloserve in 34.0 ms right after ONNX Runtime (whose threads spin on after a call returns)
-against 22.1 ms back to back, and in another process 28.7 ms after ONNX Runtime and a 50 ms
-pause (its caches refilled) against 18.7; ONNX Runtime took 18.0 ms right after torch eager
+"""Untimed calls of a runtime before its timed one in each turn, at the least. Timed right after
+another runtime, a call paid for what that one left behind: MobileNetV3-Large at batch 4 on 2
+cores ran in hloserve in 34.0 ms right after ONNX Runtime (whose threads spin on after a call
+returns) against 22.1 ms back to back, and in another process 28.7 ms after ONNX Runtime and a
+50 ms pause (its caches refilled) against 18.7; ONNX Runtime took 18.0 ms right after torch eager
 against 11.6 back to back."""
+PRIMING_S = 0.2
+"""Seconds of untimed calls of a runtime before its timed one in each turn, at the least: one
+call was not enough. After one call of ONNX Runtime, hloserve's calls of MobileNetV3-Large on 2
+cores ran slower for 60 ms at batch 4 (29.8, 29.7, then 19-21 ms) and for about 100 ms at batch 1
+(10-12, then 8-9 ms); with one priming call its batch-4 median was 32.4 ms against 22.0 in blocks
+of its own calls, and 21.9 with ONNX Runtime's spinning turned off (medians of 12-15 in one
+process each)."""
 THREADS = (1, 2)
 BATCHES = (1, 4)
 RUNTIMES = ("hloserve", "eager", "compile", "ort")
@@ -347,14 +354,17 @@ def _time_batch(
 
 def take_turns(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
     """Median ms per call of each of `calls`, called in turn round after round, each turn
-    `PRIMING` untimed calls then a timed one: `WARMUP` untimed rounds, then at least `repeats`
-    timed ones, more while hloserve's add up to under `BUDGET_S`."""
+    untimed calls for `PRIMING_S` (at least `PRIMING` of them) then a timed one: `WARMUP` untimed
+    rounds, then at least `repeats` timed ones, more while hloserve's add up to under `BUDGET_S`."""
     times: dict[str, list[float]] = {runtime: [] for runtime in calls}
     k = 0
     while k < WARMUP + repeats or (k < MAX_ROUNDS and sum(times["hloserve"]) < BUDGET_S):
         for runtime, call in calls.items():
-            for _ in range(PRIMING):
+            turn = time.perf_counter()
+            primed = 0
+            while primed < PRIMING or time.perf_counter() - turn < PRIMING_S:
                 call()
+                primed += 1
             started = time.perf_counter()
             call()
             if k >= WARMUP:
